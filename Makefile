@@ -1,0 +1,28 @@
+# Two entry points: `make run` (main job on the built-in default model) and `make test`.
+# Both create .venv in the repo root on first use and install the project into it
+# with a pinned CPU build of torch.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: run test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pipserve generate
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pipeserve tests
+	$(VENV)/bin/mypy pipeserve
+
+clean:
+	rm -rf $(VENV) build *.egg-info

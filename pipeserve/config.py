@@ -1,0 +1,164 @@
+"""Engine configuration: one frozen dataclass per area, gathered into `EngineConfig`.
+
+Every field is a user flag: the CLI flag `--foo-bar` and the `Engine(foo_bar=...)` keyword
+are both derived from the field `foo_bar`, its default and its help text. Values that
+follow from others are properties; nothing writes to a config after it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeserve import envs
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _flag(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str | None = _flag(
+        None, "Hugging Face checkpoint directory; default: the built-in preset (made once, cached)"
+    )
+    dtype: str = _flag(
+        "bfloat16", "weight and activation dtype ('auto' = the checkpoint's)", choices=DTYPES
+    )
+    context_length: int | None = _flag(
+        None, "maximum tokens per request (prompt + output); default: the model's"
+    )
+    device: str = _flag("auto", "'cpu', 'cuda' or 'auto' (cuda when available)")
+    seed: int = _flag(0, "seed of the sampler for requests without their own seed")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = _flag(1, "tokens per KV page (a power of two)")
+    max_total_tokens: int | None = _flag(
+        None, "KV pool size in tokens; default: from --mem-fraction-static"
+    )
+    mem_fraction_static: float = _flag(
+        0.5,
+        "share of device memory for weights + KV cache (CPU: of RAM, split among local workers)",
+    )
+    disable_radix_cache: bool = _flag(False, "do not share KV of common prefixes")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    chunked_prefill_size: int = _flag(
+        2048, "max prompt tokens per request per forward (-1: no chunking)"
+    )
+    max_prefill_tokens: int = _flag(16384, "token budget of one prefill batch")
+    max_running_requests: int = _flag(128, "max requests holding KV at once")
+    enable_mixed_chunk: bool = _flag(False, "run decode steps in the same batch as a prefill chunk")
+    enable_dynamic_chunking: bool = _flag(False, "size chunks so each costs the same time")
+    dynamic_chunking_smooth_factor: float | None = _flag(
+        None, "0 = fixed chunks .. 1 = follow the cost model (env default 0.75)"
+    )
+    disable_overlap_schedule: bool = _flag(False, "run the plain loop (no CPU/device overlap)")
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+    @property
+    def smooth_factor(self) -> float:
+        if self.dynamic_chunking_smooth_factor is not None:
+            return self.dynamic_chunking_smooth_factor
+        return envs.dynamic_chunking_smooth_factor()
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = _flag(1, "tensor parallel size")
+    pp_size: int = _flag(1, "pipeline parallel size")
+    pp_layer_partition: str | None = _flag(
+        None, "layers per stage, e.g. '15,15,15,16' or 'auto' (env PIPESERVE_PP_LAYER_PARTITION)"
+    )
+    threads_per_worker: int | None = _flag(None, "torch threads per worker (default: cores/workers)")
+    nnodes: int = _flag(1, "number of nodes")
+    node_rank: int = _flag(0, "rank of this node")
+    dist_init_addr: str | None = _flag(None, "host:port of node 0 for multi-node launch")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def layer_partition(self) -> str | None:
+        return self.pp_layer_partition or envs.pp_layer_partition()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_flags(cls, **flags: Any) -> EngineConfig:
+        """Route flat keyword flags (as the CLI and `Engine(**flags)` use) to their areas."""
+        unknown = set(flags) - set(FLAG_AREAS)
+        if unknown:
+            raise TypeError(f"unknown engine flag(s): {', '.join(sorted(unknown))}")
+        parts: dict[str, dict[str, Any]] = {}
+        for name, value in flags.items():
+            parts.setdefault(FLAG_AREAS[name], {})[name] = value
+        areas = {f.name: f.type for f in dataclasses.fields(cls)}
+        built = {area: AREA_TYPES[area](**kw) for area, kw in parts.items() if area in areas}
+        config = cls(**built)
+        validate(config)
+        return config
+
+    def flags(self) -> dict[str, Any]:
+        """The flat flag dict this config was built from (for handing to worker processes)."""
+        return {
+            f.name: getattr(getattr(self, area), f.name)
+            for area, kind in AREA_TYPES.items()
+            for f in dataclasses.fields(kind)
+        }
+
+
+AREA_TYPES: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
+FLAG_AREAS: dict[str, str] = {
+    f.name: area for area, kind in AREA_TYPES.items() for f in dataclasses.fields(kind)
+}
+
+
+def validate(config: EngineConfig) -> None:
+    """Reject inconsistent settings with a message that says what to change."""
+    m, c, s, p = config.model, config.cache, config.scheduler, config.parallel
+    checks = [
+        (m.dtype in DTYPES, f"--dtype {m.dtype!r} is not one of {', '.join(DTYPES)}"),
+        (c.page_size > 0 and c.page_size & (c.page_size - 1) == 0,
+         f"--page-size {c.page_size} must be a power of two"),
+        (0 < c.mem_fraction_static <= 1,
+         f"--mem-fraction-static {c.mem_fraction_static} must be in (0, 1]"),
+        (c.max_total_tokens is None or c.max_total_tokens > 0,
+         f"--max-total-tokens {c.max_total_tokens} must be positive"),
+        (s.chunked_prefill_size != 0, "--chunked-prefill-size 0 is invalid (use -1 to disable)"),
+        (s.max_running_requests > 0, "--max-running-requests must be positive"),
+        (s.max_prefill_tokens > 0, "--max-prefill-tokens must be positive"),
+        (0.0 <= s.smooth_factor <= 1.0,
+         f"dynamic chunking smooth factor {s.smooth_factor} must be in [0, 1]"),
+        (p.tp_size > 0 and p.pp_size > 0, "--tp-size and --pp-size must be positive"),
+        (p.nnodes > 0 and 0 <= p.node_rank < p.nnodes,
+         f"--node-rank {p.node_rank} must be in [0, --nnodes {p.nnodes})"),
+        (p.nnodes == 1 or p.dist_init_addr, "--nnodes > 1 needs --dist-init-addr host:port"),
+        (p.world_size % p.nnodes == 0,
+         f"--tp-size * --pp-size = {p.world_size} must be divisible by --nnodes {p.nnodes}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

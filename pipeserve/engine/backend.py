@@ -1,0 +1,69 @@
+"""Where requests are executed. The in-process backend runs scheduler and model in the
+caller's process (one device); the multi-process backend drives worker processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from pipeserve.config import EngineConfig
+from pipeserve.engine.loop import PlainLoop
+from pipeserve.models.arch import ArchConfig
+from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
+from pipeserve.scheduler.kv_manager import KVManager
+from pipeserve.scheduler.request import Req
+from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+from pipeserve.tokenizer import Tokenizer
+
+
+class Backend(Protocol):
+    def submit(self, req: Req) -> None: ...
+    def abort(self, rid: str) -> None: ...
+    def step(self) -> list[RequestUpdate]: ...
+    def stats(self) -> dict[str, float]: ...
+    def shutdown(self) -> None: ...
+
+
+def build_scheduler(config: EngineConfig, arch: ArchConfig, tokenizer: Tokenizer,
+                    num_pages: int, context_len: int) -> Scheduler:
+    kv = KVManager(num_pages, config.cache.page_size, config.cache.disable_radix_cache)
+    eos = tuple(sorted(set(arch.eos_token_ids) | set(tokenizer.eos_token_ids)))
+    return Scheduler(config.scheduler, kv, context_len, eos, detokenize=tokenizer.decode)
+
+
+class InProcessBackend:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
+                 tokenizer: Tokenizer, context_len: int) -> None:
+        num_pages = kv_pool_pages(config, arch, local_workers=1)
+        self.runner = ModelRunner(config, arch, model_path, num_pages)
+        self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
+        self.loop = PlainLoop(self.scheduler, self.runner)
+        self._aborted: list[RequestUpdate] = []
+
+    def submit(self, req: Req) -> None:
+        self.scheduler.add_request(req)
+
+    def abort(self, rid: str) -> None:
+        update = self.scheduler.abort(rid)
+        if update is not None:
+            self._aborted.append(update)
+
+    def step(self) -> list[RequestUpdate]:
+        updates, self._aborted = self._aborted, []
+        return updates + self.loop.step()
+
+    def stats(self) -> dict[str, float]:
+        kv = self.scheduler.kv
+        return {
+            "kv_pages_total": kv.allocator.capacity,
+            "kv_pages_free": kv.allocator.num_free,
+            "kv_pages_cached": kv.tree.cached_pages() if kv.tree else 0,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_retracted": self.scheduler.decode.num_retracted,
+            "prefix_hit_tokens": kv.hit_tokens,
+            "prefix_lookup_tokens": kv.lookup_tokens,
+        }
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,166 @@
+"""The offline API: `Engine(model_path, **flags).generate(...)`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeserve.config import EngineConfig
+from pipeserve.engine.backend import Backend, InProcessBackend
+from pipeserve.models.arch import ArchConfig
+from pipeserve.models.presets import DEFAULT_PRESET, preset_path
+from pipeserve.scheduler.request import Req, SamplingParams
+from pipeserve.scheduler.scheduler import RequestUpdate
+from pipeserve.tokenizer import Tokenizer
+
+
+@dataclass
+class _Pending:
+    req: Req
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    cached_tokens: int = 0
+    ttft: float | None = None
+    chunk_sizes: list[int] = field(default_factory=list)
+
+    def apply(self, u: RequestUpdate) -> None:
+        self.output_ids += u.new_token_ids
+        self.output_logprobs += u.new_logprobs
+        if u.ttft is not None:
+            self.ttft, self.cached_tokens = u.ttft, u.cached_tokens
+        if u.prompt_logprobs is not None:
+            self.prompt_logprobs = u.prompt_logprobs
+        if u.finish_reason is not None:
+            self.finish_reason, self.matched_stop = u.finish_reason, u.matched_stop
+            self.chunk_sizes = u.chunk_sizes or []
+
+
+def resolve_model_path(model_path: str | None) -> Path:
+    if model_path is None:
+        return preset_path(DEFAULT_PRESET)
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json); "
+            "make one with `pipeserve make-model --preset NAME --out DIR`"
+        )
+    return path
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **flags: Any) -> None:
+        self.config = EngineConfig.from_flags(model_path=model_path, **flags)
+        self.model_path = resolve_model_path(self.config.model.model_path)
+        self.arch = ArchConfig.load(self.model_path)
+        self.tokenizer = Tokenizer(self.model_path)
+        self.context_len = self.config.model.context_length or self.arch.max_position_embeddings
+        self.backend: Backend = InProcessBackend(
+            self.config, self.arch, self.model_path, self.tokenizer, self.context_len
+        )
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        return_logprob: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts)."""
+        single, token_lists = self._inputs(prompt, input_ids)
+        params = self._sampling(sampling_params, len(token_lists))
+        reqs = [Req(uuid.uuid4().hex, ids, sp, return_logprob)
+                for ids, sp in zip(token_lists, params, strict=True)]
+        for req in reqs:
+            self.validate(req)
+        outputs = self.run(reqs)
+        return outputs[0] if single else outputs
+
+    def run(self, reqs: list[Req]) -> list[dict[str, Any]]:
+        """Submit requests and step until all have finished."""
+        pending = {r.rid: _Pending(r) for r in reqs}
+        for req in reqs:
+            req.arrival_time = time.perf_counter()
+            self.backend.submit(req)
+        left = len(reqs)
+        while left:
+            for u in self.backend.step():
+                p = pending.get(u.rid)
+                if p is None:
+                    continue
+                p.apply(u)
+                left -= u.finish_reason is not None
+        return [self._result(pending[r.rid]) for r in reqs]
+
+    def validate(self, req: Req) -> None:
+        vocab = self.arch.vocab_size
+        bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(req.input_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(req.input_ids) + req.sampling.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+                f"({req.sampling.max_new_tokens}) exceeds the context length {self.context_len}"
+            )
+
+    def _inputs(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a list of strings")
+            return single, [self.tokenizer.encode(t) for t in texts]
+        single = not input_ids or isinstance(input_ids[0], int)
+        lists = [input_ids] if single else input_ids
+        if not all(isinstance(t, int) for ids in lists for t in ids):
+            raise ValueError("input_ids must be a list of token ids or a list of such lists")
+        return single, [list(ids) for ids in lists]
+
+    @staticmethod
+    def _sampling(params: Any, n: int) -> list[SamplingParams]:
+        if isinstance(params, list):
+            if len(params) != n:
+                raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+            return [SamplingParams.from_dict(p) for p in params]
+        return [SamplingParams.from_dict(params)] * n
+
+    def _result(self, p: _Pending) -> dict[str, Any]:
+        text = self.tokenizer.decode(p.output_ids)
+        if isinstance(p.matched_stop, str) and p.matched_stop in text:
+            text = text[: text.index(p.matched_stop)]
+        out: dict[str, Any] = {
+            "text": text,
+            "output_ids": p.output_ids,
+            "meta_info": {
+                "id": p.req.rid,
+                "prompt_tokens": len(p.req.input_ids),
+                "completion_tokens": len(p.output_ids),
+                "cached_tokens": p.cached_tokens,
+                "finish_reason": p.finish_reason,
+                "matched_stop": p.matched_stop,
+                "ttft_s": p.ttft,
+                "chunk_sizes": p.chunk_sizes,
+            },
+        }
+        if p.req.return_logprob:
+            out["prompt_logprobs"] = p.prompt_logprobs
+            out["output_logprobs"] = p.output_logprobs
+        return out

@@ -1,0 +1,21 @@
+"""The plain event loop: schedule -> forward (wait) -> process results."""
+
+from __future__ import annotations
+
+from pipeserve.runner.model_runner import ModelRunner
+from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+
+
+class PlainLoop:
+    name = "plain"
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+        self.scheduler, self.runner = scheduler, runner
+
+    def step(self) -> list[RequestUpdate]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        _, _, result = self.runner.forward(batch)
+        assert result is not None
+        return self.scheduler.process_result(batch, result)

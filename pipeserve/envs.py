@@ -1,0 +1,41 @@
+"""Environment variables, read in one typed place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+def _bool(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def dynamic_chunking_smooth_factor() -> float:
+    """PIPESERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR: default smoothing factor (0.75)."""
+    return _float("PIPESERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR", 0.75)
+
+
+def pp_layer_partition() -> str | None:
+    """PIPESERVE_PP_LAYER_PARTITION: layers per stage when --pp-layer-partition is not given."""
+    return os.environ.get("PIPESERVE_PP_LAYER_PARTITION") or None
+
+
+def disable_consecutive_prefill_overlap() -> bool:
+    """PIPESERVE_DISABLE_CONSECUTIVE_PREFILL_OVERLAP: favour TTFT between prefill batches."""
+    return _bool("PIPESERVE_DISABLE_CONSECUTIVE_PREFILL_OVERLAP")
+
+
+def cache_dir() -> Path:
+    """PIPESERVE_CACHE_DIR: where built-in preset checkpoints are made once and kept."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pipeserve"
+    return Path(os.environ.get("PIPESERVE_CACHE_DIR", default))

@@ -1,0 +1,53 @@
+"""Vocabulary-parallel embedding and LM head: each TP rank owns a contiguous block of the
+(padded) vocabulary."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeserve.distributed.communication import tp_all_gather, tp_all_reduce
+from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
+
+from pipeserve.model_loader import copy_into
+
+if TYPE_CHECKING:
+    from pipeserve.model_loader import LazyTensor
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        tp, rank = get_tp_size(), get_tp_rank()
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp)  # ceil: the last rank's block may be padded
+        self.start = rank * self.per_rank
+        self.end = min(self.start + self.per_rank, vocab_size)
+        self.tp_size = tp
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+        rows = self.end - self.start
+        copy_into(param.data[:rows], loaded.narrow(0, self.start, rows))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = (ids >= self.start) & (ids < self.end)
+        out = F.embedding(torch.where(local, ids - self.start, 0), self.weight)
+        out.masked_fill_(~local.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits over the full vocabulary (gathered from the TP ranks)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [tokens, hidden] -> [tokens, vocab]
+        out = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            out = tp_all_gather(out, dim=-1)
+        return out[:, : self.vocab_size]

@@ -1,0 +1,60 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p; a private generator per seeded
+request, so its tokens do not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeserve.scheduler.request import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.shared = torch.Generator(device=device).manual_seed(seed)
+        self.per_request: dict[str, torch.Generator] = {}
+
+    def release(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.per_request.pop(rid, None)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], rids: list[str]) -> torch.Tensor:
+        """logits [rows, vocab] float32 -> token ids [rows]."""
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return tokens
+        probs = self._filtered_probs(logits[rows], [params[i] for i in rows])
+        shared = [j for j, i in enumerate(rows) if params[i].seed is None]
+        if shared:
+            picked = torch.multinomial(probs[shared], 1, generator=self.shared).squeeze(1)
+            tokens[[rows[j] for j in shared]] = picked
+        for j, i in enumerate(rows):
+            seed = params[i].seed
+            if seed is not None:
+                gen = self._generator(rids[i], seed)
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        return tokens
+
+    def _generator(self, rid: str, seed: int) -> torch.Generator:
+        if rid not in self.per_request:
+            self.per_request[rid] = torch.Generator(device=self.device).manual_seed(seed)
+        return self.per_request[rid]
+
+    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, then the top-k / top-p / min-p cuts, over tokens sorted by probability;
+        the most likely token always survives."""
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=logits.device)[:, None]
+
+        vocab = logits.shape[-1]
+        temperature = column([p.temperature for p in params])
+        probs = torch.softmax(logits / temperature, dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        top_k = column([p.top_k if p.top_k > 0 else vocab for p in params])
+        drop = rank >= top_k
+        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > column([p.top_p for p in params])
+        drop |= sorted_p < sorted_p[:, :1] * column([p.min_p for p in params])
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_p)

@@ -1,0 +1,152 @@
+"""Radix tree over token ids whose values are KV pages: requests that share a prompt prefix
+share its KV. Pure Python, no tensors.
+
+Invariants: every node's key is a whole number of pages; a node with `lock_ref > 0` (a
+running request depends on it, or an ancestor of such a node) is never evicted; only
+unlocked leaves are evicted, least recently used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+
+class Node:
+    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], pages: list[int], parent: Node | None) -> None:
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.parent = parent
+        self.key = key
+        self.pages = pages
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __lt__(self, other: Node) -> bool:
+        return self.last_access < other.last_access
+
+
+class RadixCache:
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+        self.page_size = page_size
+        self._free_pages = free_pages
+        self._clock = itertools.count(1)
+        self.root = Node([], [], None)
+        self.root.lock_ref = 1
+        self.evictable_pages = 0  # pages in nodes nobody holds
+        self.protected_pages = 0  # pages in nodes some request holds
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
+        """Longest cached page-aligned prefix of `tokens`: its pages and the node where it
+        ends (split so that the node ends exactly there)."""
+        node, pages, i = self.root, [], 0
+        tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
+        while i < len(tokens):
+            child = node.children.get(self._child_key(tokens, i))
+            if child is None:
+                break
+            n = self._match_len(child.key, tokens, i)
+            partial = n < len(child.key)
+            if partial:
+                child = self._split(child, n)
+            child.last_access = next(self._clock)
+            pages.extend(child.pages)
+            node, i = child, i + n
+            if partial:
+                break
+        return pages, node
+
+    def insert(self, tokens: list[int], pages: list[int]) -> int:
+        """Cache `pages` as the KV of `tokens` (page-aligned). Returns how many leading pages
+        the tree already had: those of the caller's pages are duplicates it must free; the
+        rest now belong to the tree."""
+        assert len(tokens) == len(pages) * self.page_size
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(self._child_key(tokens, i))
+            if child is None:
+                self._add_leaf(node, tokens[i:], pages[i // self.page_size :])
+                return i // self.page_size
+            n = self._match_len(child.key, tokens, i)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = next(self._clock)
+            node, i = child, i + n
+        return len(pages)
+
+    def lock(self, node: Node) -> None:
+        """A request now depends on the path root..node."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix node unlocked more often than locked"
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+                self.protected_pages -= len(node.pages)
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages from unlocked leaves, least recently used first
+        (fewer if not enough are evictable). Returns the number freed."""
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            leaf = heapq.heappop(heap)
+            self._free_pages(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._child_key(leaf.key, 0)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def cached_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages
+
+    def _child_key(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i : i + self.page_size])
+
+    def _match_len(self, key: list[int], tokens: list[int], start: int) -> int:
+        n = min(len(key), len(tokens) - start)
+        if key[:n] != tokens[start : start + n]:
+            n = next(j for j in range(n) if key[j] != tokens[start + j])
+        return n - n % self.page_size
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Cut `child` after its first n tokens; returns the new upper node."""
+        parent = child.parent
+        assert parent is not None
+        upper = Node(child.key[:n], child.pages[: n // self.page_size], parent)
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        child.key, child.pages = child.key[n:], child.pages[n // self.page_size :]
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        parent.children[self._child_key(upper.key, 0)] = upper
+        return upper
+
+    def _add_leaf(self, parent: Node, key: list[int], pages: list[int]) -> None:
+        leaf = Node(list(key), list(pages), parent)
+        leaf.last_access = next(self._clock)
+        parent.children[self._child_key(key, 0)] = leaf
+        self.evictable_pages += len(pages)
+
+    def _nodes(self) -> list[Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root:
+                out.append(node)
+        return out

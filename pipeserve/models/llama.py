@@ -1,0 +1,153 @@
+"""Llama: pre-norm decoder with RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP.
+
+The Qwen family differs in small ways expressed by subclasses (qkv bias, per-head q/k norm,
+routed experts). Module and parameter names follow the Hugging Face checkpoints. A pipeline
+stage builds only its own layers (the others stay empty placeholders); TP sharding is inside
+the parallel layer classes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
+from pipeserve.layers.activation import silu_and_mul
+from pipeserve.layers.attention import PagedAttention
+from pipeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pipeserve.layers.layernorm import RMSNorm
+from pipeserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pipeserve.models.arch import ArchConfig
+from pipeserve.runner.forward_batch import ForwardBatch
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.qkv_bias, dtype
+        )
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, dtype)
+        self.attn = PagedAttention(layer_id, heads, kv_heads, d)
+        self.split = [heads * d, kv_heads * d, kv_heads * d]
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k  # Llama has none; Qwen3 normalises each head
+
+    def forward(self, x: torch.Tensor, rope: Rope, fb: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(n, self.heads, self.head_dim)  # [tokens, heads, d]
+        k = k.view(n, self.kv_heads, self.head_dim)
+        q, k = self.qk_norm(q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        o = self.attn(q, k, v, fb.kv_pool, fb.out_slots, fb.plans)
+        return self.o_proj(o)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = attn, mlp
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, rope, fb)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention
+    # (our parameter fragment, checkpoint fragment, shard id)
+    stacked_params = [
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch, self.dtype = arch, dtype
+        self.layer_ids = stage_layers(arch.num_layers)
+        self.first, self.last = is_first_stage(), is_last_stage()
+        self.model = nn.Module()
+        if self.first:
+            self.model.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype)
+        self.model.layers = nn.ModuleList(
+            self.make_layer(i) if i in self.layer_ids else nn.Identity()
+            for i in range(arch.num_layers)
+        )
+        if self.last:
+            self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype)
+            if arch.tie_word_embeddings and self.first:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+
+    def make_layer(self, layer_id: int) -> nn.Module:
+        a = self.arch
+        attn = self.attention_class(a, layer_id, self.dtype)
+        return LlamaDecoderLayer(attn, self.make_mlp(layer_id), a.hidden_size, a.rms_norm_eps,
+                                 self.dtype)
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        return LlamaMLP(self.arch.hidden_size, self.arch.intermediate_size, self.dtype)
+
+    def forward(
+        self, fb: ForwardBatch, hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """First stage: embeds fb.input_ids. Last stage: returns final-normed hidden states.
+        Other stages pass (hidden, residual) on to the next one."""
+        if self.first:
+            hidden, residual = self.model.embed_tokens(fb.input_ids), None
+        assert hidden is not None
+        rope = self.rotary.cos_sin(fb.positions, self.dtype)
+        for i in self.layer_ids:
+            hidden, residual = self.model.layers[i](hidden, residual, rope, fb)
+        if self.last:
+            hidden = self.model.norm(hidden if residual is None else hidden + residual)
+            residual = None
+        return hidden, residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] float32 logits."""
+        return self.lm_head.logits(hidden).float()
+
+    def checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:
+        """The checkpoint tensors (and shard ids) that make up one of our parameters."""
+        if param_name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return [("model.embed_tokens.weight", None)]
+        fused = next((o for o, _, _ in self.stacked_params if f".{o}." in param_name), None)
+        if fused is None:
+            return [(param_name, None)]
+        return [
+            (param_name.replace(fused, ckpt), sid)
+            for ours, ckpt, sid in self.stacked_params
+            if ours == fused
+        ]

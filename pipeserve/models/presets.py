@@ -1,0 +1,235 @@
+"""Built-in models: ordinary Hugging Face checkpoints with deterministic random weights.
+
+`pipeserve make-model --preset NAME --out DIR` writes config.json, safetensors (sharded with
+an index when large), tokenizer.json and tokenizer_config.json. Tiny presets cover every
+supported architecture for tests; `bench` is sized so long-prompt prefill is compute-bound;
+the others copy the configs of released models so real shapes are exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pipeserve import envs
+from pipeserve.models.arch import ArchConfig
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+DEFAULT_PRESET = "bench"
+
+
+def _tiny(arch: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "architectures": [arch], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "_init_std": 0.2, **extra,
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": _tiny(
+        "LlamaForCausalLM", model_type="llama",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    ),
+    "tiny-qwen2": _tiny("Qwen2ForCausalLM", model_type="qwen2", num_key_value_heads=1),
+    "tiny-qwen3": _tiny("Qwen3ForCausalLM", model_type="qwen3", tie_word_embeddings=True,
+                        attention_bias=False),
+    "tiny-qwen3-moe": _tiny(
+        "Qwen3MoeForCausalLM", model_type="qwen3_moe", attention_bias=False, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1],
+    ),
+    # ~57M parameters, 8 layers, GQA 12:4: long prompts are compute-bound on a CPU core.
+    "bench": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 768,
+        "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
+        "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 8192,
+        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True, "attention_bias": False, "torch_dtype": "bfloat16",
+        "_init_std": 0.02,
+    },
+    "bench-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
+        "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 8192, "num_experts": 16,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 512, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "attention_bias": False, "torch_dtype": "bfloat16", "_init_std": 0.02,
+    },
+    # Shapes of released models (random weights).
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True, "attention_bias": False, "torch_dtype": "bfloat16",
+        "_init_std": 0.02,
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "_init_std": 0.02,
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": "bfloat16", "_init_std": 0.02,
+    },
+}
+
+
+def preset_path(name: str) -> Path:
+    """The cached checkpoint of a preset, made on first use."""
+    path = envs.cache_dir() / "models" / name
+    if not (path / "config.json").is_file():
+        make_model(name, path)
+    return path
+
+
+def make_model(preset: str, out: str | Path, seed: int = 0, shard_size_mb: int = 2048,
+               overrides: dict[str, Any] | None = None) -> Path:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    spec = {**PRESETS[preset], **(overrides or {})}
+    std = spec.pop("_init_std")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec["vocab_size"])
+    eos, im_end = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>")
+    config = {**spec, "eos_token_id": [im_end, eos], "bos_token_id": None}
+    arch = ArchConfig.from_dict(config)
+    _save_weights(random_weights(arch, std, seed), out, shard_size_mb)
+    tmp = out / "tokenizer.json.tmp"
+    tokenizer.save(str(tmp))
+    tmp.replace(out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "chat_template": None, "model_max_length": spec["max_position_embeddings"],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eos]}))
+    (out / "config.json").write_text(json.dumps(config, indent=2))  # last: marks completion
+    return out
+
+
+def random_weights(arch: ArchConfig, std: float, seed: int) -> dict[str, torch.Tensor]:
+    """Hugging Face tensor names and shapes of `arch`, filled deterministically."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    def norm_weight(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
+
+    h, q, kv = arch.hidden_size, arch.q_size, arch.kv_size
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(arch.vocab_size, h)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            w[p + f"self_attn.{name}.weight"] = normal(rows, h)
+            if arch.qkv_bias:
+                w[p + f"self_attn.{name}.bias"] = normal(rows)
+        w[p + "self_attn.o_proj.weight"] = normal(h, q)
+        if arch.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = norm_weight(arch.head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm_weight(arch.head_dim)
+        w[p + "input_layernorm.weight"] = norm_weight(h)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(h)
+        if arch.is_moe_layer(i):
+            w[p + "mlp.gate.weight"] = normal(arch.num_experts, h)
+            for e in range(arch.num_experts):
+                w.update(_mlp(f"{p}mlp.experts.{e}.", h, arch.moe_intermediate_size, normal))
+        else:
+            w.update(_mlp(p + "mlp.", h, arch.intermediate_size, normal))
+    w["model.norm.weight"] = norm_weight(h)
+    if not arch.tie_word_embeddings:
+        w["lm_head.weight"] = normal(arch.vocab_size, h)
+    return w
+
+
+def _mlp(prefix: str, h: int, inter: int, normal: Any) -> dict[str, torch.Tensor]:
+    return {
+        prefix + "gate_proj.weight": normal(inter, h),
+        prefix + "up_proj.weight": normal(inter, h),
+        prefix + "down_proj.weight": normal(h, inter),
+    }
+
+
+def _save_weights(weights: dict[str, torch.Tensor], out: Path, shard_size_mb: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, limit = 0, shard_size_mb * 2**20
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+             "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# -- tokenizer ----------------------------------------------------------------------------
+
+_SYLLABLES = ("ka ri to na me lo su ve pa di qu ze bo mi ra te so lu ne ha ki mo ya re fu "
+              "an el in on ur ost ing ter pro com ble").split()
+_EXTRA_WORDS = ("the of and to in is for on with that été über naïve façon 你好 世界 "
+                "こんにちは Привет 🙂 🚀 λ π ∑").split()
+
+
+def _corpus(num_words: int = 60000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = []
+    for _ in range(num_words):
+        if rng.random() < 0.15:
+            words.append(rng.choice(_EXTRA_WORDS))
+        else:
+            words.append("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))))
+    lines = [" ".join(words[i : i + 12]) + rng.choice([".", ",", "!", "?", ":"])
+             for i in range(0, len(words), 12)]
+    return lines
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (any text is encodable; a multi-byte character may span tokens) trained
+    on a fixed synthetic corpus up to min(vocab_size, 8192) tokens; special tokens come last."""
+    target = min(vocab_size, 8192) - len(SPECIAL_TOKENS)
+    if target < 256:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (>= 259)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=target, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False, special_tokens=[],
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok

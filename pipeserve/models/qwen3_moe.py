@@ -1,0 +1,48 @@
+"""Qwen3-MoE: Qwen3 whose MLP is, on sparse layers, a set of routed experts: a linear
+router, softmax over experts, the top k kept (renormalised if `norm_topk_prob`), and the
+output the routing-weighted sum of those experts' SwiGLU MLPs. Layers listed in
+`mlp_only_layers`, or off the `decoder_sparse_step` grid, keep a dense MLP."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from pipeserve.layers.linear import ReplicatedLinear
+from pipeserve.layers.moe import FusedMoE, select_experts
+from pipeserve.models.arch import ArchConfig
+from pipeserve.models.llama import LlamaMLP
+from pipeserve.models.qwen3 import Qwen3ForCausalLM
+
+
+class Qwen3MoeSparseBlock(nn.Module):
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
+        self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts, False, dtype)
+        self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, weights, ids)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        if self.arch.is_moe_layer(layer_id):
+            return Qwen3MoeSparseBlock(self.arch, self.dtype)
+        return LlamaMLP(self.arch.hidden_size, self.arch.intermediate_size, self.dtype)
+
+    def checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(w13|w2)", param_name)
+        if m is None:
+            return super().checkpoint_names(param_name)
+        prefix, which = m.groups()
+        parts = [("gate_proj", 0), ("up_proj", 1)] if which == "w13" else [("down_proj", 2)]
+        return [
+            (f"{prefix}.{e}.{name}.weight", (e, part))
+            for e in range(self.arch.num_experts)
+            for name, part in parts
+        ]

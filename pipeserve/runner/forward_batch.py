@@ -1,0 +1,61 @@
+"""A scheduled batch turned into tensors (the model runner's one `prepare` step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeserve.layers.attention import SegmentPlan, plan_segment
+from pipeserve.mem_cache.kv_pool import KVPool
+from pipeserve.scheduler.batch import Run, ScheduledBatch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [tokens]; negative = future-token placeholder
+    positions: torch.Tensor  # [tokens]
+    out_slots: torch.Tensor  # [tokens] KV slot each new token is written to
+    plans: list[SegmentPlan]  # attention reading plan per request
+    kv_pool: KVPool
+    sample_rows: torch.Tensor  # [samples] row of each sampling slice's last token
+    logprob_rows: torch.Tensor  # [n] rows whose prompt logprob is wanted
+    logprob_targets: torch.Tensor  # [n] the token whose logprob each of those rows gives
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def prepare(cls, batch: ScheduledBatch, pool: KVPool, device: torch.device) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        plans, sample_rows, lp_rows, lp_targets = [], [], [], []
+        for s in batch.slices:
+            row, n = len(ids), s.num_tokens
+            ids.extend(s.input_ids)
+            positions.extend(range(s.prefix_len, s.prefix_len + n))
+            slots.extend(_tail_slots(s.kv_runs, n))
+            plans.append(plan_segment(row, n, s.prefix_len, s.kv_runs, device))
+            if s.sample:
+                sample_rows.append(row + n - 1)
+            lp_rows.extend(range(row, row + len(s.logprob_targets)))
+            lp_targets.extend(s.logprob_targets)
+
+        def tensor(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return cls(tensor(ids), tensor(positions), tensor(slots), plans, pool,
+                   tensor(sample_rows), tensor(lp_rows), tensor(lp_targets))
+
+
+def _tail_slots(runs: list[Run], n: int) -> list[int]:
+    """Slots of the last n positions covered by `runs`."""
+    out: list[int] = []
+    for start, length in reversed(runs):
+        take = min(length, n - len(out))
+        out[:0] = range(start + length - take, start + length)
+        if len(out) == n:
+            break
+    return out

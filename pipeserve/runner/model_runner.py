@@ -1,0 +1,113 @@
+"""Runs the model on scheduled batches: prepare tensors, forward this stage's layers, and on
+the last stage compute logits, sample, and gather logprobs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from pipeserve.config import EngineConfig
+from pipeserve.device import resolve_device, resolve_dtype, total_memory
+from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
+from pipeserve.layers.sampler import Sampler
+from pipeserve.mem_cache.kv_pool import KVPool
+from pipeserve.model_loader import load_weights
+from pipeserve.models.arch import ArchConfig, param_count
+from pipeserve.models.registry import build_model
+from pipeserve.runner.forward_batch import ForwardBatch
+from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+
+LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)
+
+
+def kv_pool_pages(config: EngineConfig, arch: ArchConfig, local_workers: int) -> int:
+    """KV pool size in pages, the same on every stage and rank: from --max-total-tokens, or
+    the memory share left after this worker's weights, sized for the largest stage."""
+    page = config.cache.page_size
+    if config.cache.max_total_tokens is not None:
+        return config.cache.max_total_tokens // page + 1
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
+    p = config.parallel
+    budget = total_memory(device) * config.cache.mem_fraction_static / local_workers
+    weights = param_count(arch) * dtype.itemsize / p.world_size
+    stage_layers_max = math.ceil(arch.num_layers / p.pp_size)
+    kv_heads = max(arch.num_kv_heads // p.tp_size, 1)
+    per_token = KVPool.bytes_per_token(stage_layers_max, kv_heads, arch.head_dim, dtype)
+    tokens = int((budget - weights) // per_token)
+    if tokens < 4 * page:
+        raise ValueError(
+            f"no memory left for the KV cache ({budget / 2**30:.1f} GiB budget, "
+            f"{weights / 2**30:.1f} GiB of weights); raise --mem-fraction-static or set "
+            "--max-total-tokens"
+        )
+    return tokens // page + 1
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: str | Path,
+                 num_pages: int) -> None:
+        self.config, self.arch = config, arch
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
+        self.state = get_parallel_state()
+        self.model = build_model(arch, self.dtype, self.device)
+        load_weights(self.model, model_path)
+        self.model.eval()
+        page = config.cache.page_size
+        self.kv_pool = KVPool(
+            num_pages * page, stage_layers(arch.num_layers), self.model_kv_heads(),
+            arch.head_dim, self.dtype, self.device, page,
+        )
+        self.sampler = Sampler(config.model.seed, self.device)
+
+    def model_kv_heads(self) -> int:
+        """KV heads per TP rank (one replica each when there are fewer heads than ranks)."""
+        return max(self.arch.num_kv_heads // self.state.tp_size, 1)
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ScheduledBatch, hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, BatchResult | None]:
+        """Run this stage on `batch`. Returns (hidden, residual, result): the activations for
+        the next stage, and on the last stage the sampled tokens."""
+        fb = ForwardBatch.prepare(batch, self.kv_pool, self.device)
+        hidden, residual = self.model(fb, hidden, residual)
+        if not self.state.is_last_stage:
+            return hidden, residual, None
+        return hidden, residual, self._sample(batch, fb, hidden)
+
+    def _sample(self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor) -> BatchResult:
+        self.sampler.release(batch.released)
+        samples = [s for s in batch.slices if s.sample]
+        tokens: list[int] = []
+        out_lps: list[float] = []
+        if samples:
+            logits = self.model.compute_logits(hidden[fb.sample_rows])
+            params = [s.sampling for s in samples]
+            ids = self.sampler.sample(logits, params, [s.rid for s in samples])  # type: ignore[arg-type]
+            if any(s.return_logprob for s in samples):
+                lps = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None])[:, 0]
+                out_lps = [lp if s.return_logprob else math.nan
+                           for lp, s in zip(lps.tolist(), samples, strict=True)]
+            else:
+                out_lps = [math.nan] * len(samples)
+            tokens = ids.tolist()
+        prompt = self._prompt_logprobs(fb, hidden)
+        per_slice, start = [], 0
+        for s in batch.slices:
+            per_slice.append(prompt[start : start + len(s.logprob_targets)])
+            start += len(s.logprob_targets)
+        return BatchResult(batch.batch_id, tokens, out_lps, per_slice)
+
+    def _prompt_logprobs(self, fb: ForwardBatch, hidden: torch.Tensor) -> list[float]:
+        out: list[float] = []
+        for i in range(0, fb.logprob_rows.numel(), LOGPROB_ROWS_PER_PASS):
+            rows = fb.logprob_rows[i : i + LOGPROB_ROWS_PER_PASS]
+            targets = fb.logprob_targets[i : i + LOGPROB_ROWS_PER_PASS]
+            logits = self.model.compute_logits(hidden[rows])
+            out += torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        return out

@@ -1,0 +1,66 @@
+"""What the scheduler hands to an executor, and what comes back: plain data, no tensors.
+
+A `ScheduledBatch` is self-contained: with it (and the KV pool contents) a model runner of
+any pipeline stage or TP rank can run the forward, and a simulated executor can cost it.
+It is also the message that travels with the activations between pipeline stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeserve.scheduler.request import SamplingParams
+
+Run = tuple[int, int]  # (first KV slot, number of slots)
+
+
+@dataclass
+class ReqSlice:
+    """One request's share of a forward."""
+
+    rid: str
+    input_ids: list[int]  # tokens fed now; negative ids are future-token placeholders
+    prefix_len: int  # tokens of this request already in the KV cache
+    kv_runs: list[Run]  # where the KV of positions [0, prefix_len + len(input_ids)) lives
+    sample: bool  # produce the next token (decode step or last prompt chunk)
+    sampling: SamplingParams | None = None  # set when `sample`
+    return_logprob: bool = False  # logprob of the sampled token
+    logprob_targets: list[int] = field(default_factory=list)  # prompt logprobs: next token of
+    # each of the first len(logprob_targets) positions of this slice
+    chunk_index: int = -1  # prefill chunk number (-1: decode step)
+    future_slot: int = 0  # overlap loop: ring slot the sampled token is written to (0: none)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.chunk_index < 0
+
+
+@dataclass
+class ScheduledBatch:
+    batch_id: int
+    slices: list[ReqSlice]
+    released: list[str] = field(default_factory=list)  # requests gone since the last batch
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.slices)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.is_decode for s in self.slices)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for s in self.slices if s.sample)
+
+
+@dataclass
+class BatchResult:
+    batch_id: int
+    next_token_ids: list[int]  # one per sampling slice, in slice order
+    output_logprobs: list[float]  # one per sampling slice (nan where not requested)
+    prompt_logprobs: list[list[float]]  # one list per slice (empty where not requested)

@@ -1,0 +1,104 @@
+"""Per-request KV bookkeeping: the page allocator and the radix prefix cache together.
+
+A request's pages are [shared prefix from the tree | its own pages]. `page_runs` keeps the
+same pages grouped into runs of consecutive pages, maintained incrementally, so a batch can
+describe a request's KV location in O(runs) rather than O(tokens).
+"""
+
+from __future__ import annotations
+
+from pipeserve.mem_cache.allocator import PageAllocator
+from pipeserve.mem_cache.radix_cache import RadixCache
+from pipeserve.scheduler.batch import Run
+from pipeserve.scheduler.request import Req
+
+
+def _append_runs(runs: list[list[int]], pages: list[int]) -> None:
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, disable_radix_cache: bool) -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.tree = None if disable_radix_cache else RadixCache(page_size, self.allocator.free)
+        self._runs: dict[str, list[list[int]]] = {}
+        self.hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.lookup_tokens = 0  # prompt tokens looked up
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.capacity * self.page_size
+
+    def available_tokens(self) -> int:
+        """Tokens that could be allocated now (free pages plus evictable cached pages)."""
+        evictable = self.tree.evictable_pages if self.tree else 0
+        return (self.allocator.num_free + evictable) * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match_prefix(self, req: Req) -> None:
+        """Reuse cached KV for the longest known prefix (keeping at least one token to
+        compute). Requests that still need prompt logprobs compute everything."""
+        assert not req.pages
+        self._runs[req.rid] = []
+        if self.tree is None or req.wants_prompt_logprobs:
+            return
+        pages, node = self.tree.match_prefix(req.seq[: req.seq_len - 1])
+        self.tree.lock(node)
+        req.last_node = node
+        req.pages, req.cached_pages = list(pages), len(pages)
+        req.kv_len = len(pages) * self.page_size
+        _append_runs(self._runs[req.rid], pages)
+        self.lookup_tokens += len(req.input_ids)
+        self.hit_tokens += min(req.kv_len, len(req.input_ids))
+
+    def allocate(self, req: Req, num_tokens: int) -> bool:
+        """Pages for `num_tokens` more tokens after req.kv_len (evicting cached prefixes if
+        needed). False, with nothing taken, when memory is short."""
+        need = self.pages_for(req.kv_len + num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        short = need - self.allocator.num_free
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        pages = self.allocator.alloc(need, after=req.pages[-1] if req.pages else None)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        _append_runs(self._runs.setdefault(req.rid, []), pages)
+        return True
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Give back a request's KV; with `cache`, its full pages go into the prefix cache."""
+        own_from = req.cached_pages
+        if self.tree is not None and cache:
+            full = min(req.kv_len, req.seq_len) // self.page_size
+            tokens = req.seq[: full * self.page_size]
+            existing = self.tree.insert(tokens, req.pages[:full])
+            self.allocator.free(req.pages[own_from:existing])  # duplicates of cached pages
+            own_from = full
+        self.allocator.free(req.pages[own_from:])
+        if req.last_node is not None:
+            assert self.tree is not None
+            self.tree.unlock(req.last_node)
+        req.pages, req.cached_pages, req.kv_len, req.last_node = [], 0, 0, None
+        self._runs.pop(req.rid, None)
+
+    def kv_runs(self, req: Req, num_tokens: int) -> list[Run]:
+        """Slot runs holding the KV of positions [0, num_tokens)."""
+        out: list[Run] = []
+        left = num_tokens
+        for page, count in self._runs[req.rid]:
+            n = min(count * self.page_size, left)
+            out.append((page * self.page_size, n))
+            left -= n
+            if left == 0:
+                break
+        assert left == 0, f"request {req.rid} has KV pages for fewer than {num_tokens} tokens"
+        return out

@@ -1,0 +1,122 @@
+"""Requests and their sampling parameters: plain Python state, no tensors."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = all tokens
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        params = dict(params or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(params) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        if isinstance(params.get("stop"), str):
+            params["stop"] = (params["stop"],)
+        for key in ("stop", "stop_token_ids"):
+            if params.get(key) is not None:
+                params[key] = tuple(params[key])
+            else:
+                params.pop(key, None)
+        sp = cls(**params)
+        sp.validate()
+        return sp
+
+    def validate(self) -> None:
+        checks = [
+            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+             f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (isinstance(self.top_k, int) and self.top_k >= -1,
+             f"top_k must be -1 (off) or a positive integer, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a list of non-empty strings"),
+            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+class Status(Enum):
+    WAITING = "waiting"  # queued, holds no KV
+    PREFILL = "prefill"  # prompt being computed chunk by chunk
+    RUNNING = "running"  # prompt scheduled in full; generating
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "length", "stop", "abort"
+    matched_stop: str | int | None = None
+    # KV cache (owned by the KV manager)
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0  # tokens whose KV is written or scheduled to be written
+    cached_pages: int = 0  # leading pages shared with the radix tree
+    last_node: Any = None  # radix node the request holds a lock on
+    # progress
+    inflight: int = 0  # scheduled forwards whose results have not come back
+    future_slot: int = 0  # overlap loop: ring slot that will hold the token in flight
+    num_chunks: int = 0  # prefill chunks scheduled so far
+    chunk_sizes: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def seq(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.input_ids)
+        return self.input_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and len(self.prompt_logprobs) < len(self.input_ids) - 1
+
+    def finish(self, reason: str, matched: str | int | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.matched_stop = matched
+        self.finish_time = time.perf_counter()

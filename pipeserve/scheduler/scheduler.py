@@ -1,0 +1,194 @@
+"""The scheduler: admits requests, builds each batch, and folds results back into requests.
+
+Pure Python over ints and request objects. Each event loop (plain, overlap, pipeline)
+drives the same three calls: `schedule()` -> executor -> `process_result()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeserve.config import SchedulerConfig
+from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+from pipeserve.scheduler.decode import DecodeManager
+from pipeserve.scheduler.kv_manager import KVManager
+from pipeserve.scheduler.prefill import (
+    DECODE_RESERVE_CLIP,
+    DECODE_RESERVE_RATIO,
+    ChunkSizer,
+    PrefillManager,
+)
+from pipeserve.scheduler.request import Req
+
+STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop string
+
+
+@dataclass
+class RequestUpdate:
+    """What changed for one request in one step (the unit streamed to the front end)."""
+
+    rid: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    prompt_logprobs: list[float] | None = None  # complete, sent once
+    cached_tokens: int = 0
+    ttft: float | None = None  # seconds from arrival to the first token, sent once
+    chunk_sizes: list[int] | None = None  # prefill chunk sizes, sent at the end
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVManager,
+        context_len: int,
+        eos_token_ids: tuple[int, ...],
+        detokenize: Callable[[list[int]], str] | None = None,
+        chunk_sizer: ChunkSizer | None = None,
+        max_batch_reqs: int | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.context_len = context_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.detokenize = detokenize
+        self.max_batch_reqs = max_batch_reqs or config.max_running_requests
+        chunk = config.chunk_size or context_len
+        self.prefill = PrefillManager(kv, config.max_prefill_tokens, chunk_sizer or (lambda _: chunk))
+        self.decode = DecodeManager(kv, on_retract=self.prefill.waiting.appendleft)
+        self.reqs: dict[str, Req] = {}
+        self._released: list[str] = []
+        self._batch_ids = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        if req.rid in self.reqs:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        self.check_request(len(req.input_ids), req.sampling.max_new_tokens)
+        self.reqs[req.rid] = req
+        self.prefill.waiting.append(req)
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len + max_new_tokens > self.context_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"context length {self.context_len}"
+            )
+        if prompt_len + max_new_tokens > self.kv.capacity_tokens:
+            raise ValueError(
+                f"request needs {prompt_len + max_new_tokens} KV tokens but the pool holds "
+                f"{self.kv.capacity_tokens}; raise --max-total-tokens or --mem-fraction-static"
+            )
+
+    def abort(self, rid: str) -> RequestUpdate | None:
+        """Stop a request wherever it is; its pages are freed now."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return None
+        return self._finish(req, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.reqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.decode.running) + (self.prefill.chunked is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.prefill.waiting)
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def schedule(self, max_inflight: int = 0) -> ScheduledBatch | None:
+        """The next batch: prefill work first (admission and chunks), decode steps when there
+        is none (or alongside, with --enable-mixed-chunk)."""
+        room = self.config.max_running_requests - self.num_running
+        reserve = self.decode.decode_reserve(DECODE_RESERVE_CLIP, DECODE_RESERVE_RATIO)
+        slices = self.prefill.schedule(min(room, self.max_batch_reqs), reserve)
+        self.decode.running.extend(self.reqs[s.rid] for s in slices if s.sample)
+        if not slices or self.config.enable_mixed_chunk:
+            left = self.max_batch_reqs - len(slices)
+            slices += self.decode.schedule(left, max_inflight)
+        if not slices:
+            return None
+        batch = ScheduledBatch(next(self._batch_ids), slices, self._released)
+        self._released = []
+        return batch
+
+    # -- results ------------------------------------------------------------------------
+
+    def process_result(self, batch: ScheduledBatch, result: BatchResult) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        samples = iter(zip(result.next_token_ids, result.output_logprobs, strict=True))
+        for s, prompt_lps in zip(batch.slices, result.prompt_logprobs, strict=True):
+            token, logprob = next(samples) if s.sample else (None, None)
+            req = self.reqs.get(s.rid)
+            if req is None:  # finished or aborted while this batch was in flight
+                continue
+            req.inflight -= 1
+            if s.future_slot and req.future_slot == s.future_slot:
+                req.future_slot = 0
+            req.prompt_logprobs.extend(prompt_lps)
+            if token is not None:
+                assert logprob is not None
+                updates.append(self._append_token(req, token, logprob))
+        return updates
+
+    def _append_token(self, req: Req, token: int, logprob: float) -> RequestUpdate:
+        update = RequestUpdate(req.rid)
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+            update.ttft = req.first_token_time - req.arrival_time
+            update.cached_tokens = req.cached_pages * self.kv.page_size
+            if req.return_logprob:
+                update.prompt_logprobs = list(req.prompt_logprobs)
+        if req.sampling.max_new_tokens == 0:  # prompt-only request (e.g. for logprobs)
+            return self._merge(update, self._finish(req, "length"))
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        update.new_token_ids, update.new_logprobs = [token], [logprob]
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            update = self._merge(update, self._finish(req, *reason))
+        return update
+
+    def _stop_reason(self, req: Req, token: int) -> tuple[str, str | int | None] | None:
+        sp = req.sampling
+        if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
+            return "stop", token
+        if sp.stop and self.detokenize is not None:
+            longest = max(len(s.encode()) for s in sp.stop)
+            tail = self.detokenize(req.output_ids[-(longest + STOP_STRING_TAIL_TOKENS) :])
+            matched = next((s for s in sp.stop if s in tail), None)
+            if matched is not None:
+                return "stop", matched
+        if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= self.context_len:
+            return "length", None
+        return None
+
+    def _finish(self, req: Req, reason: str, matched: str | int | None = None) -> RequestUpdate:
+        req.finish(reason, matched)
+        self.prefill.remove(req)
+        self.decode.remove(req)
+        if req.pages or req.last_node is not None:
+            self.kv.release(req, cache=True)
+        del self.reqs[req.rid]
+        self._released.append(req.rid)
+        return RequestUpdate(
+            req.rid, finish_reason=reason, matched_stop=matched, chunk_sizes=req.chunk_sizes
+        )
+
+    @staticmethod
+    def _merge(update: RequestUpdate, final: RequestUpdate) -> RequestUpdate:
+        update.finish_reason, update.matched_stop = final.finish_reason, final.matched_stop
+        update.chunk_sizes = final.chunk_sizes
+        return update

@@ -1,0 +1,103 @@
+"""Tokenizer of a checkpoint (`tokenizer.json`, via the `tokenizers` library), its chat
+template and end-of-sequence ids, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class Tokenizer:
+    def __init__(self, model_path: str | Path) -> None:
+        path = Path(model_path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(file))
+        self._config = _read_json(path / "tokenizer_config.json")
+        self.eos_token_ids = self._eos_ids(path)
+        template = self._config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        if isinstance(template, list):  # named templates: take the default one
+            template = next(t["template"] for t in template if t.get("name") == "default")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([i for i in ids if i >= 0], skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special("bos_token"),
+            eos_token=self._special("eos_token"),
+        )
+
+    def _special(self, key: str) -> str:
+        value = self._config.get(key) or ""
+        return value.get("content", "") if isinstance(value, dict) else value
+
+    def _eos_ids(self, path: Path) -> tuple[int, ...]:
+        ids: set[int] = set()
+        for source in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
+            eos = source.get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        token = self._special("eos_token")
+        if token and self._tok.token_to_id(token) is not None:
+            ids.add(self._tok.token_to_id(token))
+        return tuple(sorted(ids))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas. Text is held back while the tail
+    decodes to an incomplete UTF-8 character, so a multi-byte character split across tokens
+    is emitted whole."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back once the stream has ended."""
+        full = self.tokenizer.decode(self.ids)
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
