@@ -72,3 +72,9 @@ def _math_attention_with_lse(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
     return out.to(q.dtype), lse
+
+
+def prefers_blockwise_attention(device: torch.device) -> bool:
+    """Prompt chunks on a CPU run faster as plain matmul blocks than in the fused kernel;
+    accelerators use their fused kernels."""
+    return device.type == "cpu"

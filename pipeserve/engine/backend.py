@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeserve.config import EngineConfig
+from pipeserve.device import cpu_cores, set_threads
 from pipeserve.engine.loop import PlainLoop
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
@@ -34,6 +35,7 @@ def build_scheduler(config: EngineConfig, arch: ArchConfig, tokenizer: Tokenizer
 class InProcessBackend:
     def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
                  tokenizer: Tokenizer, context_len: int) -> None:
+        set_threads(config.parallel.threads_per_worker or cpu_cores())
         num_pages = kv_pool_pages(config, arch, local_workers=1)
         self.runner = ModelRunner(config, arch, model_path, num_pages)
         self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)

@@ -2,10 +2,17 @@
 
 Per request, the keys are: the cached prefix, read from the pool, and (for a prompt chunk)
 the chunk itself, causally, straight from the fresh k/v. Long runs of consecutive slots
-are read in place as views; the short, scattered rest is gathered into one tensor. Each
-part yields (output, log-sum-exp) and the parts are merged exactly, so no request's KV is
-ever copied whole. Query heads of one KV head (GQA) are folded into the query length for
-the non-causal parts, so keys are never repeated either.
+are read in place as views; the short, scattered rest is gathered into one tensor, so no
+request's KV is copied whole.
+
+Two kernels:
+- prompt chunks (`blockwise_prefill`): per KV head and block of queries, the scores against
+  all key parts are written side by side into one buffer, softmaxed once, and multiplied
+  back with each part's values. Plain matmuls, no log-sum-exp bookkeeping; on a CPU this runs
+  about 1.5x faster than the fused flash kernel (GEMM-bound instead of exp-bound).
+- single tokens and short chunks: the fused kernel per key part, returning log-sum-exp, and
+  the parts merged exactly. Query heads of one KV head (GQA) are folded into the query
+  length, so keys are never repeated.
 """
 
 from __future__ import annotations
@@ -15,32 +22,50 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipeserve.device import attention_with_lse
+from pipeserve.device import attention_with_lse, prefers_blockwise_attention
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run
 
 VIEW_MIN_TOKENS = 256  # shorter runs are cheaper to gather than to attend to separately
+BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
+SCORE_BLOCK_ELEMENTS = 4 * 2**20  # bound on one score buffer (query rows x keys)
+
+KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv_heads, n, d]
 
 
 @dataclass
-class SegmentPlan:
-    """How one request's attention reads the cache; built once per batch, used by all layers."""
+class ChunkPlan:
+    """How a prompt chunk reads the cache; built once per batch, used by every layer."""
 
     q_start: int
     q_len: int
-    views: list[Run]  # long slot runs read in place
-    gather: torch.Tensor | None  # slot ids of the remaining cached positions
-    fresh_causal: bool  # a prompt chunk: also attend causally within the chunk's own k/v
+    views: list[Run]  # long slot runs of the prefix, read in place
+    gather: torch.Tensor | None  # slot ids of the rest of the prefix
 
 
-def plan_segment(q_start: int, q_len: int, prefix_len: int, runs: list[Run],
-                 device: torch.device) -> SegmentPlan:
-    """A single-token step reads all its keys (itself included, already written) from the
-    pool; a longer chunk reads the prefix from the pool and itself from the fresh k/v."""
-    cached = prefix_len + 1 if q_len == 1 else prefix_len
+@dataclass
+class DecodePlan:
+    """All single-token steps of a batch: one batched call over their short KV parts (padded
+    gather + mask), plus per-request calls over long runs read in place."""
+
+    rows: torch.Tensor  # [b] token rows of the steps
+    gather: torch.Tensor  # [b, n] slot ids of each step's short part (padding: slot 0)
+    mask: torch.Tensor  # [b, 1, 1, n] additive: 0 for real keys, -inf for padding
+    views: list[tuple[int, list[Run]]]  # (step index, long runs) where there are any
+
+
+@dataclass
+class AttentionPlan:
+    chunks: list[ChunkPlan]
+    decode: DecodePlan | None
+
+
+def split_runs(runs: list[Run], num: int) -> tuple[list[Run], list[int]]:
+    """Positions [0, num) of a request's KV: long runs (read in place) and the slot ids of the
+    rest (gathered)."""
     views: list[Run] = []
     scattered: list[int] = []
-    left = cached
+    left = num
     for start, length in runs:
         n = min(length, left)
         if n >= VIEW_MIN_TOKENS:
@@ -50,8 +75,50 @@ def plan_segment(q_start: int, q_len: int, prefix_len: int, runs: list[Run],
         left -= n
         if left == 0:
             break
-    gather = torch.tensor(scattered, dtype=torch.long, device=device) if scattered else None
-    return SegmentPlan(q_start, q_len, views, gather, fresh_causal=q_len > 1)
+    return views, scattered
+
+
+def plan_attention(segments: list[tuple[int, int, int, list[Run]]], device: torch.device,
+                   dtype: torch.dtype) -> AttentionPlan:
+    """segments: (q_start, q_len, prefix_len, kv_runs) per request. A single-token step reads
+    every key from the pool (its own was just written; it always lands in the gathered part,
+    so no padded row is empty); a prompt chunk reads its prefix from the pool and attends to
+    itself from the fresh k/v."""
+    def ids(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    chunks: list[ChunkPlan] = []
+    rows: list[int] = []
+    shorts: list[list[int]] = []
+    views: list[tuple[int, list[Run]]] = []
+    for q_start, q_len, prefix_len, runs in segments:
+        if q_len > 1:
+            long, rest = split_runs(runs, prefix_len)
+            chunks.append(ChunkPlan(q_start, q_len, long, ids(rest) if rest else None))
+            continue
+        long, rest = split_runs(runs, prefix_len)
+        rest.append(_last_slot(runs, prefix_len + 1))
+        if long:
+            views.append((len(rows), long))
+        rows.append(q_start)
+        shorts.append(rest)
+    if not rows:
+        return AttentionPlan(chunks, None)
+    width = max(map(len, shorts))
+    gather = ids([r + [0] * (width - len(r)) for r in shorts])  # type: ignore[arg-type]
+    mask = torch.zeros(len(rows), 1, 1, width, dtype=dtype, device=device)
+    for b, r in enumerate(shorts):
+        mask[b, ..., len(r) :] = float("-inf")
+    return AttentionPlan(chunks, DecodePlan(ids(rows), gather, mask, views))
+
+
+def _last_slot(runs: list[Run], num: int) -> int:
+    """Slot of position num - 1."""
+    for start, length in runs:
+        if num <= length:
+            return start + num - 1
+        num -= length
+    raise ValueError("KV runs are shorter than the sequence")
 
 
 class PagedAttention(nn.Module):
@@ -64,39 +131,99 @@ class PagedAttention(nn.Module):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool,
-        out_slots: torch.Tensor, plans: list[SegmentPlan],
+        out_slots: torch.Tensor, plan: AttentionPlan,
     ) -> torch.Tensor:
         """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]."""
         k_cache, v_cache = pool.buffers(self.layer_id)
         k_cache[:, out_slots] = k.transpose(0, 1)
         v_cache[:, out_slots] = v.transpose(0, 1)
         out = torch.empty_like(q)
-        for p in plans:
+        if plan.decode is not None:
+            out[plan.decode.rows] = self._decode(q[plan.decode.rows], k_cache, v_cache, plan.decode)
+        blockwise = prefers_blockwise_attention(q.device)
+        for p in plan.chunks:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            out[rows] = self._segment(q[rows], k[rows], v[rows], k_cache, v_cache, p)
+            cached = _cached_parts(k_cache, v_cache, p.views, p.gather)
+            if blockwise and p.q_len >= BLOCKWISE_MIN_TOKENS:
+                out[rows] = blockwise_prefill(q[rows], k[rows], v[rows], cached, self.scale)
+            else:
+                out[rows] = self._fused(q[rows], k[rows], v[rows], cached)
         return out.view(q.shape[0], -1)
 
-    def _segment(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, p: SegmentPlan,
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                plan: DecodePlan) -> torch.Tensor:
+        b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
+        q = q.view(b, hk, self.group, d)  # GQA: the group's queries share their KV head
+        k = k_cache[:, plan.gather].transpose(0, 1)  # [b, hk, n, d]
+        v = v_cache[:, plan.gather].transpose(0, 1)
+        o, lse = attention_with_lse(q, k, v, False, self.scale, plan.mask)
+        for i, views in plan.views:
+            parts = [
+                attention_with_lse(q[i : i + 1], k_cache[None, :, s : s + n],
+                                   v_cache[None, :, s : s + n], False, self.scale)
+                for s, n in views
+            ]
+            o[i] = merge_partials([*parts, (o[i : i + 1], lse[i : i + 1])])[0]
+        return o.reshape(b, self.num_heads, d)
+
+    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cached: list[KVPart]) -> torch.Tensor:
+        """A short prompt chunk: fused kernel per cached part, then causally over itself."""
         n, h, hk, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q_heads = q.transpose(0, 1).contiguous()  # [h, n, d]
         q_fold = q_heads.view(1, hk, self.group * n, d)  # GQA: a KV head's queries in a row
-        parts = []
-        for start, length in p.views:
-            kv = (k_cache[None, :, start : start + length], v_cache[None, :, start : start + length])
-            parts.append(attention_with_lse(q_fold, *kv, False, self.scale))
-        if p.gather is not None:
-            kv = (k_cache[None, :, p.gather], v_cache[None, :, p.gather])
-            parts.append(attention_with_lse(q_fold, *kv, False, self.scale))
-        if p.fresh_causal:
-            kr = k.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]  # [1, h, n, d]
-            vr = v.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]
-            o, lse = attention_with_lse(q_heads[None], kr, vr, True, self.scale)
-            parts.append((o.reshape(1, hk, self.group * n, d), lse.reshape(1, hk, self.group * n)))
+        parts = [attention_with_lse(q_fold, kc[None], vc[None], False, self.scale)
+                 for kc, vc in cached]
+        kr = k.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]  # [1, h, n, d]
+        vr = v.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]
+        o, lse = attention_with_lse(q_heads[None], kr, vr, True, self.scale)
+        parts.append((o.reshape(1, hk, self.group * n, d), lse.reshape(1, hk, self.group * n)))
         o = merge_partials(parts)  # [1, hk, group * n, d]
         return o.reshape(h, n, d).transpose(0, 1)
+
+
+def _cached_parts(k_cache: torch.Tensor, v_cache: torch.Tensor, views: list[Run],
+                  gather: torch.Tensor | None) -> list[KVPart]:
+    parts = [(k_cache[:, s : s + n], v_cache[:, s : s + n]) for s, n in views]
+    if gather is not None:
+        parts.append((k_cache[:, gather], v_cache[:, gather]))
+    return parts
+
+
+def blockwise_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list[KVPart],
+                      scale: float) -> torch.Tensor:
+    """Causal attention of a prompt chunk over its cached prefix parts and itself.
+    q [n, h, d], k/v [n, hk, d] (the chunk), cached parts [hk, len_i, d] -> [n, h, d]."""
+    n, h, d = q.shape
+    hk = k.shape[1]
+    group = h // hk
+    prefix = sum(kc.shape[1] for kc, _ in cached)
+    qb = max(16, min(128, SCORE_BLOCK_ELEMENTS // (group * (prefix + n))))
+    qs = q * scale
+    kt, vt = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [hk, n, d]
+    future = torch.ones(qb, qb, dtype=torch.bool, device=q.device).triu(1)
+    future = future.repeat_interleave(group, dim=0)  # rows are (query, head) pairs
+    out = torch.empty_like(q)
+    for j in range(hk):
+        heads = slice(j * group, (j + 1) * group)
+        for s in range(0, n, qb):
+            e = min(s + qb, n)
+            rows = qs[s:e, heads].reshape((e - s) * group, d)
+            scores = torch.empty(rows.shape[0], prefix + e, dtype=q.dtype, device=q.device)
+            offset = 0
+            for kc, _ in cached:
+                torch.matmul(rows, kc[j].T, out=scores[:, offset : offset + kc.shape[1]])
+                offset += kc.shape[1]
+            torch.matmul(rows, kt[j, :e].T, out=scores[:, prefix:])
+            scores[:, prefix + s :].masked_fill_(future[: rows.shape[0], : e - s], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.matmul(probs[:, prefix:], vt[j, :e])
+            offset = 0
+            for _, vc in cached:
+                o += torch.matmul(probs[:, offset : offset + vc.shape[1]], vc[j])
+                offset += vc.shape[1]
+            out[s:e, heads] = o.view(e - s, group, d)
+    return out
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -44,9 +44,13 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
+        """Return pages; a bad list (foreign, already free, repeated) changes nothing."""
+        bad = next((p for p in pages if not 0 < p < self.num_pages or self._map[p] == FREE), None)
+        if bad is None and len(set(pages)) != len(pages):
+            bad = next(p for p in pages if pages.count(p) > 1)
+        if bad is not None:
+            raise ValueError(f"page {bad} is not allocated (double free or foreign page)")
         for p in pages:
-            if not 0 < p < self.num_pages or self._map[p] == FREE:
-                raise ValueError(f"page {p} is not allocated (double free or foreign page)")
             self._map[p] = FREE
         self.num_free += len(pages)
 

@@ -16,6 +16,7 @@ class KVPool:
         dtype: torch.dtype, device: torch.device, page_size: int,
     ) -> None:
         self.num_slots = num_slots
+        self.dtype = dtype
         self.first_layer = layers.start
         shape = (num_kv_heads, num_slots, head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]

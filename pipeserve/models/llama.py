@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
         q, k = self.qk_norm(q, k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         v = v.view(n, self.kv_heads, self.head_dim)
-        o = self.attn(q, k, v, fb.kv_pool, fb.out_slots, fb.plans)
+        o = self.attn(q, k, v, fb.kv_pool, fb.out_slots, fb.attn)
         return self.o_proj(o)
 
 

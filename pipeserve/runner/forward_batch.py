@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeserve.layers.attention import SegmentPlan, plan_segment
+from pipeserve.layers.attention import AttentionPlan, plan_attention
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch
 
@@ -16,7 +16,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [tokens]; negative = future-token placeholder
     positions: torch.Tensor  # [tokens]
     out_slots: torch.Tensor  # [tokens] KV slot each new token is written to
-    plans: list[SegmentPlan]  # attention reading plan per request
+    attn: AttentionPlan  # how attention reads the KV cache
     kv_pool: KVPool
     sample_rows: torch.Tensor  # [samples] row of each sampling slice's last token
     logprob_rows: torch.Tensor  # [n] rows whose prompt logprob is wanted
@@ -31,13 +31,13 @@ class ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        plans, sample_rows, lp_rows, lp_targets = [], [], [], []
+        segments, sample_rows, lp_rows, lp_targets = [], [], [], []
         for s in batch.slices:
             row, n = len(ids), s.num_tokens
             ids.extend(s.input_ids)
             positions.extend(range(s.prefix_len, s.prefix_len + n))
             slots.extend(_tail_slots(s.kv_runs, n))
-            plans.append(plan_segment(row, n, s.prefix_len, s.kv_runs, device))
+            segments.append((row, n, s.prefix_len, s.kv_runs))
             if s.sample:
                 sample_rows.append(row + n - 1)
             lp_rows.extend(range(row, row + len(s.logprob_targets)))
@@ -46,7 +46,8 @@ class ForwardBatch:
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        return cls(tensor(ids), tensor(positions), tensor(slots), plans, pool,
+        attn = plan_attention(segments, device, pool.dtype)
+        return cls(tensor(ids), tensor(positions), tensor(slots), attn, pool,
                    tensor(sample_rows), tensor(lp_rows), tensor(lp_targets))
 
 

@@ -53,10 +53,37 @@ class KVManager:
         self.tree.lock(node)
         req.last_node = node
         req.pages, req.cached_pages = list(pages), len(pages)
-        req.kv_len = len(pages) * self.page_size
+        req.kv_len = req.cached_tokens = len(pages) * self.page_size
         _append_runs(self._runs[req.rid], pages)
+
+    def record_admission(self, req: Req) -> None:
+        """Prefix-cache statistics, counted once per admitted request."""
         self.lookup_tokens += len(req.input_ids)
         self.hit_tokens += min(req.kv_len, len(req.input_ids))
+
+    def cache_prefix(self, req: Req) -> None:
+        """Put the request's full pages into the tree as soon as they are scheduled, so a
+        request admitted later shares them even while this one is still running. (Safe
+        before the KV is computed: every executor runs batches in the order they were
+        scheduled.) Where another request cached the same tokens first, adopt its pages
+        and free ours."""
+        if self.tree is None:
+            return
+        full = min(req.kv_len, req.seq_len) // self.page_size
+        if full <= req.cached_pages:
+            return
+        tokens = req.seq[: full * self.page_size]
+        existing = self.tree.insert(tokens, req.pages[:full])
+        pages, node = self.tree.match_prefix(tokens)
+        if existing > req.cached_pages:
+            self.allocator.free(req.pages[req.cached_pages : existing])
+            req.pages[req.cached_pages : existing] = pages[req.cached_pages : existing]
+            self._runs[req.rid] = []
+            _append_runs(self._runs[req.rid], req.pages)
+        self.tree.lock(node)
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        req.last_node, req.cached_pages = node, full
 
     def allocate(self, req: Req, num_tokens: int) -> bool:
         """Pages for `num_tokens` more tokens after req.kv_len (evicting cached prefixes if

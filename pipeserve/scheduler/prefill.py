@@ -22,7 +22,9 @@ ChunkSizer = Callable[[Req], int]  # how many prompt tokens the next chunk of re
 
 
 class PrefillManager:
-    def __init__(self, kv: KVManager, max_prefill_tokens: int, chunk_sizer: ChunkSizer) -> None:
+    def __init__(self, kv: KVManager, max_prefill_tokens: int, chunk_sizer: ChunkSizer | None) -> None:
+        """`chunk_sizer` None: no chunking; a prompt that does not fit the rest of the batch's
+        budget waits for the next batch (alone in a batch, it may exceed the budget)."""
         self.kv = kv
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_sizer = chunk_sizer
@@ -41,11 +43,12 @@ class PrefillManager:
         while self.waiting and room > 0 and budget > 0:
             req = self.waiting[0]
             self.kv.match_prefix(req)
-            s = self._next_chunk(req, budget) if self._fits(req, decode_reserve) else None
+            s = self._next_chunk(req, budget, first=not slices) if self._fits(req, decode_reserve) else None
             if s is None:
                 self.kv.release(req, cache=False)
                 break
             self.waiting.popleft()
+            self.kv.record_admission(req)
             slices.append(s)
             room, budget = room - 1, budget - s.num_tokens
             if self.chunked is not None:
@@ -66,9 +69,12 @@ class PrefillManager:
         need = req.seq_len - req.kv_len + self.remaining_prompt_tokens() + decode_reserve
         return need <= self.kv.available_tokens()
 
-    def _next_chunk(self, req: Req, budget: int) -> ReqSlice | None:
+    def _next_chunk(self, req: Req, budget: int, first: bool = True) -> ReqSlice | None:
         remaining = req.seq_len - req.kv_len
-        n = min(remaining, self.chunk_sizer(req), budget)
+        if self.chunk_sizer is not None:
+            n = min(remaining, self.chunk_sizer(req), budget)
+        else:
+            n = remaining if remaining <= budget or first else 0
         if n <= 0 or not self.kv.allocate(req, n):
             return None
         start = req.kv_len
@@ -79,6 +85,7 @@ class PrefillManager:
         req.inflight += 1
         req.num_chunks += 1
         req.chunk_sizes.append(n)
+        self.kv.cache_prefix(req)
         return ReqSlice(
             rid=req.rid,
             input_ids=req.seq[start : start + n],

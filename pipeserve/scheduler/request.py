@@ -35,15 +35,16 @@ class SamplingParams:
         if isinstance(params.get("stop"), str):
             params["stop"] = (params["stop"],)
         for key in ("stop", "stop_token_ids"):
-            if params.get(key) is not None:
-                params[key] = tuple(params[key])
-            else:
+            if params.get(key) is None:
                 params.pop(key, None)
+            elif isinstance(params[key], list | tuple):
+                params[key] = tuple(params[key])
         sp = cls(**params)
         sp.validate()
         return sp
 
     def validate(self) -> None:
+        _check_types(self)
         checks = [
             (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
              f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}"),
@@ -60,6 +61,25 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+_NUMBER_FIELDS = {"temperature": float, "top_p": float, "min_p": float,
+                  "max_new_tokens": int, "top_k": int}
+
+
+def _check_types(sp: SamplingParams) -> None:
+    for name, kind in _NUMBER_FIELDS.items():
+        value = getattr(sp, name)
+        ok = isinstance(value, int | float) if kind is float else isinstance(value, int)
+        if not ok or isinstance(value, bool):
+            raise ValueError(f"{name} must be a{'n integer' if kind is int else ' number'}, "
+                             f"got {value!r}")
+    if not isinstance(sp.stop, tuple) or not isinstance(sp.stop_token_ids, tuple):
+        raise ValueError("stop and stop_token_ids must be lists")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in sp.stop_token_ids):
+        raise ValueError("stop_token_ids must be a list of integers")
+    if sp.seed is not None and (not isinstance(sp.seed, int) or isinstance(sp.seed, bool)):
+        raise ValueError(f"seed must be an integer, got {sp.seed!r}")
 
 
 class Status(Enum):
@@ -83,6 +103,7 @@ class Req:
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0  # tokens whose KV is written or scheduled to be written
     cached_pages: int = 0  # leading pages shared with the radix tree
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     last_node: Any = None  # radix node the request holds a lock on
     # progress
     inflight: int = 0  # scheduled forwards whose results have not come back

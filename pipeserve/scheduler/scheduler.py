@@ -58,8 +58,10 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.detokenize = detokenize
         self.max_batch_reqs = max_batch_reqs or config.max_running_requests
-        chunk = config.chunk_size or context_len
-        self.prefill = PrefillManager(kv, config.max_prefill_tokens, chunk_sizer or (lambda _: chunk))
+        chunk = config.chunk_size
+        if chunk_sizer is None and chunk is not None:
+            chunk_sizer = lambda _: chunk  # noqa: E731
+        self.prefill = PrefillManager(kv, config.max_prefill_tokens, chunk_sizer)
         self.decode = DecodeManager(kv, on_retract=self.prefill.waiting.appendleft)
         self.reqs: dict[str, Req] = {}
         self._released: list[str] = []
@@ -148,7 +150,7 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
             update.ttft = req.first_token_time - req.arrival_time
-            update.cached_tokens = req.cached_pages * self.kv.page_size
+            update.cached_tokens = req.cached_tokens
             if req.return_logprob:
                 update.prompt_logprobs = list(req.prompt_logprobs)
         if req.sampling.max_new_tokens == 0:  # prompt-only request (e.g. for logprobs)

@@ -1,0 +1,122 @@
+"""Command line: `pipeserve generate | bench | make-model`.
+
+Engine flags are generated from the config dataclasses (names, defaults and help text), so
+the CLI, `Engine(**flags)` and the docs cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from pipeserve.config import AREA_TYPES
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    for area, kind in AREA_TYPES.items():
+        group = parser.add_argument_group(f"{area} options")
+        for f in dataclasses.fields(kind):
+            names = ["--" + f.name.replace("_", "-")]
+            if f.name == "model_path":
+                names.insert(0, "--model")
+            help_text = f"{f.metadata['help']} (default: {f.default})"
+            if f.type == "bool":
+                group.add_argument(*names, dest=f.name, action="store_true", default=None,
+                                   help=help_text)
+            else:
+                base = str(f.type).split(" | ")[0]
+                group.add_argument(*names, dest=f.name, type=_TYPES[base], default=None,
+                                   choices=f.metadata.get("choices"), help=help_text)
+
+
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the flags the user gave; the dataclass defaults fill in the rest."""
+    from pipeserve.config import FLAG_AREAS
+
+    return {k: v for k, v in vars(args).items() if k in FLAG_AREAS and v is not None}
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pipeserve.engine.engine import Engine
+
+    prompts = args.prompt or [
+        "The capital of France is",
+        "Write a haiku about pipelines:",
+        "Long prompts are split into chunks because",
+    ]
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+          "top_p": args.top_p, "top_k": args.top_k}
+    with Engine(**engine_flags(args)) as engine:
+        print(f"model: {engine.model_path} ({engine.arch.architecture})")
+        for prompt, out in zip(prompts, engine.generate(prompts, sampling_params=sp), strict=True):
+            meta = out["meta_info"]
+            print(f"\n>>> {prompt}\n{out['text']}")
+            print(f"[{meta['prompt_tokens']} prompt + {meta['completion_tokens']} generated tokens,"
+                  f" TTFT {meta['ttft_s'] * 1000:.1f} ms, finish: {meta['finish_reason']}]")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from pipeserve.bench.offline import run_bench
+    from pipeserve.engine.engine import Engine
+
+    with Engine(**engine_flags(args)) as engine:
+        run_bench(engine, args.input_len, args.output_len, args.num_prompts,
+                  args.seed or 0, args.baseline, args.json)
+
+
+def cmd_make_model(args: argparse.Namespace) -> None:
+    from pipeserve.models.presets import PRESETS, make_model
+
+    if args.list:
+        print(json.dumps({name: spec["architectures"][0] for name, spec in PRESETS.items()}, indent=2))
+        return
+    if not args.preset or not args.out:
+        sys.exit("make-model needs --preset NAME and --out DIR (see --list)")
+    path = make_model(args.preset, args.out, seed=args.seed, shard_size_mb=args.shard_size_mb)
+    print(f"wrote {args.preset} to {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for a few prompts")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="offline prefill/decode benchmark")
+    bench.add_argument("--input-len", type=int, default=1024)
+    bench.add_argument("--output-len", type=int, default=16)
+    bench.add_argument("--num-prompts", type=int, default=1)
+    bench.add_argument("--baseline", choices=["hf"], help="also run Hugging Face transformers")
+    bench.add_argument("--json", help="save the results here")
+    add_engine_flags(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    make = sub.add_parser("make-model", help="write a built-in model as an HF checkpoint")
+    make.add_argument("--preset", help="preset name (see --list)")
+    make.add_argument("--out", help="output directory")
+    make.add_argument("--shard-size-mb", type=int, default=2048)
+    make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    make.add_argument("--list", action="store_true", help="list the presets")
+    make.set_defaults(func=cmd_make_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

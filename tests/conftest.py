@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeserve.models.presets import make_model
+
+TINY_PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """model_dir(preset) -> path of a checkpoint made once per test session."""
+    root = tmp_path_factory.mktemp("models")
+    made: dict[str, Path] = {}
+
+    def get(preset: str, **overrides) -> Path:
+        key = preset + repr(sorted(overrides.items()))
+        if key not in made:
+            made[key] = make_model(preset, root / f"{preset}-{len(made)}", overrides=overrides)
+        return made[key]
+
+    return get

@@ -1,0 +1,127 @@
+"""EngineConfig: flat flags routed to their areas, validation messages, env defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from pipeserve.config import EngineConfig, SchedulerConfig
+
+SMOOTH_ENV = "PIPESERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
+PARTITION_ENV = "PIPESERVE_PP_LAYER_PARTITION"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SMOOTH_ENV, raising=False)
+    monkeypatch.delenv(PARTITION_ENV, raising=False)
+
+
+def test_defaults() -> None:
+    config = EngineConfig.from_flags()
+    assert config == EngineConfig()
+    assert config.scheduler.chunk_size == 2048
+    assert config.scheduler.smooth_factor == 0.75
+    assert config.parallel.world_size == 1
+
+
+def test_flags_are_routed_to_their_areas() -> None:
+    config = EngineConfig.from_flags(
+        page_size=4, disable_radix_cache=True, chunked_prefill_size=-1,
+        max_running_requests=3, tp_size=2, pp_size=3, dtype="float32",
+    )
+    assert (config.cache.page_size, config.cache.disable_radix_cache) == (4, True)
+    assert config.scheduler.chunk_size is None
+    assert config.scheduler.max_running_requests == 3
+    assert (config.parallel.tp_size, config.parallel.pp_size) == (2, 3)
+    assert config.parallel.world_size == 6
+    assert config.model.dtype == "float32"
+    assert config.scheduler.max_prefill_tokens == SchedulerConfig().max_prefill_tokens
+
+
+def test_flags_round_trip() -> None:
+    config = EngineConfig.from_flags(page_size=8, pp_size=2, enable_dynamic_chunking=True)
+    assert EngineConfig.from_flags(**config.flags()) == config
+
+
+def test_unknown_flags_are_named() -> None:
+    with pytest.raises(TypeError, match="unknown engine flag\\(s\\): pipeline_size, tp"):
+        EngineConfig.from_flags(tp=2, pipeline_size=2, page_size=1)
+
+
+def test_config_is_frozen() -> None:
+    config = EngineConfig.from_flags()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cache.page_size = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"page_size": 3}, "--page-size 3 must be a power of two"),
+        ({"page_size": 0}, "--page-size 0 must be a power of two"),
+        ({"dtype": "int8"}, "--dtype 'int8' is not one of auto, bfloat16, float16, float32"),
+        ({"mem_fraction_static": 0.0}, r"--mem-fraction-static 0.0 must be in \(0, 1\]"),
+        ({"mem_fraction_static": 1.5}, r"--mem-fraction-static 1.5 must be in \(0, 1\]"),
+        ({"max_total_tokens": 0}, "--max-total-tokens 0 must be positive"),
+        ({"chunked_prefill_size": 0}, r"--chunked-prefill-size 0 is invalid \(use -1 to disable\)"),
+        ({"max_running_requests": 0}, "--max-running-requests must be positive"),
+        ({"max_prefill_tokens": -1}, "--max-prefill-tokens must be positive"),
+        ({"dynamic_chunking_smooth_factor": 1.5}, r"smooth factor 1.5 must be in \[0, 1\]"),
+        ({"tp_size": 0}, "--tp-size and --pp-size must be positive"),
+        ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"},
+         r"--node-rank 2 must be in \[0, --nnodes 2\)"),
+        ({"nnodes": 2, "pp_size": 2}, "--nnodes > 1 needs --dist-init-addr host:port"),
+        ({"nnodes": 2, "pp_size": 3, "dist_init_addr": "h:1"},
+         "--tp-size \\* --pp-size = 3 must be divisible by --nnodes 2"),
+    ],
+)
+def test_invalid_settings_say_what_to_change(flags: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_flags(**flags)
+
+
+def test_valid_multi_node_layout() -> None:
+    config = EngineConfig.from_flags(nnodes=2, node_rank=1, pp_size=4, dist_init_addr="h:1")
+    assert config.parallel.world_size == 4
+
+
+# -- environment defaults ---------------------------------------------------------------
+
+
+def test_smooth_factor_comes_from_env_when_the_flag_is_absent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(SMOOTH_ENV, "0.3")
+    assert EngineConfig.from_flags().scheduler.smooth_factor == 0.3
+
+
+@pytest.mark.parametrize("flag", [0.9, 0.0])  # 0.0 is a real value, not "unset"
+def test_smooth_factor_flag_beats_env(monkeypatch: pytest.MonkeyPatch, flag: float) -> None:
+    monkeypatch.setenv(SMOOTH_ENV, "0.3")
+    config = EngineConfig.from_flags(dynamic_chunking_smooth_factor=flag)
+    assert config.scheduler.smooth_factor == flag
+
+
+def test_empty_env_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SMOOTH_ENV, "")
+    assert EngineConfig.from_flags().scheduler.smooth_factor == 0.75
+
+
+def test_bad_env_values_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SMOOTH_ENV, "high")
+    with pytest.raises(ValueError, match=f"{SMOOTH_ENV}='high' is not a number"):
+        EngineConfig.from_flags()
+    monkeypatch.setenv(SMOOTH_ENV, "2")
+    with pytest.raises(ValueError, match=r"smooth factor 2.0 must be in \[0, 1\]"):
+        EngineConfig.from_flags()
+
+
+def test_layer_partition_falls_back_to_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert EngineConfig.from_flags().parallel.layer_partition is None
+    monkeypatch.setenv(PARTITION_ENV, "3,5")
+    assert EngineConfig.from_flags().parallel.layer_partition == "3,5"
+    config = EngineConfig.from_flags(pp_layer_partition="4,4")
+    assert config.parallel.layer_partition == "4,4"
