@@ -4,8 +4,13 @@ memory size, collective backend, and the attention kernel that returns log-sum-e
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -78,3 +83,28 @@ def prefers_blockwise_attention(device: torch.device) -> bool:
     """Prompt chunks on a CPU run faster as plain matmul blocks than in the fused kernel;
     accelerators use their fused kernels."""
     return device.type == "cpu"
+
+
+class ComputeStream:
+    """An in-order queue of device work that runs while the caller's thread goes on.
+
+    CPU: one worker thread with its own torch thread budget (torch releases the GIL inside
+    ops, so the scheduler's Python runs meanwhile). CUDA: the same worker issues its kernels
+    onto a dedicated `torch.cuda.Stream`.
+    """
+
+    def __init__(self, device: torch.device, num_threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute",
+                                        initializer=self._init, initargs=(device, num_threads))
+
+    @staticmethod
+    def _init(device: torch.device, num_threads: int) -> None:
+        set_threads(num_threads)
+        if device.type == "cuda":
+            torch.cuda.set_stream(torch.cuda.Stream(device))
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

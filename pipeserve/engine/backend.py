@@ -8,7 +8,11 @@ from typing import Protocol
 
 from pipeserve.config import EngineConfig
 from pipeserve.device import cpu_cores, set_threads
-from pipeserve.engine.loop import PlainLoop
+from pipeserve import envs
+from pipeserve.device import ComputeStream
+from pipeserve.engine.future_map import FutureMap, ring_size
+from pipeserve.engine.overlap_loop import OverlapLoop
+from pipeserve.engine.plain_loop import PlainLoop
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.kv_manager import KVManager
@@ -35,12 +39,22 @@ def build_scheduler(config: EngineConfig, arch: ArchConfig, tokenizer: Tokenizer
 class InProcessBackend:
     def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
                  tokenizer: Tokenizer, context_len: int) -> None:
-        set_threads(config.parallel.threads_per_worker or cpu_cores())
+        threads = config.parallel.threads_per_worker or cpu_cores()
+        set_threads(threads)
         num_pages = kv_pool_pages(config, arch, local_workers=1)
         self.runner = ModelRunner(config, arch, model_path, num_pages)
         self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
-        self.loop = PlainLoop(self.scheduler, self.runner)
+        self.loop: PlainLoop | OverlapLoop = self._make_loop(config, threads, context_len)
         self._aborted: list[RequestUpdate] = []
+
+    def _make_loop(self, config: EngineConfig, threads: int, context_len: int) -> PlainLoop | OverlapLoop:
+        s = config.scheduler
+        if s.disable_overlap_schedule:
+            return PlainLoop(self.scheduler, self.runner)
+        size = ring_size(s.max_running_requests, context_len, s.chunk_size)
+        return OverlapLoop(self.scheduler, self.runner, ComputeStream(self.runner.device, threads),
+                           FutureMap(size, self.runner.device),
+                           favour_ttft=envs.disable_consecutive_prefill_overlap())
 
     def submit(self, req: Req) -> None:
         self.scheduler.add_request(req)
@@ -57,6 +71,7 @@ class InProcessBackend:
     def stats(self) -> dict[str, float]:
         kv = self.scheduler.kv
         return {
+            "overlap_schedule": self.loop.name == "overlap",
             "kv_pages_total": kv.allocator.capacity,
             "kv_pages_free": kv.allocator.num_free,
             "kv_pages_cached": kv.tree.cached_pages() if kv.tree else 0,
@@ -68,4 +83,4 @@ class InProcessBackend:
         }
 
     def shutdown(self) -> None:
-        pass
+        self.loop.close()

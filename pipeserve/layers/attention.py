@@ -60,22 +60,39 @@ class AttentionPlan:
     decode: DecodePlan | None
 
 
-def split_runs(runs: list[Run], num: int) -> tuple[list[Run], list[int]]:
-    """Positions [0, num) of a request's KV: long runs (read in place) and the slot ids of the
-    rest (gathered)."""
+def split_runs(runs: list[Run], num: int) -> tuple[list[Run], list[Run]]:
+    """Positions [0, num) of a request's KV as long runs (read in place) and short runs
+    (gathered)."""
     views: list[Run] = []
-    scattered: list[int] = []
+    short: list[Run] = []
     left = num
     for start, length in runs:
-        n = min(length, left)
-        if n >= VIEW_MIN_TOKENS:
-            views.append((start, n))
-        else:
-            scattered.extend(range(start, start + n))
-        left -= n
         if left == 0:
             break
-    return views, scattered
+        n = min(length, left)
+        (views if n >= VIEW_MIN_TOKENS else short).append((start, n))
+        left -= n
+    return views, short
+
+
+def gather_index(groups: list[list[Run]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot ids of each group's runs, one row per group, padded with slot 0: ([groups, width],
+    lengths [groups]). A handful of tensor ops however many tokens the runs cover."""
+    starts = [s for g in groups for s, _ in g]
+    counts = [n for g in groups for _, n in g]
+    lengths = [sum(n for _, n in g) for g in groups]
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+    run_len, seg_len = t(counts), t(lengths)
+    total = int(seg_len.sum())
+    pos = torch.arange(total, device=device)
+    run_first = torch.cumsum(run_len, 0) - run_len  # position where each run begins
+    slots = torch.repeat_interleave(t(starts) - run_first, run_len) + pos
+    seg_first = torch.cumsum(seg_len, 0) - seg_len
+    row = torch.repeat_interleave(torch.arange(len(groups), device=device), seg_len)
+    out = torch.zeros(len(groups), max(lengths, default=0), dtype=torch.long, device=device)
+    out[row, pos - seg_first[row]] = slots
+    return out, seg_len
 
 
 def plan_attention(segments: list[tuple[int, int, int, list[Run]]], device: torch.device,
@@ -84,32 +101,28 @@ def plan_attention(segments: list[tuple[int, int, int, list[Run]]], device: torc
     every key from the pool (its own was just written; it always lands in the gathered part,
     so no padded row is empty); a prompt chunk reads its prefix from the pool and attends to
     itself from the fresh k/v."""
-    def ids(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.long, device=device)
-
     chunks: list[ChunkPlan] = []
     rows: list[int] = []
-    shorts: list[list[int]] = []
+    shorts: list[list[Run]] = []
     views: list[tuple[int, list[Run]]] = []
     for q_start, q_len, prefix_len, runs in segments:
+        long, short = split_runs(runs, prefix_len)
         if q_len > 1:
-            long, rest = split_runs(runs, prefix_len)
-            chunks.append(ChunkPlan(q_start, q_len, long, ids(rest) if rest else None))
+            gather = gather_index([short], device)[0][0] if short else None
+            chunks.append(ChunkPlan(q_start, q_len, long, gather))
             continue
-        long, rest = split_runs(runs, prefix_len)
-        rest.append(_last_slot(runs, prefix_len + 1))
+        short.append((_last_slot(runs, prefix_len + 1), 1))
         if long:
             views.append((len(rows), long))
         rows.append(q_start)
-        shorts.append(rest)
+        shorts.append(short)
     if not rows:
         return AttentionPlan(chunks, None)
-    width = max(map(len, shorts))
-    gather = ids([r + [0] * (width - len(r)) for r in shorts])  # type: ignore[arg-type]
-    mask = torch.zeros(len(rows), 1, 1, width, dtype=dtype, device=device)
-    for b, r in enumerate(shorts):
-        mask[b, ..., len(r) :] = float("-inf")
-    return AttentionPlan(chunks, DecodePlan(ids(rows), gather, mask, views))
+    gather, lengths = gather_index(shorts, device)
+    keep = torch.arange(gather.shape[1], device=device)[None, :] < lengths[:, None]
+    mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    row_ids = torch.tensor(rows, dtype=torch.long, device=device)
+    return AttentionPlan(chunks, DecodePlan(row_ids, gather, mask[:, None, None, :], views))
 
 
 def _last_slot(runs: list[Run], num: int) -> int:

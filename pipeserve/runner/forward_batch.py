@@ -21,6 +21,7 @@ class ForwardBatch:
     sample_rows: torch.Tensor  # [samples] row of each sampling slice's last token
     logprob_rows: torch.Tensor  # [n] rows whose prompt logprob is wanted
     logprob_targets: torch.Tensor  # [n] the token whose logprob each of those rows gives
+    future_slots: torch.Tensor  # [samples] overlap loop: ring slot of each sampled token
 
     @property
     def num_tokens(self) -> int:
@@ -31,7 +32,7 @@ class ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        segments, sample_rows, lp_rows, lp_targets = [], [], [], []
+        segments, sample_rows, lp_rows, lp_targets, future_slots = [], [], [], [], []
         for s in batch.slices:
             row, n = len(ids), s.num_tokens
             ids.extend(s.input_ids)
@@ -40,6 +41,7 @@ class ForwardBatch:
             segments.append((row, n, s.prefix_len, s.kv_runs))
             if s.sample:
                 sample_rows.append(row + n - 1)
+                future_slots.append(s.future_slot)
             lp_rows.extend(range(row, row + len(s.logprob_targets)))
             lp_targets.extend(s.logprob_targets)
 
@@ -48,7 +50,7 @@ class ForwardBatch:
 
         attn = plan_attention(segments, device, pool.dtype)
         return cls(tensor(ids), tensor(positions), tensor(slots), attn, pool,
-                   tensor(sample_rows), tensor(lp_rows), tensor(lp_targets))
+                   tensor(sample_rows), tensor(lp_rows), tensor(lp_targets), tensor(future_slots))
 
 
 def _tail_slots(runs: list[Run], n: int) -> list[int]:

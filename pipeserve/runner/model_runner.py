@@ -4,12 +4,14 @@ the last stage compute logits, sample, and gather logprobs."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeserve.config import EngineConfig
 from pipeserve.device import resolve_device, resolve_dtype, total_memory
+from pipeserve.engine.future_map import FutureMap
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
 from pipeserve.layers.sampler import Sampler
 from pipeserve.mem_cache.kv_pool import KVPool
@@ -20,6 +22,13 @@ from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
 
 LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)
+
+
+@dataclass
+class StageOutput:
+    hidden: torch.Tensor  # [tokens, hidden] for the next stage
+    residual: torch.Tensor | None
+    result: BatchResult | None  # last stage: the sampled tokens
 
 
 def kv_pool_pages(config: EngineConfig, arch: ArchConfig, local_workers: int) -> int:
@@ -67,24 +76,37 @@ class ModelRunner:
         """KV heads per TP rank (one replica each when there are fewer heads than ranks)."""
         return max(self.arch.num_kv_heads // self.state.tp_size, 1)
 
+    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        return ForwardBatch.prepare(batch, self.kv_pool, self.device)
+
     @torch.inference_mode()
-    def forward(
-        self, batch: ScheduledBatch, hidden: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, BatchResult | None]:
-        """Run this stage on `batch`. Returns (hidden, residual, result): the activations for
-        the next stage, and on the last stage the sampled tokens."""
-        fb = ForwardBatch.prepare(batch, self.kv_pool, self.device)
+    def execute(
+        self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None, future: FutureMap | None = None,
+    ) -> StageOutput:
+        """Run this stage's layers on a prepared batch (on the compute stream). With a future
+        map, placeholder input ids are resolved first and sampled tokens stored after."""
+        if future is not None and self.state.is_first_stage:
+            fb.input_ids = future.resolve(fb.input_ids)
         hidden, residual = self.model(fb, hidden, residual)
         if not self.state.is_last_stage:
-            return hidden, residual, None
-        return hidden, residual, self._sample(batch, fb, hidden)
+            return StageOutput(hidden, residual, None)
+        result, tokens = self._sample(batch, fb, hidden)
+        if future is not None:
+            future.store(fb.future_slots, tokens)
+        return StageOutput(hidden, residual, result)
 
-    def _sample(self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor) -> BatchResult:
+    def forward(self, batch: ScheduledBatch, hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> StageOutput:
+        return self.execute(batch, self.prepare(batch), hidden, residual)
+
+    def _sample(self, batch: ScheduledBatch, fb: ForwardBatch,
+                hidden: torch.Tensor) -> tuple[BatchResult, torch.Tensor]:
         self.sampler.release(batch.released)
         samples = [s for s in batch.slices if s.sample]
         tokens: list[int] = []
         out_lps: list[float] = []
+        ids = torch.empty(0, dtype=torch.long, device=self.device)
         if samples:
             logits = self.model.compute_logits(hidden[fb.sample_rows])
             params = [s.sampling for s in samples]
@@ -101,7 +123,7 @@ class ModelRunner:
         for s in batch.slices:
             per_slice.append(prompt[start : start + len(s.logprob_targets)])
             start += len(s.logprob_targets)
-        return BatchResult(batch.batch_id, tokens, out_lps, per_slice)
+        return BatchResult(batch.batch_id, tokens, out_lps, per_slice), ids
 
     def _prompt_logprobs(self, fb: ForwardBatch, hidden: torch.Tensor) -> list[float]:
         out: list[float] = []

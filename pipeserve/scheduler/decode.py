@@ -28,6 +28,8 @@ class DecodeManager:
                 continue
             if req.inflight and not req.future_slot:
                 continue  # in flight, and its token has no placeholder to stand for it
+            if len(req.output_ids) + req.inflight >= req.sampling.max_new_tokens:
+                continue  # the tokens in flight already reach max_new_tokens
             if self._make_room(req):
                 slices.append(self._step(req))
         return slices

@@ -126,6 +126,16 @@ class Scheduler:
         self._released = []
         return batch
 
+    def assign_future_slots(self, batch: ScheduledBatch, slots: list[int]) -> None:
+        """Overlap loop: where each sampled token of `batch` will be found before it is
+        processed (the next batch feeds -slot in its place)."""
+        sampling = [s for s in batch.slices if s.sample]
+        for s, slot in zip(sampling, slots, strict=True):
+            s.future_slot = slot
+            req = self.reqs.get(s.rid)
+            if req is not None:
+                req.future_slot = slot
+
     # -- results ------------------------------------------------------------------------
 
     def process_result(self, batch: ScheduledBatch, result: BatchResult) -> list[RequestUpdate]:

@@ -1,4 +1,5 @@
-"""The plain event loop: schedule -> forward (wait) -> process results."""
+"""The plain event loop: schedule -> forward (wait) -> process results. The simple twin of
+the overlap loop, kept for debugging (`--disable-overlap-schedule`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ class PlainLoop:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        _, _, result = self.runner.forward(batch)
+        result = self.runner.forward(batch).result
         assert result is not None
         return self.scheduler.process_result(batch, result)
+
+    def close(self) -> None:
+        pass

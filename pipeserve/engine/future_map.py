@@ -1,0 +1,43 @@
+"""Future token map for the overlap loop: batch N+1 is built before batch N's tokens exist.
+
+Each sampled token of a launched batch gets a slot in a ring on the device; the next batch
+feeds `-slot` as the input id, resolved on the compute stream at the start of its forward,
+after batch N (earlier on the same in-order stream) has stored its tokens. Slot 0 is never
+used, so every placeholder is negative.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FutureMap:
+    def __init__(self, size: int, device: torch.device) -> None:
+        if size < 2:
+            raise ValueError("the future token ring needs at least 2 slots")
+        self.size = size
+        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
+        self._next = 1
+
+    def reserve(self, n: int) -> list[int]:
+        """n consecutive slots (wrapping around, skipping 0)."""
+        if n > self.size - 1:
+            raise ValueError(f"{n} placeholders do not fit a ring of {self.size - 1} slots")
+        out = []
+        for _ in range(n):
+            out.append(self._next)
+            self._next = self._next + 1 if self._next + 1 < self.size else 1
+        return out
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """Replace every -slot by the token stored in that slot."""
+        return torch.where(ids < 0, self.tokens[(-ids).clamp(min=0)], ids)
+
+    def store(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.tokens[slots] = tokens
+
+
+def ring_size(max_running_requests: int, context_len: int, chunk_size: int | None) -> int:
+    """Room for every request that can be in flight, middle prefill chunks included."""
+    max_chunks = -(-context_len // chunk_size) if chunk_size else 1
+    return max_running_requests * (3 + max_chunks) + 1
