@@ -81,6 +81,9 @@ class ParallelConfig:
         None, "layers per stage, e.g. '15,15,15,16' or 'auto' (env PIPESERVE_PP_LAYER_PARTITION)"
     )
     threads_per_worker: int | None = _flag(None, "torch threads per worker (default: cores/workers)")
+    spawn_workers: bool = _flag(
+        False, "run the model in a worker process even on one device (default: in-process)"
+    )
     nnodes: int = _flag(1, "number of nodes")
     node_rank: int = _flag(0, "rank of this node")
     dist_init_addr: str | None = _flag(None, "host:port of node 0 for multi-node launch")
@@ -88,6 +91,10 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    @property
+    def uses_workers(self) -> bool:
+        return self.world_size > 1 or self.nnodes > 1 or self.spawn_workers
 
     @property
     def layer_partition(self) -> str | None:

@@ -75,3 +75,60 @@ def is_last_stage() -> bool:
 
 def stage_layers(num_layers: int) -> range:
     return _state.layers if _state.layers is not None else range(num_layers)
+
+
+@dataclass(frozen=True)
+class StageLinks:
+    """Point-to-point groups of this rank: to the same TP rank of the previous and next
+    stage (a group per link, so sending and receiving never share one)."""
+
+    prev_group: Any = None
+    next_group: Any = None
+    prev_rank: int | None = None
+    next_rank: int | None = None
+
+
+_links = StageLinks()
+
+
+def get_stage_links() -> StageLinks:
+    return _links
+
+
+def init_parallel_groups(rank: int, tp_size: int, pp_size: int, partition: list[int],
+                         backend: str, init_method: str, timeout_s: float) -> ParallelState:
+    """Join the process group and create every TP and stage-link group (all ranks create
+    all groups, in the same order). Rank layout: pp_rank * tp_size + tp_rank."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pipeserve.distributed.partition import stage_ranges
+
+    global _links
+    world = tp_size * pp_size
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    tp_group, tp_ranks = None, (rank,)
+    for stage in range(pp_size):
+        ranks = [stage * tp_size + t for t in range(tp_size)]
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if stage == pp_rank:
+            tp_group, tp_ranks = group, tuple(ranks)
+    links: dict[tuple[int, int], Any] = {}
+    for stage in range(pp_size - 1):
+        for t in range(tp_size):
+            pair = (stage * tp_size + t, (stage + 1) * tp_size + t)
+            links[pair] = dist.new_group(list(pair))
+    prev_rank = rank - tp_size if pp_rank > 0 else None
+    next_rank = rank + tp_size if pp_rank < pp_size - 1 else None
+    _links = StageLinks(
+        prev_group=links.get((prev_rank, rank)) if prev_rank is not None else None,
+        next_group=links.get((rank, next_rank)) if next_rank is not None else None,
+        prev_rank=prev_rank, next_rank=next_rank,
+    )
+    state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, stage_ranges(partition)[pp_rank],
+                          tp_group, tp_ranks)
+    set_parallel_state(state)
+    return state

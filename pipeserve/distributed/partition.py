@@ -36,3 +36,10 @@ def parse_partition(spec: str, num_layers: int, pp_size: int) -> list[int]:
 def stage_ranges(partition: list[int]) -> list[range]:
     starts = [sum(partition[:i]) for i in range(len(partition))]
     return [range(s, s + n) for s, n in zip(starts, partition, strict=True)]
+
+
+def resolve_partition(spec: str | None, num_layers: int, pp_size: int) -> list[int]:
+    """The partition to use: the user's list if given, else the default rule."""
+    if spec is None:
+        return default_partition(num_layers, pp_size)
+    return parse_partition(spec, num_layers, pp_size)

@@ -4,13 +4,15 @@ caller's process (one device); the multi-process backend drives worker processes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeserve.config import EngineConfig
 from pipeserve.device import cpu_cores, set_threads
 from pipeserve import envs
 from pipeserve.device import ComputeStream
-from pipeserve.engine.future_map import FutureMap, ring_size
+from pipeserve.engine.future_map import FutureMap, SlotRing, ring_size
+from pipeserve.engine.pipeline_loop import PipelineLoop
+from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.engine.overlap_loop import OverlapLoop
 from pipeserve.engine.plain_loop import PlainLoop
 from pipeserve.models.arch import ArchConfig
@@ -25,15 +27,32 @@ class Backend(Protocol):
     def submit(self, req: Req) -> None: ...
     def abort(self, rid: str) -> None: ...
     def step(self) -> list[RequestUpdate]: ...
-    def stats(self) -> dict[str, float]: ...
+    def stats(self) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
 
 
 def build_scheduler(config: EngineConfig, arch: ArchConfig, tokenizer: Tokenizer,
-                    num_pages: int, context_len: int) -> Scheduler:
+                    num_pages: int, context_len: int, max_batch_reqs: int | None = None) -> Scheduler:
     kv = KVManager(num_pages, config.cache.page_size, config.cache.disable_radix_cache)
     eos = tuple(sorted(set(arch.eos_token_ids) | set(tokenizer.eos_token_ids)))
-    return Scheduler(config.scheduler, kv, context_len, eos, detokenize=tokenizer.decode)
+    return Scheduler(config.scheduler, kv, context_len, eos, detokenize=tokenizer.decode,
+                     max_batch_reqs=max_batch_reqs)
+
+
+def scheduler_stats(scheduler: Scheduler, loop: str) -> dict[str, Any]:
+    kv = scheduler.kv
+    return {
+        "loop": loop,
+        "overlap_schedule": loop == "overlap",
+        "kv_pages_total": kv.allocator.capacity,
+        "kv_pages_free": kv.allocator.num_free,
+        "kv_pages_cached": kv.tree.cached_pages() if kv.tree else 0,
+        "num_running": scheduler.num_running,
+        "num_waiting": scheduler.num_waiting,
+        "num_retracted": scheduler.decode.num_retracted,
+        "prefix_hit_tokens": kv.hit_tokens,
+        "prefix_lookup_tokens": kv.lookup_tokens,
+    }
 
 
 class InProcessBackend:
@@ -68,19 +87,55 @@ class InProcessBackend:
         updates, self._aborted = self._aborted, []
         return updates + self.loop.step()
 
-    def stats(self) -> dict[str, float]:
-        kv = self.scheduler.kv
-        return {
-            "overlap_schedule": self.loop.name == "overlap",
-            "kv_pages_total": kv.allocator.capacity,
-            "kv_pages_free": kv.allocator.num_free,
-            "kv_pages_cached": kv.tree.cached_pages() if kv.tree else 0,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_retracted": self.scheduler.decode.num_retracted,
-            "prefix_hit_tokens": kv.hit_tokens,
-            "prefix_lookup_tokens": kv.lookup_tokens,
-        }
+    def stats(self) -> dict[str, Any]:
+        return scheduler_stats(self.scheduler, self.loop.name)
+
+    def shutdown(self) -> None:
+        self.loop.close()
+
+
+class WorkerBackend:
+    """Scheduler here, model in worker processes (one per stage x TP rank)."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
+                 tokenizer: Tokenizer, context_len: int) -> None:
+        p, s = config.parallel, config.scheduler
+        overlap = p.pp_size == 1 and not s.disable_overlap_schedule
+        ring = ring_size(s.max_running_requests, context_len, s.chunk_size) if overlap else 0
+        self.workers = WorkerSet(config, str(model_path), future_ring=ring)
+        try:
+            info = self.workers.wait_ready()
+        except BaseException:
+            self.workers.shutdown()
+            raise
+        num_pages = info[0]["num_pages"]
+        self.partition = info[0]["partition"]
+        per_batch = max(s.max_running_requests // p.pp_size, 1)
+        self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len,
+                                         max_batch_reqs=per_batch)
+        depth = p.pp_size if p.pp_size > 1 else (2 if overlap else 1)
+        self.loop = PipelineLoop(self.scheduler, self.workers, depth,
+                                 SlotRing(ring) if overlap else None)
+        self._aborted: list[RequestUpdate] = []
+
+    def submit(self, req: Req) -> None:
+        self.scheduler.add_request(req)
+
+    def abort(self, rid: str) -> None:
+        update = self.scheduler.abort(rid)
+        if update is not None:
+            self._aborted.append(update)
+
+    def step(self) -> list[RequestUpdate]:
+        updates, self._aborted = self._aborted, []
+        try:
+            return updates + self.loop.step()
+        except WorkerError:
+            self.shutdown()
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        return scheduler_stats(self.scheduler, self.loop.name)
 
     def shutdown(self) -> None:
         self.loop.close()

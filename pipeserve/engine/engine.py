@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve.config import EngineConfig
-from pipeserve.engine.backend import Backend, InProcessBackend
+from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.presets import DEFAULT_PRESET, preset_path
 from pipeserve.scheduler.request import Req, SamplingParams
@@ -60,7 +60,8 @@ class Engine:
         self.arch = ArchConfig.load(self.model_path)
         self.tokenizer = Tokenizer(self.model_path)
         self.context_len = self.config.model.context_length or self.arch.max_position_embeddings
-        self.backend: Backend = InProcessBackend(
+        kind = WorkerBackend if self.config.parallel.uses_workers else InProcessBackend
+        self.backend: Backend = kind(
             self.config, self.arch, self.model_path, self.tokenizer, self.context_len
         )
 

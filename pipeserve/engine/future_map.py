@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 
 
-class FutureMap:
-    def __init__(self, size: int, device: torch.device) -> None:
+class SlotRing:
+    """Hands out ring slots 1..size-1 in order, wrapping around (the scheduler's half)."""
+
+    def __init__(self, size: int) -> None:
         if size < 2:
             raise ValueError("the future token ring needs at least 2 slots")
         self.size = size
-        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
         self._next = 1
 
     def reserve(self, n: int) -> list[int]:
@@ -28,6 +29,14 @@ class FutureMap:
             out.append(self._next)
             self._next = self._next + 1 if self._next + 1 < self.size else 1
         return out
+
+
+class FutureMap(SlotRing):
+    """The ring of tokens itself, on the device (the executor's half)."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        super().__init__(size)
+        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """Replace every -slot by the token stored in that slot."""

@@ -1,0 +1,55 @@
+"""The scheduler's side of the micro-batch event loop over worker processes.
+
+Up to `depth` micro-batches are in flight; stage workers run them in order and the last
+stage reports each one back (a middle prompt chunk's report carries no tokens, only its
+id). Consecutive chunks of one long prompt go out as consecutive micro-batches without
+waiting for each other, so all stages work on different chunks at once.
+
+- Pipeline parallelism (P stages): depth P; a request is in at most one micro-batch at a
+  time (its next step needs the token the last stage returns). The per-micro-batch request
+  cap is max(max_running_requests // P, 1), so the running requests spread over the slots.
+- One stage: depth 2 with future-token placeholders — the CPU/device overlap loop, with
+  the worker process as the device. (The two are never combined: under PP the pipeline is
+  the overlap.)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pipeserve.engine.future_map import SlotRing
+from pipeserve.engine.workers import WorkerSet
+from pipeserve.scheduler.batch import ScheduledBatch
+from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+
+
+class PipelineLoop:
+    def __init__(self, scheduler: Scheduler, workers: WorkerSet, depth: int,
+                 future: SlotRing | None) -> None:
+        self.scheduler, self.workers, self.depth, self.future = scheduler, workers, depth, future
+        self.name = "overlap" if future is not None else ("pipeline" if depth > 1 else "plain")
+        self.inflight: deque[ScheduledBatch] = deque()
+
+    def step(self) -> list[RequestUpdate]:
+        self._fill()
+        if not self.inflight:
+            return []
+        result = self.workers.wait_result()
+        batch = self.inflight.popleft()
+        if result.batch_id != batch.batch_id:
+            raise RuntimeError(f"result of batch {result.batch_id} arrived, expected {batch.batch_id}")
+        return self.scheduler.process_result(batch, result)
+
+    def _fill(self) -> None:
+        max_inflight = 1 if self.future is not None else 0
+        while len(self.inflight) < self.depth:
+            batch = self.scheduler.schedule(max_inflight=max_inflight)
+            if batch is None:
+                return
+            if self.future is not None:
+                self.scheduler.assign_future_slots(batch, self.future.reserve(batch.num_samples))
+            self.workers.send_batch(batch)
+            self.inflight.append(batch)
+
+    def close(self) -> None:
+        self.workers.shutdown()

@@ -1,0 +1,109 @@
+"""The scheduler's view of its worker processes: start them, hear them, notice when one
+dies or stalls, and stop them all."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pipeserve.config import EngineConfig
+from pipeserve.distributed.channels import SchedulerChannels
+from pipeserve.distributed.launcher import (
+    endpoints_for,
+    local_ranks,
+    rendezvous,
+    start_workers,
+)
+from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+
+POLL_MS = 100
+HEARTBEAT_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 600.0
+
+
+class WorkerError(RuntimeError):
+    """A worker failed, died or stopped answering; the engine cannot go on."""
+
+
+class WorkerSet:
+    def __init__(self, config: EngineConfig, model_path: str, future_ring: int,
+                 step_timeout_s: float | None = None) -> None:
+        p = config.parallel
+        self.world_size = p.world_size
+        self.tp_size = p.tp_size
+        self.step_timeout_s = step_timeout_s
+        rdzv = rendezvous(config)
+        self.channels = SchedulerChannels(
+            "0.0.0.0" if p.nnodes > 1 else rdzv.host, p.tp_size, rdzv.zmq_base_port
+        )
+        endpoints = self.channels.endpoints
+        if rdzv.zmq_base_port is not None:
+            endpoints = endpoints_for(rdzv, p.tp_size)
+        self.procs = start_workers(config, model_path, endpoints, rdzv, future_ring)
+        self.local = dict(zip(local_ranks(config), self.procs, strict=True))
+        self.last_seen: dict[int, float] = {}
+        self.info: dict[int, dict[str, Any]] = {}
+        self.closed = False
+
+    def wait_ready(self) -> dict[int, dict[str, Any]]:
+        """Block until every rank (on every node) has loaded its shard."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(self.info) < self.world_size:
+            msg = self._poll()
+            if msg is not None and msg[0] == "ready":
+                self.info[msg[1]] = msg[2]
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(self.info))
+                raise WorkerError(f"workers {missing} did not start within {START_TIMEOUT_S:.0f}s")
+        return self.info
+
+    def send_batch(self, batch: ScheduledBatch) -> None:
+        if not self.channels.send_batch(batch):
+            self._check_alive(time.monotonic())
+            raise WorkerError("the first pipeline stage is not taking batches")
+
+    def wait_result(self) -> BatchResult:
+        start = time.monotonic()
+        while True:
+            msg = self._poll()
+            if msg is not None and msg[0] == "result":
+                return msg[2]
+            if self.step_timeout_s and time.monotonic() - start > self.step_timeout_s:
+                raise WorkerError(f"a step took longer than the watchdog timeout "
+                                  f"({self.step_timeout_s:.0f}s)")
+
+    def _poll(self) -> tuple[str, int, Any] | None:
+        msg = self.channels.poll(POLL_MS)
+        now = time.monotonic()
+        if msg is not None:
+            kind, rank, payload = msg
+            self.last_seen[rank] = now
+            if kind == "error":
+                raise WorkerError(f"worker rank {rank} failed:\n{payload}")
+            if kind == "heartbeat":
+                return None
+        self._check_alive(now)
+        return msg
+
+    def _check_alive(self, now: float) -> None:
+        for rank, proc in self.local.items():
+            if proc.exitcode is not None:
+                raise WorkerError(f"worker rank {rank} exited with code {proc.exitcode}")
+        for rank, seen in self.last_seen.items():
+            if now - seen > HEARTBEAT_TIMEOUT_S:
+                raise WorkerError(f"worker rank {rank} sent no heartbeat for {now - seen:.0f}s")
+
+    def shutdown(self) -> None:
+        """Ask the pipeline to stop; kill whatever has not exited shortly after."""
+        if self.closed:
+            return
+        self.closed = True
+        self.channels.send_batch("shutdown")
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self.channels.close()
