@@ -41,9 +41,22 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in FLAG_AREAS and v is not None}
 
 
+def run_as_worker_node(args: argparse.Namespace) -> bool:
+    """On nodes other than 0 every command just runs this node's workers."""
+    if not args.node_rank:
+        return False
+    from pipeserve.config import EngineConfig
+    from pipeserve.distributed.launcher import run_worker_node
+    from pipeserve.engine.engine import resolve_model_path
+
+    config = EngineConfig.from_flags(**engine_flags(args))
+    sys.exit(run_worker_node(config, str(resolve_model_path(config.model.model_path))))
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from pipeserve.engine.engine import Engine
 
+    run_as_worker_node(args)
     prompts = args.prompt or [
         "The capital of France is",
         "Write a haiku about pipelines:",
@@ -64,6 +77,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from pipeserve.bench.offline import run_bench
     from pipeserve.engine.engine import Engine
 
+    run_as_worker_node(args)
     with Engine(**engine_flags(args)) as engine:
         run_bench(engine, args.input_len, args.output_len, args.num_prompts,
                   args.seed or 0, args.baseline, args.json)

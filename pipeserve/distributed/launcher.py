@@ -75,3 +75,21 @@ def start_workers(config: EngineConfig, model_path: str, endpoints: Endpoints,
         proc.start()
         procs.append(proc)
     return procs
+
+
+def run_worker_node(config: EngineConfig, model_path: str) -> int:
+    """A node other than 0: start this node's workers and wait for them (they exit when
+    node 0 shuts the pipeline down, or on their own once node 0 is gone)."""
+    rdzv = rendezvous(config)
+    endpoints = endpoints_for(rdzv, config.parallel.tp_size)
+    from pipeserve.engine.future_map import worker_ring_size
+    from pipeserve.models.arch import ArchConfig
+
+    context = ArchConfig.load(model_path).context_length(config.model.context_length)
+    ring = worker_ring_size(config, context)
+    procs = start_workers(config, model_path, endpoints, rdzv, ring)
+    print(f"node {config.parallel.node_rank}: workers {list(local_ranks(config))} started",
+          flush=True)
+    for proc in procs:
+        proc.join()
+    return max((abs(p.exitcode or 0) for p in procs), default=0)

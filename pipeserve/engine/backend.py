@@ -10,7 +10,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.device import cpu_cores, set_threads
 from pipeserve import envs
 from pipeserve.device import ComputeStream
-from pipeserve.engine.future_map import FutureMap, SlotRing, ring_size
+from pipeserve.engine.future_map import FutureMap, SlotRing, ring_size, worker_ring_size
 from pipeserve.engine.pipeline_loop import PipelineLoop
 from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.engine.overlap_loop import OverlapLoop
@@ -100,8 +100,7 @@ class WorkerBackend:
     def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
                  tokenizer: Tokenizer, context_len: int) -> None:
         p, s = config.parallel, config.scheduler
-        overlap = p.pp_size == 1 and not s.disable_overlap_schedule
-        ring = ring_size(s.max_running_requests, context_len, s.chunk_size) if overlap else 0
+        ring = worker_ring_size(config, context_len)
         self.workers = WorkerSet(config, str(model_path), future_ring=ring)
         try:
             info = self.workers.wait_ready()
@@ -113,9 +112,9 @@ class WorkerBackend:
         per_batch = max(s.max_running_requests // p.pp_size, 1)
         self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len,
                                          max_batch_reqs=per_batch)
-        depth = p.pp_size if p.pp_size > 1 else (2 if overlap else 1)
+        depth = p.pp_size if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(self.scheduler, self.workers, depth,
-                                 SlotRing(ring) if overlap else None)
+                                 SlotRing(ring) if ring else None)
         self._aborted: list[RequestUpdate] = []
 
     def submit(self, req: Req) -> None:

@@ -59,7 +59,7 @@ class Engine:
         self.model_path = resolve_model_path(self.config.model.model_path)
         self.arch = ArchConfig.load(self.model_path)
         self.tokenizer = Tokenizer(self.model_path)
-        self.context_len = self.config.model.context_length or self.arch.max_position_embeddings
+        self.context_len = self.arch.context_length(self.config.model.context_length)
         kind = WorkerBackend if self.config.parallel.uses_workers else InProcessBackend
         self.backend: Backend = kind(
             self.config, self.arch, self.model_path, self.tokenizer, self.context_len

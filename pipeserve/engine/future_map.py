@@ -8,7 +8,12 @@ used, so every placeholder is negative.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from pipeserve.config import EngineConfig
 
 
 class SlotRing:
@@ -50,3 +55,12 @@ def ring_size(max_running_requests: int, context_len: int, chunk_size: int | Non
     """Room for every request that can be in flight, middle prefill chunks included."""
     max_chunks = -(-context_len // chunk_size) if chunk_size else 1
     return max_running_requests * (3 + max_chunks) + 1
+
+
+def worker_ring_size(config: EngineConfig, context_len: int) -> int:
+    """Ring size for worker processes: 0 unless the one-stage overlap loop feeds them
+    placeholders (under PP the pipeline is the overlap; the two are not combined)."""
+    s = config.scheduler
+    if config.parallel.pp_size > 1 or s.disable_overlap_schedule:
+        return 0
+    return ring_size(s.max_running_requests, context_len, s.chunk_size)

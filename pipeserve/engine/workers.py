@@ -58,6 +58,7 @@ class WorkerSet:
         return self.info
 
     def send_batch(self, batch: ScheduledBatch) -> None:
+        self._check_alive(time.monotonic())
         if not self.channels.send_batch(batch):
             self._check_alive(time.monotonic())
             raise WorkerError("the first pipeline stage is not taking batches")

@@ -50,6 +50,9 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def context_length(self, override: int | None) -> int:
+        return override or self.max_position_embeddings
+
     def is_moe_layer(self, layer_id: int) -> bool:
         return (
             self.num_experts > 0
