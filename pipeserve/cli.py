@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import json
 import sys
 from typing import Any
@@ -73,14 +74,22 @@ def cmd_generate(args: argparse.Namespace) -> None:
                   f" TTFT {meta['ttft_s'] * 1000:.1f} ms, finish: {meta['finish_reason']}]")
 
 
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from pipeserve.bench.offline import run_bench
-    from pipeserve.engine.engine import Engine
 
+    pp_sizes, tp_sizes = args.pp_size or [1], args.tp_size or [1]
+    args.pp_size, args.tp_size = pp_sizes[0], tp_sizes[0]
     run_as_worker_node(args)
-    with Engine(**engine_flags(args)) as engine:
-        run_bench(engine, args.input_len, args.output_len, args.num_prompts,
-                  args.seed or 0, args.baseline, args.json)
+    layouts = [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
+    run_bench(engine_flags(args), layouts, args.input_len, args.output_len, args.num_prompts,
+              args.seed or 0, args.baseline, args.json, args.trace, args.timeline)
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:
@@ -114,7 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=int, default=1)
     bench.add_argument("--baseline", choices=["hf"], help="also run Hugging Face transformers")
     bench.add_argument("--json", help="save the results here")
+    bench.add_argument("--trace", help="write a Chrome/Perfetto trace of every stage here")
+    bench.add_argument("--timeline", help="draw the per-stage Gantt chart into this PNG")
     add_engine_flags(bench)
+    for action in bench._actions:  # layouts to compare: --pp-size 1,2 --tp-size 1,2
+        if action.dest in ("pp_size", "tp_size"):
+            action.type = int_list
     bench.set_defaults(func=cmd_bench)
 
     make = sub.add_parser("make-model", help="write a built-in model as an HF checkpoint")
@@ -129,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[pipeserve] %(message)s")
     args.func(args)
 
 

@@ -60,6 +60,9 @@ class SchedulerConfig:
     dynamic_chunking_smooth_factor: float | None = _flag(
         None, "0 = fixed chunks .. 1 = follow the cost model (env default 0.75)"
     )
+    dynamic_chunking_online: bool = _flag(
+        False, "keep refitting the chunk cost model from measured chunk times while serving"
+    )
     disable_overlap_schedule: bool = _flag(False, "run the plain loop (no CPU/device overlap)")
 
     @property
@@ -79,6 +82,10 @@ class ParallelConfig:
     pp_size: int = _flag(1, "pipeline parallel size")
     pp_layer_partition: str | None = _flag(
         None, "layers per stage, e.g. '15,15,15,16' or 'auto' (env PIPESERVE_PP_LAYER_PARTITION)"
+    )
+    pp_async_batch_depth: int = _flag(
+        1, "micro-batches in flight beyond --pp-size (keeps the first stage fed while results "
+        "travel back)"
     )
     threads_per_worker: int | None = _flag(None, "torch threads per worker (default: cores/workers)")
     spawn_workers: bool = _flag(
@@ -160,6 +167,7 @@ def validate(config: EngineConfig) -> None:
         (0.0 <= s.smooth_factor <= 1.0,
          f"dynamic chunking smooth factor {s.smooth_factor} must be in [0, 1]"),
         (p.tp_size > 0 and p.pp_size > 0, "--tp-size and --pp-size must be positive"),
+        (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
         (p.nnodes > 0 and 0 <= p.node_rank < p.nnodes,
          f"--node-rank {p.node_rank} must be in [0, --nnodes {p.nnodes})"),
         (p.nnodes == 1 or p.dist_init_addr, "--nnodes > 1 needs --dist-init-addr host:port"),

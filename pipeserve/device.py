@@ -29,6 +29,12 @@ def resolve_dtype(name: str, checkpoint_dtype: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (a no-op on CPU, where ops run synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def dist_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

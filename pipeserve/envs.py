@@ -39,3 +39,8 @@ def cache_dir() -> Path:
     """PIPESERVE_CACHE_DIR: where built-in preset checkpoints are made once and kept."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pipeserve"
     return Path(os.environ.get("PIPESERVE_CACHE_DIR", default))
+
+
+def profile_cache_enabled() -> bool:
+    """PIPESERVE_PROFILE_CACHE=0 re-profiles dynamic chunking at every start."""
+    return os.environ.get("PIPESERVE_PROFILE_CACHE", "1").strip() not in ("0", "false", "no")

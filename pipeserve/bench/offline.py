@@ -1,9 +1,11 @@
 """`pipeserve bench`: prefill/decode timing on identical random prompts, the achieved prefill
-FLOP/s against this machine's matmul peak, and optionally the same workload on Hugging Face
-transformers (`--baseline hf`) as a ratio taken in the same run."""
+FLOP/s against this machine's matmul peak, per-stage bubble ratios from the timeline, and
+ratios taken in the same run: between parallel layouts (`--pp-size 1,2`) and against
+Hugging Face transformers (`--baseline hf`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -14,10 +16,15 @@ import torch
 
 from pipeserve.bench.flops import prefill_flops
 from pipeserve.bench.peak import matmul_peak_flops
-from pipeserve.device import resolve_device, resolve_dtype
+from pipeserve.config import EngineConfig
+from pipeserve.device import resolve_device, resolve_dtype, set_threads
+from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
-from pipeserve.models.arch import ArchConfig
 from pipeserve.scheduler.request import Req, SamplingParams
+from pipeserve.timeline import Event, bubble_ratios, draw_timeline, write_trace
+
+TIMING_KEYS = ("ttft_mean_s", "ttft_p50_s", "prefill_s", "decode_s", "total_s",
+               "input_throughput_tok_s", "output_throughput_tok_s")
 
 
 def make_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
@@ -43,79 +50,146 @@ def summarize(ttfts: list[float], total_s: float, input_tokens: int, output_toke
 
 
 def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """Warm up on other prompts, then time all prompts submitted at once."""
+    warm = make_prompts(engine.arch.vocab_size, 2, 64, seed=12345)
+    engine.run([Req(f"warmup-{i}", p, SamplingParams(max_new_tokens=2, temperature=0.0))
+                for i, p in enumerate(warm)])
+    engine.backend.timeline()  # drop the warm-up events
     sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-    engine.run([Req(f"warmup-{i}", p[:64], SamplingParams(max_new_tokens=2, temperature=0.0))
-                for i, p in enumerate(prompts[:2])])
     reqs = [Req(f"bench-{i}", p, sp) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     outputs = engine.run(reqs)
     total = time.perf_counter() - start
     ttfts = [o["meta_info"]["ttft_s"] for o in outputs]
     out_tokens = sum(len(o["output_ids"]) for o in outputs)
-    stats = summarize(ttfts, total, sum(map(len, prompts)), out_tokens, len(prompts))
+    stats: dict[str, Any] = summarize(ttfts, total, sum(map(len, prompts)), out_tokens,
+                                      len(prompts))
     stats["chunk_sizes"] = [o["meta_info"]["chunk_sizes"] for o in outputs]
     stats["output_ids"] = [o["output_ids"] for o in outputs]
+    stats["events"] = engine.backend.timeline()
+    stats["overlap_schedule"] = engine.backend.stats()["overlap_schedule"]
+    stats["loop"] = engine.backend.stats()["loop"]
     return stats
 
 
-def run_bench(engine: Engine, input_len: int, output_len: int, num_prompts: int, seed: int = 0,
-              baseline: str | None = None, json_path: str | None = None) -> dict[str, Any]:
-    arch: ArchConfig = engine.arch
-    prompts = make_prompts(arch.vocab_size, num_prompts, input_len, seed)
-    device = resolve_device(engine.config.model.device)
-    dtype = resolve_dtype(engine.config.model.dtype, arch.torch_dtype)
-    threads = torch.get_num_threads()
-    peak = matmul_peak_flops(dtype, device)
-    stats = run_pipeserve(engine, prompts, output_len)
-    flops = sum(prefill_flops(arch, len(p)) for p in prompts)
-    report: dict[str, Any] = {
-        "model": str(engine.model_path), "dtype": str(dtype).removeprefix("torch."),
-        "threads": threads, "input_len": input_len, "output_len": output_len,
-        "num_prompts": num_prompts, "chunked_prefill_size": engine.config.scheduler.chunked_prefill_size,
-        "matmul_peak_flops": peak,
-        "prefill_flops": flops,
-        "prefill_flops_per_s": flops / stats["prefill_s"],
-        "prefill_flops_share_of_peak": flops / stats["prefill_s"] / peak,
-        **{k: v for k, v in stats.items() if k != "output_ids"},
-    }
+def run_bench(flags: dict[str, Any], layouts: list[tuple[int, int]], input_len: int,
+              output_len: int, num_prompts: int, seed: int = 0, baseline: str | None = None,
+              json_path: str | None = None, trace_path: str | None = None,
+              timeline_path: str | None = None) -> dict[str, Any]:
+    config = EngineConfig.from_flags(**flags)
+    runs: list[dict[str, Any]] = []
+    panels: list[tuple[str, list[Event]]] = []
+    for pp, tp in layouts:
+        with Engine(**{**flags, "pp_size": pp, "tp_size": tp}) as engine:
+            if not runs:
+                report = _describe(engine, config, input_len, output_len, num_prompts)
+                prompts = make_prompts(engine.arch.vocab_size, num_prompts, input_len, seed)
+                flops = sum(prefill_flops(engine.arch, len(p)) for p in prompts)
+            stats = run_pipeserve(engine, prompts, output_len)
+        events = stats.pop("events")
+        panels.append((f"PP{pp} x TP{tp}", events))
+        row = _layout_row(pp, tp, stats, flops, report["matmul_peak_flops"], runs)
+        row["bubble_ratio"] = bubble_ratios(events)
+        runs.append(row)
+    report.update({k: v for k, v in runs[0].items() if k not in ("output_ids", "events")})
+    report["layouts"] = [{k: v for k, v in r.items() if k != "output_ids"} for r in runs]
+    report["same_tokens_across_layouts"] = all(r["output_ids"] == runs[0]["output_ids"] for r in runs)
     if baseline == "hf":
-        from pipeserve.bench.hf_baseline import run_hf
-
-        base = run_hf(engine.model_path, prompts, output_len, dtype)
-        report["baseline"] = {"name": "hf-transformers", **{k: v for k, v in base.items()
-                                                            if k != "output_ids"}}
-        report["ratio_to_baseline"] = {
-            "prefill_time": stats["prefill_s"] / base["prefill_s"],
-            "ttft_mean": stats["ttft_mean_s"] / base["ttft_mean_s"],
-            "decode_throughput": (base["output_throughput_tok_s"] / stats["output_throughput_tok_s"]
-                                  if stats["output_throughput_tok_s"] else None),
-        }
-        report["same_greedy_tokens_as_baseline"] = base["output_ids"] == stats["output_ids"]
+        _add_hf_baseline(report, runs[0], prompts, output_len, flags)
     print_report(report)
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2))
-        print(f"saved {json_path}")
+    _save(report, panels, json_path, trace_path, timeline_path)
     return report
 
 
+def _describe(engine: Engine, config: EngineConfig, input_len: int, output_len: int,
+              num_prompts: int) -> dict[str, Any]:
+    dtype = resolve_dtype(config.model.dtype, engine.arch.torch_dtype)
+    threads = threads_per_worker(config)
+    set_threads(threads)
+    peak = matmul_peak_flops(dtype, resolve_device(config.model.device))
+    return {
+        "model": str(engine.model_path), "dtype": str(dtype).removeprefix("torch."),
+        "threads_per_worker": threads, "input_len": input_len, "output_len": output_len,
+        "num_prompts": num_prompts,
+        "chunked_prefill_size": config.scheduler.chunked_prefill_size,
+        "enable_dynamic_chunking": config.scheduler.enable_dynamic_chunking,
+        "matmul_peak_flops": peak,
+    }
+
+
+def _layout_row(pp: int, tp: int, stats: dict[str, Any], flops: float, peak: float,
+                earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    devices = pp * tp
+    base = earlier[0] if earlier else None
+    speedup = base["prefill_s"] / stats["prefill_s"] if base else 1.0
+    base_devices = base["pp_size"] * base["tp_size"] if base else devices
+    return {
+        "pp_size": pp, "tp_size": tp, **stats,
+        "prefill_flops": flops,
+        "prefill_flops_per_s": flops / stats["prefill_s"],
+        "prefill_flops_share_of_peak": flops / stats["prefill_s"] / (peak * devices),
+        "speedup": speedup,
+        "efficiency": speedup / (devices / base_devices),
+    }
+
+
+def _add_hf_baseline(report: dict[str, Any], run: dict[str, Any], prompts: list[list[int]],
+                     output_len: int, flags: dict[str, Any]) -> None:
+    from pipeserve.bench.hf_baseline import run_hf
+
+    config = EngineConfig.from_flags(**flags)
+    dtype = resolve_dtype(config.model.dtype, "bfloat16")
+    base = run_hf(Path(report["model"]), prompts, output_len, dtype)
+    report["baseline"] = {"name": "hf-transformers", **{k: base[k] for k in TIMING_KEYS}}
+    report["ratio_to_baseline"] = {
+        "prefill_time": run["prefill_s"] / base["prefill_s"],
+        "ttft_mean": run["ttft_mean_s"] / base["ttft_mean_s"],
+        "decode_throughput": (base["output_throughput_tok_s"] / run["output_throughput_tok_s"]
+                              if run["output_throughput_tok_s"] else None),
+    }
+    report["same_greedy_tokens_as_baseline"] = base["output_ids"] == run["output_ids"]
+
+
+def _save(report: dict[str, Any], panels: list[tuple[str, list[Event]]], json_path: str | None,
+          trace_path: str | None, timeline_path: str | None) -> None:
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        print(f"saved {json_path}")
+    if trace_path:
+        events = [e for i, (_, ev) in enumerate(panels) for e in _offset_stage(ev, i)]
+        write_trace(events, trace_path)
+        print(f"saved {trace_path}")
+    if timeline_path:
+        draw_timeline(panels, timeline_path)
+        print(f"saved {timeline_path}")
+
+
+def _offset_stage(events: list[Event], layout: int) -> list[Event]:
+    """Layouts one after another in a trace: stage ids of layout i start at 100 * i."""
+    return [dataclasses.replace(e, stage=e.stage + 100 * layout) for e in events]
+
+
 def print_report(r: dict[str, Any]) -> None:
-    print(f"model {r['model']}  dtype {r['dtype']}  threads {r['threads']}  "
-          f"{r['num_prompts']} x {r['input_len']} in / {r['output_len']} out")
-    print(f"matmul peak {r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s; prefill achieved "
-          f"{r['prefill_flops_per_s'] / 1e9:.1f} GFLOP/s = {r['prefill_flops_share_of_peak']:.2f} of peak")
-    rows = [("ttft_mean_s", "{:.3f}"), ("ttft_p50_s", "{:.3f}"), ("prefill_s", "{:.3f}"),
-            ("decode_s", "{:.3f}"), ("input_throughput_tok_s", "{:.1f}"),
-            ("output_throughput_tok_s", "{:.1f}")]
+    print(f"model {r['model']}  dtype {r['dtype']}  {r['threads_per_worker']} thread(s)/worker  "
+          f"{r['num_prompts']} x {r['input_len']} in / {r['output_len']} out  "
+          f"chunk {r['chunked_prefill_size']}")
+    print(f"matmul peak {r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s per worker")
+    print(f"{'layout':<10}{'TTFT mean':>11}{'prefill s':>11}{'in tok/s':>11}{'out tok/s':>11}"
+          f"{'speedup':>9}{'effic.':>8}{'FLOP share':>12}  bubble ratio per stage")
+    for row in r["layouts"]:
+        print(f"{'PP%d TP%d' % (row['pp_size'], row['tp_size']):<10}{row['ttft_mean_s']:>11.3f}"
+              f"{row['prefill_s']:>11.3f}{row['input_throughput_tok_s']:>11.1f}"
+              f"{row['output_throughput_tok_s']:>11.1f}{row['speedup']:>9.3f}"
+              f"{row['efficiency']:>9.3f}{row['prefill_flops_share_of_peak']:>11.2f}  "
+              + ", ".join(f"{b:.3f}" for b in row["bubble_ratio"]))
+    if len(r["layouts"]) > 1:
+        print(f"same tokens across layouts: {r['same_tokens_across_layouts']}")
     base = r.get("baseline")
-    print(f"{'metric':<26}{'pipeserve':>14}" + (f"{'hf':>14}" if base else ""))
-    for key, fmt in rows:
-        line = f"{key:<26}{fmt.format(r[key]):>14}"
-        if base:
-            line += f"{fmt.format(base[key]):>14}"
-        print(line)
     if base:
+        print(f"{'hf':<10}{base['ttft_mean_s']:>11.3f}{base['prefill_s']:>11.3f}"
+              f"{base['input_throughput_tok_s']:>11.1f}{base['output_throughput_tok_s']:>11.1f}")
         ratio = r["ratio_to_baseline"]
-        print("ratio to hf: prefill time {:.3f}, decode throughput (hf/pipeserve) {}".format(
-            ratio["prefill_time"],
-            "n/a" if ratio["decode_throughput"] is None else f"{ratio['decode_throughput']:.3f}"))
-        print(f"same greedy tokens as hf: {r['same_greedy_tokens_as_baseline']}")
+        dec = ratio["decode_throughput"]
+        print(f"ratio to hf: prefill time {ratio['prefill_time']:.3f} (pipeserve/hf), decode "
+              f"throughput {'n/a' if dec is None else f'{dec:.3f}'} (hf/pipeserve); below 1 = "
+              f"pipeserve faster; same greedy tokens: {r['same_greedy_tokens_as_baseline']}")

@@ -26,6 +26,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 class MsgType(IntEnum):
     PROXY = 1  # a micro-batch's description and activations for the next stage
     SHUTDOWN = 2
+    TIMELINE = 3  # report the recorded timeline, then pass it on
+    PROFILE = 4  # first stage only: time prefills for dynamic chunking
 
 
 @dataclass
@@ -34,6 +36,7 @@ class StageMessage:
     batch: ScheduledBatch | None = None
     hidden: torch.Tensor | None = None
     residual: torch.Tensor | None = None
+    profile_lengths: list[int] | None = None
 
 
 class PendingSend:
@@ -71,8 +74,8 @@ def recv(src: int, group: Any, device: torch.device) -> StageMessage:
     header = torch.empty(HEADER, dtype=torch.long, device=device)
     dist.recv(header, src, group=group)
     kind, meta_len, tokens, hidden_size, has_residual, dtype_code = header.tolist()
-    if MsgType(kind) is MsgType.SHUTDOWN:
-        return StageMessage(MsgType.SHUTDOWN)
+    if MsgType(kind) is not MsgType.PROXY:
+        return StageMessage(MsgType(kind))
     meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
     dist.recv(meta, src, group=group)
     batch = pickle.loads(meta.cpu().numpy().tobytes())

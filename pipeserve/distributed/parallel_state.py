@@ -6,6 +6,8 @@ the default state (every size 1, every layer on the one stage).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,17 @@ def set_parallel_state(state: ParallelState) -> None:
 
 def get_parallel_state() -> ParallelState:
     return _state
+
+
+@contextmanager
+def standalone() -> Iterator[None]:
+    """Build a model as if it were the only process (e.g. to time a probe of its layers)."""
+    global _state
+    saved, _state = _state, ParallelState()
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def get_tp_rank() -> int:
@@ -95,15 +108,24 @@ def get_stage_links() -> StageLinks:
     return _links
 
 
-def init_parallel_groups(rank: int, tp_size: int, pp_size: int, partition: list[int],
-                         backend: str, init_method: str, timeout_s: float) -> ParallelState:
+def set_stage_partition(partition: list[int]) -> ParallelState:
+    """Fix this stage's layer range once the partition is agreed on."""
+    from dataclasses import replace
+
+    from pipeserve.distributed.partition import stage_ranges
+
+    state = replace(_state, layers=stage_ranges(partition)[_state.pp_rank])
+    set_parallel_state(state)
+    return state
+
+
+def init_parallel_groups(rank: int, tp_size: int, pp_size: int, backend: str,
+                         init_method: str, timeout_s: float) -> ParallelState:
     """Join the process group and create every TP and stage-link group (all ranks create
     all groups, in the same order). Rank layout: pp_rank * tp_size + tp_rank."""
     import datetime
 
     import torch.distributed as dist
-
-    from pipeserve.distributed.partition import stage_ranges
 
     global _links
     world = tp_size * pp_size
@@ -128,7 +150,6 @@ def init_parallel_groups(rank: int, tp_size: int, pp_size: int, partition: list[
         next_group=links.get((rank, next_rank)) if next_rank is not None else None,
         prev_rank=prev_rank, next_rank=next_rank,
     )
-    state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, stage_ranges(partition)[pp_rank],
-                          tp_group, tp_ranks)
+    state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, None, tp_group, tp_ranks)
     set_parallel_state(state)
     return state

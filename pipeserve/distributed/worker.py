@@ -16,22 +16,26 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from pipeserve.config import EngineConfig
-from pipeserve.device import ComputeStream, dist_backend, resolve_device, set_threads
+from pipeserve.device import ComputeStream, dist_backend, resolve_device, resolve_dtype, set_threads
 from pipeserve.distributed import p2p
 from pipeserve.distributed.channels import Endpoints, WorkerChannels
 from pipeserve.distributed.parallel_state import (
     ParallelState,
     get_stage_links,
     init_parallel_groups,
+    set_stage_partition,
 )
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.models.arch import ArchConfig
+from pipeserve.runner.layer_costs import measure_layer_costs
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.batch import BatchResult
+from pipeserve.timeline import now
 
 INIT_TIMEOUT_S = 600
 
@@ -57,10 +61,11 @@ def worker_main(args: WorkerArgs) -> None:
         batch_port = args.endpoints.batch_ports[args.rank] if args.rank < p.tp_size else None
         channels = WorkerChannels(args.rank, args.endpoints, batch_port)
         arch = ArchConfig.load(args.model_path)
-        partition = resolve_partition(p.layer_partition, arch.num_layers, p.pp_size)
         device = resolve_device(config.model.device)
-        state = init_parallel_groups(args.rank, p.tp_size, p.pp_size, partition,
-                                     dist_backend(device), args.init_method, INIT_TIMEOUT_S)
+        init_parallel_groups(args.rank, p.tp_size, p.pp_size, dist_backend(device),
+                             args.init_method, INIT_TIMEOUT_S)
+        partition = _agree_on_partition(config, arch, device)
+        state = set_stage_partition(partition)
         num_pages = _agree_on_pages(config, arch, args.local_workers)
         runner = ModelRunner(config, arch, args.model_path, num_pages)
         channels.send_status("ready", {"num_pages": num_pages, "partition": partition,
@@ -73,6 +78,26 @@ def worker_main(args: WorkerArgs) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.device) -> list[int]:
+    """Rank 0 resolves the layer partition (measuring layer costs for 'auto') for all."""
+    p = config.parallel
+    out: list[Any] = [None]
+    if dist.get_rank() == 0:
+        def measure() -> tuple[list[float], float, float]:
+            dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
+            chunk = min(config.scheduler.chunk_size or 2048, 2048)
+            costs = measure_layer_costs(arch, dtype, device, chunk)
+            return costs.per_layer, costs.embed, costs.head
+        try:
+            out[0] = resolve_partition(p.layer_partition, arch.num_layers, p.pp_size, measure)
+        except ValueError as exc:
+            out[0] = exc
+    dist.broadcast_object_list(out, src=0)
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return list(out[0])
 
 
 def _agree_on_pages(config: EngineConfig, arch: ArchConfig, local_workers: int) -> int:
@@ -96,22 +121,30 @@ class StageWorker:
 
     def run(self) -> None:
         pending: p2p.PendingSend | None = None
+        recorder = self.runner.recorder
         while True:
+            waited = now()
             msg = self.inbox.get()
             if isinstance(msg, BaseException):
                 raise msg
-            if msg.kind is p2p.MsgType.SHUTDOWN:
+            recorder.add("recv_wait", waited, now())
+            if msg.kind is not p2p.MsgType.PROXY:
                 if pending is not None:
                     pending.wait()
-                self._forward_shutdown()
-                break
+                    pending = None
+                self._pass_on(msg)
+                if msg.kind is p2p.MsgType.SHUTDOWN:
+                    break
+                continue
             batch = msg.batch
             assert batch is not None
             fb = self.runner.prepare(batch)
             done = self.stream.submit(self.runner.execute, batch, fb, msg.hidden, msg.residual,
                                       future=self.future)
             if pending is not None:
+                waited = now()
                 pending.wait()  # commit point of the previous micro-batch
+                recorder.add("send_wait", waited, now())
                 pending = None
             out = done.result()
             if self.links.next_rank is not None:
@@ -138,10 +171,24 @@ class StageWorker:
             obj = self.channels.recv_batch()
             if obj == "shutdown":
                 return p2p.StageMessage(p2p.MsgType.SHUTDOWN)
+            if obj == "timeline":
+                return p2p.StageMessage(p2p.MsgType.TIMELINE)
+            if isinstance(obj, tuple) and obj[0] == "profile":
+                return p2p.StageMessage(p2p.MsgType.PROFILE, profile_lengths=obj[1])
             return p2p.StageMessage(p2p.MsgType.PROXY, obj)
         return p2p.recv(self.links.prev_rank, self.links.prev_group, self.device)
 
-    def _forward_shutdown(self) -> None:
+    def _pass_on(self, msg: p2p.StageMessage) -> None:
+        """A control message: act on it here, then send it down the pipeline (a profile
+        request is the first stage's alone)."""
+        kind = msg.kind
+        if kind is p2p.MsgType.TIMELINE:
+            self.channels.send_status("timeline", self.runner.recorder.take())
+        if kind is p2p.MsgType.PROFILE:
+            times = self.runner.profile_prefill(msg.profile_lengths)
+            if self.state.tp_rank == 0:
+                self.channels.send_status("profile", times)
+            return
         if self.links.next_rank is not None:
-            msg = p2p.StageMessage(p2p.MsgType.SHUTDOWN)
+            msg = p2p.StageMessage(kind)
             p2p.send(msg, self.links.next_rank, self.links.next_group, self.device).wait()

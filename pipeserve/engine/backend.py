@@ -3,32 +3,27 @@ caller's process (one device); the multi-process backend drives worker processes
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from pipeserve.config import EngineConfig
-from pipeserve.device import cpu_cores, set_threads
 from pipeserve import envs
-from pipeserve.device import ComputeStream
+from pipeserve.config import EngineConfig
+from pipeserve.device import ComputeStream, cpu_cores, set_threads
+from pipeserve.distributed.launcher import threads_per_worker
+from pipeserve.engine.chunking import ChunkPolicy, setup_chunking
 from pipeserve.engine.future_map import FutureMap, SlotRing, ring_size, worker_ring_size
-from pipeserve.engine.pipeline_loop import PipelineLoop
-from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.engine.overlap_loop import OverlapLoop
+from pipeserve.engine.pipeline_loop import PipelineLoop
 from pipeserve.engine.plain_loop import PlainLoop
+from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+from pipeserve.timeline import Event
 from pipeserve.tokenizer import Tokenizer
-
-
-class Backend(Protocol):
-    def submit(self, req: Req) -> None: ...
-    def abort(self, rid: str) -> None: ...
-    def step(self) -> list[RequestUpdate]: ...
-    def stats(self) -> dict[str, Any]: ...
-    def shutdown(self) -> None: ...
 
 
 def build_scheduler(config: EngineConfig, arch: ArchConfig, tokenizer: Tokenizer,
@@ -39,41 +34,18 @@ def build_scheduler(config: EngineConfig, arch: ArchConfig, tokenizer: Tokenizer
                      max_batch_reqs=max_batch_reqs)
 
 
-def scheduler_stats(scheduler: Scheduler, loop: str) -> dict[str, Any]:
-    kv = scheduler.kv
-    return {
-        "loop": loop,
-        "overlap_schedule": loop == "overlap",
-        "kv_pages_total": kv.allocator.capacity,
-        "kv_pages_free": kv.allocator.num_free,
-        "kv_pages_cached": kv.tree.cached_pages() if kv.tree else 0,
-        "num_running": scheduler.num_running,
-        "num_waiting": scheduler.num_waiting,
-        "num_retracted": scheduler.decode.num_retracted,
-        "prefix_hit_tokens": kv.hit_tokens,
-        "prefix_lookup_tokens": kv.lookup_tokens,
-    }
+log = logging.getLogger(__name__)
 
 
-class InProcessBackend:
-    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
-                 tokenizer: Tokenizer, context_len: int) -> None:
-        threads = config.parallel.threads_per_worker or cpu_cores()
-        set_threads(threads)
-        num_pages = kv_pool_pages(config, arch, local_workers=1)
-        self.runner = ModelRunner(config, arch, model_path, num_pages)
-        self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
-        self.loop: PlainLoop | OverlapLoop = self._make_loop(config, threads, context_len)
+class Backend:
+    """Owns the scheduler and a loop that executes its batches; the engine front end talks
+    to this interface only."""
+
+    scheduler: Scheduler
+    loop: PlainLoop | OverlapLoop | PipelineLoop
+
+    def __init__(self) -> None:
         self._aborted: list[RequestUpdate] = []
-
-    def _make_loop(self, config: EngineConfig, threads: int, context_len: int) -> PlainLoop | OverlapLoop:
-        s = config.scheduler
-        if s.disable_overlap_schedule:
-            return PlainLoop(self.scheduler, self.runner)
-        size = ring_size(s.max_running_requests, context_len, s.chunk_size)
-        return OverlapLoop(self.scheduler, self.runner, ComputeStream(self.runner.device, threads),
-                           FutureMap(size, self.runner.device),
-                           favour_ttft=envs.disable_consecutive_prefill_overlap())
 
     def submit(self, req: Req) -> None:
         self.scheduler.add_request(req)
@@ -88,17 +60,77 @@ class InProcessBackend:
         return updates + self.loop.step()
 
     def stats(self) -> dict[str, Any]:
-        return scheduler_stats(self.scheduler, self.loop.name)
+        kv = self.scheduler.kv
+        return {
+            "loop": self.loop.name,
+            "overlap_schedule": self.loop.name == "overlap",
+            "kv_pages_total": kv.allocator.capacity,
+            "kv_pages_free": kv.allocator.num_free,
+            "kv_pages_cached": kv.tree.cached_pages() if kv.tree else 0,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_retracted": self.scheduler.decode.num_retracted,
+            "prefix_hit_tokens": kv.hit_tokens,
+            "prefix_lookup_tokens": kv.lookup_tokens,
+        }
+
+    def timeline(self) -> list[Event]:
+        raise NotImplementedError
+
+    def profile_first_stage(self, lengths: list[int]) -> list[float]:
+        raise NotImplementedError
+
+    def set_chunk_policy(self, policy: ChunkPolicy) -> dict[str, Any]:
+        """Install a chunk-size policy (profiling the first stage for dynamic chunking)."""
+        self.chunking = setup_chunking(policy, self.scheduler, self.profile_first_stage,
+                                       self._profile_key)
+        return self.chunking
 
     def shutdown(self) -> None:
         self.loop.close()
 
 
-class WorkerBackend:
+class InProcessBackend(Backend):
+    """Scheduler and model in the caller's process (one device)."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
+                 tokenizer: Tokenizer, context_len: int) -> None:
+        super().__init__()
+        threads = config.parallel.threads_per_worker or cpu_cores()
+        set_threads(threads)
+        num_pages = kv_pool_pages(config, arch, local_workers=1)
+        self.runner = ModelRunner(config, arch, model_path, num_pages)
+        self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
+        self.loop = self._make_loop(config, threads, context_len)
+        self._profile_key = profile_key(config, model_path, threads, [arch.num_layers])
+        self.set_chunk_policy(ChunkPolicy.from_config(config))
+
+    def _make_loop(self, config: EngineConfig, threads: int,
+                   context_len: int) -> PlainLoop | OverlapLoop:
+        s = config.scheduler
+        if s.disable_overlap_schedule:
+            return PlainLoop(self.scheduler, self.runner)
+        # The compute stream gets the thread budget; this thread only schedules and builds
+        # small tensors (two full OpenMP pools on the same cores would fight each other).
+        set_threads(1)
+        size = ring_size(s.max_running_requests, context_len, s.chunk_size)
+        return OverlapLoop(self.scheduler, self.runner, ComputeStream(self.runner.device, threads),
+                           FutureMap(size, self.runner.device),
+                           favour_ttft=envs.disable_consecutive_prefill_overlap())
+
+    def timeline(self) -> list[Event]:
+        return self.runner.recorder.take()
+
+    def profile_first_stage(self, lengths: list[int]) -> list[float]:
+        return self.loop.on_device(self.runner.profile_prefill, lengths)
+
+
+class WorkerBackend(Backend):
     """Scheduler here, model in worker processes (one per stage x TP rank)."""
 
     def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
                  tokenizer: Tokenizer, context_len: int) -> None:
+        super().__init__()
         p, s = config.parallel, config.scheduler
         ring = worker_ring_size(config, context_len)
         self.workers = WorkerSet(config, str(model_path), future_ring=ring)
@@ -109,32 +141,41 @@ class WorkerBackend:
             raise
         num_pages = info[0]["num_pages"]
         self.partition = info[0]["partition"]
+        log.info("pipeline layer partition: %s%s", ",".join(map(str, self.partition)),
+                 " (balanced on measured layer costs)" if p.layer_partition == "auto" else "")
         per_batch = max(s.max_running_requests // p.pp_size, 1)
         self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len,
                                          max_batch_reqs=per_batch)
-        depth = p.pp_size if p.pp_size > 1 else (2 if ring else 1)
+        depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(self.scheduler, self.workers, depth,
                                  SlotRing(ring) if ring else None)
-        self._aborted: list[RequestUpdate] = []
-
-    def submit(self, req: Req) -> None:
-        self.scheduler.add_request(req)
-
-    def abort(self, rid: str) -> None:
-        update = self.scheduler.abort(rid)
-        if update is not None:
-            self._aborted.append(update)
+        self._profile_key = profile_key(config, model_path, threads_per_worker(config),
+                                        self.partition)
+        try:
+            self.set_chunk_policy(ChunkPolicy.from_config(config))
+        except BaseException:
+            self.shutdown()
+            raise
 
     def step(self) -> list[RequestUpdate]:
-        updates, self._aborted = self._aborted, []
         try:
-            return updates + self.loop.step()
+            return super().step()
         except WorkerError:
             self.shutdown()
             raise
 
-    def stats(self) -> dict[str, Any]:
-        return scheduler_stats(self.scheduler, self.loop.name)
+    def timeline(self) -> list[Event]:
+        return self.workers.collect_timeline()
 
-    def shutdown(self) -> None:
-        self.loop.close()
+    def profile_first_stage(self, lengths: list[int]) -> list[float]:
+        return self.workers.profile_first_stage(lengths)
+
+
+def profile_key(config: EngineConfig, model_path: Path, threads: int,
+                partition: list[int]) -> dict[str, Any]:
+    """What a first-stage prefill profile depends on."""
+    return {"model": str(Path(model_path).resolve()),
+            "config": (Path(model_path) / "config.json").read_text(),
+            "dtype": config.model.dtype, "device": config.model.device, "threads": threads,
+            "tp": config.parallel.tp_size, "first_stage_layers": partition[0],
+            "page_size": config.cache.page_size}

@@ -14,13 +14,17 @@ mechanism instead; the two are not combined.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from pipeserve.device import ComputeStream
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.runner.model_runner import ModelRunner, StageOutput
 from pipeserve.scheduler.batch import ScheduledBatch
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+
+T = TypeVar("T")
 
 
 class OverlapLoop:
@@ -44,6 +48,10 @@ class OverlapLoop:
         if len(self.inflight) > (batch is not None):
             updates += self._process_oldest()
         return updates
+
+    def on_device(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn on the compute stream (after everything queued there) and wait for it."""
+        return self.stream.submit(fn, *args).result()
 
     def close(self) -> None:
         self.stream.close()

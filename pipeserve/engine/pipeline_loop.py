@@ -5,9 +5,11 @@ stage reports each one back (a middle prompt chunk's report carries no tokens, o
 id). Consecutive chunks of one long prompt go out as consecutive micro-batches without
 waiting for each other, so all stages work on different chunks at once.
 
-- Pipeline parallelism (P stages): depth P; a request is in at most one micro-batch at a
-  time (its next step needs the token the last stage returns). The per-micro-batch request
-  cap is max(max_running_requests // P, 1), so the running requests spread over the slots.
+- Pipeline parallelism (P stages): depth P + --pp-async-batch-depth (default 1: one more
+  micro-batch waits at the first stage while a result travels back, so it never idles
+  between chunks); a request is in at most one micro-batch at a time (its next step needs
+  the token the last stage returns). The per-micro-batch request cap is
+  max(max_running_requests // P, 1), so the running requests spread over the slots.
 - One stage: depth 2 with future-token placeholders — the CPU/device overlap loop, with
   the worker process as the device. (The two are never combined: under PP the pipeline is
   the overlap.)

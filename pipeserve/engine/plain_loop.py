@@ -3,8 +3,13 @@ the overlap loop, kept for debugging (`--disable-overlap-schedule`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from pipeserve.runner.model_runner import ModelRunner
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+
+T = TypeVar("T")
 
 
 class PlainLoop:
@@ -20,6 +25,9 @@ class PlainLoop:
         result = self.runner.forward(batch).result
         assert result is not None
         return self.scheduler.process_result(batch, result)
+
+    def on_device(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
 
     def close(self) -> None:
         pass

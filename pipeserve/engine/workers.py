@@ -15,6 +15,7 @@ from pipeserve.distributed.launcher import (
     start_workers,
 )
 from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+from pipeserve.timeline import Event
 
 POLL_MS = 100
 HEARTBEAT_TIMEOUT_S = 10.0
@@ -72,6 +73,26 @@ class WorkerSet:
             if self.step_timeout_s and time.monotonic() - start > self.step_timeout_s:
                 raise WorkerError(f"a step took longer than the watchdog timeout "
                                   f"({self.step_timeout_s:.0f}s)")
+
+    def profile_first_stage(self, lengths: list[int]) -> list[float]:
+        self.channels.send_batch(("profile", lengths))
+        while True:
+            msg = self._poll()
+            if msg is not None and msg[0] == "profile":
+                return list(msg[2])
+
+    def collect_timeline(self) -> list[Event]:
+        """Every rank's recorded events (sent down the pipeline in order, so all micro-batches
+        launched before are included)."""
+        self.channels.send_batch("timeline")
+        events: list[Event] = []
+        reported: set[int] = set()
+        while len(reported) < self.world_size:
+            msg = self._poll()
+            if msg is not None and msg[0] == "timeline":
+                reported.add(msg[1])
+                events += msg[2]
+        return events
 
     def _poll(self) -> tuple[str, int, Any] | None:
         msg = self.channels.poll(POLL_MS)

@@ -15,7 +15,6 @@ from torch import nn
 
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
-
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:

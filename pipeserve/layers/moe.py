@@ -13,7 +13,6 @@ from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pipeserve.layers.activation import silu_and_mul
 from pipeserve.layers.linear import divide
-
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:

@@ -10,16 +10,17 @@ from pathlib import Path
 import torch
 
 from pipeserve.config import EngineConfig
-from pipeserve.device import resolve_device, resolve_dtype, total_memory
-from pipeserve.engine.future_map import FutureMap
+from pipeserve.device import resolve_device, resolve_dtype, synchronize, total_memory
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
+from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers.sampler import Sampler
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig, param_count
 from pipeserve.models.registry import build_model
 from pipeserve.runner.forward_batch import ForwardBatch
-from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+from pipeserve.scheduler.batch import BatchResult, ReqSlice, ScheduledBatch
+from pipeserve.timeline import Recorder, now
 
 LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)
 
@@ -71,6 +72,7 @@ class ModelRunner:
             arch.head_dim, self.dtype, self.device, page,
         )
         self.sampler = Sampler(config.model.seed, self.device)
+        self.recorder = Recorder(self.state.pp_rank, self.state.tp_rank)
 
     def model_kv_heads(self) -> int:
         """KV heads per TP rank (one replica each when there are fewer heads than ranks)."""
@@ -86,15 +88,39 @@ class ModelRunner:
     ) -> StageOutput:
         """Run this stage's layers on a prepared batch (on the compute stream). With a future
         map, placeholder input ids are resolved first and sampled tokens stored after."""
+        start = now()
         if future is not None and self.state.is_first_stage:
             fb.input_ids = future.resolve(fb.input_ids)
         hidden, residual = self.model(fb, hidden, residual)
-        if not self.state.is_last_stage:
-            return StageOutput(hidden, residual, None)
-        result, tokens = self._sample(batch, fb, hidden)
-        if future is not None:
+        result, tokens = self._sample(batch, fb, hidden) if self.state.is_last_stage else (None, None)
+        if future is not None and tokens is not None:
             future.store(fb.future_slots, tokens)
+        synchronize(self.device)
+        end = now()
+        batch.stage_times.append(end - start)
+        if result is not None:
+            result.stage_times = batch.stage_times
+        self.recorder.add("forward", start, end, batch)
         return StageOutput(hidden, residual, result)
+
+    def profile_prefill(self, lengths: list[int]) -> list[float]:
+        """Seconds of single-request prefills (prefix 0) of each length on this stage's layers,
+        written into the pool's first slots (only used before any request is admitted)."""
+        page = self.config.cache.page_size
+        times = []
+        for n in lengths:
+            n = min(n, self.kv_pool.num_slots - page)
+            s = ReqSlice("profile", [i % self.arch.vocab_size for i in range(n)], 0, [(page, n)],
+                         sample=False)
+            batch = ScheduledBatch(-1, [s])
+            fb = self.prepare(batch)
+            hidden = None
+            if not self.state.is_first_stage:
+                hidden = torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+            self.execute(batch, fb, hidden, None if hidden is None else torch.zeros_like(hidden))
+            times.append(batch.stage_times[-1])
+        self.recorder.take()
+        return times
 
     def forward(self, batch: ScheduledBatch, hidden: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> StageOutput:

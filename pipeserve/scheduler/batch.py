@@ -44,6 +44,7 @@ class ScheduledBatch:
     batch_id: int
     slices: list[ReqSlice]
     released: list[str] = field(default_factory=list)  # requests gone since the last batch
+    stage_times: list[float] = field(default_factory=list)  # forward seconds, appended per stage
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +58,13 @@ class ScheduledBatch:
     def num_samples(self) -> int:
         return sum(1 for s in self.slices if s.sample)
 
+    @property
+    def single_prompt_chunk(self) -> ReqSlice | None:
+        """The one slice when the batch is exactly one prompt chunk (its cost is the chunk's)."""
+        if len(self.slices) == 1 and not self.slices[0].is_decode:
+            return self.slices[0]
+        return None
+
 
 @dataclass
 class BatchResult:
@@ -64,3 +72,4 @@ class BatchResult:
     next_token_ids: list[int]  # one per sampling slice, in slice order
     output_logprobs: list[float]  # one per sampling slice (nan where not requested)
     prompt_logprobs: list[list[float]]  # one list per slice (empty where not requested)
+    stage_times: list[float] = field(default_factory=list)  # forward seconds of each stage

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pipeserve.config import SchedulerConfig
 from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
 from pipeserve.scheduler.decode import DecodeManager
+from pipeserve.scheduler.dynamic_chunking import OnlineRefit
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.prefill import (
     DECODE_RESERVE_CLIP,
@@ -62,6 +63,7 @@ class Scheduler:
         if chunk_sizer is None and chunk is not None:
             chunk_sizer = lambda _: chunk  # noqa: E731
         self.prefill = PrefillManager(kv, config.max_prefill_tokens, chunk_sizer)
+        self.refit: OnlineRefit | None = None  # online refinement of the chunk cost model
         self.decode = DecodeManager(kv, on_retract=self.prefill.waiting.appendleft)
         self.reqs: dict[str, Req] = {}
         self._released: list[str] = []
@@ -126,6 +128,11 @@ class Scheduler:
         self._released = []
         return batch
 
+    def set_chunking(self, sizer: ChunkSizer | None, refit: OnlineRefit | None = None) -> None:
+        """Switch the chunk-size policy (fixed, dynamic, dynamic with online refit)."""
+        self.prefill.chunk_sizer = sizer
+        self.refit = refit
+
     def assign_future_slots(self, batch: ScheduledBatch, slots: list[int]) -> None:
         """Overlap loop: where each sampled token of `batch` will be found before it is
         processed (the next batch feeds -slot in its place)."""
@@ -139,6 +146,9 @@ class Scheduler:
     # -- results ------------------------------------------------------------------------
 
     def process_result(self, batch: ScheduledBatch, result: BatchResult) -> list[RequestUpdate]:
+        chunk = batch.single_prompt_chunk
+        if self.refit is not None and chunk is not None and result.stage_times:
+            self.refit.observe(chunk.prefix_len, chunk.num_tokens, max(result.stage_times))
         updates: list[RequestUpdate] = []
         samples = iter(zip(result.next_token_ids, result.output_logprobs, strict=True))
         for s, prompt_lps in zip(batch.slices, result.prompt_logprobs, strict=True):

@@ -1,0 +1,86 @@
+"""Measured per-layer costs, for `--pp-layer-partition auto`.
+
+Times one decoder layer of each kind (dense MLP, routed experts), the embedding and the
+output head (final norm, LM head, sampling row) on a prompt chunk after a cached prefix of
+the same length, with random weights of the model's shapes (cost does not depend on values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from pipeserve.device import synchronize
+from pipeserve.distributed.parallel_state import standalone
+from pipeserve.mem_cache.kv_pool import KVPool
+from pipeserve.models.arch import ArchConfig
+from pipeserve.models.registry import build_model
+from pipeserve.runner.forward_batch import ForwardBatch
+from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
+
+REPEATS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    per_layer: list[float]  # seconds per decoder layer, by layer index
+    embed: float
+    head: float
+
+
+@torch.inference_mode()
+def measure_layer_costs(arch: ArchConfig, dtype: torch.dtype, device: torch.device,
+                        chunk: int) -> LayerCosts:
+    kinds = sorted({arch.is_moe_layer(i) for i in range(arch.num_layers)})
+    probe = dataclasses.replace(
+        arch, num_layers=len(kinds),
+        mlp_only_layers=tuple(i for i, moe in enumerate(kinds) if not moe),
+        decoder_sparse_step=1,
+    )
+    with standalone():
+        model = build_model(probe, dtype, device)
+    for p in model.parameters():
+        p.normal_(0.0, 0.02)
+    pool = KVPool(2 * chunk + 1, range(probe.num_layers), max(probe.num_kv_heads, 1),
+                  probe.head_dim, dtype, device, 1)
+    ids = [i % arch.vocab_size for i in range(chunk)]
+    timed: dict[str, float] = {}
+    for prefix in (0, chunk):  # the first pass fills the prefix; the second is timed
+        fb = ForwardBatch.prepare(ScheduledBatch(0, [
+            ReqSlice("probe", ids, prefix, [(1, prefix + chunk)], sample=False)]), pool, device)
+        timed = _time_parts(model, fb, kinds)
+    per_kind = {moe: timed[f"layer{i}"] for i, moe in enumerate(kinds)}
+    return LayerCosts([per_kind[arch.is_moe_layer(i)] for i in range(arch.num_layers)],
+                      timed["embed"], timed["head"])
+
+
+def _time_parts(model: torch.nn.Module, fb: ForwardBatch, kinds: list[bool]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    hidden = model.model.embed_tokens(fb.input_ids)
+    out["embed"] = _median_time(lambda: model.model.embed_tokens(fb.input_ids), fb)
+    rope = model.rotary.cos_sin(fb.positions, hidden.dtype)
+    residual = None
+    for i in range(len(kinds)):
+        layer = model.model.layers[i]
+        out[f"layer{i}"] = _median_time(lambda: layer(hidden, residual, rope, fb), fb)
+        hidden, residual = layer(hidden, residual, rope, fb)
+
+    def head() -> None:
+        normed = model.model.norm(hidden + residual)
+        model.compute_logits(normed[-1:]).argmax(-1)
+
+    out["head"] = _median_time(head, fb)
+    return out
+
+
+def _median_time(fn: object, fb: ForwardBatch) -> float:
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()  # type: ignore[operator]
+        synchronize(fb.input_ids.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

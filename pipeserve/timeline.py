@@ -1,0 +1,143 @@
+"""Per-stage timelines: when each stage ran which micro-batch, and when it waited.
+
+Workers record events as they go; `pipeserve bench --trace` writes them as a Chrome/Perfetto
+trace and `--timeline` draws the Gantt chart users read to find bubbles.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeserve.scheduler.batch import ScheduledBatch
+
+MAX_EVENTS = 200_000
+
+
+@dataclass
+class Event:
+    kind: str  # "forward", "recv_wait", "send_wait"
+    stage: int
+    tp_rank: int
+    start: float  # seconds, wall clock (comparable across local processes)
+    end: float
+    batch_id: int = -1
+    rids: list[str] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # chunk index per request (-1: decode)
+    tokens: list[int] = field(default_factory=list)
+    prefix: list[int] = field(default_factory=list)
+
+
+class Recorder:
+    def __init__(self, stage: int = 0, tp_rank: int = 0) -> None:
+        self.stage, self.tp_rank = stage, tp_rank
+        self.events: deque[Event] = deque(maxlen=MAX_EVENTS)
+
+    def add(self, kind: str, start: float, end: float, batch: ScheduledBatch | None = None) -> None:
+        ev = Event(kind, self.stage, self.tp_rank, start, end)
+        if batch is not None:
+            ev.batch_id = batch.batch_id
+            ev.rids = [s.rid for s in batch.slices]
+            ev.chunks = [s.chunk_index for s in batch.slices]
+            ev.tokens = [s.num_tokens for s in batch.slices]
+            ev.prefix = [s.prefix_len for s in batch.slices]
+        self.events.append(ev)
+
+    def take(self) -> list[Event]:
+        out = list(self.events)
+        self.events.clear()
+        return out
+
+
+def now() -> float:
+    return time.time()
+
+
+def forward_events(events: list[Event], tp_rank: int = 0) -> list[Event]:
+    return [e for e in events if e.kind == "forward" and e.tp_rank == tp_rank]
+
+
+def bubble_ratios(events: list[Event]) -> list[float]:
+    """Per stage: idle share of the time between its first and last busy moment."""
+    fwd = forward_events(events)
+    out = []
+    for stage in sorted({e.stage for e in fwd}):
+        spans = sorted((e.start, e.end) for e in fwd if e.stage == stage)
+        busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+        for s, e in spans[1:]:
+            if s > cur_end:
+                busy += cur_end - cur_start
+                cur_start, cur_end = s, e
+            else:
+                cur_end = max(cur_end, e)
+        busy += cur_end - cur_start
+        total = spans[-1][1] - spans[0][0]
+        out.append(0.0 if total <= 0 else max(0.0, 1.0 - busy / total))
+    return out
+
+
+def write_trace(events: list[Event], path: str | Path) -> None:
+    """Chrome trace format (open in chrome://tracing or ui.perfetto.dev)."""
+    t0 = min((e.start for e in events), default=0.0)
+    trace = [{
+        "name": e.kind if e.kind != "forward" else _label(e),
+        "cat": e.kind, "ph": "X", "pid": e.stage, "tid": e.tp_rank,
+        "ts": (e.start - t0) * 1e6, "dur": (e.end - e.start) * 1e6,
+        "args": {k: v for k, v in asdict(e).items() if k not in ("start", "end")},
+    } for e in events]
+    meta = [{"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"stage {s}"}}
+            for s in sorted({e.stage for e in events})]
+    Path(path).write_text(json.dumps({"traceEvents": meta + trace}))
+
+
+def _label(e: Event) -> str:
+    parts = [f"{r[:6]}#{c}" if c >= 0 else f"{r[:6]}:dec" for r, c in zip(e.rids, e.chunks, strict=True)]
+    return " ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
+
+
+def draw_timeline(panels: list[tuple[str, list[Event]]], path: str | Path) -> None:
+    """Gantt chart: one panel per run, a row per stage, a colour per request, the chunk index
+    in each box; white space is idle time (bubbles)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [max(1, len({e.stage for e in ev})) for _, ev in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, sum(0.8 + 0.6 * r for r in rows)),
+                             squeeze=False, gridspec_kw={"height_ratios": rows})
+    for ax, (title, events) in zip(axes[:, 0], panels, strict=True):
+        _draw_panel(ax, title, forward_events(events))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_panel(ax: Any, title: str, fwd: list[Event]) -> None:
+    import matplotlib.pyplot as plt
+
+    if not fwd:
+        ax.set_title(f"{title} (no events)")
+        return
+    t0 = min(e.start for e in fwd)
+    stages = sorted({e.stage for e in fwd})
+    rids = sorted({e.rids[0] for e in fwd if e.rids})
+    colors = plt.get_cmap("tab20")
+    for e in fwd:
+        color = colors(rids.index(e.rids[0]) % 20) if e.rids else "grey"
+        y = stages.index(e.stage)
+        ax.barh(y, e.end - e.start, left=e.start - t0, height=0.8, color=color,
+                edgecolor="black", linewidth=0.4)
+        chunk = e.chunks[0] if e.chunks else -1
+        label = str(chunk) if chunk >= 0 else "d"
+        ax.text(e.start - t0 + (e.end - e.start) / 2, y, label, ha="center", va="center",
+                fontsize=7, clip_on=True)
+    ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ratios = bubble_ratios(fwd)
+    ax.set_title(f"{title} — bubble ratio per stage: " + ", ".join(f"{r:.2f}" for r in ratios))
+    ax.set_xlabel("seconds")
