@@ -92,6 +92,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
               args.seed or 0, args.baseline, args.json, args.trace, args.timeline)
 
 
+def cmd_tune(args: argparse.Namespace) -> None:
+    from pipeserve.bench.tune import run_tune
+
+    run_as_worker_node(args)
+    run_tune(engine_flags(args), args.input_len, args.budget_s, args.json, args.png)
+
+
 def cmd_make_model(args: argparse.Namespace) -> None:
     from pipeserve.models.presets import PRESETS, make_model
 
@@ -130,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in ("pp_size", "tp_size"):
             action.type = int_list
     bench.set_defaults(func=cmd_bench)
+
+    tune = sub.add_parser("tune", help="find the chunk settings with the lowest TTFT")
+    tune.add_argument("--input-len", type=int, default=16384)
+    tune.add_argument("--budget-s", type=float, default=900.0, help="stop starting trials after this")
+    tune.add_argument("--json", default="tune.json", help="save the table here")
+    tune.add_argument("--png", default="tune.png", help="plot TTFT against the smoothing factor")
+    add_engine_flags(tune)
+    tune.set_defaults(func=cmd_tune)
 
     make = sub.add_parser("make-model", help="write a built-in model as an HF checkpoint")
     make.add_argument("--preset", help="preset name (see --list)")

@@ -108,17 +108,13 @@ class Engine:
         return [self._result(pending[r.rid]) for r in reqs]
 
     def validate(self, req: Req) -> None:
+        """Everything that could reject the request, checked before any request of a call is
+        submitted (so a bad one never leaves its siblings queued)."""
         vocab = self.arch.vocab_size
         bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(req.input_ids) == 0:
-            raise ValueError("the prompt is empty")
-        if len(req.input_ids) + req.sampling.max_new_tokens > self.context_len:
-            raise ValueError(
-                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
-                f"({req.sampling.max_new_tokens}) exceeds the context length {self.context_len}"
-            )
+        self.backend.scheduler.check_request(len(req.input_ids), req.sampling.max_new_tokens)
 
     def _inputs(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):

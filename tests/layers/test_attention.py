@@ -1,0 +1,246 @@
+"""Paged attention without a model: the blockwise and fused prompt-chunk kernels, the batched
+decode path and `PagedAttention.forward` over a real KVPool, all against a plain float32
+softmax attention; `plan_attention` (views vs gathered slots, padding) and `merge_partials`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeserve.device import attention_with_lse
+from pipeserve.layers import attention as attn_mod
+from pipeserve.layers.attention import (
+    BLOCKWISE_MIN_TOKENS,
+    VIEW_MIN_TOKENS,
+    PagedAttention,
+    blockwise_prefill,
+    merge_partials,
+    plan_attention,
+)
+from pipeserve.mem_cache.kv_pool import KVPool
+
+D = 16  # head dim
+KV_HEADS = 2
+CPU = torch.device("cpu")
+ATOL = 2e-5
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int]) -> torch.Tensor:
+    """Plain softmax attention. q [n, h, d]; k/v [L, hk, d] of positions 0..L-1; query i sits
+    at position q_pos[i] and sees keys 0..q_pos[i]. -> [n, h, d]."""
+    group = q.shape[1] // k.shape[1]
+    kr = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [h, L, d]
+    vr = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ kr.transpose(1, 2) * q.shape[-1] ** -0.5  # [h, n, L]
+    keys = torch.arange(k.shape[0])[None, :]
+    future = keys > torch.tensor(q_pos)[:, None]
+    scores = scores.masked_fill(future[None], float("-inf"))
+    return (scores.softmax(-1) @ vr).transpose(0, 1).float()
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def split_prefix(k: torch.Tensor, v: torch.Tensor,
+                 sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut prefix k/v [L, hk, d] into consecutive parts in the cache layout [hk, n_i, d]."""
+    parts, start = [], 0
+    for n in sizes:
+        parts.append((k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)))
+        start += n
+    assert start == k.shape[0]
+    return parts
+
+
+PREFIX_LAYOUTS = {
+    "none": [],
+    "gathered": [37],
+    "view": [300],
+    "views+gathered": [260, 256, 41],
+}
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("layout", list(PREFIX_LAYOUTS))
+@pytest.mark.parametrize("kernel", ["blockwise", "fused"])
+def test_prompt_chunk_kernels_match_reference(kernel: str, layout: str, group: int) -> None:
+    sizes = PREFIX_LAYOUTS[layout]
+    prefix = sum(sizes)
+    n = 150 if kernel == "blockwise" else 23  # blockwise: more than one 128-row query block
+    h = KV_HEADS * group
+    q = rand(n, h, D, seed=1)
+    k, v = rand(prefix + n, KV_HEADS, D, seed=2), rand(prefix + n, KV_HEADS, D, seed=3)
+    cached = split_prefix(k[:prefix], v[:prefix], sizes)
+    if kernel == "blockwise":
+        out = blockwise_prefill(q, k[prefix:], v[prefix:], cached, D**-0.5)
+    else:
+        out = PagedAttention(0, h, KV_HEADS, D)._fused(q, k[prefix:], v[prefix:], cached)
+    expected = reference(q, k, v, list(range(prefix, prefix + n)))
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("n", [16, 17, 40, 47])
+def test_blockwise_small_query_blocks(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """A tiny score budget forces 16-row query blocks: the causal mask must be right across
+    block boundaries and for a ragged last block."""
+    monkeypatch.setattr(attn_mod, "SCORE_BLOCK_ELEMENTS", 1)
+    group, prefix = 2, 20
+    q = rand(n, KV_HEADS * group, D, seed=4)
+    k, v = rand(prefix + n, KV_HEADS, D, seed=5), rand(prefix + n, KV_HEADS, D, seed=6)
+    cached = split_prefix(k[:prefix], v[:prefix], [prefix])
+    out = blockwise_prefill(q, k[prefix:], v[prefix:], cached, D**-0.5)
+    torch.testing.assert_close(out, reference(q, k, v, list(range(prefix, prefix + n))),
+                               atol=ATOL, rtol=0)
+
+
+# -- plan_attention ------------------------------------------------------------------------
+
+
+def chunk_plan(runs: list[tuple[int, int]], prefix: int, q_len: int) -> tuple[list, list[int]]:
+    """plan_attention for one prompt chunk: (views, gathered slot ids) of its prefix."""
+    plan = plan_attention([(0, q_len, prefix, runs)], CPU, torch.float32)
+    assert plan.decode is None
+    (chunk,) = plan.chunks
+    assert (chunk.q_start, chunk.q_len) == (0, q_len)
+    return chunk.views, [] if chunk.gather is None else chunk.gather.tolist()
+
+
+def test_plan_views_vs_gathered_split_at_view_min_tokens() -> None:
+    n = VIEW_MIN_TOKENS
+    runs = [(10, n), (1000, n - 1), (2000, 400), (3000, 50)]  # the last run is the chunk
+    views, gathered = chunk_plan(runs, 2 * n - 1 + 400, 50)
+    assert views == [(10, n), (2000, 400)]
+    assert gathered == list(range(1000, 1000 + n - 1))
+
+
+def test_plan_chunk_reads_only_its_prefix_from_the_pool() -> None:
+    # One run holds prefix and chunk: only the prefix's part of it counts (255 < a view).
+    views, gathered = chunk_plan([(10, 300), (500, 300)], 555, 45)
+    assert views == [(10, 300)]
+    assert gathered == list(range(500, 755))
+    views, gathered = chunk_plan([(10, 300)], 100, 200)
+    assert (views, gathered) == ([], list(range(10, 110)))
+
+
+def test_plan_chunk_without_prefix_reads_nothing_cached() -> None:
+    assert chunk_plan([(100, 40)], 0, 40) == ([], [])
+
+
+def test_plan_decode_own_token_is_always_gathered() -> None:
+    """One run holds the whole sequence; the step's own (just written) slot is not in the
+    long view but in the gathered part, so no padded row is empty."""
+    prefix = 600
+    plan = plan_attention([(0, 1, prefix, [(8, prefix + 1)])], CPU, torch.float32)
+    dec = plan.decode
+    assert dec is not None
+    assert dec.views == [(0, [(8, prefix)])]
+    assert dec.gather.tolist() == [[8 + prefix]]
+    assert dec.mask.tolist() == [[[[0.0]]]]
+
+
+def test_plan_decode_batch_padding_and_rows() -> None:
+    segments = [
+        (0, 1, 4, [(10, 5)]),  # short: all 5 keys gathered
+        (1, 40, 0, [(200, 40)]),  # a prompt chunk among decode steps
+        (41, 1, 300, [(1000, 300), (5000, 1)]),  # long run as view, own token gathered
+        (42, 1, 1, [(20, 1), (30, 1)]),  # 2 keys in 2 scattered pages
+    ]
+    plan = plan_attention(segments, CPU, torch.bfloat16)
+    assert [(c.q_start, c.q_len) for c in plan.chunks] == [(1, 40)]
+    dec = plan.decode
+    assert dec is not None
+    assert dec.rows.tolist() == [0, 41, 42]
+    assert dec.views == [(1, [(1000, 300)])]
+    assert dec.gather.shape == (3, 5) and dec.mask.shape == (3, 1, 1, 5)
+    assert dec.mask.dtype == torch.bfloat16
+    assert dec.gather.tolist() == [[10, 11, 12, 13, 14], [5000, 0, 0, 0, 0], [20, 30, 0, 0, 0]]
+    real = torch.tensor([[5], [1], [2]]) > torch.arange(5)[None, :]
+    assert torch.all(dec.mask[:, 0, 0][real] == 0)
+    assert torch.all(dec.mask[:, 0, 0][~real] == float("-inf"))
+
+
+def test_plan_decode_runs_shorter_than_sequence() -> None:
+    with pytest.raises(ValueError, match="shorter than the sequence"):
+        plan_attention([(0, 1, 10, [(1, 10)])], CPU, torch.float32)
+
+
+# -- merge_partials -------------------------------------------------------------------------
+
+
+def test_merge_partials_equals_attention_over_all_keys() -> None:
+    q, k, v = rand(1, 2, 5, D, seed=7), rand(1, 2, 90, D, seed=8), rand(1, 2, 90, D, seed=9)
+    full, full_lse = attention_with_lse(q, k, v, False, D**-0.5)
+    cuts = [(0, 7), (7, 60), (60, 90)]
+    parts = [attention_with_lse(q, k[:, :, a:b], v[:, :, a:b], False, D**-0.5) for a, b in cuts]
+    torch.testing.assert_close(merge_partials(parts), full, atol=ATOL, rtol=0)
+    torch.testing.assert_close(merge_partials(parts[::-1]), full, atol=ATOL, rtol=0)
+    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
+    torch.testing.assert_close(lse, full_lse, atol=1e-5, rtol=0)
+
+
+def test_merge_partials_single_part_and_dtype() -> None:
+    o, lse = rand(1, 2, 3, D, seed=10), rand(1, 2, 3, seed=11)
+    assert merge_partials([(o, lse)]) is o
+    merged = merge_partials([(o.bfloat16(), lse), (o.bfloat16(), lse)])
+    assert merged.dtype == torch.bfloat16
+    # Two equal partials weigh one half each: the result is the partial itself.
+    torch.testing.assert_close(merged, o.bfloat16())
+
+
+# -- PagedAttention.forward over a KVPool ---------------------------------------------------
+
+
+class Seq:
+    """One request of a mixed batch: its KV slots, prefix length and new tokens' k/v."""
+
+    def __init__(self, runs: list[tuple[int, int]], prefix: int, q_len: int, seed: int,
+                 heads: int) -> None:
+        self.runs, self.prefix, self.q_len = runs, prefix, q_len
+        self.slots = [s for start, n in runs for s in range(start, start + n)]
+        assert len(self.slots) == prefix + q_len
+        total = prefix + q_len
+        self.k = rand(total, KV_HEADS, D, seed=seed)
+        self.v = rand(total, KV_HEADS, D, seed=seed + 1)
+        self.q = rand(q_len, heads, D, seed=seed + 2)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_paged_attention_mixed_batch_matches_reference(group: int) -> None:
+    """Decode steps (short, scattered, and long runs read as views), a short chunk (fused
+    kernel) and a long chunk (blockwise) with cached prefixes, in one forward."""
+    heads = KV_HEADS * group
+    seqs = [
+        Seq([(16, 9)], 8, 1, seed=10, heads=heads),  # short decode
+        Seq([(40, 300), (700, 3), (900, 1)], 303, 1, seed=20, heads=heads),  # view + gathered
+        Seq([(1100, 20), (1200, 7)], 0, 27, seed=30, heads=heads),  # fused, no prefix
+        Seq([(1300, 280), (1600, 12)], 280, 12, seed=40, heads=heads),  # fused, view prefix
+        Seq([(2000, 270), (2300, 5), (2400, 100)], 275, 100, seed=50, heads=heads),  # blockwise
+        Seq([(2600, 2), (2700, 3), (2800, BLOCKWISE_MIN_TOKENS)], 5, BLOCKWISE_MIN_TOKENS,
+            seed=60, heads=heads),  # blockwise over a gathered prefix
+    ]
+    pool = KVPool(3000, range(0, 1), KV_HEADS, D, torch.float32, CPU, page_size=1)
+    k_cache, v_cache = pool.buffers(0)
+    segments, row = [], 0
+    for s in seqs:  # the prefix KV is already in the pool
+        k_cache[:, s.slots[: s.prefix]] = s.k[: s.prefix].transpose(0, 1)
+        v_cache[:, s.slots[: s.prefix]] = s.v[: s.prefix].transpose(0, 1)
+        segments.append((row, s.q_len, s.prefix, s.runs))
+        row += s.q_len
+    plan = plan_attention(segments, CPU, torch.float32)
+    assert plan.decode is not None and plan.decode.views  # the long decode run is a view
+    q = torch.cat([s.q for s in seqs])
+    k = torch.cat([s.k[s.prefix :] for s in seqs])
+    v = torch.cat([s.v[s.prefix :] for s in seqs])
+    out_slots = torch.tensor([slot for s in seqs for slot in s.slots[s.prefix :]])
+    out = PagedAttention(0, heads, KV_HEADS, D)(q, k, v, pool, out_slots, plan)
+    assert out.shape == (row, heads * D)
+    errors, row = [], 0
+    for s in seqs:
+        expected = reference(s.q, s.k, s.v, list(range(s.prefix, s.prefix + s.q_len)))
+        got = out[row : row + s.q_len].view(s.q_len, heads, D)
+        errors.append((got - expected).abs().max().item())
+        row += s.q_len
+    assert max(errors) < ATOL, f"max error per sequence: {errors}"
+    # The new tokens' KV was written to their slots.
+    torch.testing.assert_close(k_cache[:, out_slots], k.transpose(0, 1))

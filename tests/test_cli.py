@@ -1,0 +1,122 @@
+"""The `pipeserve` command: make-model, generate and bench, called in-process through
+`pipeserve.cli.main`, plus one real run of the installed entry point."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeserve.cli import main
+from pipeserve.engine.engine import Engine
+
+pytestmark = pytest.mark.timeout(300)
+
+TIMING_KEYS = ("ttft_mean_s", "ttft_p50_s", "input_throughput_tok_s", "output_throughput_tok_s")
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about pipelines:",
+    "Long prompts are split into chunks because",
+]
+
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "tiny-qwen3"
+    main(["make-model", "--preset", "tiny-qwen3", "--out", str(out)])
+    return out
+
+
+def test_make_model_writes_a_loadable_checkpoint(cli_model: Path, model_dir, capsys) -> None:
+    names = {p.name for p in cli_model.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= names
+    assert json.loads((cli_model / "config.json").read_text())["architectures"] == [
+        "Qwen3ForCausalLM"]
+    # Same preset, same default seed: the same weights as the library call.
+    ours, lib = load_file(cli_model / "model.safetensors"), load_file(
+        model_dir("tiny-qwen3") / "model.safetensors")
+    assert ours.keys() == lib.keys() and all(torch.equal(ours[k], lib[k]) for k in ours)
+    with Engine(str(cli_model), max_total_tokens=256) as engine:
+        out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+    assert isinstance(out, dict) and len(out["output_ids"]) == 2
+
+
+def test_make_model_list_and_missing_arguments(capsys) -> None:
+    main(["make-model", "--list"])
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["tiny-qwen3-moe"] == "Qwen3MoeForCausalLM"
+    with pytest.raises(SystemExit, match="make-model needs --preset NAME and --out DIR"):
+        main(["make-model", "--preset", "tiny-qwen3"])
+
+
+def test_generate_prints_greedy_text(cli_model: Path, capsys) -> None:
+    main(["generate", "--model", str(cli_model), "--max-new-tokens", "4"])
+    printed = capsys.readouterr().out
+    assert f"model: {cli_model} (Qwen3ForCausalLM)" in printed
+    with Engine(str(cli_model)) as engine:
+        expected = engine.generate(DEFAULT_PROMPTS,
+                                   sampling_params={"max_new_tokens": 4, "temperature": 0.0})
+    assert isinstance(expected, list)
+    for prompt, out in zip(DEFAULT_PROMPTS, expected, strict=True):
+        assert f">>> {prompt}\n{out['text']}\n" in printed
+    assert printed.count(" generated tokens, TTFT ") == len(DEFAULT_PROMPTS)
+
+
+def test_generate_with_own_prompt_and_engine_flags(cli_model: Path, capsys) -> None:
+    main(["generate", "--model", str(cli_model), "--max-new-tokens", "3", "--prompt", "hi there",
+          "--chunked-prefill-size", "16", "--page-size", "16", "--disable-radix-cache",
+          "--dtype", "float32"])
+    printed = capsys.readouterr().out
+    assert ">>> hi there\n" in printed and ">>> The capital" not in printed
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    report = json.loads(path.read_text())
+    for key in (*TIMING_KEYS, "prefill_flops_share_of_peak"):
+        value = report[key]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
+    return report
+
+
+def test_bench_writes_json(cli_model: Path, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "bench.json"
+    main(["bench", "--model", str(cli_model), "--input-len", "64", "--output-len", "4",
+          "--num-prompts", "2", "--json", str(path)])
+    report = read_report(path)
+    assert (report["input_len"], report["output_len"], report["num_prompts"]) == (64, 4, 2)
+    assert "baseline" not in report
+    assert f"saved {path}" in capsys.readouterr().out
+
+
+def test_bench_with_hf_baseline(cli_model: Path, tmp_path: Path) -> None:
+    path = tmp_path / "bench-hf.json"
+    main(["bench", "--model", str(cli_model), "--input-len", "64", "--output-len", "4",
+          "--num-prompts", "2", "--json", str(path), "--baseline", "hf", "--dtype", "float32"])
+    report = read_report(path)
+    base = report["baseline"]
+    for key in TIMING_KEYS:
+        assert math.isfinite(base[key]) and base[key] > 0, (key, base[key])
+    ratio = report["ratio_to_baseline"]
+    assert ratio["prefill_time"] > 0 and ratio["ttft_mean"] > 0
+    assert report["same_greedy_tokens_as_baseline"] is True  # float32: no near-ties
+
+
+def test_entry_point_subprocess(cli_model: Path) -> None:
+    exe = Path(sys.executable).parent / "pipeserve"
+    if not exe.is_file():
+        pytest.skip(f"no installed entry point at {exe}")
+    done = subprocess.run(
+        [str(exe), "generate", "--model", str(cli_model), "--max-new-tokens", "4",
+         "--prompt", "Hello"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    assert ">>> Hello\n" in done.stdout and "generated tokens" in done.stdout
