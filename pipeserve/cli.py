@@ -92,6 +92,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
               args.seed or 0, args.baseline, args.json, args.trace, args.timeline)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from pipeserve.server.launch import serve
+
+    run_as_worker_node(args)
+    sys.exit(serve(engine_flags(args)))
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> None:
+    from pipeserve.bench.serving import run_bench_serving
+
+    report = run_bench_serving(args.base_url, args.num_prompts, args.input_len, args.output_len,
+                               args.request_rate, args.max_concurrency, args.api_key, args.json,
+                               args.seed)
+    if report["failed"]:
+        sys.exit(1)
+
+
 def cmd_tune(args: argparse.Namespace) -> None:
     from pipeserve.bench.tune import run_tune
 
@@ -137,6 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in ("pp_size", "tp_size"):
             action.type = int_list
     bench.set_defaults(func=cmd_bench)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_flags(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bs = sub.add_parser("bench-serving", help="load a running server over HTTP")
+    bs.add_argument("--base-url", default="http://127.0.0.1:30000")
+    bs.add_argument("--num-prompts", type=int, default=32)
+    bs.add_argument("--input-len", type=int, default=512)
+    bs.add_argument("--output-len", type=int, default=64)
+    bs.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second (inf: all at once)")
+    bs.add_argument("--max-concurrency", type=int, default=None)
+    bs.add_argument("--api-key", default=None)
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--json", help="save the results here")
+    bs.set_defaults(func=cmd_bench_serving)
 
     tune = sub.add_parser("tune", help="find the chunk settings with the lowest TTFT")
     tune.add_argument("--input-len", type=int, default=16384)

@@ -109,11 +109,26 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    host: str = _flag("127.0.0.1", "address to serve HTTP on (loopback unless you say otherwise)")
+    port: int = _flag(30000, "HTTP port")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer <key>' on every API call")
+    served_model_name: str | None = _flag(None, "model name clients use (default: directory name)")
+    watchdog_timeout: float = _flag(
+        300.0, "seconds a step may take; beyond, or when a worker dies, fail and shut down"
+    )
+    max_queued_requests: int = _flag(
+        256, "requests waiting beyond --max-running-requests; more get HTTP 503"
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     @classmethod
     def from_flags(cls, **flags: Any) -> EngineConfig:
@@ -144,6 +159,7 @@ AREA_TYPES: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "server": ServerConfig,
 }
 FLAG_AREAS: dict[str, str] = {
     f.name: area for area, kind in AREA_TYPES.items() for f in dataclasses.fields(kind)
@@ -171,6 +187,8 @@ def validate(config: EngineConfig) -> None:
         (p.nnodes > 0 and 0 <= p.node_rank < p.nnodes,
          f"--node-rank {p.node_rank} must be in [0, --nnodes {p.nnodes})"),
         (p.nnodes == 1 or p.dist_init_addr, "--nnodes > 1 needs --dist-init-addr host:port"),
+        (config.server.watchdog_timeout > 0, "--watchdog-timeout must be positive"),
+        (config.server.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
         (p.world_size % p.nnodes == 0,
          f"--tp-size * --pp-size = {p.world_size} must be divisible by --nnodes {p.nnodes}"),
     ]

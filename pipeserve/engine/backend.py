@@ -67,11 +67,13 @@ class Backend:
             "kv_pages_total": kv.allocator.capacity,
             "kv_pages_free": kv.allocator.num_free,
             "kv_pages_cached": kv.tree.cached_pages() if kv.tree else 0,
+            "kv_pages_evictable": kv.tree.evictable_pages if kv.tree else 0,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_retracted": self.scheduler.decode.num_retracted,
             "prefix_hit_tokens": kv.hit_tokens,
             "prefix_lookup_tokens": kv.lookup_tokens,
+            "stage_busy_s": list(self.scheduler.stage_busy),
         }
 
     def timeline(self) -> list[Event]:

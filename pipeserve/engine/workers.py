@@ -115,6 +115,11 @@ class WorkerSet:
             if now - seen > HEARTBEAT_TIMEOUT_S:
                 raise WorkerError(f"worker rank {rank} sent no heartbeat for {now - seen:.0f}s")
 
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+
     def shutdown(self) -> None:
         """Ask the pipeline to stop; kill whatever has not exited shortly after."""
         if self.closed:

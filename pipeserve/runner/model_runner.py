@@ -132,24 +132,39 @@ class ModelRunner:
         samples = [s for s in batch.slices if s.sample]
         tokens: list[int] = []
         out_lps: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
         ids = torch.empty(0, dtype=torch.long, device=self.device)
         if samples:
             logits = self.model.compute_logits(hidden[fb.sample_rows])
             params = [s.sampling for s in samples]
             ids = self.sampler.sample(logits, params, [s.rid for s in samples])  # type: ignore[arg-type]
-            if any(s.return_logprob for s in samples):
-                lps = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None])[:, 0]
-                out_lps = [lp if s.return_logprob else math.nan
-                           for lp, s in zip(lps.tolist(), samples, strict=True)]
-            else:
-                out_lps = [math.nan] * len(samples)
             tokens = ids.tolist()
+            out_lps, tops = self._output_logprobs(logits, ids, samples)
         prompt = self._prompt_logprobs(fb, hidden)
         per_slice, start = [], 0
         for s in batch.slices:
             per_slice.append(prompt[start : start + len(s.logprob_targets)])
             start += len(s.logprob_targets)
-        return BatchResult(batch.batch_id, tokens, out_lps, per_slice), ids
+        return BatchResult(batch.batch_id, tokens, out_lps, per_slice, top_logprobs=tops), ids
+
+    @staticmethod
+    def _output_logprobs(logits: torch.Tensor, ids: torch.Tensor, samples: list[ReqSlice],
+                         ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Log-probabilities (of the raw model distribution, before temperature and cuts) of
+        the sampled tokens, and of the k most likely where asked."""
+        if not any(s.return_logprob for s in samples):
+            return [math.nan] * len(samples), [[] for _ in samples]
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+        lps = [lp if s.return_logprob else math.nan for lp, s in zip(chosen, samples, strict=True)]
+        k = max(s.top_logprobs for s in samples)
+        tops: list[list[tuple[int, float]]] = [[] for _ in samples]
+        if k > 0:
+            values, indices = logp.topk(k, dim=-1)
+            for i, s in enumerate(samples):
+                n = s.top_logprobs
+                tops[i] = list(zip(indices[i, :n].tolist(), values[i, :n].tolist(), strict=True))
+        return lps, tops
 
     def _prompt_logprobs(self, fb: ForwardBatch, hidden: torch.Tensor) -> list[float]:
         out: list[float] = []

@@ -25,6 +25,7 @@ class ReqSlice:
     sample: bool  # produce the next token (decode step or last prompt chunk)
     sampling: SamplingParams | None = None  # set when `sample`
     return_logprob: bool = False  # logprob of the sampled token
+    top_logprobs: int = 0  # and of the k most likely tokens
     logprob_targets: list[int] = field(default_factory=list)  # prompt logprobs: next token of
     # each of the first len(logprob_targets) positions of this slice
     chunk_index: int = -1  # prefill chunk number (-1: decode step)
@@ -72,4 +73,6 @@ class BatchResult:
     next_token_ids: list[int]  # one per sampling slice, in slice order
     output_logprobs: list[float]  # one per sampling slice (nan where not requested)
     prompt_logprobs: list[list[float]]  # one list per slice (empty where not requested)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per sampling
+    # slice: (token, logprob) of the k most likely tokens (empty where not requested)
     stage_times: list[float] = field(default_factory=list)  # forward seconds of each stage

@@ -56,6 +56,7 @@ class DecodeManager:
             sample=True,
             sampling=req.sampling,
             return_logprob=req.return_logprob,
+            top_logprobs=req.top_logprobs,
         )
 
     def _make_room(self, req: Req) -> bool:

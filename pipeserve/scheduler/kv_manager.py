@@ -59,7 +59,7 @@ class KVManager:
     def record_admission(self, req: Req) -> None:
         """Prefix-cache statistics, counted once per admitted request."""
         self.lookup_tokens += len(req.input_ids)
-        self.hit_tokens += min(req.kv_len, len(req.input_ids))
+        self.hit_tokens += min(req.cached_tokens, len(req.input_ids))
 
     def cache_prefix(self, req: Req) -> None:
         """Put the request's full pages into the tree as soon as they are scheduled, so a

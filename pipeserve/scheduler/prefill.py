@@ -94,6 +94,7 @@ class PrefillManager:
             sample=final,
             sampling=req.sampling if final else None,
             return_logprob=req.return_logprob,
+            top_logprobs=req.top_logprobs,
             logprob_targets=_logprob_targets(req, start, n),
             chunk_index=req.num_chunks - 1,
         )

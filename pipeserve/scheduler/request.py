@@ -95,6 +95,7 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
+    top_logprobs: int = 0  # also return the k most likely tokens' logprobs at each step
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop", "abort"

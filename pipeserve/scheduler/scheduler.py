@@ -34,6 +34,7 @@ class RequestUpdate:
     rid: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     prompt_logprobs: list[float] | None = None  # complete, sent once
@@ -64,6 +65,7 @@ class Scheduler:
             chunk_sizer = lambda _: chunk  # noqa: E731
         self.prefill = PrefillManager(kv, config.max_prefill_tokens, chunk_sizer)
         self.refit: OnlineRefit | None = None  # online refinement of the chunk cost model
+        self.stage_busy: list[float] = []  # forward seconds per pipeline stage, cumulative
         self.decode = DecodeManager(kv, on_retract=self.prefill.waiting.appendleft)
         self.reqs: dict[str, Req] = {}
         self._released: list[str] = []
@@ -146,13 +148,18 @@ class Scheduler:
     # -- results ------------------------------------------------------------------------
 
     def process_result(self, batch: ScheduledBatch, result: BatchResult) -> list[RequestUpdate]:
+        for i, t in enumerate(result.stage_times):
+            if i == len(self.stage_busy):
+                self.stage_busy.append(0.0)
+            self.stage_busy[i] += t
         chunk = batch.single_prompt_chunk
         if self.refit is not None and chunk is not None and result.stage_times:
             self.refit.observe(chunk.prefix_len, chunk.num_tokens, max(result.stage_times))
         updates: list[RequestUpdate] = []
-        samples = iter(zip(result.next_token_ids, result.output_logprobs, strict=True))
+        tops = result.top_logprobs or [[] for _ in result.next_token_ids]
+        samples = iter(zip(result.next_token_ids, result.output_logprobs, tops, strict=True))
         for s, prompt_lps in zip(batch.slices, result.prompt_logprobs, strict=True):
-            token, logprob = next(samples) if s.sample else (None, None)
+            token, logprob, top = next(samples) if s.sample else (None, None, None)
             req = self.reqs.get(s.rid)
             if req is None:  # finished or aborted while this batch was in flight
                 continue
@@ -161,11 +168,12 @@ class Scheduler:
                 req.future_slot = 0
             req.prompt_logprobs.extend(prompt_lps)
             if token is not None:
-                assert logprob is not None
-                updates.append(self._append_token(req, token, logprob))
+                assert logprob is not None and top is not None
+                updates.append(self._append_token(req, token, logprob, top))
         return updates
 
-    def _append_token(self, req: Req, token: int, logprob: float) -> RequestUpdate:
+    def _append_token(self, req: Req, token: int, logprob: float,
+                      top: list[tuple[int, float]]) -> RequestUpdate:
         update = RequestUpdate(req.rid)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
@@ -178,6 +186,8 @@ class Scheduler:
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         update.new_token_ids, update.new_logprobs = [token], [logprob]
+        if req.top_logprobs:
+            update.new_top_logprobs = [top]
         reason = self._stop_reason(req, token)
         if reason is not None:
             update = self._merge(update, self._finish(req, *reason))

@@ -1,0 +1,141 @@
+"""The HTTP process's handle on the engine process: start it, send it requests, route its
+deltas to per-request queues, keep its latest stats, and notice when it fails."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import pickle
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pipeserve.server.engine_process import EngineProcessArgs, engine_main
+from pipeserve.server.streams import StreamDelta
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+class EngineClient:
+    def __init__(self, flags: dict[str, Any]) -> None:
+        self.flags = flags
+        self._dir = tempfile.mkdtemp(prefix="pipeserve-")  # private (0700): only we connect
+        self.ctx = zmq.asyncio.Context()
+        self._to_engine = self.ctx.socket(zmq.PUSH)
+        self._from_engine = self.ctx.socket(zmq.PULL)
+        in_url, out_url = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._to_engine.bind(in_url)
+        self._from_engine.bind(out_url)
+        self.proc = mp.get_context("spawn").Process(
+            target=engine_main, args=(EngineProcessArgs(flags, in_url, out_url),),
+            name="pipeserve-engine", daemon=False,
+        )
+        self.queues: dict[str, asyncio.Queue[StreamDelta]] = {}
+        self.stats: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+        self.failure: str | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self.proc.is_alive() and bool(self.info)
+
+    async def start(self, timeout_s: float = 900.0) -> None:
+        self.proc.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.info:
+            if self.failure is not None:
+                raise EngineFailed(self.failure)
+            if not self.proc.is_alive():
+                raise EngineFailed(f"engine process exited with code {self.proc.exitcode}")
+            if loop.time() > deadline:
+                raise EngineFailed("engine did not start in time")
+            if await self._from_engine.poll(200):
+                self._dispatch(pickle.loads(await self._from_engine.recv()))
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            if await self._from_engine.poll(500):
+                self._dispatch(pickle.loads(await self._from_engine.recv()))
+            elif not self.proc.is_alive() and self.failure is None:
+                self._fail(f"engine process exited with code {self.proc.exitcode}")
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "deltas":
+            for d in msg[1]:
+                q = self.queues.get(d.rid)
+                if q is not None:
+                    q.put_nowait(d)
+        elif kind == "stats":
+            self.stats = msg[1]
+        elif kind == "ready":
+            self.info = msg[1]
+        elif kind == "fatal":
+            self._fail(msg[1])
+
+    def _fail(self, message: str) -> None:
+        """Every waiting request gets the error; the server turns unhealthy."""
+        self.failure = message
+        self.fail_all(message)
+
+    def fail_all(self, message: str) -> None:
+        for rid, q in list(self.queues.items()):
+            q.put_nowait(StreamDelta(rid, finish_reason="error", error=message, error_kind="engine"))
+
+    async def generate(self, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
+                       top_logprobs: int) -> AsyncIterator[StreamDelta]:
+        """Deltas of one request until it finishes; aborts it if the caller stops listening."""
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
+        rid = uuid.uuid4().hex
+        queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self.queues[rid] = queue
+        finished = False
+        try:
+            await self._send(("add", rid, input_ids, params, return_logprob, top_logprobs))
+            while True:
+                delta = await queue.get()
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+            if not finished and self.failure is None:
+                await self._send(("abort", rid))
+
+    @property
+    def num_active(self) -> int:
+        return len(self.queues)
+
+    async def _send(self, msg: tuple[Any, ...]) -> None:
+        await self._to_engine.send(pickle.dumps(msg))
+
+    async def shutdown(self, timeout_s: float = 15.0) -> None:
+        """Abort everything, stop the engine (and its workers), wait for it."""
+        for rid in list(self.queues):
+            await self._send(("abort", rid))
+        if self.proc.is_alive():
+            await self._send(("shutdown",))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.proc.is_alive() and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        if self.proc.is_alive():
+            self.proc.kill()
+        if self._reader is not None:
+            self._reader.cancel()
+        self.ctx.destroy(linger=0)
+        for name in ("in", "out"):
+            Path(self._dir, name).unlink(missing_ok=True)
+        Path(self._dir).rmdir()

@@ -1,0 +1,50 @@
+"""Run the HTTP server: engine process first, then uvicorn; a line with `ready` once
+requests are accepted; SIGTERM/SIGINT stop accepting, abort what is in flight and exit."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import uvicorn
+
+from pipeserve.config import EngineConfig
+from pipeserve.engine.engine import resolve_model_path
+from pipeserve.server.app import ServerState, create_app
+
+GRACEFUL_SHUTDOWN_S = 3
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            c = self.state.config.server
+            print(f"pipeserve ready: serving {self.state.model_name!r} on http://{c.host}:{c.port}",
+                  flush=True)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(self.state.client.fail_all, "the server is shutting down")
+        super().handle_exit(sig, frame)
+
+
+def serve(flags: dict[str, Any]) -> int:
+    config = EngineConfig.from_flags(**flags)
+    model_path = resolve_model_path(config.model.model_path)
+    state = ServerState(config, {**flags, "model_path": str(model_path)}, model_path)
+    app = create_app(state)
+    c = config.server
+    server = _Server(uvicorn.Config(app, host=c.host, port=c.port, log_level="warning",
+                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), state)
+    state.on_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if state.client.failure is not None:
+        print(f"pipeserve stopped: {state.client.failure.splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0

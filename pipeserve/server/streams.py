@@ -1,0 +1,68 @@
+"""Per-request output assembly on the engine side: text deltas from token ids (whole UTF-8
+characters only), stop strings cut exactly (a possible start of a stop string is held back
+until it is known not to be one), logprobs and usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeserve.scheduler.scheduler import RequestUpdate
+from pipeserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class StreamDelta:
+    """What a client is sent for one step of one request."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None
+    error: str | None = None
+    error_kind: str = "invalid"  # "invalid": the request was rejected; "engine": the engine failed
+
+
+class OutputStream:
+    def __init__(self, rid: str, tokenizer: Tokenizer, stop: tuple[str, ...], prompt_tokens: int) -> None:
+        self.rid = rid
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop = stop
+        self.prompt_tokens = prompt_tokens
+        self.emitted = 0
+        self.completion_tokens = 0
+
+    def apply(self, u: RequestUpdate) -> StreamDelta:
+        self.detok.add(u.new_token_ids)
+        self.completion_tokens += len(u.new_token_ids)
+        done = u.finish_reason is not None
+        if done:
+            self.detok.flush()
+        text = self.detok.text
+        if done and isinstance(u.matched_stop, str) and u.matched_stop in text:
+            end = text.index(u.matched_stop)
+        else:
+            end = len(text) if done else len(text) - self._held_back(text)
+        delta = text[self.emitted : max(end, self.emitted)]
+        self.emitted = max(end, self.emitted)
+        return StreamDelta(
+            self.rid, delta, list(u.new_token_ids), list(u.new_logprobs),
+            list(u.new_top_logprobs), u.finish_reason, u.matched_stop, self.prompt_tokens,
+            self.completion_tokens, u.cached_tokens, u.ttft,
+        )
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of `text` that could still grow into a stop string."""
+        hold = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if s.startswith(text[-n:]):
+                    hold = max(hold, n)
+                    break
+        return hold
