@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import json
+import logging
 import sys
 from typing import Any
 
@@ -27,12 +27,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                 names.insert(0, "--model")
             help_text = f"{f.metadata['help']} (default: {f.default})"
             if f.type == "bool":
-                group.add_argument(*names, dest=f.name, action="store_true", default=None,
-                                   help=help_text)
+                group.add_argument(
+                    *names, dest=f.name, action="store_true", default=None, help=help_text
+                )
             else:
                 base = str(f.type).split(" | ")[0]
-                group.add_argument(*names, dest=f.name, type=_TYPES[base], default=None,
-                                   choices=f.metadata.get("choices"), help=help_text)
+                group.add_argument(
+                    *names,
+                    dest=f.name,
+                    type=_TYPES[base],
+                    default=None,
+                    choices=f.metadata.get("choices"),
+                    help=help_text,
+                )
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,22 +70,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
         "Write a haiku about pipelines:",
         "Long prompts are split into chunks because",
     ]
-    sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-          "top_p": args.top_p, "top_k": args.top_k}
+    sp = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+    }
     with Engine(**engine_flags(args)) as engine:
         print(f"model: {engine.model_path} ({engine.arch.architecture})")
         for prompt, out in zip(prompts, engine.generate(prompts, sampling_params=sp), strict=True):
             meta = out["meta_info"]
             print(f"\n>>> {prompt}\n{out['text']}")
-            print(f"[{meta['prompt_tokens']} prompt + {meta['completion_tokens']} generated tokens,"
-                  f" TTFT {meta['ttft_s'] * 1000:.1f} ms, finish: {meta['finish_reason']}]")
+            print(
+                f"[{meta['prompt_tokens']} prompt + {meta['completion_tokens']} generated tokens,"
+                f" TTFT {meta['ttft_s'] * 1000:.1f} ms, finish: {meta['finish_reason']}]"
+            )
 
 
 def int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -88,8 +103,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
     args.pp_size, args.tp_size = pp_sizes[0], tp_sizes[0]
     run_as_worker_node(args)
     layouts = [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
-    run_bench(engine_flags(args), layouts, args.input_len, args.output_len, args.num_prompts,
-              args.seed or 0, args.baseline, args.json, args.trace, args.timeline)
+    run_bench(
+        engine_flags(args),
+        layouts,
+        args.input_len,
+        args.output_len,
+        args.num_prompts,
+        args.seed or 0,
+        args.baseline,
+        args.json,
+        args.trace,
+        args.timeline,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -102,9 +127,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_bench_serving(args: argparse.Namespace) -> None:
     from pipeserve.bench.serving import run_bench_serving
 
-    report = run_bench_serving(args.base_url, args.num_prompts, args.input_len, args.output_len,
-                               args.request_rate, args.max_concurrency, args.api_key, args.json,
-                               args.seed)
+    report = run_bench_serving(
+        args.base_url,
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.request_rate,
+        args.max_concurrency,
+        args.api_key,
+        args.json,
+        args.seed,
+    )
     if report["failed"]:
         sys.exit(1)
 
@@ -120,7 +153,9 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     from pipeserve.models.presets import PRESETS, make_model
 
     if args.list:
-        print(json.dumps({name: spec["architectures"][0] for name, spec in PRESETS.items()}, indent=2))
+        print(
+            json.dumps({name: spec["architectures"][0] for name, spec in PRESETS.items()}, indent=2)
+        )
         return
     if not args.preset or not args.out:
         sys.exit("make-model needs --preset NAME and --out DIR (see --list)")
@@ -164,8 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--num-prompts", type=int, default=32)
     bs.add_argument("--input-len", type=int, default=512)
     bs.add_argument("--output-len", type=int, default=64)
-    bs.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="Poisson arrivals per second (inf: all at once)")
+    bs.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (inf: all at once)",
+    )
     bs.add_argument("--max-concurrency", type=int, default=None)
     bs.add_argument("--api-key", default=None)
     bs.add_argument("--seed", type=int, default=0)
@@ -174,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = sub.add_parser("tune", help="find the chunk settings with the lowest TTFT")
     tune.add_argument("--input-len", type=int, default=16384)
-    tune.add_argument("--budget-s", type=float, default=900.0, help="stop starting trials after this")
+    tune.add_argument(
+        "--budget-s", type=float, default=900.0, help="stop starting trials after this"
+    )
     tune.add_argument("--json", default="tune.json", help="save the table here")
     tune.add_argument("--png", default="tune.png", help="plot TTFT against the smoothing factor")
     add_engine_flags(tune)

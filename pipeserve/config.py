@@ -84,10 +84,13 @@ class ParallelConfig:
         None, "layers per stage, e.g. '15,15,15,16' or 'auto' (env PIPESERVE_PP_LAYER_PARTITION)"
     )
     pp_async_batch_depth: int = _flag(
-        1, "micro-batches in flight beyond --pp-size (keeps the first stage fed while results "
-        "travel back)"
+        1,
+        "micro-batches in flight beyond --pp-size (keeps the first stage fed while results "
+        "travel back)",
     )
-    threads_per_worker: int | None = _flag(None, "torch threads per worker (default: cores/workers)")
+    threads_per_worker: int | None = _flag(
+        None, "torch threads per worker (default: cores/workers)"
+    )
     spawn_workers: bool = _flag(
         False, "run the model in a worker process even on one device (default: in-process)"
     )
@@ -171,26 +174,38 @@ def validate(config: EngineConfig) -> None:
     m, c, s, p = config.model, config.cache, config.scheduler, config.parallel
     checks = [
         (m.dtype in DTYPES, f"--dtype {m.dtype!r} is not one of {', '.join(DTYPES)}"),
-        (c.page_size > 0 and c.page_size & (c.page_size - 1) == 0,
-         f"--page-size {c.page_size} must be a power of two"),
-        (0 < c.mem_fraction_static <= 1,
-         f"--mem-fraction-static {c.mem_fraction_static} must be in (0, 1]"),
-        (c.max_total_tokens is None or c.max_total_tokens > 0,
-         f"--max-total-tokens {c.max_total_tokens} must be positive"),
+        (
+            c.page_size > 0 and c.page_size & (c.page_size - 1) == 0,
+            f"--page-size {c.page_size} must be a power of two",
+        ),
+        (
+            0 < c.mem_fraction_static <= 1,
+            f"--mem-fraction-static {c.mem_fraction_static} must be in (0, 1]",
+        ),
+        (
+            c.max_total_tokens is None or c.max_total_tokens > 0,
+            f"--max-total-tokens {c.max_total_tokens} must be positive",
+        ),
         (s.chunked_prefill_size != 0, "--chunked-prefill-size 0 is invalid (use -1 to disable)"),
         (s.max_running_requests > 0, "--max-running-requests must be positive"),
         (s.max_prefill_tokens > 0, "--max-prefill-tokens must be positive"),
-        (0.0 <= s.smooth_factor <= 1.0,
-         f"dynamic chunking smooth factor {s.smooth_factor} must be in [0, 1]"),
+        (
+            0.0 <= s.smooth_factor <= 1.0,
+            f"dynamic chunking smooth factor {s.smooth_factor} must be in [0, 1]",
+        ),
         (p.tp_size > 0 and p.pp_size > 0, "--tp-size and --pp-size must be positive"),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
-        (p.nnodes > 0 and 0 <= p.node_rank < p.nnodes,
-         f"--node-rank {p.node_rank} must be in [0, --nnodes {p.nnodes})"),
+        (
+            p.nnodes > 0 and 0 <= p.node_rank < p.nnodes,
+            f"--node-rank {p.node_rank} must be in [0, --nnodes {p.nnodes})",
+        ),
         (p.nnodes == 1 or p.dist_init_addr, "--nnodes > 1 needs --dist-init-addr host:port"),
         (config.server.watchdog_timeout > 0, "--watchdog-timeout must be positive"),
         (config.server.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
-        (p.world_size % p.nnodes == 0,
-         f"--tp-size * --pp-size = {p.world_size} must be divisible by --nnodes {p.nnodes}"),
+        (
+            p.world_size % p.nnodes == 0,
+            f"--tp-size * --pp-size = {p.world_size} must be divisible by --nnodes {p.nnodes}",
+        ),
     ]
     for ok, message in checks:
         if not ok:

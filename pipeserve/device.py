@@ -55,7 +55,11 @@ def total_memory(device: torch.device) -> int:
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns the log-sum-exp of the scores, so partial results
@@ -70,7 +74,11 @@ def attention_with_lse(
 
 
 def _math_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
     mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -79,7 +87,9 @@ def _math_attention_with_lse(
         keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        )
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
     return out.to(q.dtype), lse
@@ -100,8 +110,12 @@ class ComputeStream:
     """
 
     def __init__(self, device: torch.device, num_threads: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute",
-                                        initializer=self._init, initargs=(device, num_threads))
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="compute",
+            initializer=self._init,
+            initargs=(device, num_threads),
+        )
 
     @staticmethod
     def _init(device: torch.device, num_threads: int) -> None:

@@ -44,3 +44,8 @@ def cache_dir() -> Path:
 def profile_cache_enabled() -> bool:
     """PIPESERVE_PROFILE_CACHE=0 re-profiles dynamic chunking at every start."""
     return os.environ.get("PIPESERVE_PROFILE_CACHE", "1").strip() not in ("0", "false", "no")
+
+
+def native_kernels_enabled() -> bool:
+    """PIPESERVE_NATIVE_KERNELS=0 uses the pure-torch attention paths only."""
+    return os.environ.get("PIPESERVE_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no")

@@ -73,7 +73,9 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
     ]
     missing = sorted({ckpt for _, ckpt, _ in wanted if ckpt not in index})
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise ValueError(f"checkpoint {path} is missing tensor(s): {shown}")
     with ExitStack() as stack, torch.no_grad():
         handles: dict[Path, Any] = {}

@@ -83,19 +83,30 @@ def bubble_ratios(events: list[Event]) -> list[float]:
 def write_trace(events: list[Event], path: str | Path) -> None:
     """Chrome trace format (open in chrome://tracing or ui.perfetto.dev)."""
     t0 = min((e.start for e in events), default=0.0)
-    trace = [{
-        "name": e.kind if e.kind != "forward" else _label(e),
-        "cat": e.kind, "ph": "X", "pid": e.stage, "tid": e.tp_rank,
-        "ts": (e.start - t0) * 1e6, "dur": (e.end - e.start) * 1e6,
-        "args": {k: v for k, v in asdict(e).items() if k not in ("start", "end")},
-    } for e in events]
-    meta = [{"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"stage {s}"}}
-            for s in sorted({e.stage for e in events})]
+    trace = [
+        {
+            "name": e.kind if e.kind != "forward" else _label(e),
+            "cat": e.kind,
+            "ph": "X",
+            "pid": e.stage,
+            "tid": e.tp_rank,
+            "ts": (e.start - t0) * 1e6,
+            "dur": (e.end - e.start) * 1e6,
+            "args": {k: v for k, v in asdict(e).items() if k not in ("start", "end")},
+        }
+        for e in events
+    ]
+    meta = [
+        {"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"stage {s}"}}
+        for s in sorted({e.stage for e in events})
+    ]
     Path(path).write_text(json.dumps({"traceEvents": meta + trace}))
 
 
 def _label(e: Event) -> str:
-    parts = [f"{r[:6]}#{c}" if c >= 0 else f"{r[:6]}:dec" for r, c in zip(e.rids, e.chunks, strict=True)]
+    parts = [
+        f"{r[:6]}#{c}" if c >= 0 else f"{r[:6]}:dec" for r, c in zip(e.rids, e.chunks, strict=True)
+    ]
     return " ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
 
 
@@ -108,8 +119,13 @@ def draw_timeline(panels: list[tuple[str, list[Event]]], path: str | Path) -> No
     import matplotlib.pyplot as plt
 
     rows = [max(1, len({e.stage for e in ev})) for _, ev in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(14, sum(0.8 + 0.6 * r for r in rows)),
-                             squeeze=False, gridspec_kw={"height_ratios": rows})
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(14, sum(0.8 + 0.6 * r for r in rows)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": rows},
+    )
     for ax, (title, events) in zip(axes[:, 0], panels, strict=True):
         _draw_panel(ax, title, forward_events(events))
     fig.tight_layout()
@@ -130,12 +146,26 @@ def _draw_panel(ax: Any, title: str, fwd: list[Event]) -> None:
     for e in fwd:
         color = colors(rids.index(e.rids[0]) % 20) if e.rids else "grey"
         y = stages.index(e.stage)
-        ax.barh(y, e.end - e.start, left=e.start - t0, height=0.8, color=color,
-                edgecolor="black", linewidth=0.4)
+        ax.barh(
+            y,
+            e.end - e.start,
+            left=e.start - t0,
+            height=0.8,
+            color=color,
+            edgecolor="black",
+            linewidth=0.4,
+        )
         chunk = e.chunks[0] if e.chunks else -1
         label = str(chunk) if chunk >= 0 else "d"
-        ax.text(e.start - t0 + (e.end - e.start) / 2, y, label, ha="center", va="center",
-                fontsize=7, clip_on=True)
+        ax.text(
+            e.start - t0 + (e.end - e.start) / 2,
+            y,
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            clip_on=True,
+        )
     ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])
     ax.invert_yaxis()
     ratios = bubble_ratios(fwd)

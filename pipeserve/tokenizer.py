@@ -48,7 +48,9 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -62,7 +64,10 @@ class Tokenizer:
 
     def _eos_ids(self, path: Path) -> tuple[int, ...]:
         ids: set[int] = set()
-        for source in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
+        for source in (
+            _read_json(path / "generation_config.json"),
+            _read_json(path / "config.json"),
+        ):
             eos = source.get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         token = self._special("eos_token")

@@ -11,8 +11,9 @@ import torch
 from pipeserve.bench.offline import summarize
 
 
-def run_hf(model_path: Path, prompts: list[list[int]], output_len: int,
-           dtype: torch.dtype) -> dict[str, Any]:
+def run_hf(
+    model_path: Path, prompts: list[list[int]], output_len: int, dtype: torch.dtype
+) -> dict[str, Any]:
     """`generate` on all prompts as one batch (equal lengths, no padding), greedy. A logits
     processor stamps each step, so the prefill (until the first step) and decode spans are
     measured inside the one call."""
@@ -31,16 +32,23 @@ def run_hf(model_path: Path, prompts: list[list[int]], output_len: int,
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         # An explicit mask: token id 0 may occur in the prompts and must not read as padding.
-        model.generate(ids[:1, :64], attention_mask=torch.ones_like(ids[:1, :64]),
-                       max_new_tokens=2, **kwargs)  # warm-up
+        model.generate(
+            ids[:1, :64], attention_mask=torch.ones_like(ids[:1, :64]), max_new_tokens=2, **kwargs
+        )  # warm-up
         stamp = Stamp()
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=output_len, min_new_tokens=output_len,
-                             logits_processor=LogitsProcessorList([stamp]), **kwargs)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            logits_processor=LogitsProcessorList([stamp]),
+            **kwargs,
+        )
         total = time.perf_counter() - start
     ttft = stamp.times[0] - start
-    stats = summarize([ttft] * len(prompts), total, ids.numel(), len(prompts) * output_len,
-                      len(prompts))
+    stats = summarize(
+        [ttft] * len(prompts), total, ids.numel(), len(prompts) * output_len, len(prompts)
+    )
     stats["output_ids"] = out[:, ids.shape[1] :].tolist()
     return stats

@@ -23,8 +23,15 @@ from pipeserve.engine.engine import Engine
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.timeline import Event, bubble_ratios, draw_timeline, write_trace
 
-TIMING_KEYS = ("ttft_mean_s", "ttft_p50_s", "prefill_s", "decode_s", "total_s",
-               "input_throughput_tok_s", "output_throughput_tok_s")
+TIMING_KEYS = (
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "prefill_s",
+    "decode_s",
+    "total_s",
+    "input_throughput_tok_s",
+    "output_throughput_tok_s",
+)
 
 
 def make_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
@@ -32,8 +39,9 @@ def make_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list
     return [torch.randint(0, vocab_size, (length,), generator=gen).tolist() for _ in range(num)]
 
 
-def summarize(ttfts: list[float], total_s: float, input_tokens: int, output_tokens: int,
-              num_prompts: int) -> dict[str, float]:
+def summarize(
+    ttfts: list[float], total_s: float, input_tokens: int, output_tokens: int, num_prompts: int
+) -> dict[str, float]:
     """Prefill span = until the last request has its first token; decode span = the rest."""
     prefill_s = max(ttfts)
     decode_s = total_s - prefill_s
@@ -52,8 +60,12 @@ def summarize(ttfts: list[float], total_s: float, input_tokens: int, output_toke
 def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     """Warm up on other prompts, then time all prompts submitted at once."""
     warm = make_prompts(engine.arch.vocab_size, 2, 64, seed=12345)
-    engine.run([Req(f"warmup-{i}", p, SamplingParams(max_new_tokens=2, temperature=0.0))
-                for i, p in enumerate(warm)])
+    engine.run(
+        [
+            Req(f"warmup-{i}", p, SamplingParams(max_new_tokens=2, temperature=0.0))
+            for i, p in enumerate(warm)
+        ]
+    )
     engine.backend.timeline()  # drop the warm-up events
     sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     reqs = [Req(f"bench-{i}", p, sp) for i, p in enumerate(prompts)]
@@ -62,8 +74,9 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     total = time.perf_counter() - start
     ttfts = [o["meta_info"]["ttft_s"] for o in outputs]
     out_tokens = sum(len(o["output_ids"]) for o in outputs)
-    stats: dict[str, Any] = summarize(ttfts, total, sum(map(len, prompts)), out_tokens,
-                                      len(prompts))
+    stats: dict[str, Any] = summarize(
+        ttfts, total, sum(map(len, prompts)), out_tokens, len(prompts)
+    )
     stats["chunk_sizes"] = [o["meta_info"]["chunk_sizes"] for o in outputs]
     stats["output_ids"] = [o["output_ids"] for o in outputs]
     stats["events"] = engine.backend.timeline()
@@ -72,10 +85,18 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     return stats
 
 
-def run_bench(flags: dict[str, Any], layouts: list[tuple[int, int]], input_len: int,
-              output_len: int, num_prompts: int, seed: int = 0, baseline: str | None = None,
-              json_path: str | None = None, trace_path: str | None = None,
-              timeline_path: str | None = None) -> dict[str, Any]:
+def run_bench(
+    flags: dict[str, Any],
+    layouts: list[tuple[int, int]],
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    seed: int = 0,
+    baseline: str | None = None,
+    json_path: str | None = None,
+    trace_path: str | None = None,
+    timeline_path: str | None = None,
+) -> dict[str, Any]:
     config = EngineConfig.from_flags(**flags)
     runs: list[dict[str, Any]] = []
     panels: list[tuple[str, list[Event]]] = []
@@ -93,7 +114,9 @@ def run_bench(flags: dict[str, Any], layouts: list[tuple[int, int]], input_len: 
         runs.append(row)
     report.update({k: v for k, v in runs[0].items() if k not in ("output_ids", "events")})
     report["layouts"] = [{k: v for k, v in r.items() if k != "output_ids"} for r in runs]
-    report["same_tokens_across_layouts"] = all(r["output_ids"] == runs[0]["output_ids"] for r in runs)
+    report["same_tokens_across_layouts"] = all(
+        r["output_ids"] == runs[0]["output_ids"] for r in runs
+    )
     if baseline == "hf":
         _add_hf_baseline(report, runs[0], prompts, output_len, flags)
     print_report(report)
@@ -101,15 +124,19 @@ def run_bench(flags: dict[str, Any], layouts: list[tuple[int, int]], input_len: 
     return report
 
 
-def _describe(engine: Engine, config: EngineConfig, input_len: int, output_len: int,
-              num_prompts: int) -> dict[str, Any]:
+def _describe(
+    engine: Engine, config: EngineConfig, input_len: int, output_len: int, num_prompts: int
+) -> dict[str, Any]:
     dtype = resolve_dtype(config.model.dtype, engine.arch.torch_dtype)
     threads = threads_per_worker(config)
     set_threads(threads)
     peak = matmul_peak_flops(dtype, resolve_device(config.model.device))
     return {
-        "model": str(engine.model_path), "dtype": str(dtype).removeprefix("torch."),
-        "threads_per_worker": threads, "input_len": input_len, "output_len": output_len,
+        "model": str(engine.model_path),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads_per_worker": threads,
+        "input_len": input_len,
+        "output_len": output_len,
         "num_prompts": num_prompts,
         "chunked_prefill_size": config.scheduler.chunked_prefill_size,
         "enable_dynamic_chunking": config.scheduler.enable_dynamic_chunking,
@@ -117,14 +144,22 @@ def _describe(engine: Engine, config: EngineConfig, input_len: int, output_len: 
     }
 
 
-def _layout_row(pp: int, tp: int, stats: dict[str, Any], flops: float, peak: float,
-                earlier: list[dict[str, Any]]) -> dict[str, Any]:
+def _layout_row(
+    pp: int,
+    tp: int,
+    stats: dict[str, Any],
+    flops: float,
+    peak: float,
+    earlier: list[dict[str, Any]],
+) -> dict[str, Any]:
     devices = pp * tp
     base = earlier[0] if earlier else None
     speedup = base["prefill_s"] / stats["prefill_s"] if base else 1.0
     base_devices = base["pp_size"] * base["tp_size"] if base else devices
     return {
-        "pp_size": pp, "tp_size": tp, **stats,
+        "pp_size": pp,
+        "tp_size": tp,
+        **stats,
         "prefill_flops": flops,
         "prefill_flops_per_s": flops / stats["prefill_s"],
         "prefill_flops_share_of_peak": flops / stats["prefill_s"] / (peak * devices),
@@ -133,8 +168,13 @@ def _layout_row(pp: int, tp: int, stats: dict[str, Any], flops: float, peak: flo
     }
 
 
-def _add_hf_baseline(report: dict[str, Any], run: dict[str, Any], prompts: list[list[int]],
-                     output_len: int, flags: dict[str, Any]) -> None:
+def _add_hf_baseline(
+    report: dict[str, Any],
+    run: dict[str, Any],
+    prompts: list[list[int]],
+    output_len: int,
+    flags: dict[str, Any],
+) -> None:
     from pipeserve.bench.hf_baseline import run_hf
 
     config = EngineConfig.from_flags(**flags)
@@ -144,14 +184,22 @@ def _add_hf_baseline(report: dict[str, Any], run: dict[str, Any], prompts: list[
     report["ratio_to_baseline"] = {
         "prefill_time": run["prefill_s"] / base["prefill_s"],
         "ttft_mean": run["ttft_mean_s"] / base["ttft_mean_s"],
-        "decode_throughput": (base["output_throughput_tok_s"] / run["output_throughput_tok_s"]
-                              if run["output_throughput_tok_s"] else None),
+        "decode_throughput": (
+            base["output_throughput_tok_s"] / run["output_throughput_tok_s"]
+            if run["output_throughput_tok_s"]
+            else None
+        ),
     }
     report["same_greedy_tokens_as_baseline"] = base["output_ids"] == run["output_ids"]
 
 
-def _save(report: dict[str, Any], panels: list[tuple[str, list[Event]]], json_path: str | None,
-          trace_path: str | None, timeline_path: str | None) -> None:
+def _save(
+    report: dict[str, Any],
+    panels: list[tuple[str, list[Event]]],
+    json_path: str | None,
+    trace_path: str | None,
+    timeline_path: str | None,
+) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
         print(f"saved {json_path}")
@@ -170,26 +218,37 @@ def _offset_stage(events: list[Event], layout: int) -> list[Event]:
 
 
 def print_report(r: dict[str, Any]) -> None:
-    print(f"model {r['model']}  dtype {r['dtype']}  {r['threads_per_worker']} thread(s)/worker  "
-          f"{r['num_prompts']} x {r['input_len']} in / {r['output_len']} out  "
-          f"chunk {r['chunked_prefill_size']}")
+    print(
+        f"model {r['model']}  dtype {r['dtype']}  {r['threads_per_worker']} thread(s)/worker  "
+        f"{r['num_prompts']} x {r['input_len']} in / {r['output_len']} out  "
+        f"chunk {r['chunked_prefill_size']}"
+    )
     print(f"matmul peak {r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s per worker")
-    print(f"{'layout':<10}{'TTFT mean':>11}{'prefill s':>11}{'in tok/s':>11}{'out tok/s':>11}"
-          f"{'speedup':>9}{'effic.':>8}{'FLOP share':>12}  bubble ratio per stage")
+    print(
+        f"{'layout':<10}{'TTFT mean':>11}{'prefill s':>11}{'in tok/s':>11}{'out tok/s':>11}"
+        f"{'speedup':>9}{'effic.':>8}{'FLOP share':>12}  bubble ratio per stage"
+    )
     for row in r["layouts"]:
-        print(f"{'PP%d TP%d' % (row['pp_size'], row['tp_size']):<10}{row['ttft_mean_s']:>11.3f}"
-              f"{row['prefill_s']:>11.3f}{row['input_throughput_tok_s']:>11.1f}"
-              f"{row['output_throughput_tok_s']:>11.1f}{row['speedup']:>9.3f}"
-              f"{row['efficiency']:>9.3f}{row['prefill_flops_share_of_peak']:>11.2f}  "
-              + ", ".join(f"{b:.3f}" for b in row["bubble_ratio"]))
+        layout = f"PP{row['pp_size']} TP{row['tp_size']}"
+        print(
+            f"{layout:<10}{row['ttft_mean_s']:>11.3f}"
+            f"{row['prefill_s']:>11.3f}{row['input_throughput_tok_s']:>11.1f}"
+            f"{row['output_throughput_tok_s']:>11.1f}{row['speedup']:>9.3f}"
+            f"{row['efficiency']:>9.3f}{row['prefill_flops_share_of_peak']:>11.2f}  "
+            + ", ".join(f"{b:.3f}" for b in row["bubble_ratio"])
+        )
     if len(r["layouts"]) > 1:
         print(f"same tokens across layouts: {r['same_tokens_across_layouts']}")
     base = r.get("baseline")
     if base:
-        print(f"{'hf':<10}{base['ttft_mean_s']:>11.3f}{base['prefill_s']:>11.3f}"
-              f"{base['input_throughput_tok_s']:>11.1f}{base['output_throughput_tok_s']:>11.1f}")
+        print(
+            f"{'hf':<10}{base['ttft_mean_s']:>11.3f}{base['prefill_s']:>11.3f}"
+            f"{base['input_throughput_tok_s']:>11.1f}{base['output_throughput_tok_s']:>11.1f}"
+        )
         ratio = r["ratio_to_baseline"]
         dec = ratio["decode_throughput"]
-        print(f"ratio to hf: prefill time {ratio['prefill_time']:.3f} (pipeserve/hf), decode "
-              f"throughput {'n/a' if dec is None else f'{dec:.3f}'} (hf/pipeserve); below 1 = "
-              f"pipeserve faster; same greedy tokens: {r['same_greedy_tokens_as_baseline']}")
+        print(
+            f"ratio to hf: prefill time {ratio['prefill_time']:.3f} (pipeserve/hf), decode "
+            f"throughput {'n/a' if dec is None else f'{dec:.3f}'} (hf/pipeserve); below 1 = "
+            f"pipeserve faster; same greedy tokens: {r['same_greedy_tokens_as_baseline']}"
+        )

@@ -7,8 +7,9 @@ import time
 import torch
 
 
-def matmul_peak_flops(dtype: torch.dtype, device: torch.device, size: int = 2048,
-                      repeats: int = 5) -> float:
+def matmul_peak_flops(
+    dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5
+) -> float:
     """Best FLOP/s of a size^3 matmul over a few repeats (first call excluded)."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)

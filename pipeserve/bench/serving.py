@@ -26,15 +26,18 @@ class Outcome:
     error: str = ""
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-               headers: dict[str, str]) -> Outcome:
+async def _one(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> Outcome:
     start = time.perf_counter()
     last = None
     out = Outcome(ok=True)
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
-                return Outcome(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+                return Outcome(
+                    False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                )
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -64,13 +67,25 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     def pct(p: float) -> float:
         return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
-    return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99),
-            "max": ordered[-1]}
+    return {
+        "mean": statistics.fmean(ordered),
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+        "max": ordered[-1],
+    }
 
 
-async def _run(base_url: str, num_prompts: int, input_len: int, output_len: int,
-               request_rate: float, max_concurrency: int | None, api_key: str | None,
-               seed: int) -> dict[str, Any]:
+async def _run(
+    base_url: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    request_rate: float,
+    max_concurrency: int | None,
+    api_key: str | None,
+    seed: int,
+) -> dict[str, Any]:
     from tqdm.asyncio import tqdm
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -84,9 +99,14 @@ async def _run(base_url: str, num_prompts: int, input_len: int, output_len: int,
         bar = tqdm(total=num_prompts, desc="requests")
 
         async def request(i: int) -> Outcome:
-            body = {"model": model, "prompt": [rng.randrange(vocab_guess) for _ in range(input_len)],
-                    "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": model,
+                "prompt": [rng.randrange(vocab_guess) for _ in range(input_len)],
+                "max_tokens": output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             async with limit:
                 out = await _one(client, "/v1/completions", body, headers)
             bar.update(1)
@@ -103,9 +123,14 @@ async def _run(base_url: str, num_prompts: int, input_len: int, output_len: int,
         bar.close()
     good = [o for o in outcomes if o.ok]
     return {
-        "base_url": base_url, "model": model, "num_prompts": num_prompts,
-        "input_len": input_len, "output_len": output_len, "request_rate": request_rate,
-        "max_concurrency": max_concurrency, "completed": len(good),
+        "base_url": base_url,
+        "model": model,
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "request_rate": request_rate,
+        "max_concurrency": max_concurrency,
+        "completed": len(good),
         "failed": len(outcomes) - len(good),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
         "duration_s": duration,
@@ -118,21 +143,45 @@ async def _run(base_url: str, num_prompts: int, input_len: int, output_len: int,
     }
 
 
-def run_bench_serving(base_url: str, num_prompts: int, input_len: int, output_len: int,
-                      request_rate: float, max_concurrency: int | None, api_key: str | None,
-                      json_path: str | None, seed: int = 0) -> dict[str, Any]:
-    report = asyncio.run(_run(base_url, num_prompts, input_len, output_len, request_rate,
-                              max_concurrency, api_key, seed))
-    print(f"completed {report['completed']}/{num_prompts} in {report['duration_s']:.2f}s "
-          f"({report['failed']} failed)")
+def run_bench_serving(
+    base_url: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    request_rate: float,
+    max_concurrency: int | None,
+    api_key: str | None,
+    json_path: str | None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    report = asyncio.run(
+        _run(
+            base_url,
+            num_prompts,
+            input_len,
+            output_len,
+            request_rate,
+            max_concurrency,
+            api_key,
+            seed,
+        )
+    )
+    print(
+        f"completed {report['completed']}/{num_prompts} in {report['duration_s']:.2f}s "
+        f"({report['failed']} failed)"
+    )
     for key in ("ttft_s", "itl_s", "e2e_latency_s"):
         p = report[key]
         if p:
-            print(f"{key:<14} mean {p['mean']:.4f}  p50 {p['p50']:.4f}  p90 {p['p90']:.4f}  "
-                  f"p99 {p['p99']:.4f}")
-    print(f"throughput: {report['request_throughput']:.2f} req/s, "
-          f"input {report['input_throughput_tok_s']:.1f} tok/s, "
-          f"output {report['output_throughput_tok_s']:.1f} tok/s")
+            print(
+                f"{key:<14} mean {p['mean']:.4f}  p50 {p['p50']:.4f}  p90 {p['p90']:.4f}  "
+                f"p99 {p['p99']:.4f}"
+            )
+    print(
+        f"throughput: {report['request_throughput']:.2f} req/s, "
+        f"input {report['input_throughput_tok_s']:.1f} tok/s, "
+        f"output {report['output_throughput_tok_s']:.1f} tok/s"
+    )
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
         print(f"saved {json_path}")

@@ -40,7 +40,9 @@ class Trial:
     def flags(self) -> str:
         out = f"--chunked-prefill-size {self.chunk_size}"
         if self.mode == "dynamic":
-            out += f" --enable-dynamic-chunking --dynamic-chunking-smooth-factor {self.smooth_factor}"
+            out += (
+                f" --enable-dynamic-chunking --dynamic-chunking-smooth-factor {self.smooth_factor}"
+            )
         return out
 
 
@@ -75,23 +77,39 @@ class Tuner:
             return
         ttft, sizes = self._measure(policy, self.input_len)
         mode = "dynamic" if policy.dynamic else "fixed"
-        trial = Trial(mode, policy.size or self.input_len, policy.smooth_factor if policy.dynamic else None,
-                      ttft, sizes)
+        trial = Trial(
+            mode,
+            policy.size or self.input_len,
+            policy.smooth_factor if policy.dynamic else None,
+            ttft,
+            sizes,
+        )
         self.trials.append(trial)
-        print(f"{mode:<8} C={trial.chunk_size:<6} s={'-' if trial.smooth_factor is None else trial.smooth_factor:<5}"
-              f" TTFT {ttft:8.3f}s  chunks {len(sizes)}", flush=True)
+        factor = "-" if trial.smooth_factor is None else trial.smooth_factor
+        print(
+            f"{mode:<8} C={trial.chunk_size:<6} s={factor:<5} TTFT {ttft:8.3f}s  "
+            f"chunks {len(sizes)}",
+            flush=True,
+        )
 
     def _measure(self, policy: ChunkPolicy, length: int) -> tuple[float, list[int]]:
         self.engine.backend.set_chunk_policy(policy)
         self._prompt_seed += 1
         prompt = make_prompts(self.engine.arch.vocab_size, 1, length, self._prompt_seed)[0]
-        req = Req(f"tune-{self._prompt_seed}", prompt, SamplingParams(max_new_tokens=1, temperature=0))
+        req = Req(
+            f"tune-{self._prompt_seed}", prompt, SamplingParams(max_new_tokens=1, temperature=0)
+        )
         out = self.engine.run([req])[0]
         return out["meta_info"]["ttft_s"], out["meta_info"]["chunk_sizes"]
 
 
-def run_tune(flags: dict[str, Any], input_len: int, budget_s: float, json_path: str | None,
-             png_path: str | None) -> dict[str, Any]:
+def run_tune(
+    flags: dict[str, Any],
+    input_len: int,
+    budget_s: float,
+    json_path: str | None,
+    png_path: str | None,
+) -> dict[str, Any]:
     with Engine(**flags) as engine:
         trials = Tuner(engine, input_len, budget_s).run()
         p = engine.config.parallel
@@ -100,16 +118,22 @@ def run_tune(flags: dict[str, Any], input_len: int, budget_s: float, json_path: 
     best = min(trials, key=lambda t: t.ttft_s)
     best_fixed = min((t for t in trials if t.mode == "fixed"), key=lambda t: t.ttft_s)
     report = {
-        "model": flags.get("model_path"), "pp_size": p.pp_size, "tp_size": p.tp_size,
-        "input_len": input_len, "budget_s": budget_s,
+        "model": flags.get("model_path"),
+        "pp_size": p.pp_size,
+        "tp_size": p.tp_size,
+        "input_len": input_len,
+        "budget_s": budget_s,
         "trials": [asdict(t) for t in trials],
-        "best": asdict(best), "best_fixed": asdict(best_fixed),
+        "best": asdict(best),
+        "best_fixed": asdict(best_fixed),
         "recommended_flags": best.flags(),
         "gain_over_best_fixed": 1.0 - best.ttft_s / best_fixed.ttft_s,
     }
     print(f"\nbest fixed: {best_fixed.flags()}  TTFT {best_fixed.ttft_s:.3f}s")
-    print(f"recommended: {best.flags()}  TTFT {best.ttft_s:.3f}s "
-          f"({100 * report['gain_over_best_fixed']:.1f}% below the best fixed size)")
+    print(
+        f"recommended: {best.flags()}  TTFT {best.ttft_s:.3f}s "
+        f"({100 * report['gain_over_best_fixed']:.1f}% below the best fixed size)"
+    )
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
         print(f"saved {json_path}")
@@ -127,11 +151,18 @@ def plot_tune(trials: list[Trial], best_fixed: Trial, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for size in sorted({t.chunk_size for t in trials if t.mode == "dynamic"}):
-        pts = sorted((t.smooth_factor, t.ttft_s) for t in trials
-                     if t.mode == "dynamic" and t.chunk_size == size)
+        pts = sorted(
+            (t.smooth_factor, t.ttft_s)
+            for t in trials
+            if t.mode == "dynamic" and t.chunk_size == size
+        )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"dynamic, C={size}")
-    ax.axhline(best_fixed.ttft_s, linestyle="--", color="grey",
-               label=f"best fixed, {best_fixed.chunk_size}")
+    ax.axhline(
+        best_fixed.ttft_s,
+        linestyle="--",
+        color="grey",
+        label=f"best fixed, {best_fixed.chunk_size}",
+    )
     ax.set_xlabel("smoothing factor s")
     ax.set_ylabel("TTFT (s)")
     ax.set_title("TTFT against the smoothing factor")

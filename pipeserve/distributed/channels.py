@@ -46,8 +46,10 @@ class SchedulerChannels:
         self._status = self.ctx.socket(zmq.PULL)
         self._control = self.ctx.socket(zmq.PUB)
         sockets = [*self._batch, self._status, self._control]
-        ports = [self._bind(s, host, None if base_port is None else base_port + i)
-                 for i, s in enumerate(sockets)]
+        ports = [
+            self._bind(s, host, None if base_port is None else base_port + i)
+            for i, s in enumerate(sockets)
+        ]
         for s in self._batch:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)

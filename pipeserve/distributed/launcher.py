@@ -39,8 +39,9 @@ def endpoints_for(rdzv: Rendezvous, tp_size: int) -> Endpoints:
     """The scheduler's fixed ports on node 0 (multi-node: every node computes the same)."""
     assert rdzv.zmq_base_port is not None
     base = rdzv.zmq_base_port
-    return Endpoints(rdzv.host, tuple(range(base, base + tp_size)), base + tp_size,
-                     base + tp_size + 1)
+    return Endpoints(
+        rdzv.host, tuple(range(base, base + tp_size)), base + tp_size, base + tp_size + 1
+    )
 
 
 def free_port() -> int:
@@ -60,18 +61,28 @@ def threads_per_worker(config: EngineConfig) -> int:
     return p.threads_per_worker or max(1, cpu_cores() // (p.world_size // p.nnodes))
 
 
-def start_workers(config: EngineConfig, model_path: str, endpoints: Endpoints,
-                  rdzv: Rendezvous, future_ring: int) -> list[mp.process.BaseProcess]:
+def start_workers(
+    config: EngineConfig, model_path: str, endpoints: Endpoints, rdzv: Rendezvous, future_ring: int
+) -> list[mp.process.BaseProcess]:
     from pipeserve.distributed.worker import WorkerArgs, worker_main
 
     ctx = mp.get_context("spawn")
     ranks = local_ranks(config)
     procs = []
     for rank in ranks:
-        args = WorkerArgs(rank, config.flags(), model_path, endpoints, rdzv.init_method,
-                          threads_per_worker(config), len(ranks), future_ring)
-        proc = ctx.Process(target=worker_main, args=(args,), name=f"pipeserve-worker-{rank}",
-                           daemon=True)
+        args = WorkerArgs(
+            rank,
+            config.flags(),
+            model_path,
+            endpoints,
+            rdzv.init_method,
+            threads_per_worker(config),
+            len(ranks),
+            future_ring,
+        )
+        proc = ctx.Process(
+            target=worker_main, args=(args,), name=f"pipeserve-worker-{rank}", daemon=True
+        )
         proc.start()
         procs.append(proc)
     return procs
@@ -88,8 +99,9 @@ def run_worker_node(config: EngineConfig, model_path: str) -> int:
     context = ArchConfig.load(model_path).context_length(config.model.context_length)
     ring = worker_ring_size(config, context)
     procs = start_workers(config, model_path, endpoints, rdzv, ring)
-    print(f"node {config.parallel.node_rank}: workers {list(local_ranks(config))} started",
-          flush=True)
+    print(
+        f"node {config.parallel.node_rank}: workers {list(local_ranks(config))} started", flush=True
+    )
     for proc in procs:
         proc.join()
     return max((abs(p.exitcode or 0) for p in procs), default=0)

@@ -55,13 +55,18 @@ def send(msg: StageMessage, dst: int, group: Any, device: torch.device) -> Pendi
     meta = pickle.dumps(msg.batch) if msg.batch is not None else b""
     tensors = [t for t in (msg.hidden, msg.residual) if t is not None]
     hidden = msg.hidden
-    header = torch.tensor([
-        int(msg.kind), len(meta),
-        hidden.shape[0] if hidden is not None else 0,
-        hidden.shape[1] if hidden is not None else 0,
-        int(msg.residual is not None),
-        DTYPES.index(hidden.dtype) if hidden is not None else 0,
-    ], dtype=torch.long, device=device)
+    header = torch.tensor(
+        [
+            int(msg.kind),
+            len(meta),
+            hidden.shape[0] if hidden is not None else 0,
+            hidden.shape[1] if hidden is not None else 0,
+            int(msg.residual is not None),
+            DTYPES.index(hidden.dtype) if hidden is not None else 0,
+        ],
+        dtype=torch.long,
+        device=device,
+    )
     payload = [header]
     if meta:
         payload.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))

@@ -119,8 +119,9 @@ def set_stage_partition(partition: list[int]) -> ParallelState:
     return state
 
 
-def init_parallel_groups(rank: int, tp_size: int, pp_size: int, backend: str,
-                         init_method: str, timeout_s: float) -> ParallelState:
+def init_parallel_groups(
+    rank: int, tp_size: int, pp_size: int, backend: str, init_method: str, timeout_s: float
+) -> ParallelState:
     """Join the process group and create every TP and stage-link group (all ranks create
     all groups, in the same order). Rank layout: pp_rank * tp_size + tp_rank."""
     import datetime
@@ -129,8 +130,13 @@ def init_parallel_groups(rank: int, tp_size: int, pp_size: int, backend: str,
 
     global _links
     world = tp_size * pp_size
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     pp_rank, tp_rank = divmod(rank, tp_size)
     tp_group, tp_ranks = None, (rank,)
     for stage in range(pp_size):
@@ -148,7 +154,8 @@ def init_parallel_groups(rank: int, tp_size: int, pp_size: int, backend: str,
     _links = StageLinks(
         prev_group=links.get((prev_rank, rank)) if prev_rank is not None else None,
         next_group=links.get((rank, next_rank)) if next_rank is not None else None,
-        prev_rank=prev_rank, next_rank=next_rank,
+        prev_rank=prev_rank,
+        next_rank=next_rank,
     )
     state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, None, tp_group, tp_ranks)
     set_parallel_state(state)

@@ -30,7 +30,8 @@ def parse_partition(spec: str, num_layers: int, pp_size: int) -> list[int]:
         raise ValueError(f"--pp-layer-partition {spec}: every stage needs at least one layer")
     if sum(parts) != num_layers:
         raise ValueError(
-            f"--pp-layer-partition {spec} sums to {sum(parts)} but the model has {num_layers} layers"
+            f"--pp-layer-partition {spec} sums to {sum(parts)} "
+            f"but the model has {num_layers} layers"
         )
     return parts
 
@@ -40,9 +41,12 @@ def stage_ranges(partition: list[int]) -> list[range]:
     return [range(s, s + n) for s, n in zip(starts, partition, strict=True)]
 
 
-def resolve_partition(spec: str | None, num_layers: int, pp_size: int,
-                      measure: Callable[[], tuple[list[float], float, float]] | None = None,
-                      ) -> list[int]:
+def resolve_partition(
+    spec: str | None,
+    num_layers: int,
+    pp_size: int,
+    measure: Callable[[], tuple[list[float], float, float]] | None = None,
+) -> list[int]:
     """The partition to use: the user's list, 'auto' (balanced on measured costs: per-layer,
     embedding, output head), or the default rule."""
     if spec is None:
@@ -55,8 +59,9 @@ def resolve_partition(spec: str | None, num_layers: int, pp_size: int,
     return parse_partition(spec, num_layers, pp_size)
 
 
-def balanced_partition(layer_costs: list[float], pp_size: int, first_extra: float = 0.0,
-                       last_extra: float = 0.0) -> list[int]:
+def balanced_partition(
+    layer_costs: list[float], pp_size: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[int]:
     """Contiguous split of the layers into `pp_size` non-empty stages that minimises the
     slowest stage (stage 0 also pays `first_extra`, e.g. the embedding; the last stage
     `last_extra`, e.g. the final norm and LM head); among those, the most even one (least sum
@@ -83,19 +88,31 @@ def balanced_partition(layer_costs: list[float], pp_size: int, first_extra: floa
     bottleneck[0][0] = 0.0
     for k in range(1, pp_size + 1):
         for j in range(k, n + 1):
-            bottleneck[k][j] = min(max(bottleneck[k - 1][i], cost(i, j, k - 1)) for i in splits(k, j))
+            bottleneck[k][j] = min(
+                max(bottleneck[k - 1][i], cost(i, j, k - 1)) for i in splits(k, j)
+            )
     limit = bottleneck[pp_size][n] + eps
     # squares[k][j]: least sum of squared stage costs with every stage within the limit
     squares = [[inf] * (n + 1) for _ in range(pp_size + 1)]
     squares[0][0] = 0.0
     for k in range(1, pp_size + 1):
         for j in range(k, n + 1):
-            squares[k][j] = min((squares[k - 1][i] + cost(i, j, k - 1) ** 2
-                                 for i in splits(k, j) if cost(i, j, k - 1) <= limit), default=inf)
+            squares[k][j] = min(
+                (
+                    squares[k - 1][i] + cost(i, j, k - 1) ** 2
+                    for i in splits(k, j)
+                    if cost(i, j, k - 1) <= limit
+                ),
+                default=inf,
+            )
     sizes, hi, left = [], n, squares[pp_size][n]
     for k in range(pp_size, 0, -1):  # from the last stage: the most layers that stay optimal
-        lo = next(i for i in splits(k, hi) if cost(i, hi, k - 1) <= limit
-                  and abs(squares[k - 1][i] + cost(i, hi, k - 1) ** 2 - left) <= eps * (1 + left))
+        lo = next(
+            i
+            for i in splits(k, hi)
+            if cost(i, hi, k - 1) <= limit
+            and abs(squares[k - 1][i] + cost(i, hi, k - 1) ** 2 - left) <= eps * (1 + left)
+        )
         left -= cost(lo, hi, k - 1) ** 2
         sizes.append(hi - lo)
         hi = lo

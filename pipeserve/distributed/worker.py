@@ -62,14 +62,22 @@ def worker_main(args: WorkerArgs) -> None:
         channels = WorkerChannels(args.rank, args.endpoints, batch_port)
         arch = ArchConfig.load(args.model_path)
         device = resolve_device(config.model.device)
-        init_parallel_groups(args.rank, p.tp_size, p.pp_size, dist_backend(device),
-                             args.init_method, INIT_TIMEOUT_S)
+        init_parallel_groups(
+            args.rank, p.tp_size, p.pp_size, dist_backend(device), args.init_method, INIT_TIMEOUT_S
+        )
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
         num_pages = _agree_on_pages(config, arch, args.local_workers)
         runner = ModelRunner(config, arch, args.model_path, num_pages)
-        channels.send_status("ready", {"num_pages": num_pages, "partition": partition,
-                                       "stage": state.pp_rank, "tp_rank": state.tp_rank})
+        channels.send_status(
+            "ready",
+            {
+                "num_pages": num_pages,
+                "partition": partition,
+                "stage": state.pp_rank,
+                "tp_rank": state.tp_rank,
+            },
+        )
         StageWorker(runner, state, channels, args).run()
     except BaseException:
         if channels is not None:
@@ -85,11 +93,13 @@ def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.de
     p = config.parallel
     out: list[Any] = [None]
     if dist.get_rank() == 0:
+
         def measure() -> tuple[list[float], float, float]:
             dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
             chunk = min(config.scheduler.chunk_size or 2048, 2048)
             costs = measure_layer_costs(arch, dtype, device, chunk)
             return costs.per_layer, costs.embed, costs.head
+
         try:
             out[0] = resolve_partition(p.layer_partition, arch.num_layers, p.pp_size, measure)
         except ValueError as exc:
@@ -108,8 +118,9 @@ def _agree_on_pages(config: EngineConfig, arch: ArchConfig, local_workers: int) 
 
 
 class StageWorker:
-    def __init__(self, runner: ModelRunner, state: ParallelState, channels: WorkerChannels,
-                 args: WorkerArgs) -> None:
+    def __init__(
+        self, runner: ModelRunner, state: ParallelState, channels: WorkerChannels, args: WorkerArgs
+    ) -> None:
         self.runner, self.state, self.channels = runner, state, channels
         self.links = get_stage_links()
         self.device = runner.device
@@ -139,8 +150,9 @@ class StageWorker:
             batch = msg.batch
             assert batch is not None
             fb = self.runner.prepare(batch)
-            done = self.stream.submit(self.runner.execute, batch, fb, msg.hidden, msg.residual,
-                                      future=self.future)
+            done = self.stream.submit(
+                self.runner.execute, batch, fb, msg.hidden, msg.residual, future=self.future
+            )
             if pending is not None:
                 waited = now()
                 pending.wait()  # commit point of the previous micro-batch

@@ -26,12 +26,24 @@ from pipeserve.timeline import Event
 from pipeserve.tokenizer import Tokenizer
 
 
-def build_scheduler(config: EngineConfig, arch: ArchConfig, tokenizer: Tokenizer,
-                    num_pages: int, context_len: int, max_batch_reqs: int | None = None) -> Scheduler:
+def build_scheduler(
+    config: EngineConfig,
+    arch: ArchConfig,
+    tokenizer: Tokenizer,
+    num_pages: int,
+    context_len: int,
+    max_batch_reqs: int | None = None,
+) -> Scheduler:
     kv = KVManager(num_pages, config.cache.page_size, config.cache.disable_radix_cache)
     eos = tuple(sorted(set(arch.eos_token_ids) | set(tokenizer.eos_token_ids)))
-    return Scheduler(config.scheduler, kv, context_len, eos, detokenize=tokenizer.decode,
-                     max_batch_reqs=max_batch_reqs)
+    return Scheduler(
+        config.scheduler,
+        kv,
+        context_len,
+        eos,
+        detokenize=tokenizer.decode,
+        max_batch_reqs=max_batch_reqs,
+    )
 
 
 log = logging.getLogger(__name__)
@@ -84,8 +96,9 @@ class Backend:
 
     def set_chunk_policy(self, policy: ChunkPolicy) -> dict[str, Any]:
         """Install a chunk-size policy (profiling the first stage for dynamic chunking)."""
-        self.chunking = setup_chunking(policy, self.scheduler, self.profile_first_stage,
-                                       self._profile_key)
+        self.chunking = setup_chunking(
+            policy, self.scheduler, self.profile_first_stage, self._profile_key
+        )
         return self.chunking
 
     def shutdown(self) -> None:
@@ -95,8 +108,14 @@ class Backend:
 class InProcessBackend(Backend):
     """Scheduler and model in the caller's process (one device)."""
 
-    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
-                 tokenizer: Tokenizer, context_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ArchConfig,
+        model_path: Path,
+        tokenizer: Tokenizer,
+        context_len: int,
+    ) -> None:
         super().__init__()
         threads = config.parallel.threads_per_worker or cpu_cores()
         set_threads(threads)
@@ -107,8 +126,9 @@ class InProcessBackend(Backend):
         self._profile_key = profile_key(config, model_path, threads, [arch.num_layers])
         self.set_chunk_policy(ChunkPolicy.from_config(config))
 
-    def _make_loop(self, config: EngineConfig, threads: int,
-                   context_len: int) -> PlainLoop | OverlapLoop:
+    def _make_loop(
+        self, config: EngineConfig, threads: int, context_len: int
+    ) -> PlainLoop | OverlapLoop:
         s = config.scheduler
         if s.disable_overlap_schedule:
             return PlainLoop(self.scheduler, self.runner)
@@ -116,9 +136,13 @@ class InProcessBackend(Backend):
         # small tensors (two full OpenMP pools on the same cores would fight each other).
         set_threads(1)
         size = ring_size(s.max_running_requests, context_len, s.chunk_size)
-        return OverlapLoop(self.scheduler, self.runner, ComputeStream(self.runner.device, threads),
-                           FutureMap(size, self.runner.device),
-                           favour_ttft=envs.disable_consecutive_prefill_overlap())
+        return OverlapLoop(
+            self.scheduler,
+            self.runner,
+            ComputeStream(self.runner.device, threads),
+            FutureMap(size, self.runner.device),
+            favour_ttft=envs.disable_consecutive_prefill_overlap(),
+        )
 
     def timeline(self) -> list[Event]:
         return self.runner.recorder.take()
@@ -130,8 +154,14 @@ class InProcessBackend(Backend):
 class WorkerBackend(Backend):
     """Scheduler here, model in worker processes (one per stage x TP rank)."""
 
-    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: Path,
-                 tokenizer: Tokenizer, context_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ArchConfig,
+        model_path: Path,
+        tokenizer: Tokenizer,
+        context_len: int,
+    ) -> None:
         super().__init__()
         p, s = config.parallel, config.scheduler
         ring = worker_ring_size(config, context_len)
@@ -143,16 +173,22 @@ class WorkerBackend(Backend):
             raise
         num_pages = info[0]["num_pages"]
         self.partition = info[0]["partition"]
-        log.info("pipeline layer partition: %s%s", ",".join(map(str, self.partition)),
-                 " (balanced on measured layer costs)" if p.layer_partition == "auto" else "")
+        log.info(
+            "pipeline layer partition: %s%s",
+            ",".join(map(str, self.partition)),
+            " (balanced on measured layer costs)" if p.layer_partition == "auto" else "",
+        )
         per_batch = max(s.max_running_requests // p.pp_size, 1)
-        self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len,
-                                         max_batch_reqs=per_batch)
+        self.scheduler = build_scheduler(
+            config, arch, tokenizer, num_pages, context_len, max_batch_reqs=per_batch
+        )
         depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
-        self.loop = PipelineLoop(self.scheduler, self.workers, depth,
-                                 SlotRing(ring) if ring else None)
-        self._profile_key = profile_key(config, model_path, threads_per_worker(config),
-                                        self.partition)
+        self.loop = PipelineLoop(
+            self.scheduler, self.workers, depth, SlotRing(ring) if ring else None
+        )
+        self._profile_key = profile_key(
+            config, model_path, threads_per_worker(config), self.partition
+        )
         try:
             self.set_chunk_policy(ChunkPolicy.from_config(config))
         except BaseException:
@@ -173,11 +209,17 @@ class WorkerBackend(Backend):
         return self.workers.profile_first_stage(lengths)
 
 
-def profile_key(config: EngineConfig, model_path: Path, threads: int,
-                partition: list[int]) -> dict[str, Any]:
+def profile_key(
+    config: EngineConfig, model_path: Path, threads: int, partition: list[int]
+) -> dict[str, Any]:
     """What a first-stage prefill profile depends on."""
-    return {"model": str(Path(model_path).resolve()),
-            "config": (Path(model_path) / "config.json").read_text(),
-            "dtype": config.model.dtype, "device": config.model.device, "threads": threads,
-            "tp": config.parallel.tp_size, "first_stage_layers": partition[0],
-            "page_size": config.cache.page_size}
+    return {
+        "model": str(Path(model_path).resolve()),
+        "config": (Path(model_path) / "config.json").read_text(),
+        "dtype": config.model.dtype,
+        "device": config.model.device,
+        "threads": threads,
+        "tp": config.parallel.tp_size,
+        "first_stage_layers": partition[0],
+        "page_size": config.cache.page_size,
+    }

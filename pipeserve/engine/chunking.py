@@ -41,12 +41,14 @@ class ChunkPolicy:
     @classmethod
     def from_config(cls, config: EngineConfig) -> ChunkPolicy:
         s = config.scheduler
-        return cls(s.chunk_size, s.enable_dynamic_chunking, s.smooth_factor,
-                   s.dynamic_chunking_online)
+        return cls(
+            s.chunk_size, s.enable_dynamic_chunking, s.smooth_factor, s.dynamic_chunking_online
+        )
 
 
-def setup_chunking(policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler,
-                   cache_key: dict[str, Any]) -> dict[str, Any]:
+def setup_chunking(
+    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, cache_key: dict[str, Any]
+) -> dict[str, Any]:
     """Install the policy on the scheduler; returns a description for logs and benchmarks."""
     size = policy.size
     if size is None:
@@ -57,9 +59,14 @@ def setup_chunking(policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler,
         return {"mode": "fixed", "chunk_size": size}
     lengths = profile_lengths(size)
     seconds = cached_profile(cache_key | {"lengths": lengths}, lambda: profile(lengths))
-    info: dict[str, Any] = {"mode": "dynamic", "initial_size": size,
-                            "smooth_factor": policy.smooth_factor, "online": policy.online,
-                            "profile_lengths": lengths, "profile_seconds": seconds}
+    info: dict[str, Any] = {
+        "mode": "dynamic",
+        "initial_size": size,
+        "smooth_factor": policy.smooth_factor,
+        "online": policy.online,
+        "profile_lengths": lengths,
+        "profile_seconds": seconds,
+    }
     try:
         fit = fit_profile(lengths, seconds)
     except ValueError as exc:
@@ -70,8 +77,15 @@ def setup_chunking(policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler,
     if predictor is None:
         scheduler.set_chunking(lambda _: size)
         return info | {"mode": "dynamic-disabled"}
-    log.info("dynamic chunking: f(l) = %.4g l^2 + %.4g l + %.4g from %d points; C = %d, s = %.2f",
-             fit.a, fit.b, fit.c, len(lengths) - 1, size, policy.smooth_factor)
+    log.info(
+        "dynamic chunking: f(l) = %.4g l^2 + %.4g l + %.4g from %d points; C = %d, s = %.2f",
+        fit.a,
+        fit.b,
+        fit.c,
+        len(lengths) - 1,
+        size,
+        policy.smooth_factor,
+    )
     context, budget = scheduler.context_len, scheduler.prefill.max_prefill_tokens
     scheduler.set_chunking(
         lambda req: predictor.next_chunk_size(req.kv_len, context - req.kv_len, budget),

@@ -84,8 +84,10 @@ class Engine:
         """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts)."""
         single, token_lists = self._inputs(prompt, input_ids)
         params = self._sampling(sampling_params, len(token_lists))
-        reqs = [Req(uuid.uuid4().hex, ids, sp, return_logprob)
-                for ids, sp in zip(token_lists, params, strict=True)]
+        reqs = [
+            Req(uuid.uuid4().hex, ids, sp, return_logprob)
+            for ids, sp in zip(token_lists, params, strict=True)
+        ]
         for req in reqs:
             self.validate(req)
         outputs = self.run(reqs)

@@ -30,8 +30,14 @@ T = TypeVar("T")
 class OverlapLoop:
     name = "overlap"
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, stream: ComputeStream,
-                 future: FutureMap, favour_ttft: bool) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        stream: ComputeStream,
+        future: FutureMap,
+        favour_ttft: bool,
+    ) -> None:
         """favour_ttft: between two prefill batches, process the first one's results before
         launching the second (PIPESERVE_DISABLE_CONSECUTIVE_PREFILL_OVERLAP)."""
         self.scheduler, self.runner, self.stream, self.future = scheduler, runner, stream, future

@@ -26,8 +26,9 @@ from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
 
 
 class PipelineLoop:
-    def __init__(self, scheduler: Scheduler, workers: WorkerSet, depth: int,
-                 future: SlotRing | None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, workers: WorkerSet, depth: int, future: SlotRing | None
+    ) -> None:
         self.scheduler, self.workers, self.depth, self.future = scheduler, workers, depth, future
         self.name = "overlap" if future is not None else ("pipeline" if depth > 1 else "plain")
         self.inflight: deque[ScheduledBatch] = deque()
@@ -39,7 +40,9 @@ class PipelineLoop:
         result = self.workers.wait_result()
         batch = self.inflight.popleft()
         if result.batch_id != batch.batch_id:
-            raise RuntimeError(f"result of batch {result.batch_id} arrived, expected {batch.batch_id}")
+            raise RuntimeError(
+                f"result of batch {result.batch_id} arrived, expected {batch.batch_id}"
+            )
         return self.scheduler.process_result(batch, result)
 
     def _fill(self) -> None:

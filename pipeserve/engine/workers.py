@@ -27,8 +27,13 @@ class WorkerError(RuntimeError):
 
 
 class WorkerSet:
-    def __init__(self, config: EngineConfig, model_path: str, future_ring: int,
-                 step_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        future_ring: int,
+        step_timeout_s: float | None = None,
+    ) -> None:
         p = config.parallel
         self.world_size = p.world_size
         self.tp_size = p.tp_size
@@ -71,8 +76,9 @@ class WorkerSet:
             if msg is not None and msg[0] == "result":
                 return msg[2]
             if self.step_timeout_s and time.monotonic() - start > self.step_timeout_s:
-                raise WorkerError(f"a step took longer than the watchdog timeout "
-                                  f"({self.step_timeout_s:.0f}s)")
+                raise WorkerError(
+                    f"a step took longer than the watchdog timeout ({self.step_timeout_s:.0f}s)"
+                )
 
     def profile_first_stage(self, lengths: list[int]) -> list[float]:
         self.channels.send_batch(("profile", lengths))

@@ -75,14 +75,18 @@ def split_runs(runs: list[Run], num: int) -> tuple[list[Run], list[Run]]:
     return views, short
 
 
-def gather_index(groups: list[list[Run]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_index(
+    groups: list[list[Run]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot ids of each group's runs, one row per group, padded with slot 0: ([groups, width],
     lengths [groups]). A handful of tensor ops however many tokens the runs cover."""
     starts = [s for g in groups for s, _ in g]
     counts = [n for g in groups for _, n in g]
     lengths = [sum(n for _, n in g) for g in groups]
+
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
+
     run_len, seg_len = t(counts), t(lengths)
     total = int(seg_len.sum())
     pos = torch.arange(total, device=device)
@@ -95,8 +99,9 @@ def gather_index(groups: list[list[Run]], device: torch.device) -> tuple[torch.T
     return out, seg_len
 
 
-def plan_attention(segments: list[tuple[int, int, int, list[Run]]], device: torch.device,
-                   dtype: torch.dtype) -> AttentionPlan:
+def plan_attention(
+    segments: list[tuple[int, int, int, list[Run]]], device: torch.device, dtype: torch.dtype
+) -> AttentionPlan:
     """segments: (q_start, q_len, prefix_len, kv_runs) per request. A single-token step reads
     every key from the pool (its own was just written; it always lands in the gathered part,
     so no padded row is empty); a prompt chunk reads its prefix from the pool and attends to
@@ -143,8 +148,13 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool,
-        out_slots: torch.Tensor, plan: AttentionPlan,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool: KVPool,
+        out_slots: torch.Tensor,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]."""
         k_cache, v_cache = pool.buffers(self.layer_id)
@@ -163,8 +173,9 @@ class PagedAttention(nn.Module):
                 out[rows] = self._fused(q[rows], k[rows], v[rows], cached)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                plan: DecodePlan) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
+    ) -> torch.Tensor:
         b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
         q = q.view(b, hk, self.group, d)  # GQA: the group's queries share their KV head
         k = k_cache[:, plan.gather].transpose(0, 1)  # [b, hk, n, d]
@@ -172,21 +183,28 @@ class PagedAttention(nn.Module):
         o, lse = attention_with_lse(q, k, v, False, self.scale, plan.mask)
         for i, views in plan.views:
             parts = [
-                attention_with_lse(q[i : i + 1], k_cache[None, :, s : s + n],
-                                   v_cache[None, :, s : s + n], False, self.scale)
+                attention_with_lse(
+                    q[i : i + 1],
+                    k_cache[None, :, s : s + n],
+                    v_cache[None, :, s : s + n],
+                    False,
+                    self.scale,
+                )
                 for s, n in views
             ]
             o[i] = merge_partials([*parts, (o[i : i + 1], lse[i : i + 1])])[0]
         return o.reshape(b, self.num_heads, d)
 
-    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cached: list[KVPart]) -> torch.Tensor:
+    def _fused(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list[KVPart]
+    ) -> torch.Tensor:
         """A short prompt chunk: fused kernel per cached part, then causally over itself."""
         n, h, hk, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q_heads = q.transpose(0, 1).contiguous()  # [h, n, d]
         q_fold = q_heads.view(1, hk, self.group * n, d)  # GQA: a KV head's queries in a row
-        parts = [attention_with_lse(q_fold, kc[None], vc[None], False, self.scale)
-                 for kc, vc in cached]
+        parts = [
+            attention_with_lse(q_fold, kc[None], vc[None], False, self.scale) for kc, vc in cached
+        ]
         kr = k.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]  # [1, h, n, d]
         vr = v.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]
         o, lse = attention_with_lse(q_heads[None], kr, vr, True, self.scale)
@@ -195,16 +213,18 @@ class PagedAttention(nn.Module):
         return o.reshape(h, n, d).transpose(0, 1)
 
 
-def _cached_parts(k_cache: torch.Tensor, v_cache: torch.Tensor, views: list[Run],
-                  gather: torch.Tensor | None) -> list[KVPart]:
+def _cached_parts(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, views: list[Run], gather: torch.Tensor | None
+) -> list[KVPart]:
     parts = [(k_cache[:, s : s + n], v_cache[:, s : s + n]) for s, n in views]
     if gather is not None:
         parts.append((k_cache[:, gather], v_cache[:, gather]))
     return parts
 
 
-def blockwise_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list[KVPart],
-                      scale: float) -> torch.Tensor:
+def blockwise_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list[KVPart], scale: float
+) -> torch.Tensor:
     """Causal attention of a prompt chunk over its cached prefix parts and itself.
     q [n, h, d], k/v [n, hk, d] (the chunk), cached parts [hk, len_i, d] -> [n, h, d]."""
     n, h, d = q.shape

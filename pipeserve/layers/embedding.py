@@ -26,10 +26,14 @@ class VocabParallelEmbedding(nn.Module):
         self.start = rank * self.per_rank
         self.end = min(self.start + self.per_rank, vocab_size)
         self.tp_size = tp
-        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(self.per_rank, hidden, dtype=dtype), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
+    ) -> None:
         rows = self.end - self.start
         copy_into(param.data[:rows], loaded.narrow(0, self.start, rows))
 

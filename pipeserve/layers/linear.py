@@ -42,7 +42,9 @@ class LinearBase(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
+    ) -> None:
         copy_into(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,9 @@ class ColumnParallelLinear(LinearBase):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         super().__init__(in_size, divide(out_size, self.tp_size, "output size"), bias, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
+    ) -> None:
         rows = param.shape[0]
         copy_into(param.data, loaded.narrow(0, self.tp_rank * rows, rows))
 
@@ -74,7 +78,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_size, sum(out_sizes), bias, dtype)
         self.local_sizes = [divide(s, self.tp_size, "output size") for s in out_sizes]
 
-    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
+    ) -> None:
         assert isinstance(shard_id, int)
         size = self.local_sizes[shard_id]
         offset = sum(self.local_sizes[:shard_id])
@@ -86,7 +92,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     there are at least as many as ranks, otherwise each rank keeps a replica of one."""
 
     def __init__(
-        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
         dtype: torch.dtype,
     ) -> None:
         tp = get_tp_size()
@@ -114,7 +125,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             return self.tp_rank * self.num_kv_heads
         return self.tp_rank * self.total_kv_heads // self.tp_size
 
-    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
+    ) -> None:
         d = self.head_dim
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
@@ -133,7 +146,9 @@ class RowParallelLinear(LinearBase):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         super().__init__(divide(in_size, self.tp_size, "input size"), out_size, bias, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
+    ) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
             copy_into(param.data, loaded)
             return

@@ -35,19 +35,25 @@ class FusedMoE(nn.Module):
     """All experts' weights stacked: w13 [experts, 2*inter_local, hidden] (gate; up) and
     w2 [experts, hidden, inter_local]."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.inter = divide(intermediate, self.tp_size, "moe_intermediate_size")
         self.num_experts = num_experts
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=dtype),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter, dtype=dtype),
-                               requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False
+        )
         for p in (self.w13, self.w2):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
+    ) -> None:
         """shard_id = (expert, part): part 0 gate, 1 up (rows of w13), 2 down (w2)."""
         assert isinstance(shard_id, tuple)
         expert, part = shard_id

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
@@ -36,7 +38,9 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token tables, computed once per forward and shared by all layers:
         cos, sin of shape [tokens, 1, head_dim]."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]

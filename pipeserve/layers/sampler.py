@@ -18,7 +18,9 @@ class Sampler:
         for rid in rids:
             self.per_request.pop(rid, None)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], rids: list[str]) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], rids: list[str]
+    ) -> torch.Tensor:
         """logits [rows, vocab] float32 -> token ids [rows]."""
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -44,6 +46,7 @@ class Sampler:
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature, then the top-k / top-p / min-p cuts, over tokens sorted by probability;
         the most likely token always survives."""
+
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=logits.device)[:, None]
 

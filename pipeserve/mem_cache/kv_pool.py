@@ -12,8 +12,14 @@ class KVPool:
     padding target and stays zero."""
 
     def __init__(
-        self, num_slots: int, layers: range, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device, page_size: int,
+        self,
+        num_slots: int,
+        layers: range,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        page_size: int,
     ) -> None:
         self.num_slots = num_slots
         self.dtype = dtype
@@ -29,5 +35,7 @@ class KVPool:
         return self.k[i], self.v[i]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

@@ -63,8 +63,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
@@ -86,8 +87,11 @@ class LlamaForCausalLM(nn.Module):
     attention_class: type[LlamaAttention] = LlamaAttention
     # (our parameter fragment, checkpoint fragment, shard id)
     stacked_params = [
-        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
     ]
 
     def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
@@ -97,7 +101,9 @@ class LlamaForCausalLM(nn.Module):
         self.first, self.last = is_first_stage(), is_last_stage()
         self.model = nn.Module()
         if self.first:
-            self.model.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype)
+            self.model.embed_tokens = VocabParallelEmbedding(
+                arch.vocab_size, arch.hidden_size, dtype
+            )
         self.model.layers = nn.ModuleList(
             self.make_layer(i) if i in self.layer_ids else nn.Identity()
             for i in range(arch.num_layers)
@@ -112,14 +118,17 @@ class LlamaForCausalLM(nn.Module):
     def make_layer(self, layer_id: int) -> nn.Module:
         a = self.arch
         attn = self.attention_class(a, layer_id, self.dtype)
-        return LlamaDecoderLayer(attn, self.make_mlp(layer_id), a.hidden_size, a.rms_norm_eps,
-                                 self.dtype)
+        return LlamaDecoderLayer(
+            attn, self.make_mlp(layer_id), a.hidden_size, a.rms_norm_eps, self.dtype
+        )
 
     def make_mlp(self, layer_id: int) -> nn.Module:
         return LlamaMLP(self.arch.hidden_size, self.arch.intermediate_size, self.dtype)
 
     def forward(
-        self, fb: ForwardBatch, hidden: torch.Tensor | None = None,
+        self,
+        fb: ForwardBatch,
+        hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """First stage: embeds fb.input_ids. Last stage: returns final-normed hidden states.

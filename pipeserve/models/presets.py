@@ -26,71 +26,154 @@ DEFAULT_PRESET = "bench"
 
 def _tiny(arch: str, **extra: Any) -> dict[str, Any]:
     return {
-        "architectures": [arch], "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "_init_std": 0.2, **extra,
+        "architectures": [arch],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "_init_std": 0.2,
+        **extra,
     }
 
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": _tiny(
-        "LlamaForCausalLM", model_type="llama",
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        "LlamaForCausalLM",
+        model_type="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
     ),
     "tiny-qwen2": _tiny("Qwen2ForCausalLM", model_type="qwen2", num_key_value_heads=1),
-    "tiny-qwen3": _tiny("Qwen3ForCausalLM", model_type="qwen3", tie_word_embeddings=True,
-                        attention_bias=False),
+    "tiny-qwen3": _tiny(
+        "Qwen3ForCausalLM", model_type="qwen3", tie_word_embeddings=True, attention_bias=False
+    ),
     "tiny-qwen3-moe": _tiny(
-        "Qwen3MoeForCausalLM", model_type="qwen3_moe", attention_bias=False, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[1],
+        "Qwen3MoeForCausalLM",
+        model_type="qwen3_moe",
+        attention_bias=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
     ),
     # ~57M parameters, 8 layers, GQA 12:4: long prompts are compute-bound on a CPU core.
     "bench": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 768,
-        "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
-        "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 8192,
-        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": True, "attention_bias": False, "torch_dtype": "bfloat16",
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 8192,
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
         "_init_std": 0.02,
     },
     "bench-moe": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
-        "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 8192, "num_experts": 16,
-        "num_experts_per_tok": 4, "moe_intermediate_size": 512, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 1048576,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-        "attention_bias": False, "torch_dtype": "bfloat16", "_init_std": 0.02,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 8192,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "_init_std": 0.02,
     },
     # Shapes of released models (random weights).
     "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": True, "attention_bias": False, "torch_dtype": "bfloat16",
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
         "_init_std": 0.02,
     },
     "qwen2.5-0.5b": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-        "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16", "_init_std": 0.02,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "_init_std": 0.02,
     },
     "llama-3.2-1b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": "bfloat16", "_init_std": 0.02,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+        "_init_std": 0.02,
     },
 }
 
@@ -103,8 +186,13 @@ def preset_path(name: str) -> Path:
     return path
 
 
-def make_model(preset: str, out: str | Path, seed: int = 0, shard_size_mb: int = 2048,
-               overrides: dict[str, Any] | None = None) -> Path:
+def make_model(
+    preset: str,
+    out: str | Path,
+    seed: int = 0,
+    shard_size_mb: int = 2048,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     spec = {**PRESETS[preset], **(overrides or {})}
@@ -119,11 +207,19 @@ def make_model(preset: str, out: str | Path, seed: int = 0, shard_size_mb: int =
     tmp = out / "tokenizer.json.tmp"
     tokenizer.save(str(tmp))
     tmp.replace(out / "tokenizer.json")
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "chat_template": None, "model_max_length": spec["max_position_embeddings"],
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": None,
+                "model_max_length": spec["max_position_embeddings"],
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            indent=2,
+        )
+    )
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eos]}))
     (out / "config.json").write_text(json.dumps(config, indent=2))  # last: marks completion
     return out
@@ -191,17 +287,78 @@ def _save_weights(weights: dict[str, torch.Tensor], out: Path, shard_size_mb: in
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / file), metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+        "weight_map": weight_map,
+    }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 # -- tokenizer ----------------------------------------------------------------------------
 
-_SYLLABLES = ("ka ri to na me lo su ve pa di qu ze bo mi ra te so lu ne ha ki mo ya re fu "
-              "an el in on ur ost ing ter pro com ble").split()
-_EXTRA_WORDS = ("the of and to in is for on with that été über naïve façon 你好 世界 "
-                "こんにちは Привет 🙂 🚀 λ π ∑").split()
+_SYLLABLES = [
+    "ka",
+    "ri",
+    "to",
+    "na",
+    "me",
+    "lo",
+    "su",
+    "ve",
+    "pa",
+    "di",
+    "qu",
+    "ze",
+    "bo",
+    "mi",
+    "ra",
+    "te",
+    "so",
+    "lu",
+    "ne",
+    "ha",
+    "ki",
+    "mo",
+    "ya",
+    "re",
+    "fu",
+    "an",
+    "el",
+    "in",
+    "on",
+    "ur",
+    "ost",
+    "ing",
+    "ter",
+    "pro",
+    "com",
+    "ble",
+]
+_EXTRA_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "for",
+    "on",
+    "with",
+    "that",
+    "été",
+    "über",
+    "naïve",
+    "façon",
+    "你好",
+    "世界",
+    "こんにちは",
+    "Привет",
+    "🙂",
+    "🚀",
+    "λ",
+    "π",
+    "∑",
+]
 
 
 def _corpus(num_words: int = 60000, seed: int = 0) -> list[str]:
@@ -212,8 +369,10 @@ def _corpus(num_words: int = 60000, seed: int = 0) -> list[str]:
             words.append(rng.choice(_EXTRA_WORDS))
         else:
             words.append("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))))
-    lines = [" ".join(words[i : i + 12]) + rng.choice([".", ",", "!", "?", ":"])
-             for i in range(0, len(words), 12)]
+    lines = [
+        " ".join(words[i : i + 12]) + rng.choice([".", ",", "!", "?", ":"])
+        for i in range(0, len(words), 12)
+    ]
     return lines
 
 
@@ -222,13 +381,17 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     on a fixed synthetic corpus up to min(vocab_size, 8192) tokens; special tokens come last."""
     target = min(vocab_size, 8192) - len(SPECIAL_TOKENS)
     if target < 256:
-        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (>= 259)")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for a byte-level tokenizer (>= 259)"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=target, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False, special_tokens=[],
+        vocab_size=target,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        special_tokens=[],
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)

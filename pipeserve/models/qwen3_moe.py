@@ -22,7 +22,9 @@ class Qwen3MoeSparseBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts, False, dtype)
-        self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size, dtype)
+        self.experts = FusedMoE(
+            arch.num_experts, arch.hidden_size, arch.moe_intermediate_size, dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)

@@ -49,8 +49,17 @@ class ForwardBatch:
             return torch.tensor(x, dtype=torch.long, device=device)
 
         attn = plan_attention(segments, device, pool.dtype)
-        return cls(tensor(ids), tensor(positions), tensor(slots), attn, pool,
-                   tensor(sample_rows), tensor(lp_rows), tensor(lp_targets), tensor(future_slots))
+        return cls(
+            tensor(ids),
+            tensor(positions),
+            tensor(slots),
+            attn,
+            pool,
+            tensor(sample_rows),
+            tensor(lp_rows),
+            tensor(lp_targets),
+            tensor(future_slots),
+        )
 
 
 def _tail_slots(runs: list[Run], n: int) -> list[int]:

@@ -32,11 +32,13 @@ class LayerCosts:
 
 
 @torch.inference_mode()
-def measure_layer_costs(arch: ArchConfig, dtype: torch.dtype, device: torch.device,
-                        chunk: int) -> LayerCosts:
+def measure_layer_costs(
+    arch: ArchConfig, dtype: torch.dtype, device: torch.device, chunk: int
+) -> LayerCosts:
     kinds = sorted({arch.is_moe_layer(i) for i in range(arch.num_layers)})
     probe = dataclasses.replace(
-        arch, num_layers=len(kinds),
+        arch,
+        num_layers=len(kinds),
         mlp_only_layers=tuple(i for i, moe in enumerate(kinds) if not moe),
         decoder_sparse_step=1,
     )
@@ -44,17 +46,32 @@ def measure_layer_costs(arch: ArchConfig, dtype: torch.dtype, device: torch.devi
         model = build_model(probe, dtype, device)
     for p in model.parameters():
         p.normal_(0.0, 0.02)
-    pool = KVPool(2 * chunk + 1, range(probe.num_layers), max(probe.num_kv_heads, 1),
-                  probe.head_dim, dtype, device, 1)
+    pool = KVPool(
+        2 * chunk + 1,
+        range(probe.num_layers),
+        max(probe.num_kv_heads, 1),
+        probe.head_dim,
+        dtype,
+        device,
+        1,
+    )
     ids = [i % arch.vocab_size for i in range(chunk)]
     timed: dict[str, float] = {}
     for prefix in (0, chunk):  # the first pass fills the prefix; the second is timed
-        fb = ForwardBatch.prepare(ScheduledBatch(0, [
-            ReqSlice("probe", ids, prefix, [(1, prefix + chunk)], sample=False)]), pool, device)
+        fb = ForwardBatch.prepare(
+            ScheduledBatch(
+                0, [ReqSlice("probe", ids, prefix, [(1, prefix + chunk)], sample=False)]
+            ),
+            pool,
+            device,
+        )
         timed = _time_parts(model, fb, kinds)
     per_kind = {moe: timed[f"layer{i}"] for i, moe in enumerate(kinds)}
-    return LayerCosts([per_kind[arch.is_moe_layer(i)] for i in range(arch.num_layers)],
-                      timed["embed"], timed["head"])
+    return LayerCosts(
+        [per_kind[arch.is_moe_layer(i)] for i in range(arch.num_layers)],
+        timed["embed"],
+        timed["head"],
+    )
 
 
 def _time_parts(model: torch.nn.Module, fb: ForwardBatch, kinds: list[bool]) -> dict[str, float]:
@@ -64,9 +81,9 @@ def _time_parts(model: torch.nn.Module, fb: ForwardBatch, kinds: list[bool]) -> 
     rope = model.rotary.cos_sin(fb.positions, hidden.dtype)
     residual = None
     for i in range(len(kinds)):
-        layer = model.model.layers[i]
-        out[f"layer{i}"] = _median_time(lambda: layer(hidden, residual, rope, fb), fb)
-        hidden, residual = layer(hidden, residual, rope, fb)
+        layer, args = model.model.layers[i], (hidden, residual, rope, fb)
+        out[f"layer{i}"] = _median_time(lambda layer=layer, args=args: layer(*args), fb)
+        hidden, residual = layer(*args)
 
     def head() -> None:
         normed = model.model.norm(hidden + residual)

@@ -57,8 +57,9 @@ def kv_pool_pages(config: EngineConfig, arch: ArchConfig, local_workers: int) ->
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: str | Path,
-                 num_pages: int) -> None:
+    def __init__(
+        self, config: EngineConfig, arch: ArchConfig, model_path: str | Path, num_pages: int
+    ) -> None:
         self.config, self.arch = config, arch
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
@@ -68,8 +69,13 @@ class ModelRunner:
         self.model.eval()
         page = config.cache.page_size
         self.kv_pool = KVPool(
-            num_pages * page, stage_layers(arch.num_layers), self.model_kv_heads(),
-            arch.head_dim, self.dtype, self.device, page,
+            num_pages * page,
+            stage_layers(arch.num_layers),
+            self.model_kv_heads(),
+            arch.head_dim,
+            self.dtype,
+            self.device,
+            page,
         )
         self.sampler = Sampler(config.model.seed, self.device)
         self.recorder = Recorder(self.state.pp_rank, self.state.tp_rank)
@@ -83,8 +89,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None, future: FutureMap | None = None,
+        self,
+        batch: ScheduledBatch,
+        fb: ForwardBatch,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        future: FutureMap | None = None,
     ) -> StageOutput:
         """Run this stage's layers on a prepared batch (on the compute stream). With a future
         map, placeholder input ids are resolved first and sampled tokens stored after."""
@@ -92,7 +102,9 @@ class ModelRunner:
         if future is not None and self.state.is_first_stage:
             fb.input_ids = future.resolve(fb.input_ids)
         hidden, residual = self.model(fb, hidden, residual)
-        result, tokens = self._sample(batch, fb, hidden) if self.state.is_last_stage else (None, None)
+        result, tokens = (
+            self._sample(batch, fb, hidden) if self.state.is_last_stage else (None, None)
+        )
         if future is not None and tokens is not None:
             future.store(fb.future_slots, tokens)
         synchronize(self.device)
@@ -110,8 +122,13 @@ class ModelRunner:
         times = []
         for n in lengths:
             n = min(n, self.kv_pool.num_slots - page)
-            s = ReqSlice("profile", [i % self.arch.vocab_size for i in range(n)], 0, [(page, n)],
-                         sample=False)
+            s = ReqSlice(
+                "profile",
+                [i % self.arch.vocab_size for i in range(n)],
+                0,
+                [(page, n)],
+                sample=False,
+            )
             batch = ScheduledBatch(-1, [s])
             fb = self.prepare(batch)
             hidden = None
@@ -122,12 +139,17 @@ class ModelRunner:
         self.recorder.take()
         return times
 
-    def forward(self, batch: ScheduledBatch, hidden: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> StageOutput:
+    def forward(
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> StageOutput:
         return self.execute(batch, self.prepare(batch), hidden, residual)
 
-    def _sample(self, batch: ScheduledBatch, fb: ForwardBatch,
-                hidden: torch.Tensor) -> tuple[BatchResult, torch.Tensor]:
+    def _sample(
+        self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor
+    ) -> tuple[BatchResult, torch.Tensor]:
         self.sampler.release(batch.released)
         samples = [s for s in batch.slices if s.sample]
         tokens: list[int] = []
@@ -148,8 +170,11 @@ class ModelRunner:
         return BatchResult(batch.batch_id, tokens, out_lps, per_slice, top_logprobs=tops), ids
 
     @staticmethod
-    def _output_logprobs(logits: torch.Tensor, ids: torch.Tensor, samples: list[ReqSlice],
-                         ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    def _output_logprobs(
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        samples: list[ReqSlice],
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """Log-probabilities (of the raw model distribution, before temperature and cuts) of
         the sampled tokens, and of the k most likely where asked."""
         if not any(s.return_logprob for s in samples):

@@ -50,8 +50,10 @@ def fit_profile(lengths: list[int], seconds: list[float]) -> CostFit:
     """Least-squares fit of [l^2, l, 1] after dropping the first (warm-up) sample."""
     lengths, seconds = lengths[1:], seconds[1:]
     if len(lengths) < MIN_PROFILE_POINTS:
-        raise ValueError(f"dynamic chunking needs at least {MIN_PROFILE_POINTS} profile points "
-                         f"after the warm-up sample, got {len(lengths)}")
+        raise ValueError(
+            f"dynamic chunking needs at least {MIN_PROFILE_POINTS} profile points "
+            f"after the warm-up sample, got {len(lengths)}"
+        )
     x = np.asarray(lengths, dtype=np.float64)
     design = np.stack([x**2, x, np.ones_like(x)], axis=1)
     (a, b, c), *_ = np.linalg.lstsq(design, np.asarray(seconds, dtype=np.float64), rcond=None)
@@ -61,8 +63,15 @@ def fit_profile(lengths: list[int], seconds: list[float]) -> CostFit:
 class ChunkSizePredictor:
     """Next chunk size for a request whose prefix (tokens already cached) is L."""
 
-    def __init__(self, a: float, b: float, c: float, initial_size: int, smooth_factor: float,
-                 page_size: int = 1) -> None:
+    def __init__(
+        self,
+        a: float,
+        b: float,
+        c: float,
+        initial_size: int,
+        smooth_factor: float,
+        page_size: int = 1,
+    ) -> None:
         if a <= 0:
             raise ValueError(f"quadratic coefficient a = {a:g} <= 0: the cost model is unusable")
         if not 0.0 <= smooth_factor <= 1.0:
@@ -86,8 +95,9 @@ class ChunkSizePredictor:
         x = (-lin + math.sqrt(disc)) / (2 * a) if disc >= 0 else -1.0
         return x if x > 0 else float(self.initial_size)
 
-    def next_chunk_size(self, prefix_len: int, room: int | None = None,
-                        budget: int | None = None) -> int:
+    def next_chunk_size(
+        self, prefix_len: int, room: int | None = None, budget: int | None = None
+    ) -> int:
         """The first chunk (L = 0) always uses C; later ones follow the smoothed root, floored
         at C // 4 and aligned down to max(page_size, 64); then capped by the remaining
         context room and the prefill budget (and realigned)."""
@@ -105,12 +115,17 @@ class ChunkSizePredictor:
         return max(x // self.align * self.align, self.align)
 
 
-def make_predictor(fit: CostFit, initial_size: int, smooth_factor: float,
-                   page_size: int) -> ChunkSizePredictor | None:
+def make_predictor(
+    fit: CostFit, initial_size: int, smooth_factor: float, page_size: int
+) -> ChunkSizePredictor | None:
     """The predictor, or None (fixed chunks, with a warning) when the fit is unusable."""
     if fit.a <= 0:
-        log.warning("dynamic chunking disabled: fitted a = %.3g <= 0 (prefill cost does not grow "
-                    "quadratically on this profile); using fixed chunks of %d", fit.a, initial_size)
+        log.warning(
+            "dynamic chunking disabled: fitted a = %.3g <= 0 (prefill cost does not grow "
+            "quadratically on this profile); using fixed chunks of %d",
+            fit.a,
+            initial_size,
+        )
         return None
     if fit.b < 0:
         log.info("dynamic chunking: fitted b = %.3g < 0 clamped to 0", fit.b)

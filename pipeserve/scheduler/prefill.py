@@ -22,7 +22,9 @@ ChunkSizer = Callable[[Req], int]  # how many prompt tokens the next chunk of re
 
 
 class PrefillManager:
-    def __init__(self, kv: KVManager, max_prefill_tokens: int, chunk_sizer: ChunkSizer | None) -> None:
+    def __init__(
+        self, kv: KVManager, max_prefill_tokens: int, chunk_sizer: ChunkSizer | None
+    ) -> None:
         """`chunk_sizer` None: no chunking; a prompt that does not fit the rest of the batch's
         budget waits for the next batch (alone in a batch, it may exceed the budget)."""
         self.kv = kv
@@ -43,7 +45,11 @@ class PrefillManager:
         while self.waiting and room > 0 and budget > 0:
             req = self.waiting[0]
             self.kv.match_prefix(req)
-            s = self._next_chunk(req, budget, first=not slices) if self._fits(req, decode_reserve) else None
+            s = (
+                self._next_chunk(req, budget, first=not slices)
+                if self._fits(req, decode_reserve)
+                else None
+            )
             if s is None:
                 self.kv.release(req, cache=False)
                 break

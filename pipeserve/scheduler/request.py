@@ -46,16 +46,24 @@ class SamplingParams:
     def validate(self) -> None:
         _check_types(self)
         checks = [
-            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-             f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}"),
-            (math.isfinite(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature}"),
+            (
+                isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+                f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}",
+            ),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                f"temperature must be >= 0, got {self.temperature}",
+            ),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= -1,
-             f"top_k must be -1 (off) or a positive integer, got {self.top_k}"),
+            (
+                isinstance(self.top_k, int) and self.top_k >= -1,
+                f"top_k must be -1 (off) or a positive integer, got {self.top_k}",
+            ),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (all(isinstance(s, str) and s for s in self.stop),
-             "stop must be a list of non-empty strings"),
+            (
+                all(isinstance(s, str) and s for s in self.stop),
+                "stop must be a list of non-empty strings",
+            ),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
         ]
         for ok, message in checks:
@@ -63,8 +71,13 @@ class SamplingParams:
                 raise ValueError(message)
 
 
-_NUMBER_FIELDS = {"temperature": float, "top_p": float, "min_p": float,
-                  "max_new_tokens": int, "top_k": int}
+_NUMBER_FIELDS = {
+    "temperature": float,
+    "top_p": float,
+    "min_p": float,
+    "max_new_tokens": int,
+    "top_k": int,
+}
 
 
 def _check_types(sp: SamplingParams) -> None:
@@ -72,8 +85,9 @@ def _check_types(sp: SamplingParams) -> None:
         value = getattr(sp, name)
         ok = isinstance(value, int | float) if kind is float else isinstance(value, int)
         if not ok or isinstance(value, bool):
-            raise ValueError(f"{name} must be a{'n integer' if kind is int else ' number'}, "
-                             f"got {value!r}")
+            raise ValueError(
+                f"{name} must be a{'n integer' if kind is int else ' number'}, got {value!r}"
+            )
     if not isinstance(sp.stop, tuple) or not isinstance(sp.stop_token_ids, tuple):
         raise ValueError("stop and stop_token_ids must be lists")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in sp.stop_token_ids):

@@ -172,8 +172,9 @@ class Scheduler:
                 updates.append(self._append_token(req, token, logprob, top))
         return updates
 
-    def _append_token(self, req: Req, token: int, logprob: float,
-                      top: list[tuple[int, float]]) -> RequestUpdate:
+    def _append_token(
+        self, req: Req, token: int, logprob: float, top: list[tuple[int, float]]
+    ) -> RequestUpdate:
         update = RequestUpdate(req.rid)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()

@@ -37,10 +37,22 @@ DISCONNECT_POLL_S = 0.25
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.status, self.message, self.kind, self.param, self.code = (
+            status,
+            message,
+            kind,
+            param,
+            code,
+        )
 
 
 class ServerState:
@@ -80,8 +92,12 @@ def create_app(state: ServerState) -> FastAPI:
             return
         header = request.headers.get("authorization", "")
         if not secrets.compare_digest(header.encode(), f"Bearer {key}".encode()):
-            raise ApiError(401, "invalid or missing API key (use 'Authorization: Bearer <key>')",
-                           "authentication_error", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "invalid or missing API key (use 'Authorization: Bearer <key>')",
+                "authentication_error",
+                code="invalid_api_key",
+            )
 
     @app.get("/health")
     async def health() -> Response:
@@ -96,8 +112,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model",
-                                            "created": P.now(), "owned_by": "pipeserve"}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": P.now(),
+                    "owned_by": "pipeserve",
+                }
+            ],
+        }
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
@@ -132,14 +157,17 @@ def create_app(state: ServerState) -> FastAPI:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
-        return JSONResponse(P.error_body(exc.message, exc.kind, exc.param, exc.code),
-                            status_code=exc.status)
+        return JSONResponse(
+            P.error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
+        message = (
+            f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
+        )
         return JSONResponse(P.error_body(message, param=where or None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -148,47 +176,77 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineFailed)
     async def engine_failed(_: Request, exc: EngineFailed) -> Response:
-        return JSONResponse(P.error_body(f"engine unavailable: {exc}", "server_error"),
-                            status_code=503)
+        return JSONResponse(
+            P.error_body(f"engine unavailable: {exc}", "server_error"), status_code=503
+        )
 
 
 def _check_model(state: ServerState, name: str) -> None:
     if name != state.model_name:
-        raise ApiError(404, f"model {name!r} not found; this server serves {state.model_name!r}",
-                       "invalid_request_error", "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"model {name!r} not found; this server serves {state.model_name!r}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
 
 
-def _max_new_tokens(state: ServerState, body: P._Request, prompt_len: int,
-                    default: int | None) -> int:
+def _max_new_tokens(
+    state: ServerState, body: P._Request, prompt_len: int, default: int | None
+) -> int:
     """The request's token budget, checked against the context before it reaches the engine."""
     ctx = state.context_len
     if prompt_len == 0:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if prompt_len >= ctx:
-        raise ApiError(400, f"this model's maximum context length is {ctx} tokens, but the "
-                       f"prompt has {prompt_len} tokens", param="messages", code="context_length_exceeded")
-    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {ctx} tokens, but the "
+            f"prompt has {prompt_len} tokens",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    asked = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     if asked is None:
         return min(default, ctx - prompt_len) if default is not None else ctx - prompt_len
     if prompt_len + asked > ctx:
-        raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the prompt has "
-                       f"{prompt_len} and max_tokens asks for {asked} more", param="max_tokens",
-                       code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {ctx} tokens; the prompt has "
+            f"{prompt_len} and max_tokens asks for {asked} more",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return asked
 
 
 class _Run:
     """One request's life: admission, deltas, and the OpenAI response shapes."""
 
-    def __init__(self, state: ServerState, ids: list[int], params: dict[str, Any],
-                 logprobs: bool, top: int) -> None:
+    def __init__(
+        self, state: ServerState, ids: list[int], params: dict[str, Any], logprobs: bool, top: int
+    ) -> None:
         if state.client.num_active >= state.capacity:
-            raise ApiError(503, f"server busy: {state.client.num_active} requests are running or "
-                           "queued; retry later", "server_error", code="server_busy")
+            raise ApiError(
+                503,
+                f"server busy: {state.client.num_active} requests are running or "
+                "queued; retry later",
+                "server_error",
+                code="server_busy",
+            )
         bad = next((t for t in ids if t < 0), None)
         if bad is not None:
             raise ApiError(400, f"token id {bad} is not valid", param="prompt")
-        self.state, self.ids, self.params, self.logprobs, self.top = state, ids, params, logprobs, top
+        self.state, self.ids, self.params, self.logprobs, self.top = (
+            state,
+            ids,
+            params,
+            logprobs,
+            top,
+        )
         self.id = P.new_id("cmpl")
         self.created = P.now()
         self.start = time.perf_counter()
@@ -198,8 +256,11 @@ class _Run:
         m = self.state.metrics
         async for d in self.state.client.generate(self.ids, self.params, self.logprobs, self.top):
             if d.error is not None:
-                raise ApiError(400 if d.error_kind == "invalid" else 500, d.error,
-                               "invalid_request_error" if d.error_kind == "invalid" else "server_error")
+                raise ApiError(
+                    400 if d.error_kind == "invalid" else 500,
+                    d.error,
+                    "invalid_request_error" if d.error_kind == "invalid" else "server_error",
+                )
             now = time.perf_counter()
             if d.token_ids:
                 if self.last_token_at is None:
@@ -222,11 +283,20 @@ class _Run:
             lps.add(d)
             final = d
         assert final is not None
-        choice = {"index": 0, "text": text, "finish_reason": _finish(final),
-                  "logprobs": lps.completion() if self.logprobs else None}
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.state.model_name, "choices": [choice],
-                "usage": P.usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens)}
+        choice = {
+            "index": 0,
+            "text": text,
+            "finish_reason": _finish(final),
+            "logprobs": lps.completion() if self.logprobs else None,
+        }
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": [choice],
+            "usage": P.usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens),
+        }
 
     async def stream_completion(self, body: P.CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         async for d in self.deltas():
@@ -234,14 +304,28 @@ class _Run:
                 continue  # text held back (a partial character or stop string)
             lps = _Logprobs(self.state.tokenizer)
             lps.add(d)
-            choice = {"index": 0, "text": d.text, "finish_reason": _finish(d),
-                      "logprobs": lps.completion() if self.logprobs else None}
-            yield {"id": self.id, "object": "text_completion", "created": self.created,
-                   "model": self.state.model_name, "choices": [choice]}
+            choice = {
+                "index": 0,
+                "text": d.text,
+                "finish_reason": _finish(d),
+                "logprobs": lps.completion() if self.logprobs else None,
+            }
+            yield {
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.state.model_name,
+                "choices": [choice],
+            }
             if d.finish_reason is not None and body.include_usage:
-                yield {"id": self.id, "object": "text_completion", "created": self.created,
-                       "model": self.state.model_name, "choices": [],
-                       "usage": P.usage(d.prompt_tokens, d.completion_tokens, d.cached_tokens)}
+                yield {
+                    "id": self.id,
+                    "object": "text_completion",
+                    "created": self.created,
+                    "model": self.state.model_name,
+                    "choices": [],
+                    "usage": P.usage(d.prompt_tokens, d.completion_tokens, d.cached_tokens),
+                }
 
     # -- /v1/chat/completions ------------------------------------------------------------
 
@@ -252,21 +336,36 @@ class _Run:
             lps.add(d)
             final = d
         assert final is not None
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": _finish(final),
-                  "logprobs": lps.chat() if self.logprobs else None}
-        return {"id": self.id.replace("cmpl", "chatcmpl"), "object": "chat.completion",
-                "created": self.created, "model": self.state.model_name, "choices": [choice],
-                "usage": P.usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens)}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": _finish(final),
+            "logprobs": lps.chat() if self.logprobs else None,
+        }
+        return {
+            "id": self.id.replace("cmpl", "chatcmpl"),
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": [choice],
+            "usage": P.usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens),
+        }
 
     async def stream_chat(self, body: P.ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
         cid = self.id.replace("cmpl", "chatcmpl")
 
-        def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
-            return {"id": cid, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.state.model_name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                 "logprobs": logprobs}]}
+        def chunk(
+            delta: dict[str, Any], finish: str | None, logprobs: Any = None
+        ) -> dict[str, Any]:
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.state.model_name,
+                "choices": [
+                    {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+                ],
+            }
 
         yield chunk({"role": "assistant", "content": ""}, None)
         async for d in self.deltas():
@@ -277,9 +376,14 @@ class _Run:
             delta = {"content": d.text} if d.text else {}
             yield chunk(delta, _finish(d), lps.chat() if self.logprobs else None)
             if d.finish_reason is not None and body.include_usage:
-                yield {"id": cid, "object": "chat.completion.chunk", "created": self.created,
-                       "model": self.state.model_name, "choices": [],
-                       "usage": P.usage(d.prompt_tokens, d.completion_tokens, d.cached_tokens)}
+                yield {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.state.model_name,
+                    "choices": [],
+                    "usage": P.usage(d.prompt_tokens, d.completion_tokens, d.cached_tokens),
+                }
 
 
 class _Logprobs:
@@ -303,17 +407,24 @@ class _Logprobs:
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": self.values,
-                "top_logprobs": [{self._tok(t): v for t, v in top} for top in self.tops],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": self.values,
+            "top_logprobs": [{self._tok(t): v for t, v in top} for top in self.tops],
+            "text_offset": offsets,
+        }
 
     def chat(self) -> dict[str, Any]:
         def entry(token: int, value: float) -> dict[str, Any]:
             s = self._tok(token)
             return {"token": s, "logprob": value, "bytes": list(s.encode())}
 
-        return {"content": [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in top]}
-                            for t, v, top in zip(self.ids, self.values, self.tops, strict=True)]}
+        return {
+            "content": [
+                {**entry(t, v), "top_logprobs": [entry(a, b) for a, b in top]}
+                for t, v, top in zip(self.ids, self.values, self.tops, strict=True)
+            ]
+        }
 
 
 def _finish(d: StreamDelta) -> str | None:
@@ -324,18 +435,22 @@ def _finish(d: StreamDelta) -> str | None:
 
 def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     """Server-sent events; an error after the stream started becomes an `error` event."""
+
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
         except ApiError as exc:
-            yield f"data: {json.dumps(P.error_body(exc.message, exc.kind, exc.param, exc.code))}\n\n"
+            body = P.error_body(exc.message, exc.kind, exc.param, exc.code)
+            yield f"data: {json.dumps(body)}\n\n"
         except EngineFailed as exc:
-            yield f"data: {json.dumps(P.error_body(f'engine unavailable: {exc}', 'server_error'))}\n\n"
+            body = P.error_body(f"engine unavailable: {exc}", "server_error")
+            yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 async def _until_done(request: Request, work: Any) -> dict[str, Any]:

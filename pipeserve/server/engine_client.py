@@ -34,8 +34,10 @@ class EngineClient:
         self._to_engine.bind(in_url)
         self._from_engine.bind(out_url)
         self.proc = mp.get_context("spawn").Process(
-            target=engine_main, args=(EngineProcessArgs(flags, in_url, out_url),),
-            name="pipeserve-engine", daemon=False,
+            target=engine_main,
+            args=(EngineProcessArgs(flags, in_url, out_url),),
+            name="pipeserve-engine",
+            daemon=False,
         )
         self.queues: dict[str, asyncio.Queue[StreamDelta]] = {}
         self.stats: dict[str, Any] = {}
@@ -90,10 +92,13 @@ class EngineClient:
 
     def fail_all(self, message: str) -> None:
         for rid, q in list(self.queues.items()):
-            q.put_nowait(StreamDelta(rid, finish_reason="error", error=message, error_kind="engine"))
+            q.put_nowait(
+                StreamDelta(rid, finish_reason="error", error=message, error_kind="engine")
+            )
 
-    async def generate(self, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
-                       top_logprobs: int) -> AsyncIterator[StreamDelta]:
+    async def generate(
+        self, input_ids: list[int], params: dict[str, Any], return_logprob: bool, top_logprobs: int
+    ) -> AsyncIterator[StreamDelta]:
         """Deltas of one request until it finishes; aborts it if the caller stops listening."""
         if self.failure is not None:
             raise EngineFailed(self.failure)

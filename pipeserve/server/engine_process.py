@@ -55,8 +55,9 @@ def engine_main(args: EngineProcessArgs) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket,
-                 watchdog_timeout: float) -> None:
+    def __init__(
+        self, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket, watchdog_timeout: float
+    ) -> None:
         self.engine, self.backend = engine, engine.backend
         self.inbox, self.outbox = inbox, outbox
         self.streams: dict[str, OutputStream] = {}
@@ -69,8 +70,12 @@ class EngineLoop:
 
     def run(self) -> None:
         threading.Thread(target=self._watchdog, daemon=True).start()
-        self._send(("ready", {"context_len": self.engine.context_len,
-                              "model_path": str(self.engine.model_path)}))
+        self._send(
+            (
+                "ready",
+                {"context_len": self.engine.context_len, "model_path": str(self.engine.model_path)},
+            )
+        )
         try:
             while self.running:
                 self._intake(block=not self.backend.scheduler.has_work())
@@ -105,8 +110,9 @@ class EngineLoop:
         elif kind == "shutdown":
             self.running = False
 
-    def _add(self, rid: str, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
-             top: int) -> None:
+    def _add(
+        self, rid: str, input_ids: list[int], params: dict[str, Any], return_logprob: bool, top: int
+    ) -> None:
         try:
             sp = SamplingParams.from_dict(params)
             req = Req(rid, input_ids, sp, return_logprob or top > 0, top_logprobs=top)
@@ -148,8 +154,12 @@ class EngineLoop:
             time.sleep(0.5)
             started = self.step_started
             if started is not None and time.monotonic() - started > self.watchdog_timeout:
-                self._send(("fatal", f"a step took longer than --watchdog-timeout "
-                                     f"{self.watchdog_timeout:g}s"))
+                self._send(
+                    (
+                        "fatal",
+                        f"a step took longer than --watchdog-timeout {self.watchdog_timeout:g}s",
+                    )
+                )
                 self._die(70)
             if os.getppid() != parent:  # the server is gone: leave no orphans
                 self._die(71)

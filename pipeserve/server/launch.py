@@ -25,8 +25,10 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             c = self.state.config.server
-            print(f"pipeserve ready: serving {self.state.model_name!r} on http://{c.host}:{c.port}",
-                  flush=True)
+            print(
+                f"pipeserve ready: serving {self.state.model_name!r} on http://{c.host}:{c.port}",
+                flush=True,
+            )
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         loop = asyncio.get_event_loop()
@@ -40,8 +42,16 @@ def serve(flags: dict[str, Any]) -> int:
     state = ServerState(config, {**flags, "model_path": str(model_path)}, model_path)
     app = create_app(state)
     c = config.server
-    server = _Server(uvicorn.Config(app, host=c.host, port=c.port, log_level="warning",
-                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), state)
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=c.host,
+            port=c.port,
+            log_level="warning",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        ),
+        state,
+    )
     state.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()
     if state.client.failure is not None:

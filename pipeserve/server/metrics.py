@@ -12,32 +12,54 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("pipeserve_time_to_first_token_seconds", "time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pipeserve_inter_token_latency_seconds",
-                             "time between consecutive tokens of a request",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pipeserve_prompt_tokens", "prompt tokens processed",
-                                     registry=r)
-        self.generation_tokens = Counter("pipeserve_generation_tokens", "tokens generated",
-                                         registry=r)
-        self.requests = Counter("pipeserve_requests", "finished requests", ["finish_reason"],
-                                registry=r)
+        self.ttft = Histogram(
+            "pipeserve_time_to_first_token_seconds",
+            "time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pipeserve_inter_token_latency_seconds",
+            "time between consecutive tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pipeserve_prompt_tokens", "prompt tokens processed", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pipeserve_generation_tokens", "tokens generated", registry=r
+        )
+        self.requests = Counter(
+            "pipeserve_requests", "finished requests", ["finish_reason"], registry=r
+        )
         self.running = Gauge("pipeserve_requests_running", "requests holding KV", registry=r)
         self.waiting = Gauge("pipeserve_requests_waiting", "requests queued", registry=r)
         self.kv_total = Gauge("pipeserve_kv_pages_total", "KV pages in the pool", registry=r)
-        self.kv_free = Gauge("pipeserve_kv_pages_free",
-                             "KV pages a new request can get now (unallocated or evictable cache)",
-                             registry=r)
-        self.kv_used = Gauge("pipeserve_kv_pages_used", "KV pages held by requests (total - free)",
-                             registry=r)
-        self.kv_cached = Gauge("pipeserve_kv_pages_cached",
-                               "KV pages in the prefix cache (evictable or shared)", registry=r)
-        self.hit_rate = Gauge("pipeserve_prefix_cache_hit_rate",
-                              "share of prompt tokens served from the prefix cache", registry=r)
-        self.stage_busy = Gauge("pipeserve_stage_busy_seconds",
-                                "cumulative forward time of each pipeline stage", ["stage"],
-                                registry=r)
+        self.kv_free = Gauge(
+            "pipeserve_kv_pages_free",
+            "KV pages a new request can get now (unallocated or evictable cache)",
+            registry=r,
+        )
+        self.kv_used = Gauge(
+            "pipeserve_kv_pages_used", "KV pages held by requests (total - free)", registry=r
+        )
+        self.kv_cached = Gauge(
+            "pipeserve_kv_pages_cached",
+            "KV pages in the prefix cache (evictable or shared)",
+            registry=r,
+        )
+        self.hit_rate = Gauge(
+            "pipeserve_prefix_cache_hit_rate",
+            "share of prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.stage_busy = Gauge(
+            "pipeserve_stage_busy_seconds",
+            "cumulative forward time of each pipeline stage",
+            ["stage"],
+            registry=r,
+        )
         self.healthy = Gauge("pipeserve_healthy", "1 while every worker is alive", registry=r)
 
     def update(self, stats: dict[str, Any], healthy: bool) -> None:

@@ -32,9 +32,16 @@ class _Request(BaseModel):
         return [s for s in stops if s]
 
     def sampling(self, max_new_tokens: int) -> dict[str, Any]:
-        return {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                "stop": self.stop_list(), "seed": self.seed, "ignore_eos": self.ignore_eos}
+        return {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "stop": self.stop_list(),
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+        }
 
     @property
     def include_usage(self) -> bool:
@@ -65,8 +72,12 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -79,6 +90,9 @@ def now() -> int:
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

@@ -30,7 +30,9 @@ class StreamDelta:
 
 
 class OutputStream:
-    def __init__(self, rid: str, tokenizer: Tokenizer, stop: tuple[str, ...], prompt_tokens: int) -> None:
+    def __init__(
+        self, rid: str, tokenizer: Tokenizer, stop: tuple[str, ...], prompt_tokens: int
+    ) -> None:
         self.rid = rid
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = stop
@@ -52,9 +54,17 @@ class OutputStream:
         delta = text[self.emitted : max(end, self.emitted)]
         self.emitted = max(end, self.emitted)
         return StreamDelta(
-            self.rid, delta, list(u.new_token_ids), list(u.new_logprobs),
-            list(u.new_top_logprobs), u.finish_reason, u.matched_stop, self.prompt_tokens,
-            self.completion_tokens, u.cached_tokens, u.ttft,
+            self.rid,
+            delta,
+            list(u.new_token_ids),
+            list(u.new_logprobs),
+            list(u.new_top_logprobs),
+            u.finish_reason,
+            u.matched_stop,
+            self.prompt_tokens,
+            self.completion_tokens,
+            u.cached_tokens,
+            u.ttft,
         )
 
     def _held_back(self, text: str) -> int:
