@@ -78,7 +78,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     }
     with Engine(**engine_flags(args)) as engine:
         print(f"model: {engine.model_path} ({engine.arch.architecture})")
-        for prompt, out in zip(prompts, engine.generate(prompts, sampling_params=sp), strict=True):
+        outputs = engine.generate(prompts, sampling_params=sp)
+        assert isinstance(outputs, list)
+        for prompt, out in zip(prompts, outputs, strict=True):
             meta = out["meta_info"]
             print(f"\n>>> {prompt}\n{out['text']}")
             print(

@@ -49,3 +49,10 @@ def profile_cache_enabled() -> bool:
 def native_kernels_enabled() -> bool:
     """PIPESERVE_NATIVE_KERNELS=0 uses the pure-torch attention paths only."""
     return os.environ.get("PIPESERVE_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no")
+
+
+def num_threads() -> int | None:
+    """PIPESERVE_NUM_THREADS: the thread budget to split among local workers (default: all
+    cores). --threads-per-worker overrides it."""
+    raw = os.environ.get("PIPESERVE_NUM_THREADS")
+    return int(raw) if raw else None

@@ -70,9 +70,9 @@ class Tokenizer:
         ):
             eos = source.get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        token = self._special("eos_token")
-        if token and self._tok.token_to_id(token) is not None:
-            ids.add(self._tok.token_to_id(token))
+        token_id = self._tok.token_to_id(self._special("eos_token") or "")
+        if token_id is not None:
+            ids.add(token_id)
         return tuple(sorted(ids))
 
 

@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# One torch thread per engine/worker in tests: the suite runs on small shared machines where
+# several OpenMP threads per process make tiny ops wait on descheduled threads. Inherited by
+# spawned workers and servers.
+os.environ.setdefault("PIPESERVE_NUM_THREADS", "1")
 
 import pytest
 

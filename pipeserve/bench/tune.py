@@ -117,7 +117,7 @@ def run_tune(
         raise RuntimeError("the budget allowed no trial; raise --budget-s")
     best = min(trials, key=lambda t: t.ttft_s)
     best_fixed = min((t for t in trials if t.mode == "fixed"), key=lambda t: t.ttft_s)
-    report = {
+    report: dict[str, Any] = {
         "model": flags.get("model_path"),
         "pp_size": p.pp_size,
         "tp_size": p.tp_size,
@@ -152,7 +152,7 @@ def plot_tune(trials: list[Trial], best_fixed: Trial, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for size in sorted({t.chunk_size for t in trials if t.mode == "dynamic"}):
         pts = sorted(
-            (t.smooth_factor, t.ttft_s)
+            (t.smooth_factor or 0.0, t.ttft_s)
             for t in trials
             if t.mode == "dynamic" and t.chunk_size == size
         )

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass
 
 from pipeserve.config import EngineConfig
+from pipeserve import envs
 from pipeserve.device import cpu_cores
 from pipeserve.distributed.channels import Endpoints
 
@@ -58,7 +59,8 @@ def local_ranks(config: EngineConfig) -> range:
 
 def threads_per_worker(config: EngineConfig) -> int:
     p = config.parallel
-    return p.threads_per_worker or max(1, cpu_cores() // (p.world_size // p.nnodes))
+    cores = envs.num_threads() or cpu_cores()
+    return p.threads_per_worker or max(1, cores // (p.world_size // p.nnodes))
 
 
 def start_workers(
@@ -68,7 +70,7 @@ def start_workers(
 
     ctx = mp.get_context("spawn")
     ranks = local_ranks(config)
-    procs = []
+    procs: list[mp.process.BaseProcess] = []
     for rank in ranks:
         args = WorkerArgs(
             rank,

@@ -138,7 +138,7 @@ def init_parallel_groups(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     pp_rank, tp_rank = divmod(rank, tp_size)
-    tp_group, tp_ranks = None, (rank,)
+    tp_group, tp_ranks = None, tuple[int, ...]((rank,))
     for stage in range(pp_size):
         ranks = [stage * tp_size + t for t in range(tp_size)]
         group = dist.new_group(ranks) if tp_size > 1 else None

@@ -197,7 +197,7 @@ class StageWorker:
         if kind is p2p.MsgType.TIMELINE:
             self.channels.send_status("timeline", self.runner.recorder.take())
         if kind is p2p.MsgType.PROFILE:
-            times = self.runner.profile_prefill(msg.profile_lengths)
+            times = self.runner.profile_prefill(msg.profile_lengths or [])
             if self.state.tp_rank == 0:
                 self.channels.send_status("profile", times)
             return

@@ -9,7 +9,7 @@ from typing import Any
 
 from pipeserve import envs
 from pipeserve.config import EngineConfig
-from pipeserve.device import ComputeStream, cpu_cores, set_threads
+from pipeserve.device import ComputeStream, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.chunking import ChunkPolicy, setup_chunking
 from pipeserve.engine.future_map import FutureMap, SlotRing, ring_size, worker_ring_size
@@ -55,6 +55,7 @@ class Backend:
 
     scheduler: Scheduler
     loop: PlainLoop | OverlapLoop | PipelineLoop
+    _profile_key: dict[str, Any]  # what a first-stage prefill profile depends on
 
     def __init__(self) -> None:
         self._aborted: list[RequestUpdate] = []
@@ -117,12 +118,12 @@ class InProcessBackend(Backend):
         context_len: int,
     ) -> None:
         super().__init__()
-        threads = config.parallel.threads_per_worker or cpu_cores()
+        threads = threads_per_worker(config)
         set_threads(threads)
         num_pages = kv_pool_pages(config, arch, local_workers=1)
         self.runner = ModelRunner(config, arch, model_path, num_pages)
         self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
-        self.loop = self._make_loop(config, threads, context_len)
+        self.loop: PlainLoop | OverlapLoop = self._make_loop(config, threads, context_len)
         self._profile_key = profile_key(config, model_path, threads, [arch.num_layers])
         self.set_chunk_policy(ChunkPolicy.from_config(config))
 

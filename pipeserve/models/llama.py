@@ -83,6 +83,22 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage (named `model.` in checkpoints): the embedding
+    on the first stage, this stage's layers (others are empty placeholders), the final norm
+    on the last stage."""
+
+    def __init__(
+        self, arch: ArchConfig, dtype: torch.dtype, layers: list[nn.Module], first: bool, last: bool
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype) if first else None
+        )
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if last else None
+
+
 class LlamaForCausalLM(nn.Module):
     attention_class: type[LlamaAttention] = LlamaAttention
     # (our parameter fragment, checkpoint fragment, shard id)
@@ -99,19 +115,15 @@ class LlamaForCausalLM(nn.Module):
         self.arch, self.dtype = arch, dtype
         self.layer_ids = stage_layers(arch.num_layers)
         self.first, self.last = is_first_stage(), is_last_stage()
-        self.model = nn.Module()
-        if self.first:
-            self.model.embed_tokens = VocabParallelEmbedding(
-                arch.vocab_size, arch.hidden_size, dtype
-            )
-        self.model.layers = nn.ModuleList(
+        layers = [
             self.make_layer(i) if i in self.layer_ids else nn.Identity()
             for i in range(arch.num_layers)
-        )
+        ]
+        self.model = LlamaModel(arch, dtype, layers, self.first, self.last)
+        self.lm_head: ParallelLMHead | None = None
         if self.last:
-            self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype)
-            if arch.tie_word_embeddings and self.first:
+            if arch.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
 
@@ -133,19 +145,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """First stage: embeds fb.input_ids. Last stage: returns final-normed hidden states.
         Other stages pass (hidden, residual) on to the next one."""
-        if self.first:
+        if self.model.embed_tokens is not None:
             hidden, residual = self.model.embed_tokens(fb.input_ids), None
         assert hidden is not None
         rope = self.rotary.cos_sin(fb.positions, self.dtype)
         for i in self.layer_ids:
             hidden, residual = self.model.layers[i](hidden, residual, rope, fb)
-        if self.last:
+        if self.model.norm is not None:
             hidden = self.model.norm(hidden if residual is None else hidden + residual)
             residual = None
         return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] float32 logits."""
+        """[rows, hidden] -> [rows, vocab] float32 logits (last stage only)."""
+        assert self.lm_head is not None
         return self.lm_head.logits(hidden).float()
 
     def checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:

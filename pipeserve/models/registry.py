@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.llama import LlamaForCausalLM
@@ -19,6 +18,6 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     with torch.device(device):
         return MODELS[arch.architecture](arch, dtype)

@@ -32,7 +32,11 @@ class ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        segments, sample_rows, lp_rows, lp_targets, future_slots = [], [], [], [], []
+        segments: list[tuple[int, int, int, list[Run]]] = []
+        sample_rows: list[int] = []
+        lp_rows: list[int] = []
+        lp_targets: list[int] = []
+        future_slots: list[int] = []
         for s in batch.slices:
             row, n = len(ids), s.num_tokens
             ids.extend(s.input_ids)

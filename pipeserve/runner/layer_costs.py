@@ -17,6 +17,7 @@ from pipeserve.device import synchronize
 from pipeserve.distributed.parallel_state import standalone
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.models.arch import ArchConfig
+from pipeserve.models.llama import LlamaForCausalLM
 from pipeserve.models.registry import build_model
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
@@ -74,10 +75,12 @@ def measure_layer_costs(
     )
 
 
-def _time_parts(model: torch.nn.Module, fb: ForwardBatch, kinds: list[bool]) -> dict[str, float]:
+def _time_parts(model: LlamaForCausalLM, fb: ForwardBatch, kinds: list[bool]) -> dict[str, float]:
     out: dict[str, float] = {}
-    hidden = model.model.embed_tokens(fb.input_ids)
-    out["embed"] = _median_time(lambda: model.model.embed_tokens(fb.input_ids), fb)
+    embed, norm = model.model.embed_tokens, model.model.norm
+    assert embed is not None and norm is not None
+    hidden = embed(fb.input_ids)
+    out["embed"] = _median_time(lambda: embed(fb.input_ids), fb)
     rope = model.rotary.cos_sin(fb.positions, hidden.dtype)
     residual = None
     for i in range(len(kinds)):
@@ -86,7 +89,7 @@ def _time_parts(model: torch.nn.Module, fb: ForwardBatch, kinds: list[bool]) -> 
         hidden, residual = layer(*args)
 
     def head() -> None:
-        normed = model.model.norm(hidden + residual)
+        normed = norm(hidden + residual)
         model.compute_logits(normed[-1:]).argmax(-1)
 
     out["head"] = _median_time(head, fb)

@@ -35,7 +35,7 @@ class PrefillManager:
 
     def schedule(self, room: int, decode_reserve: int) -> list[ReqSlice]:
         """Slices for one prefill batch; `room` = how many more requests may hold KV."""
-        budget, slices = self.max_prefill_tokens, []
+        budget, slices = self.max_prefill_tokens, list[ReqSlice]()
         if self.chunked is not None:
             s = self._next_chunk(self.chunked, budget)
             if s is None or self.chunked is not None:
