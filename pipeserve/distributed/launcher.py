@@ -7,8 +7,8 @@ import multiprocessing as mp
 import socket
 from dataclasses import dataclass
 
-from pipeserve.config import EngineConfig
 from pipeserve import envs
+from pipeserve.config import EngineConfig
 from pipeserve.device import cpu_cores
 from pipeserve.distributed.channels import Endpoints
 

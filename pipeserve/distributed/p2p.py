@@ -36,7 +36,7 @@ class StageMessage:
     batch: ScheduledBatch | None = None
     hidden: torch.Tensor | None = None
     residual: torch.Tensor | None = None
-    profile_lengths: list[int] | None = None
+    profile: tuple[list[int], list[tuple[int, int]]] | None = None  # lengths, KV slot runs
 
 
 class PendingSend:

@@ -67,7 +67,7 @@ def worker_main(args: WorkerArgs) -> None:
         )
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
-        num_pages = _agree_on_pages(config, arch, args.local_workers)
+        num_pages = _agree_on_pages(config, arch, args.local_workers, partition)
         runner = ModelRunner(config, arch, args.model_path, num_pages)
         channels.send_status(
             "ready",
@@ -110,9 +110,11 @@ def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.de
     return list(out[0])
 
 
-def _agree_on_pages(config: EngineConfig, arch: ArchConfig, local_workers: int) -> int:
+def _agree_on_pages(
+    config: EngineConfig, arch: ArchConfig, local_workers: int, partition: list[int]
+) -> int:
     """Every stage must hold the same number of KV pages: rank 0 decides."""
-    pages = [kv_pool_pages(config, arch, local_workers)]
+    pages = [kv_pool_pages(config, arch, local_workers, partition)]
     dist.broadcast_object_list(pages, src=0)
     return int(pages[0])
 
@@ -186,7 +188,7 @@ class StageWorker:
             if obj == "timeline":
                 return p2p.StageMessage(p2p.MsgType.TIMELINE)
             if isinstance(obj, tuple) and obj[0] == "profile":
-                return p2p.StageMessage(p2p.MsgType.PROFILE, profile_lengths=obj[1])
+                return p2p.StageMessage(p2p.MsgType.PROFILE, profile=(obj[1], obj[2]))
             return p2p.StageMessage(p2p.MsgType.PROXY, obj)
         return p2p.recv(self.links.prev_rank, self.links.prev_group, self.device)
 
@@ -197,7 +199,8 @@ class StageWorker:
         if kind is p2p.MsgType.TIMELINE:
             self.channels.send_status("timeline", self.runner.recorder.take())
         if kind is p2p.MsgType.PROFILE:
-            times = self.runner.profile_prefill(msg.profile_lengths or [])
+            assert msg.profile is not None
+            times = self.runner.profile_prefill(*msg.profile)
             if self.state.tp_rank == 0:
                 self.channels.send_status("profile", times)
             return

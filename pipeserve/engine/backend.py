@@ -19,6 +19,7 @@ from pipeserve.engine.plain_loop import PlainLoop
 from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
+from pipeserve.scheduler.batch import Run
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
@@ -92,15 +93,22 @@ class Backend:
     def timeline(self) -> list[Event]:
         raise NotImplementedError
 
-    def profile_first_stage(self, lengths: list[int]) -> list[float]:
+    def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
         raise NotImplementedError
 
     def set_chunk_policy(self, policy: ChunkPolicy) -> dict[str, Any]:
         """Install a chunk-size policy (profiling the first stage for dynamic chunking)."""
-        self.chunking = setup_chunking(
-            policy, self.scheduler, self.profile_first_stage, self._profile_key
-        )
+        self.chunking = setup_chunking(policy, self.scheduler, self._profile, self._profile_key)
         return self.chunking
+
+    def _profile(self, lengths: list[int]) -> list[float]:
+        """Profile prefills write their KV into slots lent by the allocator, so cached
+        prefixes and running requests are never touched."""
+        runs, give_back = self.scheduler.kv.lend(max(lengths))
+        try:
+            return self.profile_first_stage(lengths, runs)
+        finally:
+            give_back()
 
     def shutdown(self) -> None:
         self.loop.close()
@@ -148,8 +156,8 @@ class InProcessBackend(Backend):
     def timeline(self) -> list[Event]:
         return self.runner.recorder.take()
 
-    def profile_first_stage(self, lengths: list[int]) -> list[float]:
-        return self.loop.on_device(self.runner.profile_prefill, lengths)
+    def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
+        return self.loop.on_device(self.runner.profile_prefill, lengths, runs)
 
 
 class WorkerBackend(Backend):
@@ -206,8 +214,8 @@ class WorkerBackend(Backend):
     def timeline(self) -> list[Event]:
         return self.workers.collect_timeline()
 
-    def profile_first_stage(self, lengths: list[int]) -> list[float]:
-        return self.workers.profile_first_stage(lengths)
+    def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
+        return self.workers.profile_first_stage(lengths, runs)
 
 
 def profile_key(

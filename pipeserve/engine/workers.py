@@ -14,7 +14,7 @@ from pipeserve.distributed.launcher import (
     rendezvous,
     start_workers,
 )
-from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+from pipeserve.scheduler.batch import BatchResult, Run, ScheduledBatch
 from pipeserve.timeline import Event
 
 POLL_MS = 100
@@ -80,8 +80,8 @@ class WorkerSet:
                     f"a step took longer than the watchdog timeout ({self.step_timeout_s:.0f}s)"
                 )
 
-    def profile_first_stage(self, lengths: list[int]) -> list[float]:
-        self.channels.send_batch(("profile", lengths))
+    def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
+        self.channels.send_batch(("profile", lengths, runs))
         while True:
             msg = self._poll()
             if msg is not None and msg[0] == "profile":

@@ -12,6 +12,7 @@ import torch
 from pipeserve.config import EngineConfig
 from pipeserve.device import resolve_device, resolve_dtype, synchronize, total_memory
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
+from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers.sampler import Sampler
 from pipeserve.mem_cache.kv_pool import KVPool
@@ -19,7 +20,7 @@ from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig, param_count
 from pipeserve.models.registry import build_model
 from pipeserve.runner.forward_batch import ForwardBatch
-from pipeserve.scheduler.batch import BatchResult, ReqSlice, ScheduledBatch
+from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch, runs_prefix
 from pipeserve.timeline import Recorder, now
 
 LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)
@@ -32,9 +33,11 @@ class StageOutput:
     result: BatchResult | None  # last stage: the sampled tokens
 
 
-def kv_pool_pages(config: EngineConfig, arch: ArchConfig, local_workers: int) -> int:
+def kv_pool_pages(
+    config: EngineConfig, arch: ArchConfig, local_workers: int, partition: list[int] | None = None
+) -> int:
     """KV pool size in pages, the same on every stage and rank: from --max-total-tokens, or
-    the memory share left after this worker's weights, sized for the largest stage."""
+    the memory share left after a worker's weights, sized for the stage with most layers."""
     page = config.cache.page_size
     if config.cache.max_total_tokens is not None:
         return config.cache.max_total_tokens // page + 1
@@ -42,8 +45,11 @@ def kv_pool_pages(config: EngineConfig, arch: ArchConfig, local_workers: int) ->
     dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
     p = config.parallel
     budget = total_memory(device) * config.cache.mem_fraction_static / local_workers
-    weights = param_count(arch) * dtype.itemsize / p.world_size
-    stage_layers_max = math.ceil(arch.num_layers / p.pp_size)
+    if partition is None:  # an explicit list in the config, else the default rule
+        spec = p.layer_partition if p.layer_partition not in (None, "auto") else None
+        partition = resolve_partition(spec, arch.num_layers, p.pp_size)
+    stage_layers_max = max(partition)
+    weights = param_count(arch) * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
     kv_heads = max(arch.num_kv_heads // p.tp_size, 1)
     per_token = KVPool.bytes_per_token(stage_layers_max, kv_heads, arch.head_dim, dtype)
     tokens = int((budget - weights) // per_token)
@@ -115,20 +121,13 @@ class ModelRunner:
         self.recorder.add("forward", start, end, batch)
         return StageOutput(hidden, residual, result)
 
-    def profile_prefill(self, lengths: list[int]) -> list[float]:
-        """Seconds of single-request prefills (prefix 0) of each length on this stage's layers,
-        written into the pool's first slots (only used before any request is admitted)."""
-        page = self.config.cache.page_size
+    def profile_prefill(self, lengths: list[int], runs: list[Run]) -> list[float]:
+        """Seconds of single-request prefills (prefix 0) of each length on this stage's layers.
+        Their KV goes to `runs`, slots the scheduler lent for the purpose."""
         times = []
         for n in lengths:
-            n = min(n, self.kv_pool.num_slots - page)
-            s = ReqSlice(
-                "profile",
-                [i % self.arch.vocab_size for i in range(n)],
-                0,
-                [(page, n)],
-                sample=False,
-            )
+            ids = [i % self.arch.vocab_size for i in range(n)]
+            s = ReqSlice("profile", ids, 0, runs_prefix(runs, n), sample=False)
             batch = ScheduledBatch(-1, [s])
             fb = self.prepare(batch)
             hidden = None

@@ -14,6 +14,17 @@ from pipeserve.scheduler.request import SamplingParams
 Run = tuple[int, int]  # (first KV slot, number of slots)
 
 
+def runs_prefix(runs: list[Run], num: int) -> list[Run]:
+    """The runs covering the first `num` positions."""
+    out: list[Run] = []
+    for start, length in runs:
+        if num <= 0:
+            break
+        out.append((start, min(length, num)))
+        num -= length
+    return out
+
+
 @dataclass
 class ReqSlice:
     """One request's share of a forward."""

@@ -54,6 +54,11 @@ def fit_profile(lengths: list[int], seconds: list[float]) -> CostFit:
             f"dynamic chunking needs at least {MIN_PROFILE_POINTS} profile points "
             f"after the warm-up sample, got {len(lengths)}"
         )
+    if len(set(lengths)) < 3:  # e.g. C < 103: the sweep's step rounds down to 0
+        raise ValueError(
+            "the profile sweep has fewer than 3 distinct lengths, too few for a quadratic "
+            "(use a larger --chunked-prefill-size)"
+        )
     x = np.asarray(lengths, dtype=np.float64)
     design = np.stack([x**2, x, np.ones_like(x)], axis=1)
     (a, b, c), *_ = np.linalg.lstsq(design, np.asarray(seconds, dtype=np.float64), rcond=None)

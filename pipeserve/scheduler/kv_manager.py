@@ -7,10 +7,12 @@ describe a request's KV location in O(runs) rather than O(tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pipeserve.mem_cache.allocator import PageAllocator
 from pipeserve.mem_cache.radix_cache import RadixCache
 from pipeserve.scheduler.batch import Run
-from pipeserve.scheduler.request import Req
+from pipeserve.scheduler.request import Req, SamplingParams
 
 
 def _append_runs(runs: list[list[int]], pages: list[int]) -> None:
@@ -116,6 +118,20 @@ class KVManager:
             self.tree.unlock(req.last_node)
         req.pages, req.cached_pages, req.kv_len, req.last_node = [], 0, 0, None
         self._runs.pop(req.rid, None)
+
+    def lend(self, num_tokens: int) -> tuple[list[Run], Callable[[], None]]:
+        """Slots for work outside any request (e.g. a start-up profile), and the function
+        that gives them back."""
+        holder = Req("__lent__", [0], SamplingParams(max_new_tokens=0))
+        self._runs[holder.rid] = []
+        if not self.allocate(holder, num_tokens):
+            self._runs.pop(holder.rid)
+            raise ValueError(
+                f"{num_tokens} KV tokens are needed (e.g. for the dynamic chunking profile) but "
+                f"only {self.available_tokens()} are free; raise --max-total-tokens"
+            )
+        holder.kv_len = num_tokens
+        return self.kv_runs(holder, num_tokens), lambda: self.release(holder, cache=False)
 
     def kv_runs(self, req: Req, num_tokens: int) -> list[Run]:
         """Slot runs holding the KV of positions [0, num_tokens)."""

@@ -1,0 +1,172 @@
+"""The same greedy tokens and prompt logprobs (float32) in every parallel layout: PP2, PP3
+with an uneven split (default rule and an explicit list), TP2 and PP2 x TP2, against one
+in-process engine, for a dense and a MoE model of 7 layers. Several requests of different
+lengths are in flight at once: long prompts in many chunks, requests spread over several
+micro-batches, finishing at different times. Also `--pp-layer-partition auto` and the
+errors of a bad partition (raised inside a worker)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeserve.config import EngineConfig
+from pipeserve.device import resolve_device, total_memory
+from pipeserve.engine.backend import WorkerBackend
+from pipeserve.engine.engine import Engine
+from pipeserve.engine.workers import WorkerError
+from pipeserve.mem_cache.kv_pool import KVPool
+from pipeserve.models.arch import ArchConfig, param_count
+from pipeserve.runner.model_runner import kv_pool_pages
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYERS = 7
+MODELS = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe"}
+VOCAB = 512
+# max_running_requests 4: with PP2 at most 2 requests per micro-batch, so decode steps
+# spread over several micro-batches and one request waits for a free place.
+FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 32,
+                         "max_running_requests": 4, "max_total_tokens": 4096}
+PROMPT_LENS = [300, 97, 5, 180, 33]
+NEW_TOKENS = [12, 20, 16, 3, 7]
+SAMPLING = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in NEW_TOKENS]
+
+LAYOUTS: dict[str, tuple[dict[str, Any], list[int]]] = {  # flags, expected partition
+    "pp2": ({"pp_size": 2}, [3, 4]),
+    "pp3-default": ({"pp_size": 3}, [2, 2, 3]),
+    "pp3-1,4,2": ({"pp_size": 3, "pp_layer_partition": "1,4,2"}, [1, 4, 2]),
+    "tp2": ({"tp_size": 2}, [7]),
+    "pp2xtp2": ({"pp_size": 2, "tp_size": 2}, [3, 4]),
+}
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def run(engine: Engine) -> list[dict[str, Any]]:
+    out = engine.generate(input_ids=prompts(), sampling_params=SAMPLING, return_logprob=True)
+    assert isinstance(out, list)
+    return out
+
+
+def worker_backend(engine: Engine) -> WorkerBackend:
+    assert isinstance(engine.backend, WorkerBackend)
+    return engine.backend
+
+
+def assert_pages_back(engine: Engine) -> None:
+    stats = engine.backend.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_pages_free"] + stats["kv_pages_evictable"] == stats["kv_pages_total"]
+
+
+def assert_same_outputs(got: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    assert [len(o["output_ids"]) for o in got] == NEW_TOKENS
+    assert [len(o["prompt_logprobs"]) for o in got] == [n - 1 for n in PROMPT_LENS]
+    for key in ("prompt_logprobs", "output_logprobs"):
+        for g, r in zip(got, ref, strict=True):
+            torch.testing.assert_close(torch.tensor(g[key]), torch.tensor(r[key]),
+                                       atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def models(model_dir) -> dict[str, Path]:
+    return {kind: model_dir(preset, num_hidden_layers=LAYERS) for kind, preset in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(models: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
+    """One in-process (PP1 TP1) run per model."""
+    out = {}
+    for kind, path in models.items():
+        with Engine(str(path), **FLAGS) as engine:
+            out[kind] = run(engine)
+            assert_pages_back(engine)
+            assert [o["meta_info"]["chunk_sizes"][0] for o in out[kind]] == [32, 32, 5, 32, 32]
+    return out
+
+
+# Every layout on the MoE model; the dense model in the two that differ most from one process
+# (each multi-process engine start costs seconds).
+CASES = [("moe", layout) for layout in LAYOUTS] + [("dense", "pp3-1,4,2"), ("dense", "pp2xtp2")]
+
+
+@pytest.mark.parametrize(("kind", "layout"), CASES, ids=[f"{k}-{lay}" for k, lay in CASES])
+def test_layout_gives_the_same_tokens_and_logprobs(models, reference, kind: str,
+                                                   layout: str) -> None:
+    flags, partition = LAYOUTS[layout]
+    with Engine(str(models[kind]), **FLAGS, **flags) as engine:
+        assert worker_backend(engine).partition == partition
+        assert engine.backend.stats()["loop"] == ("pipeline" if flags.get("pp_size") else "overlap")
+        out = run(engine)
+        assert_same_outputs(out, reference[kind])
+        assert_pages_back(engine)
+        procs = worker_backend(engine).workers.procs
+        assert len(procs) == flags.get("pp_size", 1) * flags.get("tp_size", 1)
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_auto_partition(models, reference) -> None:
+    """Balanced on measured layer costs (the MoE model has dense and MoE layers)."""
+    with Engine(str(models["moe"]), **FLAGS, pp_size=3, pp_layer_partition="auto") as engine:
+        partition = worker_backend(engine).partition
+        assert len(partition) == 3 and sum(partition) == LAYERS and min(partition) >= 1
+        assert_same_outputs(run(engine), reference["moe"])
+        assert_pages_back(engine)
+
+
+@pytest.mark.parametrize(
+    ("spec", "via_env", "message"),
+    [
+        ("1,2,4", False, "--pp-layer-partition 1,2,4 has 3 parts but --pp-size is 2"),
+        ("3,3", True, "--pp-layer-partition 3,3 sums to 6 but the model has 7 layers"),
+    ],
+    ids=["wrong-length", "wrong-sum-from-env"],
+)
+def test_invalid_partition_fails_cleanly(models, monkeypatch, spec: str, via_env: bool,
+                                         message: str) -> None:
+    """Raised in worker rank 0 while loading: the engine constructor raises WorkerError with
+    the ValueError's text, and no worker process is left behind."""
+    before = set(mp.active_children())
+    flags: dict[str, Any] = {**FLAGS, "pp_size": 2}
+    if via_env:
+        monkeypatch.setenv("PIPESERVE_PP_LAYER_PARTITION", spec)
+    else:
+        flags["pp_layer_partition"] = spec
+    with pytest.raises(WorkerError) as info:
+        Engine(str(models["dense"]), **flags)
+    assert "ValueError" in str(info.value) and message in str(info.value)
+    left = set(mp.active_children()) - before
+    assert not left, f"worker processes left behind: {left}"
+
+
+def test_kv_pool_fits_the_memory_share_of_the_largest_stage(models) -> None:
+    """7 layers split 1,4,2: the 4-layer stage must fit its memory share with its KV pool
+    (weights counted as kv_pool_pages counts them: an equal share per worker)."""
+    arch = ArchConfig.load(models["dense"])
+    config = EngineConfig.from_flags(model_path=str(models["dense"]), dtype="float32",
+                                     pp_size=3, pp_layer_partition="1,4,2",
+                                     mem_fraction_static=0.01)
+    pages = kv_pool_pages(config, arch, local_workers=3)
+    budget = total_memory(resolve_device("cpu")) * 0.01 / 3
+    weights = param_count(arch) * 4 / 3
+    kv_bytes = pages * KVPool.bytes_per_token(4, arch.num_kv_heads, arch.head_dim, torch.float32)
+    assert weights + kv_bytes <= budget
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_workers() -> Iterator[None]:
+    yield
+    leftover = [p for p in mp.active_children() if p.name.startswith("pipeserve-worker")]
+    for p in leftover:
+        p.kill()
+    assert not leftover, f"worker processes left running: {leftover}"

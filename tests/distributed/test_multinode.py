@@ -1,0 +1,84 @@
+"""A two-"node" launch on localhost: `pipeserve generate --nnodes 2` run as two commands
+(node 1 only runs its workers, node 0 schedules and prints) prints what one
+`pipeserve generate --pp-size 2` command prints, and node 1 exits on its own."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeserve.cli import main
+
+pytestmark = pytest.mark.timeout(180)
+
+PIPESERVE = str(Path(sys.executable).with_name("pipeserve"))
+PROMPTS = ["The capital of France is", "Long prompts are split into chunks because"]
+
+
+def free_port_range(count: int) -> int:
+    """A port p with p .. p + count - 1 all free (store port + the scheduler's ZMQ ports)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def generate_args(model: Path) -> list[str]:
+    args = ["generate", "--model", str(model), "--pp-size", "2", "--max-new-tokens", "8",
+            "--dtype", "float32", "--threads-per-worker", "1", "--chunked-prefill-size", "4"]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    return args
+
+
+def completions(printed: str) -> list[tuple[str, str, str]]:
+    """(prompt, text, token counts) per prompt from `pipeserve generate` output."""
+    pattern = r">>> (.*)\n(.*)\n\[(\d+ prompt \+ \d+ generated tokens),"
+    return re.findall(pattern, printed)
+
+
+def test_two_node_launch_matches_one_command(model_dir, capsys) -> None:
+    model = model_dir("tiny-qwen3")
+    main(generate_args(model))
+    expected = completions(capsys.readouterr().out)
+    assert [c[0] for c in expected] == PROMPTS
+    assert all(c[2].endswith("+ 8 generated tokens") for c in expected)
+
+    port = free_port_range(4)  # store, then batch, status and control ports (TP 1)
+    multi = [*generate_args(model), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    nodes = [subprocess.Popen([PIPESERVE, *multi, "--node-rank", str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (1, 0)]
+    try:
+        out1, err1 = nodes[0].communicate(timeout=120)
+        out0, err0 = nodes[1].communicate(timeout=60)
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert nodes[1].returncode == 0, err0
+    assert nodes[0].returncode == 0, err1  # node 1 exited on its own, cleanly
+    assert "node 1: workers [1] started" in out1
+    assert ">>>" not in out1  # only node 0 schedules and prints
+    assert completions(out0) == expected
