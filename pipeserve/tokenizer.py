@@ -16,6 +16,26 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """The printable stand-in of each byte in byte-level BPE vocabularies (GPT-2's table)."""
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -27,6 +47,8 @@ class Tokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json")
         self._tok = HFTokenizer.from_file(str(file))
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
         self._config = _read_json(path / "tokenizer_config.json")
         self.eos_token_ids = self._eos_ids(path)
         template = self._config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
@@ -47,6 +69,20 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a character)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text; bytes that are no whole character show as \\xNN escapes, so
+        distinct tokens never print the same."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

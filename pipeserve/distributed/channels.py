@@ -66,12 +66,12 @@ class SchedulerChannels:
         sock.bind(f"tcp://{host}:{port}")
         return port
 
-    def send_batch(self, obj: Any) -> bool:
-        """False if a first-stage rank did not take it within SEND_TIMEOUT_MS."""
+    def send_batch(self, obj: Any, block: bool = True) -> bool:
+        """False if a first-stage rank did not take it (within SEND_TIMEOUT_MS if blocking)."""
         data = pickle.dumps(obj)
         try:
             for s in self._batch:
-                s.send(data, copy=False)
+                s.send(data, copy=False, flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True

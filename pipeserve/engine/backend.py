@@ -93,6 +93,9 @@ class Backend:
     def timeline(self) -> list[Event]:
         raise NotImplementedError
 
+    def check_health(self) -> None:
+        """Raise if the executor can no longer run batches (a worker died)."""
+
     def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
         raise NotImplementedError
 
@@ -213,6 +216,13 @@ class WorkerBackend(Backend):
 
     def timeline(self) -> list[Event]:
         return self.workers.collect_timeline()
+
+    def check_health(self) -> None:
+        try:
+            self.workers.check_health()
+        except WorkerError:
+            self.shutdown()
+            raise
 
     def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
         return self.workers.profile_first_stage(lengths, runs)

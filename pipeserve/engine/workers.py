@@ -4,6 +4,7 @@ dies or stalls, and stop them all."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from pipeserve.config import EngineConfig
@@ -24,6 +25,10 @@ START_TIMEOUT_S = 600.0
 
 class WorkerError(RuntimeError):
     """A worker failed, died or stopped answering; the engine cannot go on."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details  # e.g. the worker's traceback (for logs, not for clients)
 
 
 class WorkerSet:
@@ -48,6 +53,7 @@ class WorkerSet:
         self.procs = start_workers(config, model_path, endpoints, rdzv, future_ring)
         self.local = dict(zip(local_ranks(config), self.procs, strict=True))
         self.last_seen: dict[int, float] = {}
+        self._pending: deque[tuple[str, int, Any]] = deque()
         self.info: dict[int, dict[str, Any]] = {}
         self.closed = False
 
@@ -100,18 +106,30 @@ class WorkerSet:
                 events += msg[2]
         return events
 
+    def check_health(self) -> None:
+        """Raise WorkerError if a worker died or went silent (also while idle)."""
+        self._drain(0)
+        self._check_alive(time.monotonic())
+
     def _poll(self) -> tuple[str, int, Any] | None:
-        msg = self.channels.poll(POLL_MS)
-        now = time.monotonic()
-        if msg is not None:
+        """The next message that is not a heartbeat (waiting up to POLL_MS for one); all
+        heartbeats queued before it are counted first, so a long idle spell is no silence."""
+        if not self._pending:
+            self._drain(POLL_MS)
+        self._check_alive(time.monotonic())
+        return self._pending.popleft() if self._pending else None
+
+    def _drain(self, timeout_ms: int) -> None:
+        msg = self.channels.poll(timeout_ms)
+        while msg is not None:
             kind, rank, payload = msg
-            self.last_seen[rank] = now
+            self.last_seen[rank] = time.monotonic()
             if kind == "error":
-                raise WorkerError(f"worker rank {rank} failed:\n{payload}")
-            if kind == "heartbeat":
-                return None
-        self._check_alive(now)
-        return msg
+                last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
+                raise WorkerError(f"worker rank {rank} failed: {last}", details=payload)
+            if kind != "heartbeat":
+                self._pending.append(msg)
+            msg = self.channels.poll(0)
 
     def _check_alive(self, now: float) -> None:
         for rank, proc in self.local.items():
@@ -131,7 +149,9 @@ class WorkerSet:
         if self.closed:
             return
         self.closed = True
-        self.channels.send_batch("shutdown")
+        first_stage_alive = all(p.is_alive() for r, p in self.local.items() if r < self.tp_size)
+        if first_stage_alive:  # a dead first stage would make this wait out the send timeout
+            self.channels.send_batch("shutdown", block=False)
         deadline = time.monotonic() + 5
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = (0, 2**63 - 1)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,7 +26,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperatures too small to sample stably (below 1e-5) count as greedy."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -94,6 +98,8 @@ def _check_types(sp: SamplingParams) -> None:
         raise ValueError("stop_token_ids must be a list of integers")
     if sp.seed is not None and (not isinstance(sp.seed, int) or isinstance(sp.seed, bool)):
         raise ValueError(f"seed must be an integer, got {sp.seed!r}")
+    if sp.seed is not None and not SEED_RANGE[0] <= sp.seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be in [0, 2**63 - 1], got {sp.seed}")
 
 
 class Status(Enum):

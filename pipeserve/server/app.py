@@ -63,6 +63,7 @@ class ServerState:
         self.model_name = config.server.served_model_name or model_path.name
         self.metrics = Metrics()
         self.context_len = 0
+        self.vocab_size = 0
         self.on_failure: Any = None  # set by the launcher: asks the HTTP server to exit
 
     @property
@@ -75,6 +76,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.client.start()
         state.context_len = state.client.info["context_len"]
+        state.vocab_size = state.client.info["vocab_size"]
         watcher = asyncio.create_task(_watch_failure(state))
         try:
             yield
@@ -131,7 +133,7 @@ def create_app(state: ServerState) -> FastAPI:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt)
         else:
             ids = list(body.prompt)
-        max_new = _max_new_tokens(state, body, len(ids), COMPLETION_DEFAULT_MAX_TOKENS)
+        max_new = _max_new_tokens(state, body, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
         top = body.logprobs or 0
         run = _Run(state, ids, body.sampling(max_new), body.logprobs is not None, top)
         if body.stream:
@@ -144,7 +146,7 @@ def create_app(state: ServerState) -> FastAPI:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         text = state.tokenizer.apply_chat_template(messages)
         ids = await asyncio.to_thread(state.tokenizer.encode, text)
-        max_new = _max_new_tokens(state, body, len(ids), None)
+        max_new = _max_new_tokens(state, body, len(ids), None, "messages")
         top = body.top_logprobs or 0 if body.logprobs else 0
         run = _Run(state, ids, body.sampling(max_new), body.logprobs, top)
         if body.stream:
@@ -162,8 +164,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        content_type = request.headers.get("content-type", "")
+        if not content_type.startswith("application/json"):
+            message = (
+                "the request body must be JSON (Content-Type: application/json), "
+                f"got Content-Type {content_type!r}"
+            )
+            return JSONResponse(P.error_body(message), status_code=400)
+        # the deepest location is the most specific (a union reports every branch)
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+        if first.get("type") == "json_invalid":
+            at = first.get("loc", ("body", "?"))[-1]
+            reason = first.get("ctx", {}).get("error", first.get("msg"))
+            message = f"malformed JSON at byte {at}: {reason}"
+            return JSONResponse(P.error_body(message), status_code=400)
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         message = (
             f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
@@ -193,7 +208,7 @@ def _check_model(state: ServerState, name: str) -> None:
 
 
 def _max_new_tokens(
-    state: ServerState, body: P._Request, prompt_len: int, default: int | None
+    state: ServerState, body: P._Request, prompt_len: int, default: int | None, prompt_param: str
 ) -> int:
     """The request's token budget, checked against the context before it reaches the engine."""
     ctx = state.context_len
@@ -204,7 +219,7 @@ def _max_new_tokens(
             400,
             f"this model's maximum context length is {ctx} tokens, but the "
             f"prompt has {prompt_len} tokens",
-            param="messages",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     asked = (
@@ -237,9 +252,12 @@ class _Run:
                 "server_error",
                 code="server_busy",
             )
-        bad = next((t for t in ids if t < 0), None)
+        vocab = state.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is not valid", param="prompt")
+            raise ApiError(
+                400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
         self.state, self.ids, self.params, self.logprobs, self.top = (
             state,
             ids,
@@ -299,16 +317,17 @@ class _Run:
         }
 
     async def stream_completion(self, body: P.CompletionRequest) -> AsyncIterator[dict[str, Any]]:
+        lps = _Logprobs(self.state.tokenizer)
         async for d in self.deltas():
             if not (d.text or d.finish_reason or self.logprobs):
                 continue  # text held back (a partial character or stop string)
-            lps = _Logprobs(self.state.tokenizer)
+            start = len(lps.ids)
             lps.add(d)
             choice = {
                 "index": 0,
                 "text": d.text,
                 "finish_reason": _finish(d),
-                "logprobs": lps.completion() if self.logprobs else None,
+                "logprobs": lps.completion(start) if self.logprobs else None,
             }
             yield {
                 "id": self.id,
@@ -368,13 +387,14 @@ class _Run:
             }
 
         yield chunk({"role": "assistant", "content": ""}, None)
+        lps = _Logprobs(self.state.tokenizer)
         async for d in self.deltas():
             if not (d.text or d.finish_reason or self.logprobs):
                 continue  # text held back (a partial character or stop string)
-            lps = _Logprobs(self.state.tokenizer)
+            start = len(lps.ids)
             lps.add(d)
             delta = {"content": d.text} if d.text else {}
-            yield chunk(delta, _finish(d), lps.chat() if self.logprobs else None)
+            yield chunk(delta, _finish(d), lps.chat(start) if self.logprobs else None)
             if d.finish_reason is not None and body.include_usage:
                 yield {
                     "id": cid,
@@ -387,6 +407,10 @@ class _Run:
 
 
 class _Logprobs:
+    """Logprobs of a request's tokens in the OpenAI shapes. Tokens are named by their own
+    bytes (a token holding part of a character shows as \\xNN escapes), so alternatives
+    never collide; `text_offset` is each token's position in the decoded completion."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
@@ -398,31 +422,26 @@ class _Logprobs:
         self.values += d.logprobs
         self.tops += d.top_logprobs or [[] for _ in d.token_ids]
 
-    def _tok(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
-
-    def completion(self) -> dict[str, Any]:
-        tokens = [self._tok(t) for t in self.ids]
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
+    def completion(self, start: int = 0) -> dict[str, Any]:
+        text = self.tokenizer.token_text
         return {
-            "tokens": tokens,
-            "token_logprobs": self.values,
-            "top_logprobs": [{self._tok(t): v for t, v in top} for top in self.tops],
-            "text_offset": offsets,
+            "tokens": [text(t) for t in self.ids[start:]],
+            "token_logprobs": self.values[start:],
+            "top_logprobs": [{text(t): v for t, v in top} for top in self.tops[start:]],
+            "text_offset": [
+                len(self.tokenizer.decode(self.ids[:i])) for i in range(start, len(self.ids))
+            ],
         }
 
-    def chat(self) -> dict[str, Any]:
+    def chat(self, start: int = 0) -> dict[str, Any]:
         def entry(token: int, value: float) -> dict[str, Any]:
-            s = self._tok(token)
-            return {"token": s, "logprob": value, "bytes": list(s.encode())}
+            raw = self.tokenizer.token_bytes(token)
+            return {"token": self.tokenizer.token_text(token), "logprob": value, "bytes": list(raw)}
 
+        rows = zip(self.ids[start:], self.values[start:], self.tops[start:], strict=True)
         return {
             "content": [
-                {**entry(t, v), "top_logprobs": [entry(a, b) for a, b in top]}
-                for t, v, top in zip(self.ids, self.values, self.tops, strict=True)
+                {**entry(t, v), "top_logprobs": [entry(a, b) for a, b in top]} for t, v, top in rows
             ]
         }
 

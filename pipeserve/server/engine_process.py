@@ -73,11 +73,16 @@ class EngineLoop:
         self._send(
             (
                 "ready",
-                {"context_len": self.engine.context_len, "model_path": str(self.engine.model_path)},
+                {
+                    "context_len": self.engine.context_len,
+                    "vocab_size": self.engine.arch.vocab_size,
+                    "model_path": str(self.engine.model_path),
+                },
             )
         )
         try:
             while self.running:
+                self.backend.check_health()
                 self._intake(block=not self.backend.scheduler.has_work())
                 if self.backend.scheduler.has_work():
                     self.step_started = time.monotonic()
@@ -87,8 +92,9 @@ class EngineLoop:
                     if not self.backend.scheduler.has_work():
                         self.last_stats = 0.0  # idle now: report the drained state at once
                 self._maybe_stats()
-        except BaseException:
-            self._send(("fatal", f"engine failed:\n{traceback.format_exc()}"))
+        except BaseException as exc:
+            log.error("engine failed:\n%s%s", traceback.format_exc(), getattr(exc, "details", ""))
+            self._send(("fatal", f"engine failed: {exc}"))
             raise
         finally:
             self.engine.shutdown()

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from server_helpers import Server, error_message, running_server, wait_for
 
@@ -95,13 +95,6 @@ def test_prompt_longer_than_context_is_400(server: Server) -> None:
     expect_error(server.post("/v1/chat/completions", chat), 400, "context length")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: app.py _max_new_tokens reports a too-long prompt with param='messages' on "
-        "/v1/completions too, where the field is 'prompt'"
-    ),
-)
 def test_too_long_completion_prompt_error_names_prompt(server: Server) -> None:
     r = server.post("/v1/completions", {**OK, "prompt": list(range(CONTEXT)), "max_tokens": 1})
     assert r.status_code == 400
@@ -163,14 +156,6 @@ def test_token_ids_outside_vocabulary_are_400(server: Server) -> None:
     expect_error(r, 400, "token id -1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: app.py only rejects negative ids before the stream starts; the vocabulary check "
-        "runs in the engine (Engine.validate), so a streamed request with id >= vocab gets HTTP "
-        "200 and an SSE error event instead of a 400. Check 0 <= id < vocab in _Run.__init__"
-    ),
-)
 def test_streamed_token_id_outside_vocabulary_is_400(server: Server) -> None:
     r = server.post("/v1/completions", {**OK, "prompt": [1, 2, VOCAB], "stream": True})
     expect_error(r, 400, "token id 512")
@@ -195,14 +180,6 @@ def test_wrong_content_type_is_a_4xx_error_body(server: Server) -> None:
     assert r.status_code in (400, 415), r.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a body sent as text/plain is answered 'Input should be a valid dictionary or "
-        "object to extract fields from', which does not say that the Content-Type must be "
-        "application/json (app.py: no content-type check before validation)"
-    ),
-)
 def test_wrong_content_type_message_names_the_content_type(server: Server) -> None:
     r = server.post(
         "/v1/completions", content=json.dumps(OK).encode(), headers={"content-type": "text/plain"}
@@ -210,14 +187,6 @@ def test_wrong_content_type_message_names_the_content_type(server: Server) -> No
     assert "application/json" in error_message(r).lower()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: app.py _install_error_handlers/invalid: for malformed JSON pydantic's loc is "
-        "('body', <byte offset>), so the error says '29: JSON decode error' and param is '29', "
-        "a byte offset presented as a parameter name"
-    ),
-)
 def test_malformed_json_error_has_no_bogus_param(server: Server) -> None:
     r = server.post(
         "/v1/completions",
@@ -227,14 +196,6 @@ def test_malformed_json_error_has_no_bogus_param(server: Server) -> None:
     assert r.json()["error"]["param"] in (None, "body")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: protocol.py ChatMessage.text joins p.get('text') of content parts without "
-        "checking the type: a part {'type': 'text', 'text': 5} raises TypeError -> plain-text "
-        "'Internal Server Error' 500 instead of a 400 error body"
-    ),
-)
 def test_chat_content_part_with_non_string_text_is_400(server: Server) -> None:
     body = {
         "model": NAME,
@@ -276,30 +237,6 @@ def _number(value: Any, kind: type) -> Any:
         return None
 
 
-def known_bug(body: Any) -> bool:
-    """Inputs of the bugs that have their own xfail tests (they crash the engine or give a
-    500, which would end the fuzz run or repeat a known failure)."""
-    if not isinstance(body, dict):
-        return False
-    seed = _number(body.get("seed"), int)
-    if seed is not None and not -(2**63) <= seed < 2**64:
-        return True
-    temperature = _number(body.get("temperature"), float)
-    if temperature is not None and 0 < temperature < 1e-30:
-        return True
-    messages = body.get("messages")
-    for m in messages if isinstance(messages, list) else []:
-        parts = m.get("content") if isinstance(m, dict) else None
-        for p in parts if isinstance(parts, list) else []:
-            if (
-                isinstance(p, dict)
-                and p.get("type") == "text"
-                and not isinstance(p.get("text", ""), str)
-            ):
-                return True
-    return False
-
-
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_fuzzed_requests_never_get_a_server_error(
@@ -321,7 +258,6 @@ def test_fuzzed_requests_never_get_a_server_error(
     def fuzz(case: Any) -> None:
         if isinstance(case.body, dict) and "model" in case.body:
             case.body["model"] = NAME  # otherwise nearly every case stops at the 404
-        assume(not known_bug(case.body))
         r = case.call(base_url=server.base_url, timeout=120)
         if r.status_code >= 500:
             failures.append(f"{r.status_code} for {case.body!r}: {r.text[:300]}")
@@ -343,30 +279,12 @@ def fresh_server(tiny_model: Path, tmp_path: Path) -> Iterator[Server]:
         yield srv
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: layers/sampler.py Sampler._generator calls torch.Generator.manual_seed(seed) "
-        "with the request's seed unchecked; a seed >= 2**64 raises 'Overflow when unpacking "
-        "long long' inside the engine step, the engine dies and the whole server exits. "
-        "protocol.py should bound seed (e.g. to int64, as OpenAI does) or reduce it mod 2**64"
-    ),
-)
 def test_huge_seed_is_rejected_not_fatal(fresh_server: Server) -> None:
     r = fresh_server.post("/v1/completions", {**OK, "temperature": 1.0, "seed": 2**64})
     assert r.status_code < 500, r.text
     still_serves(fresh_server)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a positive temperature below float32's range (1e-46) is not greedy in Python "
-        "(SamplingParams.greedy) but becomes 0.0 in sampler.py's float32 column: logits/0 -> "
-        "NaN probabilities, torch.multinomial raises, the engine dies and the server exits. "
-        "Treat temperatures below ~1e-5 as greedy or reject them"
-    ),
-)
 def test_tiny_positive_temperature_is_not_fatal(fresh_server: Server) -> None:
     r = fresh_server.post("/v1/completions", {**OK, "temperature": 1e-46})
     assert r.status_code < 500, r.text

@@ -29,16 +29,6 @@ def server(tiny_model: Path, tmp_path: Path) -> Iterator[Server]:
         yield srv
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: engine/workers.py WorkerSet._check_alive compares now with last_seen, which only "
-        "_poll updates; while the server idles, engine_process.EngineLoop blocks on its inbox "
-        "and never polls the workers, so the first request after more than HEARTBEAT_TIMEOUT_S "
-        "(10 s) of idling fails with 'worker rank 0 sent no heartbeat for 12s' and the server "
-        "exits. Drain queued status messages before checking (or refresh last_seen when idle)"
-    ),
-)
 def test_pp_server_still_serves_after_idling(server: Server) -> None:
     assert server.post("/v1/completions", REQUEST).status_code == 200
     time.sleep(HEARTBEAT_TIMEOUT_S + 2)  # idle: nothing to assert on time, just be idle
@@ -64,16 +54,6 @@ def worker_pids(server: Server) -> list[int]:
     return sorted(p for p in pids if parents[p] == engine[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: /health is 200 'only when the engine and every worker are alive', but nothing "
-        "looks at the workers while no request runs (EngineLoop._intake blocks on the inbox; "
-        "EngineClient.healthy only checks the engine process): a worker killed while idle "
-        "leaves /health at 200 until the next request fails. Check worker liveness in the idle "
-        "loop and report it"
-    ),
-)
 def test_health_notices_a_worker_killed_while_idle(server: Server) -> None:
     assert server.get("/health").status_code == 200
     workers = worker_pids(server)

@@ -298,14 +298,6 @@ def test_completion_logprobs(client: openai.OpenAI, refs: dict[str, Any]) -> Non
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: app.py _Run.stream_completion builds a fresh _Logprobs per chunk, so every "
-        "streamed chunk's text_offset starts at 0 instead of the token's offset in the whole "
-        "completion (as in the non-streamed response)"
-    ),
-)
 def test_streamed_completion_text_offsets_match_non_streamed(client: openai.OpenAI) -> None:
     kw = {"model": NAME, "prompt": ASCII_PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 1}
     whole = client.completions.create(**kw).choices[0].logprobs.text_offset
@@ -331,15 +323,6 @@ def test_chat_logprobs(client: openai.OpenAI, refs: dict[str, Any]) -> None:
         assert isinstance(c.bytes, list)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: app.py _Logprobs._tok decodes each token alone with errors replaced, so tokens "
-        "holding part of a UTF-8 character become '\\ufffd': in /v1/completions top_logprobs "
-        "(a dict keyed by that text) two such tokens collide and fewer than `logprobs` entries "
-        "remain, sometimes without the chosen token's own logprob"
-    ),
-)
 def test_completion_top_logprobs_keep_every_alternative(
     client: openai.OpenAI, refs: dict[str, Any]
 ) -> None:
@@ -350,15 +333,6 @@ def test_completion_top_logprobs_keep_every_alternative(
     assert lp.top_logprobs and [len(top) for top in lp.top_logprobs] == [20] * len(lp.top_logprobs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: app.py _Logprobs.chat sets `bytes` to the UTF-8 of the lossily decoded token text "
-        "(e.g. [239, 191, 189] for half a character) instead of the token's own bytes: distinct "
-        "tokens get the same bytes, and the bytes of the chosen tokens do not add up to the "
-        "message content"
-    ),
-)
 def test_chat_logprob_bytes_are_the_tokens_bytes(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=NAME,
