@@ -81,6 +81,7 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     stats["output_ids"] = [o["output_ids"] for o in outputs]
     stats["events"] = engine.backend.timeline()
     stats["overlap_schedule"] = engine.backend.stats()["overlap_schedule"]
+    stats["chunking"] = dict(engine.backend.chunking)  # with dynamic chunking: profile and fit
     stats["loop"] = engine.backend.stats()["loop"]
     return stats
 
@@ -113,6 +114,9 @@ def run_bench(
         row["bubble_ratio"] = bubble_ratios(events)
         runs.append(row)
     report.update({k: v for k, v in runs[0].items() if k not in ("output_ids", "events")})
+    for key in ("a", "b", "c"):  # the fitted cost model, when dynamic chunking ran
+        if key in runs[0]["chunking"]:
+            report[key] = runs[0]["chunking"][key]
     report["layouts"] = [{k: v for k, v in r.items() if k != "output_ids"} for r in runs]
     report["same_tokens_across_layouts"] = all(
         r["output_ids"] == runs[0]["output_ids"] for r in runs

@@ -20,10 +20,12 @@ from pipeserve.config import EngineConfig
 from pipeserve.scheduler.dynamic_chunking import (
     CostFit,
     OnlineRefit,
+    absorb_tail,
     fit_profile,
     make_predictor,
     profile_lengths,
 )
+from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -87,10 +89,13 @@ def setup_chunking(
         policy.smooth_factor,
     )
     context, budget = scheduler.context_len, scheduler.prefill.max_prefill_tokens
-    scheduler.set_chunking(
-        lambda req: predictor.next_chunk_size(req.kv_len, context - req.kv_len, budget),
-        OnlineRefit(predictor) if policy.online else None,
-    )
+    floor = size // 4
+
+    def sizer(req: Req) -> int:
+        x = predictor.next_chunk_size(req.kv_len, context - req.kv_len, budget)
+        return absorb_tail(x, req.seq_len - req.kv_len, floor, budget)
+
+    scheduler.set_chunking(sizer, OnlineRefit(predictor) if policy.online else None)
     return info
 
 

@@ -28,7 +28,7 @@ from pipeserve.scheduler.batch import Run
 
 VIEW_MIN_TOKENS = 256  # shorter runs are cheaper to gather than to attend to separately
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
-SCORE_BLOCK_ELEMENTS = 4 * 2**20  # bound on one score buffer (query rows x keys)
+SCORE_BLOCK_ELEMENTS = 2**20  # bound on one score buffer (query rows x keys); ~L2-sized blocks
 
 KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv_heads, n, d]
 

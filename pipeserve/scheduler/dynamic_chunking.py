@@ -120,6 +120,15 @@ class ChunkSizePredictor:
         return max(x // self.align * self.align, self.align)
 
 
+def absorb_tail(size: int, remaining: int, floor: int, budget: int) -> int:
+    """Take the rest of the prompt now when the chunk would leave less than `floor` tokens:
+    a tiny last chunk costs a whole pipeline pass for almost no work (and the last chunk is
+    the one every later stage waits for)."""
+    if 0 < remaining - size < floor and remaining <= budget:
+        return remaining
+    return size
+
+
 def make_predictor(
     fit: CostFit, initial_size: int, smooth_factor: float, page_size: int
 ) -> ChunkSizePredictor | None:

@@ -50,12 +50,16 @@ def run(engine: Engine) -> list[dict[str, Any]]:
     return out
 
 
-def split(n: int, size_at: Any) -> list[int]:
-    """Chunk sizes of an n-token prompt when the chunk at prefix L may hold size_at(L)."""
+def split(n: int, size_at: Any, tail_floor: int = 0) -> list[int]:
+    """Chunk sizes of an n-token prompt when the chunk at prefix L may hold size_at(L); with
+    `tail_floor`, a chunk that would leave fewer tokens than that takes the rest too."""
     sizes, prefix = [], 0
     while prefix < n:
-        sizes.append(min(n - prefix, size_at(prefix)))
-        prefix += sizes[-1]
+        x = min(n - prefix, size_at(prefix))
+        if 0 < n - prefix - x < tail_floor:
+            x = n - prefix
+        sizes.append(x)
+        prefix += x
     return sizes
 
 
@@ -69,7 +73,7 @@ def prescribed_sizes(engine: Engine) -> list[list[int]]:
                                    engine.config.cache.page_size)
     context = engine.context_len
     budget = engine.config.scheduler.max_prefill_tokens
-    return [split(n, lambda L: predictor.next_chunk_size(L, context - L, budget))
+    return [split(n, lambda L: predictor.next_chunk_size(L, context - L, budget), C // 4)
             for n in PROMPT_LENS]
 
 
@@ -159,7 +163,7 @@ def test_pp2_dynamic_chunking_sizes_vary_and_tokens_do_not(pp2, reference, monke
     out = run(pp2)
     assert_same_tokens(out, reference)
     sizes = [o["meta_info"]["chunk_sizes"] for o in out]
-    expected = [split(n, lambda L: spec_size(GROWING_A, GROWING_B, L, smooth))
+    expected = [split(n, lambda L: spec_size(GROWING_A, GROWING_B, L, smooth), C // 4)
                 for n in PROMPT_LENS]
     assert sizes == expected
     assert sizes[0][0] == C and len(set(sizes[0][:-1])) > 1  # later chunks are smaller

@@ -267,3 +267,12 @@ def test_online_refit_never_installs_a_non_positive_a() -> None:
         refit.observe(prefix, 100, max(1.0 - 1e-4 * prefix, 0.01))
     assert predictor.fit.a == A
     assert np.isfinite(predictor.next_chunk_size(5000))
+
+
+def test_a_chunk_that_would_leave_a_tiny_tail_takes_the_rest() -> None:
+    from pipeserve.scheduler.dynamic_chunking import absorb_tail
+
+    assert absorb_tail(512, 640, floor=512, budget=16384) == 640  # 128 left < floor: merge
+    assert absorb_tail(512, 1024, floor=512, budget=16384) == 512  # 512 left: keep
+    assert absorb_tail(512, 512, floor=512, budget=16384) == 512  # nothing left anyway
+    assert absorb_tail(512, 640, floor=512, budget=600) == 512  # the rest exceeds the budget
