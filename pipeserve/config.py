@@ -32,6 +32,11 @@ class ModelConfig:
         None, "maximum tokens per request (prompt + output); default: the model's"
     )
     device: str = _flag("auto", "'cpu', 'cuda' or 'auto' (cuda when available)")
+    attention_backend: str = _flag(
+        "auto",
+        "'auto': the native CPU decode kernel where it builds, else torch; 'native'; 'torch'",
+        choices=("auto", "native", "torch"),
+    )
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
 
 
@@ -174,6 +179,10 @@ def validate(config: EngineConfig) -> None:
     m, c, s, p = config.model, config.cache, config.scheduler, config.parallel
     checks = [
         (m.dtype in DTYPES, f"--dtype {m.dtype!r} is not one of {', '.join(DTYPES)}"),
+        (
+            m.attention_backend in ("auto", "native", "torch"),
+            f"--attention-backend {m.attention_backend!r} is not one of auto, native, torch",
+        ),
         (
             c.page_size > 0 and c.page_size & (c.page_size - 1) == 0,
             f"--page-size {c.page_size} must be a power of two",

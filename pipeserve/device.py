@@ -95,6 +95,14 @@ def _math_attention_with_lse(
     return out.to(q.dtype), lse
 
 
+def native_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU decode-attention kernel, or None (not built, or disabled)."""
+    from pipeserve.kernels import native
+
+    module = native()
+    return None if module is None else module.paged_decode_attention
+
+
 def prefers_blockwise_attention(device: torch.device) -> bool:
     """Prompt chunks on a CPU run faster as plain matmul blocks than in the fused kernel;
     accelerators use their fused kernels."""

@@ -56,3 +56,10 @@ def num_threads() -> int | None:
     cores). --threads-per-worker overrides it."""
     raw = os.environ.get("PIPESERVE_NUM_THREADS")
     return int(raw) if raw else None
+
+
+def kernel_cache_dir() -> Path:
+    """PIPESERVE_KERNEL_CACHE_DIR: where native kernels are built (kept apart from
+    PIPESERVE_CACHE_DIR, so a throwaway model/profile cache does not force a rebuild)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pipeserve-kernels"
+    return Path(os.environ.get("PIPESERVE_KERNEL_CACHE_DIR", default))

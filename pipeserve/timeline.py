@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,15 @@ class Recorder:
             ev.prefix = [s.prefix_len for s in batch.slices]
         self.events.append(ev)
 
+    @contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        """Record the enclosed block (e.g. the scheduler's CPU work) as one event."""
+        start = now()
+        try:
+            yield
+        finally:
+            self.add(kind, start, now())
+
     def take(self) -> list[Event]:
         out = list(self.events)
         self.events.clear()
@@ -80,6 +91,36 @@ def bubble_ratios(events: list[Event]) -> list[float]:
     return out
 
 
+CPU_KINDS = ("schedule", "prepare", "process")
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def hidden_cpu_time(events: list[Event]) -> tuple[float, float]:
+    """(scheduler CPU seconds, of which spent while the first stage was computing): how much
+    of the CPU-side step time the overlap hid."""
+    cpu = _union([(e.start, e.end) for e in events if e.kind in CPU_KINDS])
+    busy = _union([(e.start, e.end) for e in forward_events(events) if e.stage == 0])
+    total = sum(e - s for s, e in cpu)
+    hidden, j = 0.0, 0
+    for s, e in cpu:
+        while j < len(busy) and busy[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(busy) and busy[k][0] < e:
+            hidden += min(e, busy[k][1]) - max(s, busy[k][0])
+            k += 1
+    return total, hidden
+
+
 def write_trace(events: list[Event], path: str | Path) -> None:
     """Chrome trace format (open in chrome://tracing or ui.perfetto.dev)."""
     t0 = min((e.start for e in events), default=0.0)
@@ -97,10 +138,14 @@ def write_trace(events: list[Event], path: str | Path) -> None:
         for e in events
     ]
     meta = [
-        {"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"stage {s}"}}
-        for s in sorted({e.stage for e in events})
+        {"name": "process_name", "ph": "M", "pid": s, "args": {"name": name}}
+        for s, name in sorted({(e.stage, _row_name(e)) for e in events})
     ]
     Path(path).write_text(json.dumps({"traceEvents": meta + trace}))
+
+
+def _row_name(e: Event) -> str:
+    return "scheduler" if e.kind in CPU_KINDS else f"stage {e.stage}"
 
 
 def _label(e: Event) -> str:

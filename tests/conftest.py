@@ -28,3 +28,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
         return made[key]
 
     return get
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the native CPU kernels once, before any test's timeout starts counting (the
+    first build compiles C++ for tens of seconds; later runs load it from the cache)."""
+    from pipeserve.kernels import warm_up
+
+    warm_up()

@@ -21,7 +21,13 @@ from pipeserve.device import resolve_device, resolve_dtype, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
 from pipeserve.scheduler.request import Req, SamplingParams
-from pipeserve.timeline import Event, bubble_ratios, draw_timeline, write_trace
+from pipeserve.timeline import (
+    Event,
+    bubble_ratios,
+    draw_timeline,
+    hidden_cpu_time,
+    write_trace,
+)
 
 TIMING_KEYS = (
     "ttft_mean_s",
@@ -79,7 +85,9 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     )
     stats["chunk_sizes"] = [o["meta_info"]["chunk_sizes"] for o in outputs]
     stats["output_ids"] = [o["output_ids"] for o in outputs]
-    stats["events"] = engine.backend.timeline()
+    stats["events"] = events = engine.backend.timeline()
+    cpu, hidden = hidden_cpu_time(events)
+    stats["scheduler_cpu_s"], stats["scheduler_cpu_hidden_s"] = cpu, hidden
     stats["overlap_schedule"] = engine.backend.stats()["overlap_schedule"]
     stats["chunking"] = dict(engine.backend.chunking)  # with dynamic chunking: profile and fit
     stats["loop"] = engine.backend.stats()["loop"]
@@ -217,7 +225,8 @@ def _save(
 
 
 def _offset_stage(events: list[Event], layout: int) -> list[Event]:
-    """Layouts one after another in a trace: stage ids of layout i start at 100 * i."""
+    """Layouts one after another in a trace: stage ids of layout i start at 100 * i (its
+    scheduler's row is 100 * i - 1)."""
     return [dataclasses.replace(e, stage=e.stage + 100 * layout) for e in events]
 
 

@@ -23,7 +23,7 @@ from pipeserve.scheduler.batch import Run
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
-from pipeserve.timeline import Event
+from pipeserve.timeline import Event, Recorder
 from pipeserve.tokenizer import Tokenizer
 
 
@@ -60,6 +60,7 @@ class Backend:
 
     def __init__(self) -> None:
         self._aborted: list[RequestUpdate] = []
+        self.cpu = Recorder(stage=-1)  # the scheduler's own work: schedule, prepare, process
 
     def submit(self, req: Req) -> None:
         self.scheduler.add_request(req)
@@ -143,7 +144,7 @@ class InProcessBackend(Backend):
     ) -> PlainLoop | OverlapLoop:
         s = config.scheduler
         if s.disable_overlap_schedule:
-            return PlainLoop(self.scheduler, self.runner)
+            return PlainLoop(self.scheduler, self.runner, self.cpu)
         # The compute stream gets the thread budget; this thread only schedules and builds
         # small tensors (two full OpenMP pools on the same cores would fight each other).
         set_threads(1)
@@ -154,10 +155,11 @@ class InProcessBackend(Backend):
             ComputeStream(self.runner.device, threads),
             FutureMap(size, self.runner.device),
             favour_ttft=envs.disable_consecutive_prefill_overlap(),
+            cpu=self.cpu,
         )
 
     def timeline(self) -> list[Event]:
-        return self.runner.recorder.take()
+        return self.cpu.take() + self.runner.recorder.take()
 
     def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
         return self.loop.on_device(self.runner.profile_prefill, lengths, runs)
@@ -196,7 +198,7 @@ class WorkerBackend(Backend):
         )
         depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(
-            self.scheduler, self.workers, depth, SlotRing(ring) if ring else None
+            self.scheduler, self.workers, depth, SlotRing(ring) if ring else None, self.cpu
         )
         self._profile_key = profile_key(
             config, model_path, threads_per_worker(config), self.partition
@@ -215,7 +217,7 @@ class WorkerBackend(Backend):
             raise
 
     def timeline(self) -> list[Event]:
-        return self.workers.collect_timeline()
+        return self.cpu.take() + self.workers.collect_timeline()
 
     def check_health(self) -> None:
         try:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeserve import kernels
 from pipeserve.config import EngineConfig
+from pipeserve.device import resolve_device
 from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.presets import DEFAULT_PRESET, preset_path
@@ -60,6 +62,8 @@ class Engine:
         self.arch = ArchConfig.load(self.model_path)
         self.tokenizer = Tokenizer(self.model_path)
         self.context_len = self.arch.context_length(self.config.model.context_length)
+        if resolve_device(self.config.model.device).type == "cpu":
+            kernels.warm_up()  # build once here, before worker processes would each try
         kind = WorkerBackend if self.config.parallel.uses_workers else InProcessBackend
         self.backend: Backend = kind(
             self.config, self.arch, self.model_path, self.tokenizer, self.context_len

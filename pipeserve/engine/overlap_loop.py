@@ -23,6 +23,7 @@ from pipeserve.engine.future_map import FutureMap
 from pipeserve.runner.model_runner import ModelRunner, StageOutput
 from pipeserve.scheduler.batch import ScheduledBatch
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+from pipeserve.timeline import Recorder
 
 T = TypeVar("T")
 
@@ -37,16 +38,19 @@ class OverlapLoop:
         stream: ComputeStream,
         future: FutureMap,
         favour_ttft: bool,
+        cpu: Recorder,
     ) -> None:
         """favour_ttft: between two prefill batches, process the first one's results before
         launching the second (PIPESERVE_DISABLE_CONSECUTIVE_PREFILL_OVERLAP)."""
         self.scheduler, self.runner, self.stream, self.future = scheduler, runner, stream, future
+        self.cpu = cpu
         self.favour_ttft = favour_ttft
         self.inflight: deque[tuple[ScheduledBatch, Future[StageOutput]]] = deque()
 
     def step(self) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
-        batch = self.scheduler.schedule(max_inflight=1)
+        with self.cpu.span("schedule"):
+            batch = self.scheduler.schedule(max_inflight=1)
         if batch is not None:
             if self.favour_ttft and self._consecutive_prefill(batch):
                 updates += self._process_oldest()
@@ -66,8 +70,9 @@ class OverlapLoop:
         return bool(self.inflight) and not batch.is_decode and not self.inflight[-1][0].is_decode
 
     def _launch(self, batch: ScheduledBatch) -> None:
-        self.scheduler.assign_future_slots(batch, self.future.reserve(batch.num_samples))
-        fb = self.runner.prepare(batch)  # on this thread, while the previous batch runs
+        with self.cpu.span("prepare"):  # on this thread, while the previous batch runs
+            self.scheduler.assign_future_slots(batch, self.future.reserve(batch.num_samples))
+            fb = self.runner.prepare(batch)
         done = self.stream.submit(self.runner.execute, batch, fb, future=self.future)
         self.inflight.append((batch, done))  # keeps batch and its tensors alive until processed
 
@@ -75,4 +80,5 @@ class OverlapLoop:
         batch, done = self.inflight.popleft()
         result = done.result().result
         assert result is not None
-        return self.scheduler.process_result(batch, result)
+        with self.cpu.span("process"):
+            return self.scheduler.process_result(batch, result)

@@ -23,13 +23,20 @@ from pipeserve.engine.future_map import SlotRing
 from pipeserve.engine.workers import WorkerSet
 from pipeserve.scheduler.batch import ScheduledBatch
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+from pipeserve.timeline import Recorder
 
 
 class PipelineLoop:
     def __init__(
-        self, scheduler: Scheduler, workers: WorkerSet, depth: int, future: SlotRing | None
+        self,
+        scheduler: Scheduler,
+        workers: WorkerSet,
+        depth: int,
+        future: SlotRing | None,
+        cpu: Recorder,
     ) -> None:
         self.scheduler, self.workers, self.depth, self.future = scheduler, workers, depth, future
+        self.cpu = cpu
         self.name = "overlap" if future is not None else ("pipeline" if depth > 1 else "plain")
         self.inflight: deque[ScheduledBatch] = deque()
 
@@ -43,17 +50,20 @@ class PipelineLoop:
             raise RuntimeError(
                 f"result of batch {result.batch_id} arrived, expected {batch.batch_id}"
             )
-        return self.scheduler.process_result(batch, result)
+        with self.cpu.span("process"):
+            return self.scheduler.process_result(batch, result)
 
     def _fill(self) -> None:
         max_inflight = 1 if self.future is not None else 0
         while len(self.inflight) < self.depth:
-            batch = self.scheduler.schedule(max_inflight=max_inflight)
-            if batch is None:
-                return
-            if self.future is not None:
-                self.scheduler.assign_future_slots(batch, self.future.reserve(batch.num_samples))
-            self.workers.send_batch(batch)
+            with self.cpu.span("schedule"):
+                batch = self.scheduler.schedule(max_inflight=max_inflight)
+                if batch is None:
+                    return
+                if self.future is not None:
+                    slots = self.future.reserve(batch.num_samples)
+                    self.scheduler.assign_future_slots(batch, slots)
+                self.workers.send_batch(batch)
             self.inflight.append(batch)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from pipeserve.runner.model_runner import ModelRunner
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+from pipeserve.timeline import Recorder
 
 T = TypeVar("T")
 
@@ -15,16 +16,20 @@ T = TypeVar("T")
 class PlainLoop:
     name = "plain"
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
-        self.scheduler, self.runner = scheduler, runner
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, cpu: Recorder) -> None:
+        self.scheduler, self.runner, self.cpu = scheduler, runner, cpu
 
     def step(self) -> list[RequestUpdate]:
-        batch = self.scheduler.schedule()
+        with self.cpu.span("schedule"):
+            batch = self.scheduler.schedule()
         if batch is None:
             return []
-        result = self.runner.forward(batch).result
+        with self.cpu.span("prepare"):
+            fb = self.runner.prepare(batch)
+        result = self.runner.execute(batch, fb).result
         assert result is not None
-        return self.scheduler.process_result(batch, result)
+        with self.cpu.span("process"):
+            return self.scheduler.process_result(batch, result)
 
     def on_device(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)

@@ -44,7 +44,7 @@ def native() -> ModuleType | None:
         + _cpu_id().encode()
         + " ".join(CFLAGS).encode()
     ).hexdigest()[:16]
-    build = envs.cache_dir() / "kernels" / key
+    build = envs.kernel_cache_dir() / key
     build.mkdir(parents=True, exist_ok=True)
     try:
         return load(

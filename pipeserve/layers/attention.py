@@ -17,14 +17,18 @@ Two kernels:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from pipeserve.device import attention_with_lse, prefers_blockwise_attention
+from pipeserve.device import (
+    attention_with_lse,
+    native_decode_kernel,
+    prefers_blockwise_attention,
+)
 from pipeserve.mem_cache.kv_pool import KVPool
-from pipeserve.scheduler.batch import Run
+from pipeserve.scheduler.batch import Run, runs_prefix
 
 VIEW_MIN_TOKENS = 256  # shorter runs are cheaper to gather than to attend to separately
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
@@ -45,13 +49,16 @@ class ChunkPlan:
 
 @dataclass
 class DecodePlan:
-    """All single-token steps of a batch: one batched call over their short KV parts (padded
+    """All single-token steps of a batch. With the native kernel: every step's runs of KV
+    slots, read in one pass. Otherwise: one batched call over their short KV parts (padded
     gather + mask), plus per-request calls over long runs read in place."""
 
     rows: torch.Tensor  # [b] token rows of the steps
-    gather: torch.Tensor  # [b, n] slot ids of each step's short part (padding: slot 0)
-    mask: torch.Tensor  # [b, 1, 1, n] additive: 0 for real keys, -inf for padding
-    views: list[tuple[int, list[Run]]]  # (step index, long runs) where there are any
+    gather: torch.Tensor | None = None  # [b, n] slot ids of each step's short part (pad: 0)
+    mask: torch.Tensor | None = None  # [b, 1, 1, n] additive: 0 real keys, -inf padding
+    views: list[tuple[int, list[Run]]] = field(default_factory=list)  # (step, long runs)
+    runs: torch.Tensor | None = None  # native: [r, 2] (first slot, length), steps in order
+    offsets: torch.Tensor | None = None  # native: [b + 1] where each step's runs start
 
 
 @dataclass
@@ -100,7 +107,10 @@ def gather_index(
 
 
 def plan_attention(
-    segments: list[tuple[int, int, int, list[Run]]], device: torch.device, dtype: torch.dtype
+    segments: list[tuple[int, int, int, list[Run]]],
+    device: torch.device,
+    dtype: torch.dtype,
+    native_decode: bool = False,
 ) -> AttentionPlan:
     """segments: (q_start, q_len, prefix_len, kv_runs) per request. A single-token step reads
     every key from the pool (its own was just written; it always lands in the gathered part,
@@ -123,10 +133,25 @@ def plan_attention(
         shorts.append(short)
     if not rows:
         return AttentionPlan(chunks, None)
+    row_ids = torch.tensor(rows, dtype=torch.long, device=device)
+    if native_decode:
+        steps = [
+            runs_prefix(runs, prefix_len + 1)
+            for _, q_len, prefix_len, runs in segments
+            if q_len == 1
+        ]
+        flat = [r for step in steps for r in step]
+        offsets = [0]
+        for step in steps:
+            offsets.append(offsets[-1] + len(step))
+
+        def ids(x: object) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device="cpu")
+
+        return AttentionPlan(chunks, DecodePlan(row_ids, runs=ids(flat), offsets=ids(offsets)))
     gather, lengths = gather_index(shorts, device)
     keep = torch.arange(gather.shape[1], device=device)[None, :] < lengths[:, None]
     mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
-    row_ids = torch.tensor(rows, dtype=torch.long, device=device)
     return AttentionPlan(chunks, DecodePlan(row_ids, gather, mask[:, None, None, :], views))
 
 
@@ -178,6 +203,12 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
         q = q.view(b, hk, self.group, d)  # GQA: the group's queries share their KV head
+        if plan.runs is not None:
+            kernel = native_decode_kernel()
+            assert kernel is not None and plan.offsets is not None
+            o = kernel(q.contiguous(), k_cache, v_cache, plan.runs, plan.offsets, self.scale)
+            return o.reshape(b, self.num_heads, d)
+        assert plan.gather is not None
         k = k_cache[:, plan.gather].transpose(0, 1)  # [b, hk, n, d]
         v = v_cache[:, plan.gather].transpose(0, 1)
         o, lse = attention_with_lse(q, k, v, False, self.scale, plan.mask)

@@ -28,7 +28,9 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     @classmethod
-    def prepare(cls, batch: ScheduledBatch, pool: KVPool, device: torch.device) -> ForwardBatch:
+    def prepare(
+        cls, batch: ScheduledBatch, pool: KVPool, device: torch.device, native_decode: bool = False
+    ) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -52,7 +54,7 @@ class ForwardBatch:
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        attn = plan_attention(segments, device, pool.dtype)
+        attn = plan_attention(segments, device, pool.dtype, native_decode)
         return cls(
             tensor(ids),
             tensor(positions),

@@ -10,7 +10,13 @@ from pathlib import Path
 import torch
 
 from pipeserve.config import EngineConfig
-from pipeserve.device import resolve_device, resolve_dtype, synchronize, total_memory
+from pipeserve.device import (
+    native_decode_kernel,
+    resolve_device,
+    resolve_dtype,
+    synchronize,
+    total_memory,
+)
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
@@ -62,6 +68,19 @@ def kv_pool_pages(
     return tokens // page + 1
 
 
+def use_native_decode(backend: str, device: torch.device) -> bool:
+    """Whether decode steps run the native CPU kernel (--attention-backend)."""
+    if backend == "torch" or device.type != "cpu":
+        return False
+    available = native_decode_kernel() is not None
+    if backend == "native" and not available:
+        raise ValueError(
+            "--attention-backend native: the native CPU kernel could not be built "
+            "(see the warning above); use --attention-backend torch"
+        )
+    return available
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, arch: ArchConfig, model_path: str | Path, num_pages: int
@@ -85,13 +104,14 @@ class ModelRunner:
         )
         self.sampler = Sampler(config.model.seed, self.device)
         self.recorder = Recorder(self.state.pp_rank, self.state.tp_rank)
+        self.native_decode = use_native_decode(config.model.attention_backend, self.device)
 
     def model_kv_heads(self) -> int:
         """KV heads per TP rank (one replica each when there are fewer heads than ranks)."""
         return max(self.arch.num_kv_heads // self.state.tp_size, 1)
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        return ForwardBatch.prepare(batch, self.kv_pool, self.device)
+        return ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native_decode)
 
     @torch.inference_mode()
     def execute(

@@ -173,7 +173,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             )
             return JSONResponse(P.error_body(message), status_code=400)
         # the deepest location is the most specific (a union reports every branch)
-        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+        first: dict[str, Any] = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
         if first.get("type") == "json_invalid":
             at = first.get("loc", ("body", "?"))[-1]
             reason = first.get("ctx", {}).get("error", first.get("msg"))

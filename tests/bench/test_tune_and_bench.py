@@ -87,8 +87,10 @@ def test_bench_compares_layouts_and_writes_trace_and_timeline(model, tmp_path, c
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    # Layout i's stages are numbered from 100 * i: PP1 -> stage 0, PP2 -> stages 100, 101.
-    assert names == {0: "stage 0", 100: "stage 100", 101: "stage 101"}
+    # Layout i's stages are numbered from 100 * i: PP1 -> stage 0, PP2 -> stages 100, 101;
+    # each layout's scheduler (its CPU-side work) is the row just before its stages.
+    assert names == {0: "stage 0", 100: "stage 100", 101: "stage 101",
+                     -1: "scheduler", 99: "scheduler"}
     forwards = [e for e in spans if e["cat"] == "forward"]
     assert {e["pid"] for e in forwards} == {0, 100, 101}
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)

@@ -5,15 +5,12 @@ composition, memory pressure); prefix-cache hits; clear errors for bad input; sa
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from pipeserve.engine.engine import Engine
 

@@ -1,0 +1,51 @@
+"""The native CPU decode-attention kernel against the pure-torch path and a plain softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeserve.device import native_decode_kernel
+from pipeserve.layers.attention import PagedAttention, plan_attention
+from pipeserve.mem_cache.kv_pool import KVPool
+
+pytestmark = pytest.mark.skipif(native_decode_kernel() is None, reason="native kernels unavailable")
+
+
+def reference(q, pool, runs, scale):
+    k_cache, v_cache = pool.buffers(0)
+    idx = torch.cat([torch.arange(s, s + n) for s, n in runs])
+    k, v = k_cache[:, idx].float(), v_cache[:, idx].float()  # [hk, n, d]
+    hk, d = k.shape[0], k.shape[2]
+    qh = q.float().view(hk, -1, d)  # [hk, g, d]
+    p = torch.softmax(qh @ k.transpose(1, 2) * scale, dim=-1)
+    return (p @ v).reshape(-1, d)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("group", [1, 3])
+def test_kernel_matches_reference_and_torch_path(
+    dtype: torch.dtype, tol: float, group: int
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    hk, d, batch = 2, 32, 4
+    pool = KVPool(2048, range(1), hk, d, dtype, torch.device("cpu"), 1)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    # steps with one run, several runs, a long run (a view on the torch path) and a single key
+    step_runs = [[(1, 40)], [(100, 300), (600, 7), (700, 1)], [(900, 600)], [(1600, 1)]]
+    segments = [(i, 1, sum(n for _, n in r) - 1, r) for i, r in enumerate(step_runs)]
+    q = torch.randn(batch, hk * group, d, generator=gen).to(dtype)
+    k_new = torch.randn(batch, hk, d, generator=gen).to(dtype)
+    v_new = torch.randn(batch, hk, d, generator=gen).to(dtype)
+    slots = torch.tensor([r[-1][0] + r[-1][1] - 1 for r in step_runs])
+    attn = PagedAttention(0, hk * group, hk, d)
+    outs = {}
+    for native in (False, True):
+        plan = plan_attention(segments, torch.device("cpu"), dtype, native)
+        assert (plan.decode.runs is not None) == native
+        outs[native] = attn(q, k_new, v_new, pool, slots, plan).view(batch, hk * group, d)
+    for i, runs in enumerate(step_runs):
+        ref = reference(q[i], pool, runs, attn.scale)
+        assert torch.allclose(outs[True][i].float(), ref, atol=tol, rtol=tol)
+    assert torch.allclose(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
