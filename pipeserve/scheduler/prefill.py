@@ -34,8 +34,14 @@ class PrefillManager:
         self.chunked: Req | None = None
 
     def schedule(self, room: int, decode_reserve: int) -> list[ReqSlice]:
-        """Slices for one prefill batch; `room` = how many more requests may hold KV."""
+        """Slices for one prefill batch; `room` = how many more requests may hold KV. With
+        chunking, the whole batch holds at most one chunk's worth of tokens (the next chunk of
+        the first request in line): the prompt that follows a finishing one fills the rest of
+        that chunk instead of making the batch larger, so micro-batches stay even."""
         budget, slices = self.max_prefill_tokens, list[ReqSlice]()
+        first = self.chunked or (self.waiting[0] if self.waiting else None)
+        if first is not None and self.chunk_sizer is not None:
+            budget = min(budget, self.chunk_sizer(first))
         if self.chunked is not None:
             s = self._next_chunk(self.chunked, budget)
             if s is None or self.chunked is not None:

@@ -91,7 +91,10 @@ def reference(models: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
         with Engine(str(path), **FLAGS) as engine:
             out[kind] = run(engine)
             assert_pages_back(engine)
-            assert [o["meta_info"]["chunk_sizes"][0] for o in out[kind]] == [32, 32, 5, 32, 32]
+            chunks = [o["meta_info"]["chunk_sizes"] for o in out[kind]]
+            assert [sum(c) for c in chunks] == list(PROMPT_LENS)
+            assert all(max(c) <= 32 for c in chunks)
+            assert [len(c) > 1 for c in chunks] == [n > 32 for n in PROMPT_LENS]
     return out
 
 

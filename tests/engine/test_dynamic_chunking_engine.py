@@ -50,16 +50,28 @@ def run(engine: Engine) -> list[dict[str, Any]]:
     return out
 
 
-def split(n: int, size_at: Any, tail_floor: int = 0) -> list[int]:
-    """Chunk sizes of an n-token prompt when the chunk at prefix L may hold size_at(L); with
-    `tail_floor`, a chunk that would leave fewer tokens than that takes the rest too."""
-    sizes, prefix = [], 0
-    while prefix < n:
-        x = min(n - prefix, size_at(prefix))
-        if 0 < n - prefix - x < tail_floor:
-            x = n - prefix
-        sizes.append(x)
-        prefix += x
+def split(lens: list[int], size_at: Any, tail_floor: int = 0) -> list[list[int]]:
+    """Chunk sizes of prompts of these lengths, scheduled first come first served, when the
+    chunk at prefix L may hold size_at(L) tokens (a chunk that would leave fewer than
+    `tail_floor` tokens takes the rest), and each batch holds at most the first request's
+    next chunk: a prompt that follows a finishing one fills the rest of that batch."""
+
+    def size(i: int) -> int:
+        x, left = size_at(prefix[i]), lens[i] - prefix[i]
+        return left if 0 < left - x < tail_floor else x
+
+    sizes: list[list[int]] = [[] for _ in lens]
+    prefix, i = [0] * len(lens), 0
+    while i < len(lens):
+        budget = size(i)
+        while budget > 0 and i < len(lens):
+            x = min(lens[i] - prefix[i], size(i), budget)
+            sizes[i].append(x)
+            prefix[i] += x
+            budget -= x
+            if prefix[i] < lens[i]:
+                break
+            i += 1
     return sizes
 
 
@@ -67,14 +79,13 @@ def prescribed_sizes(engine: Engine) -> list[list[int]]:
     """The chunk sizes the installed policy (engine.backend.chunking) prescribes."""
     info = engine.backend.chunking
     if info["mode"] in ("fixed", "dynamic-disabled"):
-        return [split(n, lambda _: C) for n in PROMPT_LENS]
+        return split(PROMPT_LENS, lambda _: C)
     assert info["mode"] == "dynamic"
     predictor = ChunkSizePredictor(info["a"], info["b"], info["c"], C, info["smooth_factor"],
                                    engine.config.cache.page_size)
     context = engine.context_len
     budget = engine.config.scheduler.max_prefill_tokens
-    return [split(n, lambda L: predictor.next_chunk_size(L, context - L, budget), C // 4)
-            for n in PROMPT_LENS]
+    return split(PROMPT_LENS, lambda L: predictor.next_chunk_size(L, context - L, budget), C // 4)
 
 
 def spec_size(a: float, b: float, prefix: int, s: float) -> int:
@@ -103,8 +114,7 @@ def model(model_dir) -> Path:
 def reference(model: Path) -> list[dict[str, Any]]:
     with Engine(str(model), **FLAGS) as engine:
         out = run(engine)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == [split(n, lambda _: C)
-                                                          for n in PROMPT_LENS]
+    assert [o["meta_info"]["chunk_sizes"] for o in out] == split(PROMPT_LENS, lambda _: C)
     return out
 
 
@@ -147,8 +157,7 @@ def test_pp2_fixed_chunking(pp2, reference) -> None:
     assert pp2.backend.set_chunk_policy(ChunkPolicy(C)) == {"mode": "fixed", "chunk_size": C}
     out = run(pp2)
     assert_same_tokens(out, reference)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == [split(n, lambda _: C)
-                                                          for n in PROMPT_LENS]
+    assert [o["meta_info"]["chunk_sizes"] for o in out] == split(PROMPT_LENS, lambda _: C)
 
 
 @pytest.mark.parametrize("smooth", [1.0, 0.5])
@@ -163,11 +172,13 @@ def test_pp2_dynamic_chunking_sizes_vary_and_tokens_do_not(pp2, reference, monke
     out = run(pp2)
     assert_same_tokens(out, reference)
     sizes = [o["meta_info"]["chunk_sizes"] for o in out]
-    expected = [split(n, lambda L: spec_size(GROWING_A, GROWING_B, L, smooth), C // 4)
-                for n in PROMPT_LENS]
+    expected = split(PROMPT_LENS, lambda L: spec_size(GROWING_A, GROWING_B, L, smooth), C // 4)
     assert sizes == expected
     assert sizes[0][0] == C and len(set(sizes[0][:-1])) > 1  # later chunks are smaller
-    assert all(x % 64 == 0 and x >= C // 4 for s in sizes for x in s[:-1])
+    # aligned and floored, except last chunks and a prompt's first chunk filling the rest of
+    # the batch where the previous prompt ended
+    middle = sizes[0][:-1] + [x for s in sizes[1:] for x in s[1:-1]]
+    assert all(x % 64 == 0 and x >= C // 4 for x in middle)
 
 
 def test_pp2_online_refit_keeps_tokens(pp2, reference, monkeypatch) -> None:
@@ -195,8 +206,7 @@ def test_pp2_unusable_fit_falls_back_to_fixed_chunks(pp2, reference, monkeypatch
     assert "dynamic chunking disabled" in caplog.text
     out = run(pp2)
     assert_same_tokens(out, reference)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == [split(n, lambda _: C)
-                                                          for n in PROMPT_LENS]
+    assert [o["meta_info"]["chunk_sizes"] for o in out] == split(PROMPT_LENS, lambda _: C)
 
 
 def test_too_few_profile_points_fall_back_to_fixed_chunks(pp2, reference, monkeypatch) -> None:
@@ -209,8 +219,7 @@ def test_too_few_profile_points_fall_back_to_fixed_chunks(pp2, reference, monkey
     assert info["mode"] == "dynamic-disabled"
     out = run(pp2)
     assert_same_tokens(out, reference)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == [split(n, lambda _: C)
-                                                          for n in PROMPT_LENS]
+    assert [o["meta_info"]["chunk_sizes"] for o in out] == split(PROMPT_LENS, lambda _: C)
 
 
 def test_profiling_on_a_live_engine_keeps_the_prefix_cache_valid(model, monkeypatch) -> None:

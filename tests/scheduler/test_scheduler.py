@@ -209,8 +209,9 @@ def test_nobody_is_admitted_behind_a_chunked_prompt() -> None:
     h.add("long", range(1, 11), max_new_tokens=1)
     h.add("short", [21, 22, 23], max_new_tokens=1)
     h.run()
+    # the short prompt fills the rest of the long one's last chunk: no batch exceeds a chunk
     assert [[(s.rid, s.num_tokens) for s in b.slices] for b in h.batches] == [
-        [("long", 4)], [("long", 4)], [("long", 2), ("short", 3)]
+        [("long", 4)], [("long", 4)], [("long", 2), ("short", 2)], [("short", 1)]
     ]
 
 
