@@ -136,6 +136,12 @@ class InProcessBackend(Backend):
         self.runner = ModelRunner(config, arch, model_path, num_pages)
         self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
         self.loop: PlainLoop | OverlapLoop = self._make_loop(config, threads, context_len)
+        log.info(
+            "event loop: %s",
+            "overlap (forwards on a compute thread, the next batch scheduled meanwhile)"
+            if self.loop.name == "overlap"
+            else "plain",
+        )
         self._profile_key = profile_key(config, model_path, threads, [arch.num_layers])
         self.set_chunk_policy(ChunkPolicy.from_config(config))
 
@@ -199,6 +205,16 @@ class WorkerBackend(Backend):
         depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(
             self.scheduler, self.workers, depth, SlotRing(ring) if ring else None, self.cpu
+        )
+        log.info(
+            "event loop: %s over %d worker process(es), %d micro-batch(es) in flight%s",
+            self.loop.name,
+            p.world_size,
+            depth,
+            "; the pipeline itself is the CPU/device overlap (the overlap loop is not "
+            "combined with PP)"
+            if p.pp_size > 1
+            else "",
         )
         self._profile_key = profile_key(
             config, model_path, threads_per_worker(config), self.partition

@@ -173,3 +173,23 @@ def _no_leftover_workers() -> Iterator[None]:
     for p in leftover:
         p.kill()
     assert not leftover, f"worker processes left running: {leftover}"
+
+
+@pytest.mark.timeout(180)
+def test_tp2_replicates_a_single_kv_head(model_dir) -> None:
+    """tiny-qwen2 has one KV head: under TP2 each rank keeps a replica of it (and q/k/v carry
+    a bias, sharded with its weight). Same tokens and logprobs as one process."""
+    path = model_dir("tiny-qwen2")
+    ids = prompts()[:3]
+    sp = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in (7, 3, 5)]
+    outs = []
+    for extra in ({}, {"tp_size": 2}):
+        with Engine(str(path), **FLAGS, **extra) as engine:
+            out = engine.generate(input_ids=ids, sampling_params=sp, return_logprob=True)
+        assert isinstance(out, list)
+        outs.append(out)
+    ref, tp2 = outs
+    assert [o["output_ids"] for o in tp2] == [o["output_ids"] for o in ref]
+    for a, b in zip(ref, tp2, strict=True):
+        torch.testing.assert_close(torch.tensor(b["prompt_logprobs"]),
+                                   torch.tensor(a["prompt_logprobs"]), atol=1e-4, rtol=0)
