@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/pipserve generate
+	$(VENV)/bin/pipeserve generate
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
