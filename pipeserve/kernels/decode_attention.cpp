@@ -159,9 +159,12 @@ torch::Tensor paged_decode_attention_gemm(torch::Tensor q, torch::Tensor k_cache
   return out;
 }
 
+// Both run without the GIL (they touch no Python object), so the scheduler thread of the
+// overlap loop works while attention runs, as it does during any torch op.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_gemm", &paged_decode_attention_gemm,
-        "decode attention over runs of KV slots via BLAS products (CPU)");
+        "decode attention over runs of KV slots via BLAS products (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over runs of KV slots (CPU)");
+        "decode attention over runs of KV slots (CPU)", py::call_guard<py::gil_scoped_release>());
 }

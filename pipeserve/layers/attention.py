@@ -28,7 +28,7 @@ from pipeserve.device import (
     prefers_blockwise_attention,
 )
 from pipeserve.mem_cache.kv_pool import KVPool
-from pipeserve.scheduler.batch import Run, runs_prefix
+from pipeserve.scheduler.batch import Run
 
 VIEW_MIN_TOKENS = 256  # shorter runs are cheaper to gather than to attend to separately
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
@@ -120,7 +120,14 @@ def plan_attention(
     rows: list[int] = []
     shorts: list[list[Run]] = []
     views: list[tuple[int, list[Run]]] = []
+    steps: list[list[Run]] = []  # native: each step's runs (its prefix and itself, exactly)
+    step_lens: list[int] = []
     for q_start, q_len, prefix_len, runs in segments:
+        if q_len == 1 and native_decode:
+            rows.append(q_start)
+            steps.append(runs)
+            step_lens.append(prefix_len + 1)
+            continue
         long, short = split_runs(runs, prefix_len)
         if q_len > 1:
             gather = gather_index([short], device)[0][0] if short else None
@@ -135,20 +142,15 @@ def plan_attention(
         return AttentionPlan(chunks, None)
     row_ids = torch.tensor(rows, dtype=torch.long, device=device)
     if native_decode:
-        steps = [
-            runs_prefix(runs, prefix_len + 1)
-            for _, q_len, prefix_len, runs in segments
-            if q_len == 1
-        ]
-        flat = [r for step in steps for r in step]
         offsets = [0]
         for step in steps:
             offsets.append(offsets[-1] + len(step))
-
-        def ids(x: object) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device="cpu")
-
-        return AttentionPlan(chunks, DecodePlan(row_ids, runs=ids(flat), offsets=ids(offsets)))
+        flat = torch.tensor([r for step in steps for r in step], dtype=torch.long).view(-1, 2)
+        ends = torch.tensor(offsets, dtype=torch.long)
+        covered = torch.cat([flat.new_zeros(1), flat[:, 1].cumsum(0)])[ends]
+        if not torch.equal(covered.diff(), torch.tensor(step_lens)):  # the kernel reads them all
+            raise ValueError("a decode step's KV runs do not cover exactly its sequence")
+        return AttentionPlan(chunks, DecodePlan(row_ids, runs=flat, offsets=ends))
     gather, lengths = gather_index(shorts, device)
     keep = torch.arange(gather.shape[1], device=device)[None, :] < lengths[:, None]
     mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))

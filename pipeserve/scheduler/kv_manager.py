@@ -1,8 +1,8 @@
 """Per-request KV bookkeeping: the page allocator and the radix prefix cache together.
 
-A request's pages are [shared prefix from the tree | its own pages]. `page_runs` keeps the
-same pages grouped into runs of consecutive pages, maintained incrementally, so a batch can
-describe a request's KV location in O(runs) rather than O(tokens).
+A request's pages are [shared prefix from the tree | its own pages]. `_runs` keeps the same
+pages as runs of consecutive KV slots, maintained incrementally, so describing where a
+request's KV lives is a list copy plus a trim of the last run, not a walk over its tokens.
 """
 
 from __future__ import annotations
@@ -14,21 +14,25 @@ from pipeserve.mem_cache.radix_cache import RadixCache
 from pipeserve.scheduler.batch import Run
 from pipeserve.scheduler.request import Req, SamplingParams
 
+GROWTH_ROOM_SLOTS = 64  # a request's run starts this far past its neighbour when space allows
 
-def _append_runs(runs: list[list[int]], pages: list[int]) -> None:
+
+def _append_runs(runs: list[Run], pages: list[int], page_size: int) -> None:
+    """Extend slot runs by whole pages, merging a page that continues the last run."""
     for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1][1] += 1
+        start = p * page_size
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + page_size)
         else:
-            runs.append([p, 1])
+            runs.append((start, page_size))
 
 
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, disable_radix_cache: bool) -> None:
         self.page_size = page_size
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages, headroom=max(1, GROWTH_ROOM_SLOTS // page_size))
         self.tree = None if disable_radix_cache else RadixCache(page_size, self.allocator.free)
-        self._runs: dict[str, list[list[int]]] = {}
+        self._runs: dict[str, list[Run]] = {}  # slot runs of each request's pages
         self.hit_tokens = 0  # prompt tokens served from the prefix cache
         self.lookup_tokens = 0  # prompt tokens looked up
 
@@ -56,7 +60,7 @@ class KVManager:
         req.last_node = node
         req.pages, req.cached_pages = list(pages), len(pages)
         req.kv_len = req.cached_tokens = len(pages) * self.page_size
-        _append_runs(self._runs[req.rid], pages)
+        _append_runs(self._runs[req.rid], pages, self.page_size)
 
     def record_admission(self, req: Req) -> None:
         """Prefix-cache statistics, counted once per admitted request."""
@@ -81,7 +85,7 @@ class KVManager:
             self.allocator.free(req.pages[req.cached_pages : existing])
             req.pages[req.cached_pages : existing] = pages[req.cached_pages : existing]
             self._runs[req.rid] = []
-            _append_runs(self._runs[req.rid], req.pages)
+            _append_runs(self._runs[req.rid], req.pages, self.page_size)
         self.tree.lock(node)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
@@ -100,7 +104,7 @@ class KVManager:
         if pages is None:
             return False
         req.pages.extend(pages)
-        _append_runs(self._runs.setdefault(req.rid, []), pages)
+        _append_runs(self._runs.setdefault(req.rid, []), pages, self.page_size)
         return True
 
     def release(self, req: Req, cache: bool = True) -> None:
@@ -135,13 +139,14 @@ class KVManager:
 
     def kv_runs(self, req: Req, num_tokens: int) -> list[Run]:
         """Slot runs holding the KV of positions [0, num_tokens)."""
-        out: list[Run] = []
-        left = num_tokens
-        for page, count in self._runs[req.rid]:
-            n = min(count * self.page_size, left)
-            out.append((page * self.page_size, n))
-            left -= n
-            if left == 0:
-                break
-        assert left == 0, f"request {req.rid} has KV pages for fewer than {num_tokens} tokens"
+        runs = self._runs[req.rid]
+        excess = len(req.pages) * self.page_size - num_tokens
+        assert excess >= 0, f"request {req.rid} has KV pages for fewer than {num_tokens} tokens"
+        keep = len(runs)
+        while excess and runs[keep - 1][1] <= excess:  # only whole trailing pages are dropped
+            keep -= 1
+            excess -= runs[keep][1]
+        out = runs[:keep]
+        if excess:
+            out[-1] = (out[-1][0], out[-1][1] - excess)
         return out

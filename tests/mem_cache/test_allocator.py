@@ -138,3 +138,37 @@ def test_random_alloc_free_keeps_counts_consistent() -> None:
         assert a.num_free == a.capacity - len(owned)
         assert all(not a.is_free(p) for p in owned)
         assert sum(a.is_free(p) for p in range(a.num_pages)) == a.num_free
+
+
+def test_headroom_leaves_room_for_neighbours_to_grow() -> None:
+    a = PageAllocator(40, headroom=4)
+    first = a.alloc(3)  # pages 5-7: four free pages before and after
+    assert first == [5, 6, 7]
+    second = a.alloc(2)  # first fit with headroom, past first's four pages of room
+    assert second == [12, 13]
+    assert a.alloc(4, after=first[-1]) == [8, 9, 10, 11]  # first grows in place
+    assert a.alloc(1, after=first[-1] + 4) == [18]  # no room left: a fresh run, with headroom
+
+
+def test_headroom_falls_back_to_first_fit_when_space_is_tight() -> None:
+    a = allocator_with_free(12, [2, 3, 4, 8, 9])
+    a.headroom = 2
+    assert a.alloc(2) == [2, 3]  # no free run of 2 + 2 * 2 pages
+    assert a.alloc(3) == [4, 8, 9]  # no run of 3 at all: scattered
+
+
+def test_decoding_requests_stay_in_few_runs_with_headroom() -> None:
+    """Eight requests taking one page each per step: without headroom every page is its own
+    run; with it, a request's pages form about one run per headroom pages."""
+
+    def runs_per_request(headroom: int) -> float:
+        a = PageAllocator(2000, headroom=headroom)
+        pages = [a.alloc(10) or [] for _ in range(8)]
+        for _ in range(64):
+            for p in pages:
+                p.extend(a.alloc(1, after=p[-1]) or [])
+        breaks = [sum(1 for x, y in zip(p, p[1:], strict=False) if y != x + 1) for p in pages]
+        return 1 + sum(breaks) / len(pages)
+
+    assert runs_per_request(0) > 60
+    assert runs_per_request(16) <= 6
