@@ -236,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[pipeserve] %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per HTTP request
     args.func(args)
 
 
