@@ -113,12 +113,13 @@ def run_tune(
     with Engine(**flags) as engine:
         trials = Tuner(engine, input_len, budget_s).run()
         p = engine.config.parallel
+        model = str(engine.model_path)
     if not trials:
         raise RuntimeError("the budget allowed no trial; raise --budget-s")
     best = min(trials, key=lambda t: t.ttft_s)
     best_fixed = min((t for t in trials if t.mode == "fixed"), key=lambda t: t.ttft_s)
     report: dict[str, Any] = {
-        "model": flags.get("model_path"),
+        "model": model,
         "pp_size": p.pp_size,
         "tp_size": p.tp_size,
         "input_len": input_len,

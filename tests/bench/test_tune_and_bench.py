@@ -29,6 +29,7 @@ def test_tune_writes_trials_best_flags_and_plot(model, tmp_path, monkeypatch, ca
           "--budget-s", "20", "--json", str(out_json), "--png", str(out_png)])
     report = json.loads(out_json.read_text())
     assert (report["pp_size"], report["tp_size"], report["input_len"]) == (2, 1, INPUT_LEN)
+    assert report["model"] == str(model)
     trials = report["trials"]
     fixed = [t for t in trials if t["mode"] == "fixed"]
     dynamic = [t for t in trials if t["mode"] == "dynamic"]
