@@ -143,10 +143,10 @@ class KVManager:
         excess = len(req.pages) * self.page_size - num_tokens
         assert excess >= 0, f"request {req.rid} has KV pages for fewer than {num_tokens} tokens"
         keep = len(runs)
-        while excess and runs[keep - 1][1] <= excess:  # only whole trailing pages are dropped
+        while excess and runs[keep - 1][1] <= excess:  # whole runs past num_tokens go, then
             keep -= 1
             excess -= runs[keep][1]
-        out = runs[:keep]
+        out = runs[:keep]  # the last one is trimmed
         if excess:
             out[-1] = (out[-1][0], out[-1][1] - excess)
         return out

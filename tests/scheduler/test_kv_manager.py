@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pipeserve.scheduler.kv_manager import KVManager
@@ -186,3 +188,27 @@ def test_disabled_radix_cache_frees_everything() -> None:
     kv.match_prefix(b)
     assert b.kv_len == 0 and b.pages == []
     assert kv.allocator.num_free == kv.allocator.capacity
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 64])
+def test_kv_runs_match_the_pages_under_random_growth(page_size: int) -> None:
+    """Requests growing side by side by random amounts (headroom placement, in-place growth,
+    fresh runs): kv_runs always lists exactly the slots of the request's pages, in order,
+    cut at the asked length."""
+    rng = random.Random(page_size)
+    kv = KVManager(num_pages=4096 // page_size, page_size=page_size, disable_radix_cache=True)
+    reqs = [make_req(f"r{i}", [1] * rng.randint(1, 40)) for i in range(6)]
+    for req in reqs:
+        prefill(kv, req)
+    for _ in range(200):
+        req = rng.choice(reqs)
+        grow = rng.randint(1, 9)
+        req.input_ids += [2] * grow
+        assert kv.allocate(req, grow)
+        req.kv_len += grow
+        want = [p * page_size + i for p in req.pages for i in range(page_size)]
+        for n in (req.kv_len, max(req.kv_len - 1, 0), rng.randint(0, req.kv_len)):
+            runs = kv.kv_runs(req, n)
+            assert slots(runs) == want[:n]
+            assert all(length > 0 for _, length in runs)
+    assert max(len(kv.kv_runs(r, r.kv_len)) for r in reqs) < 20  # headroom keeps runs few
