@@ -12,7 +12,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -292,118 +292,101 @@ class _Run:
                 m.requests.labels(finish_reason=d.finish_reason).inc()
             yield d
 
-    # -- /v1/completions -----------------------------------------------------------------
+    def _envelope(
+        self, kind: str, choices: list[dict[str, Any]], final: StreamDelta | None = None
+    ) -> dict[str, Any]:
+        """An OpenAI response object of `kind`; with `final`, the request's usage counts."""
+        out = {
+            "id": self.id.replace("cmpl", "chatcmpl") if kind.startswith("chat") else self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
+        if final is not None:
+            out["usage"] = P.usage(
+                final.prompt_tokens, final.completion_tokens, final.cached_tokens
+            )
+        return out
 
-    async def complete_completion(self) -> dict[str, Any]:
+    async def _collect(self) -> tuple[str, StreamDelta, _Logprobs]:
+        """All of a non-streamed request: its text, last delta and logprobs."""
         text, final, lps = "", None, _Logprobs(self.state.tokenizer)
         async for d in self.deltas():
             text += d.text
             lps.add(d)
             final = d
         assert final is not None
+        return text, final, lps
+
+    async def _stream(
+        self,
+        kind: str,
+        include_usage: bool,
+        choice: Callable[[StreamDelta, _Logprobs, int], dict[str, Any]],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """One chunk per delta that has something to show, then the usage chunk if asked."""
+        lps = _Logprobs(self.state.tokenizer)
+        async for d in self.deltas():
+            if not (d.text or d.finish_reason or self.logprobs):
+                continue  # text held back (a partial character or stop string)
+            start = len(lps.ids)
+            lps.add(d)
+            yield self._envelope(kind, [choice(d, lps, start)])
+            if d.finish_reason is not None and include_usage:
+                yield self._envelope(kind, [], final=d)
+
+    # -- /v1/completions -----------------------------------------------------------------
+
+    async def complete_completion(self) -> dict[str, Any]:
+        text, final, lps = await self._collect()
         choice = {
             "index": 0,
             "text": text,
             "finish_reason": _finish(final),
             "logprobs": lps.completion() if self.logprobs else None,
         }
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": [choice],
-            "usage": P.usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens),
-        }
+        return self._envelope("text_completion", [choice], final=final)
 
-    async def stream_completion(self, body: P.CompletionRequest) -> AsyncIterator[dict[str, Any]]:
-        lps = _Logprobs(self.state.tokenizer)
-        async for d in self.deltas():
-            if not (d.text or d.finish_reason or self.logprobs):
-                continue  # text held back (a partial character or stop string)
-            start = len(lps.ids)
-            lps.add(d)
-            choice = {
+    def stream_completion(self, body: P.CompletionRequest) -> AsyncIterator[dict[str, Any]]:
+        def choice(d: StreamDelta, lps: _Logprobs, start: int) -> dict[str, Any]:
+            return {
                 "index": 0,
                 "text": d.text,
                 "finish_reason": _finish(d),
                 "logprobs": lps.completion(start) if self.logprobs else None,
             }
-            yield {
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.state.model_name,
-                "choices": [choice],
-            }
-            if d.finish_reason is not None and body.include_usage:
-                yield {
-                    "id": self.id,
-                    "object": "text_completion",
-                    "created": self.created,
-                    "model": self.state.model_name,
-                    "choices": [],
-                    "usage": P.usage(d.prompt_tokens, d.completion_tokens, d.cached_tokens),
-                }
+
+        return self._stream("text_completion", body.include_usage, choice)
 
     # -- /v1/chat/completions ------------------------------------------------------------
 
     async def complete_chat(self) -> dict[str, Any]:
-        text, final, lps = "", None, _Logprobs(self.state.tokenizer)
-        async for d in self.deltas():
-            text += d.text
-            lps.add(d)
-            final = d
-        assert final is not None
+        text, final, lps = await self._collect()
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "finish_reason": _finish(final),
             "logprobs": lps.chat() if self.logprobs else None,
         }
-        return {
-            "id": self.id.replace("cmpl", "chatcmpl"),
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": [choice],
-            "usage": P.usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens),
-        }
+        return self._envelope("chat.completion", [choice], final=final)
 
     async def stream_chat(self, body: P.ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
-        cid = self.id.replace("cmpl", "chatcmpl")
-
-        def chunk(
-            delta: dict[str, Any], finish: str | None, logprobs: Any = None
-        ) -> dict[str, Any]:
+        def choice(d: StreamDelta, lps: _Logprobs, start: int) -> dict[str, Any]:
             return {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.state.model_name,
-                "choices": [
-                    {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-                ],
+                "index": 0,
+                "delta": {"content": d.text} if d.text else {},
+                "finish_reason": _finish(d),
+                "logprobs": lps.chat(start) if self.logprobs else None,
             }
 
-        yield chunk({"role": "assistant", "content": ""}, None)
-        lps = _Logprobs(self.state.tokenizer)
-        async for d in self.deltas():
-            if not (d.text or d.finish_reason or self.logprobs):
-                continue  # text held back (a partial character or stop string)
-            start = len(lps.ids)
-            lps.add(d)
-            delta = {"content": d.text} if d.text else {}
-            yield chunk(delta, _finish(d), lps.chat(start) if self.logprobs else None)
-            if d.finish_reason is not None and body.include_usage:
-                yield {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": self.created,
-                    "model": self.state.model_name,
-                    "choices": [],
-                    "usage": P.usage(d.prompt_tokens, d.completion_tokens, d.cached_tokens),
-                }
+        opening = {"role": "assistant", "content": ""}
+        yield self._envelope(
+            "chat.completion.chunk",
+            [{"index": 0, "delta": opening, "finish_reason": None, "logprobs": None}],
+        )
+        async for chunk in self._stream("chat.completion.chunk", body.include_usage, choice):
+            yield chunk
 
 
 class _Logprobs:
