@@ -11,57 +11,20 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import VOCAB, generate, random_prompts, tokens
 
 from pipeserve.engine.engine import Engine
 
-PRESET = "tiny-qwen3"
-VOCAB = 512
 BASE_FLAGS: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 8192}
 NEW_TOKENS = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 SAMPLE = {"temperature": 1.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 PROMPT_LENS = [1, 9, 63, 64, 65, 150, 300]
 
-Outputs = list[dict[str, Any]]
 pytestmark = pytest.mark.timeout(120)  # a scheduling bug shows up as a hang: fail it fast
 
 
-def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
 PROMPTS = random_prompts(PROMPT_LENS, seed=0)
-
-
-def generate(engine: Engine, ids: list[list[int]], sp: dict[str, Any] | list[dict[str, Any]],
-             **kwargs: Any) -> Outputs:
-    out = engine.generate(input_ids=ids, sampling_params=sp, **kwargs)
-    assert isinstance(out, list) and len(out) == len(ids)
-    return out
-
-
-def tokens(outputs: Outputs) -> list[list[int]]:
-    return [o["output_ids"] for o in outputs]
-
-
-@pytest.fixture(scope="module")
-def model_path(model_dir) -> Path:
-    return model_dir(PRESET)
-
-
-@pytest.fixture
-def make_engine(model_path: Path) -> Iterator[Callable[..., Engine]]:
-    """make_engine(**flags) -> an Engine on the tiny model, shut down after the test."""
-    made: list[Engine] = []
-
-    def make(**flags: Any) -> Engine:
-        made.append(Engine(str(model_path), **{**BASE_FLAGS, **flags}))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.shutdown()
 
 
 @pytest.fixture(scope="module")

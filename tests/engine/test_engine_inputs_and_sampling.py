@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import Outputs, generate, random_prompts, tokens
 from safetensors.torch import load_file, save_file
 
 from pipeserve.engine.engine import Engine
 from pipeserve.scheduler.request import Req, SamplingParams, Status
 from pipeserve.scheduler.scheduler import RequestUpdate
 
-PRESET = "tiny-qwen3"
-VOCAB = 512
 # One torch thread: a tiny model gains nothing from more, and on a busy machine (2 cores,
 # benchmarks alongside) OpenMP workers waiting for each other make a step 10-50x slower.
 BASE_FLAGS: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 8192, "threads_per_worker": 1}
@@ -30,49 +29,13 @@ NEW_TOKENS = 32
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 SAMPLE = {"temperature": 1.0, "top_k": -1, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
-Outputs = list[dict[str, Any]]
 pytestmark = pytest.mark.timeout(60)  # a scheduling bug shows up as a hang: fail it fast
-
-
-def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-def generate(engine: Engine, ids: list[list[int]], sp: dict[str, Any] | list[dict[str, Any]],
-             **kwargs: Any) -> Outputs:
-    out = engine.generate(input_ids=ids, sampling_params=sp, **kwargs)
-    assert isinstance(out, list) and len(out) == len(ids)
-    return out
-
-
-def tokens(outputs: Outputs) -> list[list[int]]:
-    return [o["output_ids"] for o in outputs]
 
 
 def pick_stop(text: str) -> str | None:
     """A piece of plain letters from the later part of `text` (so generation is cut short)."""
     words = [m.group() for m in re.finditer(r"[A-Za-z]{2,}", text) if m.start() > len(text) // 3]
     return words[len(words) // 2][:3] if words else None
-
-
-@pytest.fixture(scope="module")
-def model_path(model_dir) -> Path:
-    return model_dir(PRESET)
-
-
-@pytest.fixture
-def make_engine(model_path: Path) -> Iterator[Callable[..., Engine]]:
-    """make_engine(**flags) -> an Engine on the tiny model, shut down after the test."""
-    made: list[Engine] = []
-
-    def make(**flags: Any) -> Engine:
-        made.append(Engine(str(model_path), **{**BASE_FLAGS, **flags}))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.shutdown()
 
 
 @pytest.fixture(scope="module")
