@@ -98,13 +98,37 @@ def int_list(text: str) -> list[int]:
         ) from None
 
 
+def layout_list(text: str) -> list[tuple[int, int]]:
+    try:
+        pairs = [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of PPxTP pairs such as 1x1,2x1,1x2"
+        )
+    return [(p[0], p[1]) for p in pairs]
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
-    from pipeserve.bench.offline import run_bench
+    from pipeserve.bench.offline import Layout, run_bench
 
     pp_sizes, tp_sizes = args.pp_size or [1], args.tp_size or [1]
-    args.pp_size, args.tp_size = pp_sizes[0], tp_sizes[0]
+    pairs = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
+    runs = len(pairs) * (args.repeat or 1) * (2 if args.compare_worker_process else 1)
+    if (args.nnodes or 1) > 1 and runs > 1:  # node 1 would start workers for the first only
+        sys.exit(
+            f"--nnodes {args.nnodes} runs one layout per command, once, but these flags ask for "
+            f"{runs} runs: run bench once per layout (benchmarks/netlab.sh --layouts does)"
+        )
+    args.pp_size, args.tp_size = pairs[0]
     run_as_worker_node(args)
-    layouts = [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
+    layouts = [
+        Layout(pp, tp, spawn)
+        for pp, tp in pairs
+        for spawn in (False, True)
+        if not spawn or (args.compare_worker_process and pp * tp == 1)
+    ]
     run_bench(
         engine_flags(args),
         layouts,
@@ -116,6 +140,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         args.json,
         args.trace,
         args.timeline,
+        args.repeat,
     )
 
 
@@ -186,6 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", help="save the results here")
     bench.add_argument("--trace", help="write a Chrome/Perfetto trace of every stage here")
     bench.add_argument("--timeline", help="draw the per-stage Gantt chart into this PNG")
+    bench.add_argument(
+        "--repeat", type=int, default=1, help="interleaved rounds of all layouts; medians reported"
+    )
+    bench.add_argument(
+        "--layouts",
+        type=layout_list,
+        help="layouts to compare as PPxTP pairs, e.g. 1x1,2x1,1x2 (instead of the product of "
+        "--pp-size and --tp-size)",
+    )
+    bench.add_argument(
+        "--compare-worker-process",
+        action="store_true",
+        help="run each one-device layout also in a worker process (the per-worker overhead)",
+    )
     add_engine_flags(bench)
     for action in bench._actions:  # layouts to compare: --pp-size 1,2 --tp-size 1,2
         if action.dest in ("pp_size", "tp_size"):

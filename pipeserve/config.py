@@ -14,6 +14,7 @@ from typing import Any
 from pipeserve import envs
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DYNAMIC_CHUNKING_MODELS = ("prefix-quadratic", "quadratic")
 
 
 def _flag(default: Any, help: str, **extra: Any) -> Any:
@@ -61,14 +62,40 @@ class SchedulerConfig:
     max_prefill_tokens: int = _flag(16384, "token budget of one prefill batch")
     max_running_requests: int = _flag(128, "max requests holding KV at once")
     enable_mixed_chunk: bool = _flag(False, "run decode steps in the same batch as a prefill chunk")
-    enable_dynamic_chunking: bool = _flag(False, "size chunks so each costs the same time")
+    enable_dynamic_chunking: bool = _flag(
+        False,
+        "size chunks so each costs the same time on the slowest stage (--chunked-prefill-size "
+        "is the initial size)",
+    )
+    dynamic_chunking_model: str = _flag(
+        "prefix-quadratic",
+        "chunk cost model: 'prefix-quadratic' t(L, x) = c + gL + bx + a(2Lx + x^2), fitted on "
+        "chunks timed after prefixes up to --dynamic-chunking-profile-max-len; 'quadratic' the "
+        "published f(l) = al^2 + bl + c on a 1.25 C sweep at prefix 0",
+        choices=DYNAMIC_CHUNKING_MODELS,
+    )
     dynamic_chunking_smooth_factor: float | None = _flag(
         None, "0 = fixed chunks .. 1 = follow the cost model (env default 0.75)"
+    )
+    dynamic_chunking_min_size: int | None = _flag(
+        None,
+        "smallest chunk dynamic chunking picks (then aligned down to max(page size, 64)); "
+        "default: C // 8 for prefix-quadratic, C // 4 for quadratic",
+    )
+    dynamic_chunking_profile_max_len: int = _flag(
+        32768,
+        "prefix-quadratic: the longest prefix + chunk the start-up profile times (also capped "
+        "by the context length and the KV pool); set it near the longest prompts you serve",
     )
     dynamic_chunking_online: bool = _flag(
         False, "keep refitting the chunk cost model from measured chunk times while serving"
     )
     disable_overlap_schedule: bool = _flag(False, "run the plain loop (no CPU/device overlap)")
+    enable_overlap_schedule: bool = _flag(
+        False,
+        "run the overlap loop even where the plain loop is the default (in-process on a CPU, "
+        "where it measures slower)",
+    )
 
     @property
     def chunk_size(self) -> int | None:
@@ -197,11 +224,22 @@ def validate(config: EngineConfig) -> None:
         ),
         (s.chunked_prefill_size != 0, "--chunked-prefill-size 0 is invalid (use -1 to disable)"),
         (s.max_running_requests > 0, "--max-running-requests must be positive"),
+        (
+            not (s.disable_overlap_schedule and s.enable_overlap_schedule),
+            "--disable-overlap-schedule and --enable-overlap-schedule contradict each other; "
+            "give at most one",
+        ),
         (s.max_prefill_tokens > 0, "--max-prefill-tokens must be positive"),
         (
             0.0 <= s.smooth_factor <= 1.0,
             f"dynamic chunking smooth factor {s.smooth_factor} must be in [0, 1]",
         ),
+        (
+            s.dynamic_chunking_model in DYNAMIC_CHUNKING_MODELS,
+            f"--dynamic-chunking-model {s.dynamic_chunking_model!r} is not one of "
+            f"{', '.join(DYNAMIC_CHUNKING_MODELS)}",
+        ),
+        *_dynamic_chunking_checks(s),
         (p.tp_size > 0 and p.pp_size > 0, "--tp-size and --pp-size must be positive"),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
         (
@@ -219,3 +257,25 @@ def validate(config: EngineConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def _dynamic_chunking_checks(s: SchedulerConfig) -> list[tuple[bool, str]]:
+    if not s.enable_dynamic_chunking:
+        return []
+    size, low = s.chunked_prefill_size, s.dynamic_chunking_min_size
+    return [
+        (
+            size > 0,
+            f"--enable-dynamic-chunking needs --chunked-prefill-size C > 0 (the initial chunk "
+            f"size), not {size}; drop --enable-dynamic-chunking to prefill without chunks",
+        ),
+        (
+            low is None or 0 < low <= max(size, 1),
+            f"--dynamic-chunking-min-size {low} must be in [1, --chunked-prefill-size {size}]",
+        ),
+        (
+            s.dynamic_chunking_model == "quadratic" or s.dynamic_chunking_profile_max_len >= size,
+            f"--dynamic-chunking-profile-max-len {s.dynamic_chunking_profile_max_len} must be at "
+            f"least --chunked-prefill-size {size} (the profile times chunks of up to C tokens)",
+        ),
+    ]

@@ -63,3 +63,9 @@ def kernel_cache_dir() -> Path:
     PIPESERVE_CACHE_DIR, so a throwaway model/profile cache does not force a rebuild)."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pipeserve-kernels"
     return Path(os.environ.get("PIPESERVE_KERNEL_CACHE_DIR", default))
+
+
+def gloo_socket_ifname() -> str | None:
+    """GLOO_SOCKET_IFNAME: the interface gloo binds to (multi-node: picked from the route to
+    --dist-init-addr when not set)."""
+    return os.environ.get("GLOO_SOCKET_IFNAME") or None

@@ -22,7 +22,7 @@ MAX_EVENTS = 200_000
 
 @dataclass
 class Event:
-    kind: str  # "forward", "recv_wait", "send_wait"
+    kind: str  # "forward", "recv_wait", "send" (posted), "send_wait"
     stage: int
     tp_rank: int
     start: float  # seconds, wall clock (comparable across local processes)
@@ -32,6 +32,7 @@ class Event:
     chunks: list[int] = field(default_factory=list)  # chunk index per request (-1: decode)
     tokens: list[int] = field(default_factory=list)
     prefix: list[int] = field(default_factory=list)
+    nbytes: int = 0  # "send": bytes this rank put on the link to the next stage
 
 
 class Recorder:
@@ -39,8 +40,15 @@ class Recorder:
         self.stage, self.tp_rank = stage, tp_rank
         self.events: deque[Event] = deque(maxlen=MAX_EVENTS)
 
-    def add(self, kind: str, start: float, end: float, batch: ScheduledBatch | None = None) -> None:
-        ev = Event(kind, self.stage, self.tp_rank, start, end)
+    def add(
+        self,
+        kind: str,
+        start: float,
+        end: float,
+        batch: ScheduledBatch | None = None,
+        nbytes: int = 0,
+    ) -> None:
+        ev = Event(kind, self.stage, self.tp_rank, start, end, nbytes=nbytes)
         if batch is not None:
             ev.batch_id = batch.batch_id
             ev.rids = [s.rid for s in batch.slices]
@@ -88,6 +96,51 @@ def bubble_ratios(events: list[Event]) -> list[float]:
         busy += cur_end - cur_start
         total = spans[-1][1] - spans[0][0]
         out.append(0.0 if total <= 0 else max(0.0, 1.0 - busy / total))
+    return out
+
+
+def stage_overlap(events: list[Event]) -> float:
+    """How much adjacent pipeline stages computed at the same time: for each pair of
+    neighbours, the time both ran a forward over the busy time of the less busy one; the
+    smallest over all pairs (1.0 for one stage). A pipeline that runs one stage at a time
+    scores 0; K equal chunks on P stages score (K - 1) / K."""
+    fwd = forward_events(events)
+    stages = sorted({e.stage for e in fwd})
+    busy = {s: _union([(e.start, e.end) for e in fwd if e.stage == s]) for s in stages}
+    shares = []
+    for a, b in zip(stages, stages[1:], strict=False):
+        both = _intersect(busy[a], busy[b])
+        least = min(_length(busy[a]), _length(busy[b]))
+        shares.append(both / least if least > 0 else 0.0)
+    return min(shares, default=1.0)
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, disjoint span lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def boundary_bytes(events: list[Event]) -> list[dict[str, float]]:
+    """Per stage boundary (stage s -> s + 1): bytes sent by all of stage s's TP ranks, in
+    total and per micro-batch."""
+    sends = [e for e in events if e.kind == "send"]
+    out = []
+    for stage in sorted({e.stage for e in sends}):
+        mine = [e for e in sends if e.stage == stage]
+        total = sum(e.nbytes for e in mine)
+        batches = len({e.batch_id for e in mine})
+        out.append({"bytes": total, "per_micro_batch": total / batches if batches else 0.0})
     return out
 
 

@@ -70,6 +70,17 @@ def test_config_is_frozen() -> None:
         ({"max_running_requests": 0}, "--max-running-requests must be positive"),
         ({"max_prefill_tokens": -1}, "--max-prefill-tokens must be positive"),
         ({"dynamic_chunking_smooth_factor": 1.5}, r"smooth factor 1.5 must be in \[0, 1\]"),
+        ({"enable_dynamic_chunking": True, "chunked_prefill_size": -1},
+         r"--enable-dynamic-chunking needs --chunked-prefill-size C > 0 \(the initial chunk "
+         r"size\), not -1; drop --enable-dynamic-chunking to prefill without chunks"),
+        ({"enable_dynamic_chunking": True, "dynamic_chunking_min_size": 4096},
+         r"--dynamic-chunking-min-size 4096 must be in \[1, --chunked-prefill-size 2048\]"),
+        ({"enable_dynamic_chunking": True, "dynamic_chunking_min_size": 0},
+         r"--dynamic-chunking-min-size 0 must be in \[1, --chunked-prefill-size 2048\]"),
+        ({"enable_dynamic_chunking": True, "dynamic_chunking_profile_max_len": 1024},
+         "--dynamic-chunking-profile-max-len 1024 must be at least --chunked-prefill-size 2048"),
+        ({"dynamic_chunking_model": "cubic"},
+         "--dynamic-chunking-model 'cubic' is not one of prefix-quadratic, quadratic"),
         ({"tp_size": 0}, "--tp-size and --pp-size must be positive"),
         ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"},
          r"--node-rank 2 must be in \[0, --nnodes 2\)"),
@@ -125,3 +136,20 @@ def test_layer_partition_falls_back_to_env(monkeypatch: pytest.MonkeyPatch) -> N
     assert EngineConfig.from_flags().parallel.layer_partition == "3,5"
     config = EngineConfig.from_flags(pp_layer_partition="4,4")
     assert config.parallel.layer_partition == "4,4"
+
+
+def test_dynamic_chunking_flags_reach_the_chunk_policy() -> None:
+    from pipeserve.engine.chunking import ChunkPolicy
+
+    config = EngineConfig.from_flags(
+        enable_dynamic_chunking=True, chunked_prefill_size=4096, dynamic_chunking_min_size=256,
+        dynamic_chunking_model="quadratic", dynamic_chunking_profile_max_len=65536,
+        dynamic_chunking_smooth_factor=0.6, dynamic_chunking_online=True,
+    )
+    assert ChunkPolicy.from_config(config) == ChunkPolicy(4096, True, 0.6, True, "quadratic",
+                                                          256, 65536)
+    default = ChunkPolicy.from_config(EngineConfig.from_flags(enable_dynamic_chunking=True))
+    assert (default.model, default.min_size, default.profile_max_len) == (
+        "prefix-quadratic", None, 32768)
+    # without dynamic chunking its settings are not checked against the chunk size
+    assert EngineConfig.from_flags(chunked_prefill_size=-1, dynamic_chunking_min_size=9999)

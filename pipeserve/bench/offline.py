@@ -9,6 +9,7 @@ import dataclasses
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,12 @@ from pipeserve.engine.engine import Engine
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.timeline import (
     Event,
+    boundary_bytes,
     bubble_ratios,
     draw_timeline,
+    forward_events,
     hidden_cpu_time,
+    stage_overlap,
     write_trace,
 )
 
@@ -94,9 +98,26 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     return stats
 
 
+@dataclass(frozen=True)
+class Layout:
+    """One engine configuration a benchmark compares."""
+
+    pp: int
+    tp: int
+    spawn_workers: bool = False  # one device in a worker process instead of in-process
+
+    @property
+    def name(self) -> str:
+        return f"PP{self.pp} TP{self.tp}" + (" worker" if self.spawn_workers else "")
+
+    def flags(self, base: dict[str, Any]) -> dict[str, Any]:
+        extra = {"spawn_workers": True} if self.spawn_workers else {}
+        return {**base, "pp_size": self.pp, "tp_size": self.tp, **extra}
+
+
 def run_bench(
     flags: dict[str, Any],
-    layouts: list[tuple[int, int]],
+    layouts: list[Layout],
     input_len: int,
     output_len: int,
     num_prompts: int,
@@ -105,26 +126,36 @@ def run_bench(
     json_path: str | None = None,
     trace_path: str | None = None,
     timeline_path: str | None = None,
+    repeat: int = 1,
 ) -> dict[str, Any]:
+    """Run every layout on the same prompts, `repeat` rounds interleaved (layout A, B, A, B:
+    a machine whose speed drifts affects all alike); each layout reports its median run."""
     config = EngineConfig.from_flags(**flags)
+    samples: dict[Layout, list[dict[str, Any]]] = {lay: [] for lay in layouts}
+    for _ in range(repeat):
+        for layout in layouts:
+            with Engine(**layout.flags(flags)) as engine:
+                if not any(samples.values()):
+                    report = _describe(engine, config, input_len, output_len, num_prompts)
+                    prompts = make_prompts(engine.arch.vocab_size, num_prompts, input_len, seed)
+                    flops = sum(prefill_flops(engine.arch, len(p)) for p in prompts)
+                samples[layout].append(run_pipeserve(engine, prompts, output_len))
     runs: list[dict[str, Any]] = []
     panels: list[tuple[str, list[Event]]] = []
-    for pp, tp in layouts:
-        with Engine(**{**flags, "pp_size": pp, "tp_size": tp}) as engine:
-            if not runs:
-                report = _describe(engine, config, input_len, output_len, num_prompts)
-                prompts = make_prompts(engine.arch.vocab_size, num_prompts, input_len, seed)
-                flops = sum(prefill_flops(engine.arch, len(p)) for p in prompts)
-            stats = run_pipeserve(engine, prompts, output_len)
+    for layout in layouts:
+        stats = _median_run(samples[layout])
         events = stats.pop("events")
-        panels.append((f"PP{pp} x TP{tp}", events))
-        row = _layout_row(pp, tp, stats, flops, report["matmul_peak_flops"], runs)
+        panels.append((layout.name, events))
+        row = _layout_row(layout, stats, flops, report["matmul_peak_flops"], runs)
         row["bubble_ratio"] = bubble_ratios(events)
+        row["boundary_bytes"] = boundary_bytes(events)
+        row["stage_overlap"] = stage_overlap(events)
+        row["forward_s_mean"] = _mean_forward(events)
         runs.append(row)
+    report["repeat"] = repeat
     report.update({k: v for k, v in runs[0].items() if k not in ("output_ids", "events")})
-    for key in ("a", "b", "c"):  # the fitted cost model, when dynamic chunking ran
-        if key in runs[0]["chunking"]:
-            report[key] = runs[0]["chunking"][key]
+    # report["chunking"] is the first layout's (each row has its own): with dynamic chunking
+    # the cost model, its fitted coefficients, the profile points and seconds
     report["layouts"] = [{k: v for k, v in r.items() if k != "output_ids"} for r in runs]
     report["same_tokens_across_layouts"] = all(
         r["output_ids"] == runs[0]["output_ids"] for r in runs
@@ -134,6 +165,22 @@ def run_bench(
     print_report(report)
     _save(report, panels, json_path, trace_path, timeline_path)
     return report
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median prefill time (its events and chunk sizes go with it), plus
+    every run's TTFT and prefill time."""
+    ordered = sorted(runs, key=lambda r: r["prefill_s"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["ttft_mean_s_samples"] = [r["ttft_mean_s"] for r in runs]
+    chosen["prefill_s_samples"] = [r["prefill_s"] for r in runs]
+    return chosen
+
+
+def _mean_forward(events: list[Event]) -> float:
+    """Mean seconds of a first-stage forward (rank 0): compare in-process with worker runs."""
+    fwd = [e.end - e.start for e in forward_events(events) if e.stage == 0]
+    return statistics.fmean(fwd) if fwd else 0.0
 
 
 def _describe(
@@ -157,20 +204,22 @@ def _describe(
 
 
 def _layout_row(
-    pp: int,
-    tp: int,
+    layout: Layout,
     stats: dict[str, Any],
     flops: float,
     peak: float,
     earlier: list[dict[str, Any]],
 ) -> dict[str, Any]:
+    pp, tp = layout.pp, layout.tp
     devices = pp * tp
     base = earlier[0] if earlier else None
     speedup = base["prefill_s"] / stats["prefill_s"] if base else 1.0
     base_devices = base["pp_size"] * base["tp_size"] if base else devices
     return {
+        "layout": layout.name,
         "pp_size": pp,
         "tp_size": tp,
+        "spawn_workers": layout.spawn_workers,
         **stats,
         "prefill_flops": flops,
         "prefill_flops_per_s": flops / stats["prefill_s"],
@@ -230,6 +279,19 @@ def _offset_stage(events: list[Event], layout: int) -> list[Event]:
     return [dataclasses.replace(e, stage=e.stage + 100 * layout) for e in events]
 
 
+def describe_chunking(info: dict[str, Any]) -> str:
+    """One line: the chunking mode and, with dynamic chunking, the fitted cost model."""
+    if "coefficients" not in info:
+        extra = info.get("chunk_size") or info.get("reason")
+        return info["mode"] + (f" ({extra})" if extra else "")
+    terms = " ".join(f"{k}={v:.3g}" for k, v in info["coefficients"].items())
+    return (
+        f"{info['mode']} {info['model']}: {terms}; C {info['initial_size']}, "
+        f"s {info['smooth_factor']}, floor {info['min_size']}, "
+        f"{len(info['profile_points']) - 1} profile points"
+    )
+
+
 def print_report(r: dict[str, Any]) -> None:
     print(
         f"model {r['model']}  dtype {r['dtype']}  {r['threads_per_worker']} thread(s)/worker  "
@@ -237,25 +299,32 @@ def print_report(r: dict[str, Any]) -> None:
         f"chunk {r['chunked_prefill_size']}"
     )
     print(f"matmul peak {r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s per worker")
+    if r["repeat"] > 1:
+        print(f"median of {r['repeat']} interleaved rounds per layout")
+    for row in r["layouts"]:
+        print(f"{row['layout']} chunking: {describe_chunking(row['chunking'])}")
     print(
-        f"{'layout':<10}{'TTFT mean':>11}{'prefill s':>11}{'in tok/s':>11}{'out tok/s':>11}"
-        f"{'speedup':>9}{'effic.':>8}{'FLOP share':>12}  bubble ratio per stage"
+        f"{'layout':<17}{'TTFT mean':>11}{'prefill s':>11}{'in tok/s':>11}{'out tok/s':>11}"
+        f"{'speedup':>9}{'effic.':>8}{'FLOP share':>12}{'fwd s':>8}  bubble ratio per stage"
     )
     for row in r["layouts"]:
-        layout = f"PP{row['pp_size']} TP{row['tp_size']}"
         print(
-            f"{layout:<10}{row['ttft_mean_s']:>11.3f}"
+            f"{row['layout']:<17}{row['ttft_mean_s']:>11.3f}"
             f"{row['prefill_s']:>11.3f}{row['input_throughput_tok_s']:>11.1f}"
             f"{row['output_throughput_tok_s']:>11.1f}{row['speedup']:>9.3f}"
-            f"{row['efficiency']:>9.3f}{row['prefill_flops_share_of_peak']:>11.2f}  "
-            + ", ".join(f"{b:.3f}" for b in row["bubble_ratio"])
+            f"{row['efficiency']:>9.3f}{row['prefill_flops_share_of_peak']:>11.2f}"
+            f"{row['forward_s_mean']:>9.3f}  " + ", ".join(f"{b:.3f}" for b in row["bubble_ratio"])
         )
+    for row in r["layouts"]:
+        if row["boundary_bytes"]:
+            per = ", ".join(f"{b['per_micro_batch'] / 2**20:.2f}" for b in row["boundary_bytes"])
+            print(f"{row['layout']}: MiB per micro-batch per stage boundary: {per}")
     if len(r["layouts"]) > 1:
         print(f"same tokens across layouts: {r['same_tokens_across_layouts']}")
     base = r.get("baseline")
     if base:
         print(
-            f"{'hf':<10}{base['ttft_mean_s']:>11.3f}{base['prefill_s']:>11.3f}"
+            f"{'hf':<17}{base['ttft_mean_s']:>11.3f}{base['prefill_s']:>11.3f}"
             f"{base['input_throughput_tok_s']:>11.1f}{base['output_throughput_tok_s']:>11.1f}"
         )
         ratio = r["ratio_to_baseline"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,14 @@ class Tuner:
         initial = sorted({min(m * best, self.input_len) // 64 * 64 for m in INITIAL_MULTIPLES})
         for factor in SMOOTH_FACTORS:
             for size in initial:
-                self._try(ChunkPolicy(size, dynamic=True, smooth_factor=factor))
+                self._try(self._dynamic(size, factor))
         return self.trials
+
+    def _dynamic(self, size: int, factor: float) -> ChunkPolicy:
+        """Dynamic chunking as the engine's flags set it (cost model, floor, profile length),
+        with this trial's initial size and smoothing factor."""
+        base = ChunkPolicy.from_config(self.engine.config)
+        return replace(base, size=size, dynamic=True, smooth_factor=factor, online=False)
 
     def _warm_up(self) -> None:
         self._measure(ChunkPolicy(min(512, self.input_len)), 256)

@@ -4,7 +4,8 @@ the same code spans nodes).
 - batches: scheduler PUSH -> each first-stage TP rank (PULL), one socket per rank;
 - status: every worker PUSH -> scheduler PULL: ready, results, heartbeats, errors;
 - control: scheduler PUB -> every worker SUB: keepalives. A worker that hears none for
-  ORPHAN_TIMEOUT_S exits, so no worker outlives its scheduler, on any node.
+  ORPHAN_TIMEOUT_S exits, so no worker outlives its scheduler, on any node (before the first
+  keepalive it waits FIRST_KEEPALIVE_TIMEOUT_S: node 0 may start well after the others).
 
 Payloads are pickled plain data exchanged among the engine's own processes only.
 """
@@ -23,6 +24,7 @@ import zmq
 KEEPALIVE_S = 0.5
 HEARTBEAT_S = 0.5
 ORPHAN_TIMEOUT_S = 15.0
+FIRST_KEEPALIVE_TIMEOUT_S = 600.0  # as long as the scheduler waits for workers to start
 SEND_TIMEOUT_MS = 5000
 
 
@@ -128,10 +130,10 @@ class WorkerChannels:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self._control_url)
-        last = time.monotonic()
+        last, timeout = time.monotonic(), FIRST_KEEPALIVE_TIMEOUT_S
         while True:
             if sub.poll(int(KEEPALIVE_S * 1000)):
                 sub.recv()
-                last = time.monotonic()
-            elif time.monotonic() - last > ORPHAN_TIMEOUT_S:
+                last, timeout = time.monotonic(), ORPHAN_TIMEOUT_S
+            elif time.monotonic() - last > timeout:
                 os._exit(3)  # the scheduler is gone: do not linger as an orphan

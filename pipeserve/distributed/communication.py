@@ -12,6 +12,10 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     state = get_parallel_state()
     if state.tp_size == 1:
         return x
+    if state.tp_shm is not None and x.device.type == "cpu":
+        x = x.contiguous()
+        state.tp_shm.all_reduce_(x)  # one machine: through shared memory, ~10x gloo's speed
+        return x
     dist.all_reduce(x, group=state.tp_group)
     return x
 

@@ -11,6 +11,7 @@ from pipeserve import envs
 from pipeserve.config import EngineConfig
 from pipeserve.device import cpu_cores
 from pipeserve.distributed.channels import Endpoints
+from pipeserve.distributed.netif import set_gloo_socket_ifname
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ def start_workers(
 ) -> list[mp.process.BaseProcess]:
     from pipeserve.distributed.worker import WorkerArgs, worker_main
 
+    set_gloo_socket_ifname(rdzv.host)  # before the spawn: workers inherit the environment
     ctx = mp.get_context("spawn")
     ranks = local_ranks(config)
     procs: list[mp.process.BaseProcess] = []

@@ -5,6 +5,12 @@ as bytes) and the activations `hidden_states` and `residual` [tokens, hidden]. S
 non-blocking: `send()` returns a handle that keeps the payload alive until `wait()` at the
 sender's commit point. Each link has its own process group, so a stage's receiving thread
 and its sending thread never share one.
+
+Under TP every rank of a stage holds the same activations, so each sends only its 1/T share
+of the rows to its peer in the next stage, whose ranks put the rows back together with one
+all-gather inside their stage (on a group of its own, so the receiving thread never shares
+a group with the forward's all-reduces): a boundary carries the activations once, not T
+times.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.distributed as dist
 
 from pipeserve.scheduler.batch import ScheduledBatch
 
-HEADER = 6  # type, meta bytes, tokens, hidden size, has residual, dtype code
+HEADER = 7  # type, meta bytes, tokens, rows sent, hidden size, has residual, dtype code
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -27,7 +33,7 @@ class MsgType(IntEnum):
     PROXY = 1  # a micro-batch's description and activations for the next stage
     SHUTDOWN = 2
     TIMELINE = 3  # report the recorded timeline, then pass it on
-    PROFILE = 4  # first stage only: time prefills for dynamic chunking
+    PROFILE = 4  # time chunks for dynamic chunking (payload: points, KV runs), then pass it on
 
 
 @dataclass
@@ -36,7 +42,23 @@ class StageMessage:
     batch: ScheduledBatch | None = None
     hidden: torch.Tensor | None = None
     residual: torch.Tensor | None = None
-    profile: tuple[list[int], list[tuple[int, int]]] | None = None  # lengths, KV slot runs
+    profile: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None  # points, runs
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which share of a boundary's rows this rank sends and receives: share `index` of
+    `count` (the stage's TP rank and size); `group` reassembles the shares (None: count 1)."""
+
+    index: int = 0
+    count: int = 1
+    group: Any = None
+
+    def rows(self, tokens: int) -> tuple[int, int]:
+        """[start, end) of this share: torch.tensor_split's cut of `tokens` rows."""
+        per, extra = divmod(tokens, self.count)
+        start = self.index * per + min(self.index, extra)
+        return start, start + per + (self.index < extra)
 
 
 class PendingSend:
@@ -44,6 +66,7 @@ class PendingSend:
 
     def __init__(self, works: list[Any], payload: list[torch.Tensor]) -> None:
         self._works, self._payload = works, payload
+        self.bytes = sum(t.numel() * t.element_size() for t in payload)
 
     def wait(self) -> None:
         for w in self._works:
@@ -51,15 +74,22 @@ class PendingSend:
         self._works, self._payload = [], []
 
 
-def send(msg: StageMessage, dst: int, group: Any, device: torch.device) -> PendingSend:
-    meta = pickle.dumps(msg.batch) if msg.batch is not None else b""
-    tensors = [t for t in (msg.hidden, msg.residual) if t is not None]
+def send(
+    msg: StageMessage, dst: int, group: Any, device: torch.device, shard: Shard = Shard()
+) -> PendingSend:
+    """Post the message (this rank's share of the activations rows) without waiting."""
+    body = msg.batch if msg.batch is not None else msg.profile
+    meta = pickle.dumps(body) if body is not None else b""
     hidden = msg.hidden
+    tokens = hidden.shape[0] if hidden is not None else 0
+    start, end = shard.rows(tokens)
+    tensors = [t[start:end].contiguous() for t in (msg.hidden, msg.residual) if t is not None]
     header = torch.tensor(
         [
             int(msg.kind),
             len(meta),
-            hidden.shape[0] if hidden is not None else 0,
+            tokens,
+            end - start,
             hidden.shape[1] if hidden is not None else 0,
             int(msg.residual is not None),
             DTYPES.index(hidden.dtype) if hidden is not None else 0,
@@ -70,25 +100,46 @@ def send(msg: StageMessage, dst: int, group: Any, device: torch.device) -> Pendi
     payload = [header]
     if meta:
         payload.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
-    payload += [t.contiguous() for t in tensors]
+    payload += tensors
     works = [dist.isend(t, dst, group=group) for t in payload]
     return PendingSend(works, payload)
 
 
-def recv(src: int, group: Any, device: torch.device) -> StageMessage:
+def recv(src: int, group: Any, device: torch.device, shard: Shard = Shard()) -> StageMessage:
+    """The next message from the previous stage, its activations whole again."""
     header = torch.empty(HEADER, dtype=torch.long, device=device)
     dist.recv(header, src, group=group)
-    kind, meta_len, tokens, hidden_size, has_residual, dtype_code = header.tolist()
+    kind, meta_len, tokens, rows, hidden_size, has_residual, dtype_code = header.tolist()
+    body = None
+    if meta_len:
+        meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
+        dist.recv(meta, src, group=group)
+        body = pickle.loads(meta.cpu().numpy().tobytes())
     if MsgType(kind) is not MsgType.PROXY:
-        return StageMessage(MsgType(kind))
-    meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
-    dist.recv(meta, src, group=group)
-    batch = pickle.loads(meta.cpu().numpy().tobytes())
-    dtype = DTYPES[dtype_code]
-    hidden = torch.empty(tokens, hidden_size, dtype=dtype, device=device)
-    dist.recv(hidden, src, group=group)
-    residual = None
-    if has_residual:
-        residual = torch.empty(tokens, hidden_size, dtype=dtype, device=device)
-        dist.recv(residual, src, group=group)
-    return StageMessage(MsgType.PROXY, batch, hidden, residual)
+        return StageMessage(MsgType(kind), profile=body)
+    start, end = shard.rows(tokens)
+    if end - start != rows:
+        raise RuntimeError(
+            f"the previous stage sent {rows} of {tokens} activation rows; this rank expected "
+            f"{end - start} (share {shard.index} of {shard.count})"
+        )
+    width = 1 + has_residual
+    share = -(-tokens // shard.count)  # rows of the largest share; smaller ones are padded
+    parts = torch.empty(width, share, hidden_size, dtype=DTYPES[dtype_code], device=device)
+    for i in range(width):
+        dist.recv(parts[i, :rows], src, group=group)
+    whole = _reassemble(parts, tokens, shard)
+    return StageMessage(MsgType.PROXY, body, whole[0], whole[1] if has_residual else None)
+
+
+def _reassemble(parts: torch.Tensor, tokens: int, shard: Shard) -> torch.Tensor:
+    """[width, share, hidden] of this rank -> [width, tokens, hidden] of the whole stage."""
+    if shard.count == 1:
+        return parts[:, :tokens]
+    gathered = [torch.empty_like(parts) for _ in range(shard.count)]
+    dist.all_gather(gathered, parts, group=shard.group)
+    pieces = []
+    for i, part in enumerate(gathered):
+        start, end = Shard(i, shard.count).rows(tokens)
+        pieces.append(part[:, : end - start])
+    return torch.cat(pieces, dim=1)

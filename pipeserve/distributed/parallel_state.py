@@ -6,10 +6,14 @@ the default state (every size 1, every layer on the one stage).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
+SHM_SLOT_BYTES = 16 << 20  # a tensor larger than this is all-reduced in slices
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,7 @@ class ParallelState:
     layers: range | None = None  # this stage's layers; None = all of them
     tp_group: Any = None  # torch.distributed group of this stage's TP ranks
     tp_ranks: tuple[int, ...] = (0,)  # global ranks of that group
+    tp_shm: Any = None  # shared-memory all-reduce of that group (CPU, all on one machine)
 
     @property
     def global_rank(self) -> int:
@@ -93,12 +98,15 @@ def stage_layers(num_layers: int) -> range:
 @dataclass(frozen=True)
 class StageLinks:
     """Point-to-point groups of this rank: to the same TP rank of the previous and next
-    stage (a group per link, so sending and receiving never share one)."""
+    stage (a group per link, so sending and receiving never share one), and, under TP, a
+    group of this stage's ranks in which received activation shares are put together
+    (apart from the forward's TP group, which another thread uses meanwhile)."""
 
     prev_group: Any = None
     next_group: Any = None
     prev_rank: int | None = None
     next_rank: int | None = None
+    gather_group: Any = None
 
 
 _links = StageLinks()
@@ -120,10 +128,18 @@ def set_stage_partition(partition: list[int]) -> ParallelState:
 
 
 def init_parallel_groups(
-    rank: int, tp_size: int, pp_size: int, backend: str, init_method: str, timeout_s: float
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    backend: str,
+    init_method: str,
+    timeout_s: float,
+    ranks_per_node: int | None = None,
 ) -> ParallelState:
     """Join the process group and create every TP and stage-link group (all ranks create
-    all groups, in the same order). Rank layout: pp_rank * tp_size + tp_rank."""
+    all groups, in the same order). Rank layout: pp_rank * tp_size + tp_rank. A TP group
+    whose ranks share a machine (of `ranks_per_node` consecutive ranks) all-reduces through
+    shared memory on CPUs."""
     import datetime
 
     import torch.distributed as dist
@@ -138,12 +154,13 @@ def init_parallel_groups(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     pp_rank, tp_rank = divmod(rank, tp_size)
-    tp_group, tp_ranks = None, tuple[int, ...]((rank,))
+    tp_group, tp_ranks, gather_group = None, tuple[int, ...]((rank,)), None
     for stage in range(pp_size):
         ranks = [stage * tp_size + t for t in range(tp_size)]
         group = dist.new_group(ranks) if tp_size > 1 else None
+        gather = dist.new_group(ranks) if tp_size > 1 and stage > 0 else None
         if stage == pp_rank:
-            tp_group, tp_ranks = group, tuple(ranks)
+            tp_group, tp_ranks, gather_group = group, tuple(ranks), gather
     links: dict[tuple[int, int], Any] = {}
     for stage in range(pp_size - 1):
         for t in range(tp_size):
@@ -156,7 +173,55 @@ def init_parallel_groups(
         next_group=links.get((rank, next_rank)) if next_rank is not None else None,
         prev_rank=prev_rank,
         next_rank=next_rank,
+        gather_group=gather_group,
     )
-    state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, None, tp_group, tp_ranks)
+    shm = None
+    if backend == "gloo" and tp_size > 1 and _one_machine(tp_ranks, ranks_per_node or world):
+        shm = _shared_memory_all_reduce(tp_group, tp_ranks, tp_rank, timeout_s)
+    state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, None, tp_group, tp_ranks, shm)
     set_parallel_state(state)
     return state
+
+
+def _one_machine(ranks: tuple[int, ...], ranks_per_node: int) -> bool:
+    return len({r // ranks_per_node for r in ranks}) == 1
+
+
+def _shared_memory_all_reduce(
+    group: Any, ranks: tuple[int, ...], tp_rank: int, timeout_s: float
+) -> Any:
+    """The group's shared-memory all-reduce, or None (native kernels unavailable, no
+    /dev/shm): then gloo all-reduces over loopback TCP. The group's first rank creates the
+    segment and removes its name once all have it mapped, so nothing outlives the ranks.
+    Every rank reaches every collective here, whatever fails."""
+    import os
+
+    import torch.distributed as dist
+
+    name = [f"/pipeserve-tp-{os.getpid()}-{ranks[0]}" if tp_rank == 0 else ""]
+    dist.broadcast_object_list(name, src=ranks[0], group=group)
+    shm = _open_segment(name[0], tp_rank, len(ranks), timeout_s) if tp_rank == 0 else None
+    dist.barrier(group=group)  # created before the others open it
+    if tp_rank > 0:
+        shm = _open_segment(name[0], tp_rank, len(ranks), timeout_s)
+    ready: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(ready, shm is not None, group=group)
+    if tp_rank == 0 and shm is not None:
+        shm.unlink()
+    if not all(ready):
+        log.warning("shared-memory all-reduce unavailable on some rank; TP all-reduces over gloo")
+        return None
+    return shm
+
+
+def _open_segment(name: str, rank: int, world: int, timeout_s: float) -> Any:
+    from pipeserve.kernels import native
+
+    kernels = native()
+    if kernels is None:
+        return None
+    try:
+        return kernels.ShmAllReduce(name, rank, world, SHM_SLOT_BYTES, rank == 0, timeout_s)
+    except RuntimeError as exc:
+        log.warning("shared-memory all-reduce: %s", exc)
+        return None

@@ -63,7 +63,13 @@ def worker_main(args: WorkerArgs) -> None:
         arch = ArchConfig.load(args.model_path)
         device = resolve_device(config.model.device)
         init_parallel_groups(
-            args.rank, p.tp_size, p.pp_size, dist_backend(device), args.init_method, INIT_TIMEOUT_S
+            args.rank,
+            p.tp_size,
+            p.pp_size,
+            dist_backend(device),
+            args.init_method,
+            INIT_TIMEOUT_S,
+            ranks_per_node=p.world_size // p.nnodes,
         )
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
@@ -76,6 +82,7 @@ def worker_main(args: WorkerArgs) -> None:
                 "partition": partition,
                 "stage": state.pp_rank,
                 "tp_rank": state.tp_rank,
+                "tp_all_reduce": _all_reduce_kind(state),
             },
         )
         StageWorker(runner, state, channels, args).run()
@@ -86,6 +93,12 @@ def worker_main(args: WorkerArgs) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _all_reduce_kind(state: ParallelState) -> str:
+    if state.tp_size == 1:
+        return "none"
+    return "shared memory" if state.tp_shm is not None else "torch.distributed"
 
 
 def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.device) -> list[int]:
@@ -125,6 +138,7 @@ class StageWorker:
     ) -> None:
         self.runner, self.state, self.channels = runner, state, channels
         self.links = get_stage_links()
+        self.shard = p2p.Shard(state.tp_rank, state.tp_size, self.links.gather_group)
         self.device = runner.device
         self.stream = ComputeStream(self.device, args.threads)
         self.future = FutureMap(args.future_ring, self.device) if args.future_ring else None
@@ -163,7 +177,11 @@ class StageWorker:
             out = done.result()
             if self.links.next_rank is not None:
                 nxt = p2p.StageMessage(p2p.MsgType.PROXY, batch, out.hidden, out.residual)
-                pending = p2p.send(nxt, self.links.next_rank, self.links.next_group, self.device)
+                sent = now()
+                pending = p2p.send(
+                    nxt, self.links.next_rank, self.links.next_group, self.device, self.shard
+                )
+                recorder.add("send", sent, now(), batch, nbytes=pending.bytes)
             elif self.reports:
                 result = out.result or BatchResult(batch.batch_id, [], [], [])
                 self.channels.send_status("result", result)
@@ -190,11 +208,12 @@ class StageWorker:
             if isinstance(obj, tuple) and obj[0] == "profile":
                 return p2p.StageMessage(p2p.MsgType.PROFILE, profile=(obj[1], obj[2]))
             return p2p.StageMessage(p2p.MsgType.PROXY, obj)
-        return p2p.recv(self.links.prev_rank, self.links.prev_group, self.device)
+        return p2p.recv(self.links.prev_rank, self.links.prev_group, self.device, self.shard)
 
     def _pass_on(self, msg: p2p.StageMessage) -> None:
-        """A control message: act on it here, then send it down the pipeline (a profile
-        request is the first stage's alone)."""
+        """A control message: act on it here, then send it down the pipeline. A profile
+        request is timed here (this stage's layers, zero hidden states on later stages) and
+        reported before it moves on, so no two stages time at once."""
         kind = msg.kind
         if kind is p2p.MsgType.TIMELINE:
             self.channels.send_status("timeline", self.runner.recorder.take())
@@ -202,8 +221,7 @@ class StageWorker:
             assert msg.profile is not None
             times = self.runner.profile_prefill(*msg.profile)
             if self.state.tp_rank == 0:
-                self.channels.send_status("profile", times)
-            return
+                self.channels.send_status("profile", (self.state.pp_rank, times))
         if self.links.next_rank is not None:
-            msg = p2p.StageMessage(kind)
+            msg = p2p.StageMessage(kind, profile=msg.profile)
             p2p.send(msg, self.links.next_rank, self.links.next_group, self.device).wait()

@@ -12,7 +12,13 @@ from pipeserve.config import EngineConfig
 from pipeserve.device import ComputeStream, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.chunking import ChunkPolicy, setup_chunking
-from pipeserve.engine.future_map import FutureMap, SlotRing, ring_size, worker_ring_size
+from pipeserve.engine.future_map import (
+    FutureMap,
+    SlotRing,
+    ring_size,
+    use_overlap_schedule,
+    worker_ring_size,
+)
 from pipeserve.engine.overlap_loop import OverlapLoop
 from pipeserve.engine.pipeline_loop import PipelineLoop
 from pipeserve.engine.plain_loop import PlainLoop
@@ -20,6 +26,7 @@ from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.batch import Run
+from pipeserve.scheduler.chunk_cost import Point
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
@@ -56,7 +63,7 @@ class Backend:
 
     scheduler: Scheduler
     loop: PlainLoop | OverlapLoop | PipelineLoop
-    _profile_key: dict[str, Any]  # what a first-stage prefill profile depends on
+    _profile_key: dict[str, Any]  # what a chunk-time profile of the stages depends on
 
     def __init__(self) -> None:
         self._aborted: list[RequestUpdate] = []
@@ -97,20 +104,22 @@ class Backend:
     def check_health(self) -> None:
         """Raise if the executor can no longer run batches (a worker died)."""
 
-    def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
+    def profile_stages(self, points: list[Point], runs: list[Run]) -> list[list[float]]:
+        """Seconds of one chunk per (prefix_len, chunk_len) point, timed by every pipeline
+        stage on its own layers: a list per stage, in stage order."""
         raise NotImplementedError
 
     def set_chunk_policy(self, policy: ChunkPolicy) -> dict[str, Any]:
-        """Install a chunk-size policy (profiling the first stage for dynamic chunking)."""
+        """Install a chunk-size policy (profiling the stages for dynamic chunking)."""
         self.chunking = setup_chunking(policy, self.scheduler, self._profile, self._profile_key)
         return self.chunking
 
-    def _profile(self, lengths: list[int]) -> list[float]:
-        """Profile prefills write their KV into slots lent by the allocator, so cached
+    def _profile(self, points: list[Point]) -> list[list[float]]:
+        """Profile chunks write their KV into slots lent by the allocator, so cached
         prefixes and running requests are never touched."""
-        runs, give_back = self.scheduler.kv.lend(max(lengths))
+        runs, give_back = self.scheduler.kv.lend(max(p + n for p, n in points))
         try:
-            return self.profile_first_stage(lengths, runs)
+            return self.profile_stages(points, runs)
         finally:
             give_back()
 
@@ -140,7 +149,13 @@ class InProcessBackend(Backend):
             "event loop: %s",
             "overlap (forwards on a compute thread, the next batch scheduled meanwhile)"
             if self.loop.name == "overlap"
-            else "plain",
+            else "plain"
+            + (
+                " (the default in-process on a CPU, where the overlap loop measures slower; "
+                "--enable-overlap-schedule forces it)"
+                if not config.scheduler.disable_overlap_schedule
+                else ""
+            ),
         )
         self._profile_key = profile_key(config, model_path, threads, [arch.num_layers])
         self.set_chunk_policy(ChunkPolicy.from_config(config))
@@ -149,7 +164,7 @@ class InProcessBackend(Backend):
         self, config: EngineConfig, threads: int, context_len: int
     ) -> PlainLoop | OverlapLoop:
         s = config.scheduler
-        if s.disable_overlap_schedule:
+        if not use_overlap_schedule(config, in_process=True):
             return PlainLoop(self.scheduler, self.runner, self.cpu)
         # The compute stream gets the thread budget; this thread only schedules and builds
         # small tensors (two full OpenMP pools on the same cores would fight each other).
@@ -167,8 +182,8 @@ class InProcessBackend(Backend):
     def timeline(self) -> list[Event]:
         return self.cpu.take() + self.runner.recorder.take()
 
-    def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
-        return self.loop.on_device(self.runner.profile_prefill, lengths, runs)
+    def profile_stages(self, points: list[Point], runs: list[Run]) -> list[list[float]]:
+        return [self.loop.on_device(self.runner.profile_prefill, points, runs)]
 
 
 class WorkerBackend(Backend):
@@ -198,6 +213,9 @@ class WorkerBackend(Backend):
             ",".join(map(str, self.partition)),
             " (balanced on measured layer costs)" if p.layer_partition == "auto" else "",
         )
+        if p.tp_size > 1:
+            kinds = sorted({i["tp_all_reduce"] for i in info.values()})
+            log.info("TP all-reduce: %s", ", ".join(kinds))
         per_batch = max(s.max_running_requests // p.pp_size, 1)
         self.scheduler = build_scheduler(
             config, arch, tokenizer, num_pages, context_len, max_batch_reqs=per_batch
@@ -242,14 +260,14 @@ class WorkerBackend(Backend):
             self.shutdown()
             raise
 
-    def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
-        return self.workers.profile_first_stage(lengths, runs)
+    def profile_stages(self, points: list[Point], runs: list[Run]) -> list[list[float]]:
+        return self.workers.profile_stages(points, runs)
 
 
 def profile_key(
     config: EngineConfig, model_path: Path, threads: int, partition: list[int]
 ) -> dict[str, Any]:
-    """What a first-stage prefill profile depends on."""
+    """What a chunk-time profile of the stages depends on."""
     return {
         "model": str(Path(model_path).resolve()),
         "config": (Path(model_path) / "config.json").read_text(),
@@ -257,6 +275,6 @@ def profile_key(
         "device": config.model.device,
         "threads": threads,
         "tp": config.parallel.tp_size,
-        "first_stage_layers": partition[0],
+        "partition": partition,
         "page_size": config.cache.page_size,
     }

@@ -1,6 +1,14 @@
 """Setting up the chunk-size policy of a backend: fixed chunks, or dynamic chunking fitted on
-a start-up profile of the first stage (cached on disk per model, layout, dtype, threads and
-initial size, so repeated runs and `pipeserve tune` do not re-profile)."""
+a start-up profile that every pipeline stage times (cached on disk per model, layout, dtype,
+threads, cost model and profile points, so repeated runs and `pipeserve tune` do not
+re-profile).
+
+How the stages' profiles are combined: each stage times every profile point on its own
+layers (one stage after another, so their timings do not disturb each other), and the fit
+takes, per point, the slowest stage's seconds: in a pipeline a chunk occupies each stage in
+turn, and the slowest stage sets the pace. The scheduler alone decides chunk sizes, so
+every rank runs the same sizes from the same fit.
+"""
 
 from __future__ import annotations
 
@@ -17,20 +25,20 @@ import torch
 
 from pipeserve import envs
 from pipeserve.config import EngineConfig
+from pipeserve.scheduler.chunk_cost import COEFFICIENTS, Point, profile_grid, profile_lengths
 from pipeserve.scheduler.dynamic_chunking import (
-    CostFit,
+    ChunkSizePredictor,
     OnlineRefit,
-    absorb_tail,
-    fit_profile,
+    balance_tail,
     make_predictor,
-    profile_lengths,
 )
-from pipeserve.scheduler.request import Req
+from pipeserve.scheduler.prefill import ChunkSizer
+from pipeserve.scheduler.request import Req, Status
 from pipeserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-Profiler = Callable[[list[int]], list[float]]
+Profiler = Callable[[list[Point]], list[list[float]]]  # seconds per point, a list per stage
 
 
 @dataclass(frozen=True)
@@ -39,12 +47,21 @@ class ChunkPolicy:
     dynamic: bool = False
     smooth_factor: float = 0.75
     online: bool = False
+    model: str = "prefix-quadratic"  # the chunk cost model (--dynamic-chunking-model)
+    min_size: int | None = None  # None: the model's default floor
+    profile_max_len: int = 32768  # prefix-quadratic: longest prefix + chunk profiled
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ChunkPolicy:
         s = config.scheduler
         return cls(
-            s.chunk_size, s.enable_dynamic_chunking, s.smooth_factor, s.dynamic_chunking_online
+            s.chunk_size,
+            s.enable_dynamic_chunking,
+            s.smooth_factor,
+            s.dynamic_chunking_online,
+            s.dynamic_chunking_model,
+            s.dynamic_chunking_min_size,
+            s.dynamic_chunking_profile_max_len,
         )
 
 
@@ -59,54 +76,104 @@ def setup_chunking(
     if not policy.dynamic:
         scheduler.set_chunking(lambda _: size)
         return {"mode": "fixed", "chunk_size": size}
-    lengths = profile_lengths(size)
-    seconds = cached_profile(cache_key | {"lengths": lengths}, lambda: profile(lengths))
-    info: dict[str, Any] = {
-        "mode": "dynamic",
-        "initial_size": size,
-        "smooth_factor": policy.smooth_factor,
-        "online": policy.online,
-        "profile_lengths": lengths,
-        "profile_seconds": seconds,
-    }
+    info = run_profile(policy, size, scheduler, profile, cache_key)
     try:
-        fit = fit_profile(lengths, seconds)
+        predictor, fit = make_predictor(
+            policy.model,
+            info["profile_points"],
+            info["profile_seconds"],
+            size,
+            policy.smooth_factor,
+            scheduler.kv.page_size,
+            policy.min_size,
+        )
     except ValueError as exc:
         log.warning("dynamic chunking disabled: %s; using fixed chunks of %d", exc, size)
-        fit = CostFit(0.0, 0.0, 0.0)
-    info.update(a=fit.a, b=fit.b, c=fit.c)
-    predictor = make_predictor(fit, size, policy.smooth_factor, scheduler.kv.page_size)
-    if predictor is None:
         scheduler.set_chunking(lambda _: size)
-        return info | {"mode": "dynamic-disabled"}
-    log.info(
-        "dynamic chunking: f(l) = %.4g l^2 + %.4g l + %.4g from %d points; C = %d, s = %.2f",
-        fit.a,
-        fit.b,
-        fit.c,
-        len(lengths) - 1,
-        size,
-        policy.smooth_factor,
-    )
-    context, budget = scheduler.context_len, scheduler.prefill.max_prefill_tokens
-    floor = size // 4
-
-    def sizer(req: Req) -> int:
-        x = predictor.next_chunk_size(req.kv_len, context - req.kv_len, budget)
-        return absorb_tail(x, req.seq_len - req.kv_len, floor, budget)
-
-    scheduler.set_chunking(sizer, OnlineRefit(predictor) if policy.online else None)
+        return info | {"mode": "dynamic-disabled", "reason": str(exc)}
+    info |= fit | {"min_size": predictor.min_size, "target_s": predictor.target_time}
+    _log_fit(info)
+    refit = _online_refit(policy, predictor, info) if policy.online else None
+    scheduler.set_chunking(make_sizer(predictor, scheduler), refit)
     return info
 
 
-def cached_profile(key: dict[str, Any], run: Callable[[], list[float]]) -> list[float]:
+def run_profile(
+    policy: ChunkPolicy, size: int, scheduler: Scheduler, profile: Profiler, key: dict[str, Any]
+) -> dict[str, Any]:
+    """Every stage's seconds per profile point (from the cache when the same points were
+    timed before), and per point the slowest stage's."""
+    points = profile_points(policy, size, scheduler)
+    key = key | {"cost_model": policy.model, "points": points}
+    stages = cached_profile(key, lambda: profile(points)) if points else [[]]
+    return {
+        "mode": "dynamic",
+        "model": policy.model,
+        "initial_size": size,
+        "smooth_factor": policy.smooth_factor,
+        "online": policy.online,
+        "profile_points": points,
+        "profile_seconds": [max(per_stage) for per_stage in zip(*stages, strict=True)],
+        "profile_stage_seconds": stages,
+    }
+
+
+def profile_points(policy: ChunkPolicy, size: int, scheduler: Scheduler) -> list[Point]:
+    """The chunks the start-up profile times (the first one twice: a warm-up)."""
+    if policy.model == "quadratic":
+        return [(0, n) for n in profile_lengths(size)]
+    kv = scheduler.kv
+    free = kv.allocator.num_free * kv.page_size  # the profile evicts no cached prefix
+    return profile_grid(size, min(policy.profile_max_len, scheduler.context_len, free))
+
+
+def make_sizer(predictor: ChunkSizePredictor, scheduler: Scheduler) -> ChunkSizer:
+    """A request's next chunk: the predictor's size, with no tiny last chunk left behind
+    (except at s = 0, which is fixed chunking exactly)."""
+    context, budget = scheduler.context_len, scheduler.prefill.max_prefill_tokens
+
+    def sizer(req: Req) -> int:
+        first = req.status is Status.WAITING  # nothing of this admission computed yet
+        size = predictor.next_chunk_size(req.kv_len, context - req.kv_len, budget, first)
+        if predictor.smooth_factor == 0:
+            return size
+        return balance_tail(size, req.seq_len - req.kv_len, predictor.min_size, predictor.align)
+
+    return sizer
+
+
+def _online_refit(
+    policy: ChunkPolicy, predictor: ChunkSizePredictor, info: dict[str, Any]
+) -> OnlineRefit:
+    if policy.model == "quadratic":  # as published: (a, b) from live chunks alone
+        return OnlineRefit(predictor, free=("b", "a"))
+    anchors = (info["profile_points"][1:], info["profile_seconds"][1:])  # no warm-up point
+    return OnlineRefit(predictor, COEFFICIENTS, anchors)
+
+
+def _log_fit(info: dict[str, Any]) -> None:
+    terms = ", ".join(f"{k} = {v:.4g}" for k, v in info["coefficients"].items())
+    log.info(
+        "dynamic chunking (%s): %s from %d points%s; C = %d, T = %.4g s, s = %.2f, floor %d",
+        info["model"],
+        terms,
+        len(info["profile_points"]) - 1,
+        f" ({', '.join(info['clamped'])} clamped to 0)" if info["clamped"] else "",
+        info["initial_size"],
+        info["target_s"],
+        info["smooth_factor"],
+        info["min_size"],
+    )
+
+
+def cached_profile(key: dict[str, Any], run: Callable[[], list[list[float]]]) -> list[list[float]]:
     if not envs.profile_cache_enabled():
         return run()
     key = key | {"host": platform.node(), "torch": torch.__version__}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = envs.cache_dir() / "profiles" / f"{digest}.json"
     if path.is_file():
-        return list(json.loads(path.read_text())["seconds"])
+        return [list(stage) for stage in json.loads(path.read_text())["seconds"]]
     seconds = run()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{path}.tmp")

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeserve.device import overlap_schedule_pays, resolve_device
+
 if TYPE_CHECKING:
     from pipeserve.config import EngineConfig
 
@@ -57,10 +59,19 @@ def ring_size(max_running_requests: int, context_len: int, chunk_size: int | Non
     return max_running_requests * (3 + max_chunks) + 1
 
 
+def use_overlap_schedule(config: EngineConfig, in_process: bool) -> bool:
+    """The one-stage loop: overlap where it pays on this device (device.py says where),
+    unless --disable-overlap-schedule / --enable-overlap-schedule decide."""
+    s = config.scheduler
+    if s.disable_overlap_schedule or s.enable_overlap_schedule:
+        return s.enable_overlap_schedule
+    return overlap_schedule_pays(resolve_device(config.model.device), in_process)
+
+
 def worker_ring_size(config: EngineConfig, context_len: int) -> int:
     """Ring size for worker processes: 0 unless the one-stage overlap loop feeds them
     placeholders (under PP the pipeline is the overlap; the two are not combined)."""
     s = config.scheduler
-    if config.parallel.pp_size > 1 or s.disable_overlap_schedule:
+    if config.parallel.pp_size > 1 or not use_overlap_schedule(config, in_process=False):
         return 0
     return ring_size(s.max_running_requests, context_len, s.chunk_size)

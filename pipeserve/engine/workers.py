@@ -86,12 +86,17 @@ class WorkerSet:
                     f"a step took longer than the watchdog timeout ({self.step_timeout_s:.0f}s)"
                 )
 
-    def profile_first_stage(self, lengths: list[int], runs: list[Run]) -> list[float]:
-        self.channels.send_batch(("profile", lengths, runs))
-        while True:
+    def profile_stages(self, points: list[tuple[int, int]], runs: list[Run]) -> list[list[float]]:
+        """Every stage times the profile chunks on its own layers, one stage after the other
+        (the request travels down the pipeline); the seconds per stage, in stage order."""
+        self.channels.send_batch(("profile", points, runs))
+        stages: dict[int, list[float]] = {}
+        while len(stages) < self.world_size // self.tp_size:
             msg = self._poll()
             if msg is not None and msg[0] == "profile":
-                return list(msg[2])
+                stage, times = msg[2]
+                stages[stage] = list(times)
+        return [stages[s] for s in sorted(stages)]
 
     def collect_timeline(self) -> list[Event]:
         """Every rank's recorded events (sent down the pipeline in order, so all micro-batches

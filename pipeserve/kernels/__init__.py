@@ -6,9 +6,11 @@ warning once; PIPESERVE_NATIVE_KERNELS=0 forces the fallback."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import tempfile
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -18,7 +20,12 @@ import torch
 from pipeserve import envs
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = [
+    HERE / n
+    for n in ("decode_attention.cpp", "prefill_attention.cpp", "shm_allreduce.cpp", "bindings.cpp")
+]
+HEADERS = [HERE / "kernels.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
 
@@ -32,29 +39,25 @@ def _cpu_id() -> str:
     return platform.machine()
 
 
-@cache
-def native() -> ModuleType | None:
-    if not envs.native_kernels_enabled():
-        return None
-    from torch.utils.cpp_extension import load
-
-    key = hashlib.sha256(
-        SOURCE.read_bytes()
+def _key() -> str:
+    return hashlib.sha256(
+        b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
         + torch.__version__.encode()
         + _cpu_id().encode()
         + " ".join(CFLAGS).encode()
     ).hexdigest()[:16]
-    build = envs.kernel_cache_dir() / key
-    build.mkdir(parents=True, exist_ok=True)
+
+
+@cache
+def native() -> ModuleType | None:
+    if not envs.native_kernels_enabled():
+        return None
+    name = f"pipeserve_kernels_{_key()}"
+    built = envs.kernel_cache_dir() / f"{name}.so"
     try:
-        return load(
-            name=f"pipeserve_kernels_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        if not built.is_file():
+            _build(name, built)
+        return _import(name, built)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         log.warning(
             "native CPU kernels unavailable (%s); using the pure-torch attention path",
@@ -63,9 +66,38 @@ def native() -> ModuleType | None:
         return None
 
 
+def _build(name: str, target: Path) -> None:
+    """Compile in a directory of this process's own and publish the library with an atomic
+    rename: processes building at once never wait on each other's lock, and a build killed
+    half-way leaves nothing another process would trust or wait for."""
+    from torch.utils.cpp_extension import load
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".build-{name}-") as tmp:
+        load(
+            name=name,
+            sources=[str(p) for p in SOURCES],
+            extra_include_paths=[str(HERE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=tmp,
+            verbose=False,
+            is_python_module=False,  # built only; imported from its final place below
+        )
+        os.replace(Path(tmp) / f"{name}.so", target)
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def warm_up() -> bool:
     """Compile now (e.g. before worker processes start) rather than on the first decode."""
     return native() is not None
 
 
-__all__ = ["native", "warm_up", "os"]
+__all__ = ["native", "warm_up"]

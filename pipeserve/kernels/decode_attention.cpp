@@ -6,7 +6,8 @@
 // k_cache  [Hk, N, D]     v_cache the same
 // runs     [R, 2] int64   (first slot, length); request b owns runs[offsets[b]:offsets[b+1]]
 // out      [B, Hk, G, D]  same dtype as q
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
@@ -157,14 +158,4 @@ torch::Tensor paged_decode_attention_gemm(torch::Tensor q, torch::Tensor k_cache
     }
   }
   return out;
-}
-
-// Both run without the GIL (they touch no Python object), so the scheduler thread of the
-// overlap loop works while attention runs, as it does during any torch op.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention_gemm", &paged_decode_attention_gemm,
-        "decode attention over runs of KV slots via BLAS products (CPU)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over runs of KV slots (CPU)", py::call_guard<py::gil_scoped_release>());
 }

@@ -5,14 +5,16 @@ the chunk itself, causally, straight from the fresh k/v. Long runs of consecutiv
 are read in place as views; the short, scattered rest is gathered into one tensor, so no
 request's KV is copied whole.
 
-Two kernels:
-- prompt chunks (`blockwise_prefill`): per KV head and block of queries, the scores against
-  all key parts are written side by side into one buffer, softmaxed once, and multiplied
-  back with each part's values. Plain matmuls, no log-sum-exp bookkeeping; on a CPU this runs
-  about 1.5x faster than the fused flash kernel (GEMM-bound instead of exp-bound).
-- single tokens and short chunks: the fused kernel per key part, returning log-sum-exp, and
-  the parts merged exactly. Query heads of one KV head (GQA) are folded into the query
-  length, so keys are never repeated.
+Kernels:
+- native (CPU, compiled, see pipeserve/kernels): prompt chunks in bfloat16 read their whole
+  KV along the request's slot runs in one flash-style pass that stays in cache and uses every
+  thread (`paged_prefill_attention`); decode steps likewise (`paged_decode_attention`).
+- prompt chunks otherwise (`blockwise_prefill`): per KV head and block of queries, the scores
+  against all key parts are written side by side into one buffer, softmaxed once, and
+  multiplied back with each part's values (memory-bound at long prefixes).
+- single tokens and short chunks otherwise: the fused kernel per key part, returning
+  log-sum-exp, and the parts merged exactly. Query heads of one KV head (GQA) are folded into
+  the query length, so keys are never repeated.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from pipeserve.device import (
     attention_with_lse,
     native_decode_kernel,
+    native_prefill_kernel,
     prefers_blockwise_attention,
 )
 from pipeserve.mem_cache.kv_pool import KVPool
@@ -37,14 +40,28 @@ SCORE_BLOCK_ELEMENTS = 2**20  # bound on one score buffer (query rows x keys); ~
 KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv_heads, n, d]
 
 
+@dataclass(frozen=True)
+class NativeKernels:
+    """Which steps run the compiled CPU kernels (decided once per model runner)."""
+
+    decode: bool = False
+    prefill: bool = False
+
+
+TORCH_KERNELS = NativeKernels()  # every step on the torch kernels
+
+
 @dataclass
 class ChunkPlan:
-    """How a prompt chunk reads the cache; built once per batch, used by every layer."""
+    """How a prompt chunk reads the cache; built once per batch, used by every layer. The
+    native kernel reads `runs`; the torch kernels read `views` and `gather`."""
 
     q_start: int
     q_len: int
-    views: list[Run]  # long slot runs of the prefix, read in place
-    gather: torch.Tensor | None  # slot ids of the rest of the prefix
+    prefix_len: int
+    views: list[Run] = field(default_factory=list)  # long slot runs of the prefix, in place
+    gather: torch.Tensor | None = None  # slot ids of the rest of the prefix
+    runs: torch.Tensor | None = None  # native: [r, 2] runs of positions [0, prefix + q_len)
 
 
 @dataclass
@@ -110,7 +127,7 @@ def plan_attention(
     segments: list[tuple[int, int, int, list[Run]]],
     device: torch.device,
     dtype: torch.dtype,
-    native_decode: bool = False,
+    native: NativeKernels = TORCH_KERNELS,
 ) -> AttentionPlan:
     """segments: (q_start, q_len, prefix_len, kv_runs) per request. A single-token step reads
     every key from the pool (its own was just written; it always lands in the gathered part,
@@ -123,15 +140,19 @@ def plan_attention(
     steps: list[list[Run]] = []  # native: each step's runs (its prefix and itself, exactly)
     step_lens: list[int] = []
     for q_start, q_len, prefix_len, runs in segments:
-        if q_len == 1 and native_decode:
+        if q_len == 1 and native.decode:
             rows.append(q_start)
             steps.append(runs)
             step_lens.append(prefix_len + 1)
             continue
+        if q_len > 1 and native.prefill:
+            table = torch.tensor(runs, dtype=torch.long).view(-1, 2)
+            chunks.append(ChunkPlan(q_start, q_len, prefix_len, runs=table))
+            continue
         long, short = split_runs(runs, prefix_len)
         if q_len > 1:
             gather = gather_index([short], device)[0][0] if short else None
-            chunks.append(ChunkPlan(q_start, q_len, long, gather))
+            chunks.append(ChunkPlan(q_start, q_len, prefix_len, long, gather))
             continue
         short.append((_last_slot(runs, prefix_len + 1), 1))
         if long:
@@ -141,7 +162,7 @@ def plan_attention(
     if not rows:
         return AttentionPlan(chunks, None)
     row_ids = torch.tensor(rows, dtype=torch.long, device=device)
-    if native_decode:
+    if native.decode:
         offsets = [0]
         for step in steps:
             offsets.append(offsets[-1] + len(step))
@@ -193,6 +214,11 @@ class PagedAttention(nn.Module):
         blockwise = prefers_blockwise_attention(q.device)
         for p in plan.chunks:
             rows = slice(p.q_start, p.q_start + p.q_len)
+            if p.runs is not None:
+                prefill = native_prefill_kernel()
+                assert prefill is not None
+                out[rows] = prefill(q[rows], k_cache, v_cache, p.runs, p.prefix_len, self.scale)
+                continue
             cached = _cached_parts(k_cache, v_cache, p.views, p.gather)
             if blockwise and p.q_len >= BLOCKWISE_MIN_TOKENS:
                 out[rows] = blockwise_prefill(q[rows], k[rows], v[rows], cached, self.scale)

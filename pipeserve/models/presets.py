@@ -8,8 +8,11 @@ the others copy the configs of released models so real shapes are exercised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -182,8 +185,24 @@ def preset_path(name: str) -> Path:
     """The cached checkpoint of a preset, made on first use."""
     path = envs.cache_dir() / "models" / name
     if not (path / "config.json").is_file():
-        make_model(name, path)
+        _make_cached(name, path)
     return path
+
+
+def _make_cached(name: str, path: Path) -> None:
+    """Write a private copy, then rename it into place: processes making the same preset at
+    once (e.g. two nodes on one machine) never read a half-written checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would stick to the cached checkpoint
+    try:
+        make_model(name, tmp)
+        with contextlib.suppress(OSError):  # another process's copy got there first
+            tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not (path / "config.json").is_file():
+        raise OSError(f"{path} holds an incomplete checkpoint: remove it and run again")
 
 
 def make_model(

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeserve.layers.attention import AttentionPlan, plan_attention
+from pipeserve.layers.attention import (
+    TORCH_KERNELS,
+    AttentionPlan,
+    NativeKernels,
+    plan_attention,
+)
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch
 
@@ -29,7 +34,11 @@ class ForwardBatch:
 
     @classmethod
     def prepare(
-        cls, batch: ScheduledBatch, pool: KVPool, device: torch.device, native_decode: bool = False
+        cls,
+        batch: ScheduledBatch,
+        pool: KVPool,
+        device: torch.device,
+        native: NativeKernels = TORCH_KERNELS,
     ) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
@@ -54,7 +63,7 @@ class ForwardBatch:
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        attn = plan_attention(segments, device, pool.dtype, native_decode)
+        attn = plan_attention(segments, device, pool.dtype, native)
         return cls(
             tensor(ids),
             tensor(positions),

@@ -12,6 +12,7 @@ import torch
 from pipeserve.config import EngineConfig
 from pipeserve.device import (
     native_decode_kernel,
+    native_prefill_kernel,
     resolve_device,
     resolve_dtype,
     synchronize,
@@ -20,6 +21,7 @@ from pipeserve.device import (
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
+from pipeserve.layers.attention import NativeKernels
 from pipeserve.layers.sampler import Sampler
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.model_loader import load_weights
@@ -68,17 +70,27 @@ def kv_pool_pages(
     return tokens // page + 1
 
 
-def use_native_decode(backend: str, device: torch.device) -> bool:
-    """Whether decode steps run the native CPU kernel (--attention-backend)."""
+def use_native_kernels(
+    backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> NativeKernels:
+    """Which steps run the native CPU kernels (--attention-backend): decode steps wherever
+    the kernels build; prompt chunks in bfloat16 on CPUs with AVX512-BF16 (head dim a
+    multiple of 16). Elsewhere the torch kernels run."""
     if backend == "torch" or device.type != "cpu":
-        return False
+        return NativeKernels()
     available = native_decode_kernel() is not None
     if backend == "native" and not available:
         raise ValueError(
             "--attention-backend native: the native CPU kernel could not be built "
             "(see the warning above); use --attention-backend torch"
         )
-    return available
+    prefill = (
+        available
+        and dtype == torch.bfloat16
+        and head_dim % 16 == 0
+        and native_prefill_kernel() is not None
+    )
+    return NativeKernels(decode=available, prefill=prefill)
 
 
 class ModelRunner:
@@ -104,14 +116,16 @@ class ModelRunner:
         )
         self.sampler = Sampler(config.model.seed, self.device)
         self.recorder = Recorder(self.state.pp_rank, self.state.tp_rank)
-        self.native_decode = use_native_decode(config.model.attention_backend, self.device)
+        self.native = use_native_kernels(
+            config.model.attention_backend, self.device, self.dtype, arch.head_dim
+        )
 
     def model_kv_heads(self) -> int:
         """KV heads per TP rank (one replica each when there are fewer heads than ranks)."""
         return max(self.arch.num_kv_heads // self.state.tp_size, 1)
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        return ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native_decode)
+        return ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native)
 
     @torch.inference_mode()
     def execute(
@@ -141,22 +155,33 @@ class ModelRunner:
         self.recorder.add("forward", start, end, batch)
         return StageOutput(hidden, residual, result)
 
-    def profile_prefill(self, lengths: list[int], runs: list[Run]) -> list[float]:
-        """Seconds of single-request prefills (prefix 0) of each length on this stage's layers.
-        Their KV goes to `runs`, slots the scheduler lent for the purpose."""
-        times = []
-        for n in lengths:
-            ids = [i % self.arch.vocab_size for i in range(n)]
-            s = ReqSlice("profile", ids, 0, runs_prefix(runs, n), sample=False)
-            batch = ScheduledBatch(-1, [s])
-            fb = self.prepare(batch)
-            hidden = None
-            if not self.state.is_first_stage:
-                hidden = torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
-            self.execute(batch, fb, hidden, None if hidden is None else torch.zeros_like(hidden))
-            times.append(batch.stage_times[-1])
+    def profile_prefill(self, points: list[tuple[int, int]], runs: list[Run]) -> list[float]:
+        """Seconds of one prompt chunk per (prefix_len, chunk_len) point on this stage's layers
+        (a later stage gets zero hidden states). The KV lives in `runs`, slots the scheduler
+        lent for the purpose; the prefix is never computed: attention over zeroed slots costs
+        what it costs over real keys, so a point costs one chunk's forward."""
+        self._zero_slots(runs)
+        times = [self._time_chunk(prefix, n, runs) for prefix, n in points]
         self.recorder.take()
         return times
+
+    def _time_chunk(self, prefix: int, n: int, runs: list[Run]) -> float:
+        ids = [i % self.arch.vocab_size for i in range(n)]
+        s = ReqSlice("profile", ids, prefix, runs_prefix(runs, prefix + n), sample=False)
+        batch = ScheduledBatch(-1, [s])
+        fb = self.prepare(batch)
+        hidden = None
+        if not self.state.is_first_stage:
+            hidden = torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        self.execute(batch, fb, hidden, None if hidden is None else torch.zeros_like(hidden))
+        return batch.stage_times[-1]
+
+    def _zero_slots(self, runs: list[Run]) -> None:
+        """Lent slots may hold anything (never written memory: NaNs, denormals, which some
+        CPUs compute slowly); zeros keep the profile's timings honest."""
+        for buf in self.kv_pool.k + self.kv_pool.v:  # [kv_heads, slots, head_dim]
+            for start, n in runs:
+                buf[:, start : start + n].zero_()
 
     def forward(
         self,

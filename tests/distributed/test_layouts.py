@@ -3,11 +3,13 @@ with an uneven split (default rule and an explicit list), TP2 and PP2 x TP2, aga
 in-process engine, for a dense and a MoE model of 7 layers. Several requests of different
 lengths are in flight at once: long prompts in many chunks, requests spread over several
 micro-batches, finishing at different times. Also `--pp-layer-partition auto` and the
-errors of a bad partition (raised inside a worker)."""
+errors of a bad partition (raised inside a worker); the KV pool size for a fixed config,
+computed by hand."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,12 +18,12 @@ import pytest
 import torch
 
 from pipeserve.config import EngineConfig
-from pipeserve.device import resolve_device, total_memory
 from pipeserve.engine.backend import WorkerBackend
 from pipeserve.engine.engine import Engine
 from pipeserve.engine.workers import WorkerError
-from pipeserve.mem_cache.kv_pool import KVPool
+from pipeserve.kernels import native
 from pipeserve.models.arch import ArchConfig, param_count
+from pipeserve.runner.layer_costs import measure_layer_costs
 from pipeserve.runner.model_runner import kv_pool_pages
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,6 +112,9 @@ def test_layout_gives_the_same_tokens_and_logprobs(models, reference, kind: str,
     with Engine(str(models[kind]), **FLAGS, **flags) as engine:
         assert worker_backend(engine).partition == partition
         assert engine.backend.stats()["loop"] == ("pipeline" if flags.get("pp_size") else "overlap")
+        if flags.get("tp_size") and native() is not None:  # one machine: shared memory
+            info = worker_backend(engine).workers.info
+            assert {i["tp_all_reduce"] for i in info.values()} == {"shared memory"}
         out = run(engine)
         assert_same_outputs(out, reference[kind])
         assert_pages_back(engine)
@@ -118,13 +123,48 @@ def test_layout_gives_the_same_tokens_and_logprobs(models, reference, kind: str,
     assert not any(p.is_alive() for p in procs)
 
 
-def test_auto_partition(models, reference) -> None:
-    """Balanced on measured layer costs (the MoE model has dense and MoE layers)."""
+# Loaded at start-up by every Python process with its directory on PYTHONPATH, the engine's
+# spawned workers included: `--pp-layer-partition auto` then balances these per-layer costs
+# instead of timed ones.
+INJECT_LAYER_COSTS = """
+from pipeserve.distributed import worker
+from pipeserve.runner.layer_costs import LayerCosts
+
+def measured(arch, dtype, device, chunk):
+    return LayerCosts({costs!r}, 0.0, 0.0)
+
+worker.measure_layer_costs = measured
+"""
+
+
+@pytest.mark.parametrize(
+    ("costs", "partition"),
+    [([1.0, 1, 1, 1, 1, 10, 10], [5, 1, 1]), ([10.0, 10, 1, 1, 1, 1, 1], [1, 1, 5])],
+    ids=["dear-last-layers", "dear-first-layers"],
+)
+def test_auto_partition_follows_the_measured_costs(models, reference, monkeypatch, tmp_path,
+                                                   costs: list[float],
+                                                   partition: list[int]) -> None:
+    """Two layers ten times dearer than the rest: each gets a stage of its own (the only
+    split whose slowest stage costs 10), far from the default 2,2,3."""
+    (tmp_path / "sitecustomize.py").write_text(INJECT_LAYER_COSTS.format(costs=costs))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     with Engine(str(models["moe"]), **FLAGS, pp_size=3, pp_layer_partition="auto") as engine:
-        partition = worker_backend(engine).partition
-        assert len(partition) == 3 and sum(partition) == LAYERS and min(partition) >= 1
+        assert worker_backend(engine).partition == partition
         assert_same_outputs(run(engine), reference["moe"])
         assert_pages_back(engine)
+
+
+def test_layer_costs_are_measured_per_layer_kind(models) -> None:
+    """What `auto` balances when nothing is injected: a positive cost per layer, one
+    measurement per kind (the MoE model's dense layer 1 and its MoE layers)."""
+    arch = ArchConfig.load(models["moe"])
+    costs = measure_layer_costs(arch, torch.float32, torch.device("cpu"), chunk=32)
+    assert len(costs.per_layer) == LAYERS and min(costs.per_layer) > 0
+    assert costs.embed > 0 and costs.head > 0
+    assert len({costs.per_layer[i] for i in range(LAYERS) if arch.is_moe_layer(i)}) == 1
+    assert not arch.is_moe_layer(1) and arch.is_moe_layer(0)
 
 
 @pytest.mark.parametrize(
@@ -152,18 +192,22 @@ def test_invalid_partition_fails_cleanly(models, monkeypatch, spec: str, via_env
     assert not left, f"worker processes left behind: {left}"
 
 
-def test_kv_pool_fits_the_memory_share_of_the_largest_stage(models) -> None:
-    """7 layers split 1,4,2: the 4-layer stage must fit its memory share with its KV pool
-    (weights counted as kv_pool_pages counts them: an equal share per worker)."""
+def test_kv_pool_size_by_hand(models, monkeypatch) -> None:
+    """300 MiB of memory, --mem-fraction-static 0.01, 3 local workers: a 1 MiB budget each.
+    The dense model has 292,000 float32 parameters over 7 layers; split 1,4,2 the 4-layer
+    stage decides: weights 292000 * 4 B * 4/7 = 667,428.6 B, KV per token K and V x 4 layers
+    x 2 heads x 16 dims x 4 B = 1024 B, (1,048,576 - 667,428.6) // 1024 = 372 tokens, plus
+    the padding page: 373 pages (page size 1). Split 2,2,3: 500,571.4 B of weights, 768 B
+    per token, 713 tokens, 714 pages."""
+    monkeypatch.setattr("pipeserve.runner.model_runner.total_memory", lambda device: 300 * 2**20)
     arch = ArchConfig.load(models["dense"])
-    config = EngineConfig.from_flags(model_path=str(models["dense"]), dtype="float32",
-                                     pp_size=3, pp_layer_partition="1,4,2",
-                                     mem_fraction_static=0.01)
-    pages = kv_pool_pages(config, arch, local_workers=3)
-    budget = total_memory(resolve_device("cpu")) * 0.01 / 3
-    weights = param_count(arch) * 4 / 3
-    kv_bytes = pages * KVPool.bytes_per_token(4, arch.num_kv_heads, arch.head_dim, torch.float32)
-    assert weights + kv_bytes <= budget
+    assert param_count(arch) == 292_000
+    flags: dict[str, Any] = {"model_path": str(models["dense"]), "dtype": "float32",
+                             "pp_size": 3, "mem_fraction_static": 0.01}
+    uneven = EngineConfig.from_flags(**flags, pp_layer_partition="1,4,2")
+    assert kv_pool_pages(uneven, arch, local_workers=3) == 373
+    assert kv_pool_pages(EngineConfig.from_flags(**flags), arch, local_workers=3) == 714
+    assert kv_pool_pages(EngineConfig.from_flags(**flags), arch, 3, [4, 2, 1]) == 373
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,11 @@
 """A two-"node" launch on localhost: `pipeserve generate --nnodes 2` run as two commands
 (node 1 only runs its workers, node 0 schedules and prints) prints what one
-`pipeserve generate --pp-size 2` command prints, and node 1 exits on its own."""
+`pipeserve generate --pp-size 2` command prints, and node 1 exits on its own; the same for
+`pipeserve bench` (node 0 reports and saves the JSON)."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -57,6 +59,21 @@ def completions(printed: str) -> list[tuple[str, str, str]]:
     return re.findall(pattern, printed)
 
 
+def run_nodes(commands: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Start node 1's command, then node 0's; wait for both (node 1 exits after node 0);
+    kill what is left on a timeout. -> (return code, stdout, stderr) per command."""
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in commands]
+    try:
+        outs = [nodes[0].communicate(timeout=120), nodes[1].communicate(timeout=60)]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(nodes, outs, strict=True)]
+
+
 def test_two_node_launch_matches_one_command(model_dir, capsys) -> None:
     model = model_dir("tiny-qwen3")
     main(generate_args(model))
@@ -66,19 +83,35 @@ def test_two_node_launch_matches_one_command(model_dir, capsys) -> None:
 
     port = free_port_range(4)  # store, then batch, status and control ports (TP 1)
     multi = [*generate_args(model), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
-    nodes = [subprocess.Popen([PIPESERVE, *multi, "--node-rank", str(rank)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (1, 0)]
-    try:
-        out1, err1 = nodes[0].communicate(timeout=120)
-        out0, err0 = nodes[1].communicate(timeout=60)
-    finally:
-        for proc in nodes:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert nodes[1].returncode == 0, err0
-    assert nodes[0].returncode == 0, err1  # node 1 exited on its own, cleanly
+    (rc1, out1, err1), (rc0, out0, err0) = run_nodes(
+        [[PIPESERVE, *multi, "--node-rank", str(rank)] for rank in (1, 0)])
+    assert rc0 == 0, err0
+    assert rc1 == 0, err1  # node 1 exited on its own, cleanly
     assert "node 1: workers [1] started" in out1
     assert ">>>" not in out1  # only node 0 schedules and prints
     assert completions(out0) == expected
+
+
+def test_bench_on_two_nodes_reports_only_on_node_0(model_dir, tmp_path: Path) -> None:
+    model = model_dir("tiny-qwen3")
+    port = free_port_range(4)
+    bench = [PIPESERVE, "bench", "--model", str(model), "--pp-size", "2", "--input-len", "64",
+             "--output-len", "2", "--dtype", "float32", "--threads-per-worker", "1",
+             "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    report = tmp_path / "report.json"
+    (rc1, out1, err1), (rc0, out0, err0) = run_nodes(
+        [[*bench, "--node-rank", "1", "--json", str(tmp_path / "n1.json")],
+         [*bench, "--node-rank", "0", "--json", str(report)]])
+    assert rc0 == 0, err0
+    assert rc1 == 0, err1
+    assert "node 1: workers [1] started" in out1
+    assert "PP2 TP1" not in out1  # only node 0 reports
+    assert not (tmp_path / "n1.json").exists()
+    assert json.loads(report.read_text())["layouts"][0]["pp_size"] == 2
+    assert "PP2 TP1" in out0
+
+
+def test_bench_refuses_several_layouts_across_nodes() -> None:
+    with pytest.raises(SystemExit, match="runs one layout per command"):
+        main(["bench", "--pp-size", "2,4", "--nnodes", "2", "--node-rank", "1",
+              "--dist-init-addr", "127.0.0.1:29500"])

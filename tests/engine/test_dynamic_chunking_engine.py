@@ -1,19 +1,21 @@
-"""Dynamic chunking end to end (float32, prompts of about 1000 tokens, initial size 256):
-the same greedy tokens as fixed chunking and as one process, with PP1 and PP2, whether the
-start-up profile fits a usable cost model or falls back to fixed chunks; every request's
-chunk sizes are the ones its policy prescribes; no page leaks.
+"""Dynamic chunking end to end (float32, prompts of about 1000 tokens, initial size 256) on
+the tiny model, PP1 and PP2.
 
-C = 256 rather than 64: sizes are floored at C // 4 and aligned to 64, so with C = 64 every
-chunk is 64 whatever the fit. A real profile of a tiny model on a CPU may fit a <= 0 (the
-feature then falls back to fixed chunks, which is allowed); a synthetic profile (the
-backend's profiler replaced in the test process, where the fit is made) makes the sizes
-vary for certain.
+With a real start-up profile, dynamic chunking runs (it may not fall back): every stage
+timed the profile chunks, and the chunk sizes are the ones the recorded fit gives by the
+formulas written out here (not by the implementation's predictor): they shrink with the
+prefix, each costs about the first chunk's time under the fit, and the greedy tokens are
+fixed chunking's. With synthetic profiles (the backend's profiler replaced in the test
+process, where the fit is made) the sizes are exactly the formulas', for both cost models.
+An unusable or too small profile falls back to fixed chunks. No page leaks.
+
+C = 256 rather than 64: sizes are aligned to 64, so with C = 64 every chunk is 64.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +24,23 @@ import torch
 
 from pipeserve.engine.chunking import ChunkPolicy
 from pipeserve.engine.engine import Engine
-from pipeserve.scheduler.dynamic_chunking import ChunkSizePredictor
 
 pytestmark = pytest.mark.timeout(150)
 
 C = 256
+ALIGN = 64
 VOCAB = 512
 FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": C,
                          "disable_radix_cache": True, "max_total_tokens": 8192}
+DYNAMIC: dict[str, Any] = {"enable_dynamic_chunking": True,
+                           "dynamic_chunking_smooth_factor": 1.0}
 PROMPT_LENS = [1000, 1100, 70]
 NEW_TOKENS = [6, 4, 9]
 SAMPLING = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in NEW_TOKENS]
-GROWING_A, GROWING_B = 1e-7, 2e-4  # synthetic profile: f(l) = a l^2 + b l + 0.01
+GROWING_A, GROWING_B = 1e-7, 2e-4  # synthetic published profile: f(l) = a l^2 + b l + 0.01
+PREFIX = {"c": 0.002, "g": 1e-6, "b": 1e-5, "a": 5e-9}  # synthetic t(L, x)
+
+Coefficients = dict[str, float]
 
 
 def prompts() -> list[list[int]]:
@@ -50,15 +57,52 @@ def run(engine: Engine) -> list[dict[str, Any]]:
     return out
 
 
-def split(lens: list[int], size_at: Any, tail_floor: int = 0) -> list[list[int]]:
+def chunk_sizes(out: list[dict[str, Any]]) -> list[list[int]]:
+    return [o["meta_info"]["chunk_sizes"] for o in out]
+
+
+# -- the formulas, written out again ------------------------------------------------------------
+
+
+def t(coef: Coefficients, L: float, x: float) -> float:
+    """t(L, x) = c + g L + b x + a (2 L x + x^2)."""
+    return coef["c"] + coef["g"] * L + coef["b"] * x + coef["a"] * (2 * L * x + x * x)
+
+
+def root(coef: Coefficients, L: int) -> float:
+    """x with t(L, x) = t(0, C); 0 when the prefix alone costs more, C when nothing grows."""
+    a, lin = coef["a"], 2 * coef["a"] * L + coef["b"]
+    const = coef["c"] + coef["g"] * L - t(coef, 0, C)
+    if a > 0:
+        return max((-lin + math.sqrt(lin * lin - 4 * a * const)) / (2 * a), 0.0)
+    return max(-const / lin, 0.0) if lin > 0 else float(C)
+
+
+def model_size(coef: Coefficients, L: int, s: float, floor: int) -> int:
+    if L == 0:
+        return C
+    x = max(int(C + s * (root(coef, L) - C)), floor)
+    return max(x // ALIGN * ALIGN, ALIGN)
+
+
+def published(a: float, b: float) -> Coefficients:
+    """The published chunk cost f(L + x) - f(L): c = g = 0, b clamped at 0."""
+    return {"c": 0.0, "g": 0.0, "b": max(b, 0.0), "a": a}
+
+
+def split(lens: list[int], size_at: Callable[[int], int], floor: int) -> list[list[int]]:
     """Chunk sizes of prompts of these lengths, scheduled first come first served, when the
-    chunk at prefix L may hold size_at(L) tokens (a chunk that would leave fewer than
-    `tail_floor` tokens takes the rest), and each batch holds at most the first request's
-    next chunk: a prompt that follows a finishing one fills the rest of that batch."""
+    chunk at prefix L may hold size_at(L) tokens, a chunk that would leave fewer than `floor`
+    tokens leaves two about equal ones instead, and each batch holds at most the first
+    request's next chunk: a prompt that follows a finishing one fills the rest of that
+    batch."""
 
     def size(i: int) -> int:
         x, left = size_at(prefix[i]), lens[i] - prefix[i]
-        return left if 0 < left - x < tail_floor else x
+        if 0 < left - x < floor:  # of the aligned sizes leaving at most x, the nearest half
+            options = [k * ALIGN for k in range(1, x // ALIGN + 1) if left - k * ALIGN <= x]
+            x = min(options, key=lambda y: (abs(left - 2 * y), -y)) if options else x
+        return x
 
     sizes: list[list[int]] = [[] for _ in lens]
     prefix, i = [0] * len(lens), 0
@@ -75,34 +119,11 @@ def split(lens: list[int], size_at: Any, tail_floor: int = 0) -> list[list[int]]
     return sizes
 
 
-def prescribed_sizes(engine: Engine) -> list[list[int]]:
-    """The chunk sizes the installed policy (engine.backend.chunking) prescribes."""
-    info = engine.backend.chunking
-    if info["mode"] in ("fixed", "dynamic-disabled"):
-        return split(PROMPT_LENS, lambda _: C)
-    assert info["mode"] == "dynamic"
-    predictor = ChunkSizePredictor(info["a"], info["b"], info["c"], C, info["smooth_factor"],
-                                   engine.config.cache.page_size)
-    context = engine.context_len
-    budget = engine.config.scheduler.max_prefill_tokens
-    return split(PROMPT_LENS, lambda L: predictor.next_chunk_size(L, context - L, budget), C // 4)
+def expected_sizes(coef: Coefficients, s: float, floor: int) -> list[list[int]]:
+    return split(PROMPT_LENS, lambda L: model_size(coef, L, s, floor), floor)
 
 
-def spec_size(a: float, b: float, prefix: int, s: float) -> int:
-    """Spec 01 section 4 for page size 1 (alignment 64)."""
-    if prefix == 0:
-        return C
-    target = a * C * C + b * C
-    lin = 2 * a * prefix + b
-    root = (-lin + math.sqrt(lin * lin + 4 * a * target)) / (2 * a)
-    x = max(int(C + s * (root - C)), C // 4)
-    return max(x // 64 * 64, 64)
-
-
-def synthetic(a: float, b: float) -> Any:
-    def profile(lengths: list[int], runs: object = None) -> list[float]:
-        return [a * n * n + b * n + 0.01 for n in lengths]
-    return profile
+# -- engines ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +135,7 @@ def model(model_dir) -> Path:
 def reference(model: Path) -> list[dict[str, Any]]:
     with Engine(str(model), **FLAGS) as engine:
         out = run(engine)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == split(PROMPT_LENS, lambda _: C)
+    assert chunk_sizes(out) == split(PROMPT_LENS, lambda _: C, 0)
     return out
 
 
@@ -123,7 +144,7 @@ def pp2(model: Path) -> Iterator[Engine]:
     """A PP2 engine started with dynamic chunking on a fresh (uncached) profile."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PIPESERVE_PROFILE_CACHE", "0")
-        with Engine(str(model), **FLAGS, pp_size=2, enable_dynamic_chunking=True) as engine:
+        with Engine(str(model), **FLAGS, **DYNAMIC, pp_size=2) as engine:
             yield engine
 
 
@@ -132,94 +153,154 @@ def assert_same_tokens(out: list[dict[str, Any]], ref: list[dict[str, Any]]) -> 
     assert [len(o["output_ids"]) for o in out] == NEW_TOKENS
 
 
+def assert_ran_on_the_real_profile(engine: Engine, stages: int) -> list[list[int]]:
+    """Dynamic chunking ran on a profile that every stage timed, and the sizes are the ones
+    its recorded fit gives; returns them."""
+    info = engine.backend.chunking
+    assert info["mode"] == "dynamic" and info["model"] == "prefix-quadratic"
+    points, seconds = info["profile_points"], info["profile_seconds"]
+    assert max(L + x for L, x in points) == engine.context_len  # prefixes up to the context
+    assert len(info["profile_stage_seconds"]) == stages
+    assert seconds == [max(per) for per in zip(*info["profile_stage_seconds"], strict=True)]
+    assert all(s > 0 for per in info["profile_stage_seconds"] for s in per)
+    coef, floor = info["coefficients"], info["min_size"]
+    assert min(coef.values()) >= 0 and floor == ALIGN  # C // 8 = 32, aligned up to one unit
+    assert t(coef, 0, C) == pytest.approx(info["target_s"])
+    out = run(engine)
+    sizes = chunk_sizes(out)
+    assert sizes == expected_sizes(coef, 1.0, floor)
+    first = sizes[0]
+    assert first[0] == C and first[:-1] == sorted(first[:-1], reverse=True)
+    assert len(set(first[:-1])) > 1  # they vary with the prefix
+    prefix = C
+    for x in first[1:-2]:  # each model-sized chunk is the largest within T (s = 1)
+        assert x == ALIGN or t(coef, prefix, x) <= info["target_s"] < t(coef, prefix, x + ALIGN)
+        prefix += x
+    return [o["output_ids"] for o in out]
+
+
+# -- real profiles ------------------------------------------------------------------------------
+
+
 def test_pp1_dynamic_chunking_with_a_real_profile(model, reference, monkeypatch) -> None:
     monkeypatch.setenv("PIPESERVE_PROFILE_CACHE", "0")
-    with Engine(str(model), **FLAGS, enable_dynamic_chunking=True) as engine:
-        info = engine.backend.chunking
-        assert info["mode"] in ("dynamic", "dynamic-disabled")
-        assert info["profile_lengths"][0] == int(1.25 * C)
-        assert len(info["profile_seconds"]) == len(info["profile_lengths"])
-        out = run(engine)
-    assert_same_tokens(out, reference)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == prescribed_sizes(engine)
+    with Engine(str(model), **FLAGS, **DYNAMIC) as engine:
+        tokens = assert_ran_on_the_real_profile(engine, stages=1)
+    assert tokens == [r["output_ids"] for r in reference]
 
 
 def test_pp2_dynamic_chunking_with_a_real_profile(pp2, reference) -> None:
-    info = pp2.backend.chunking
-    assert info["mode"] in ("dynamic", "dynamic-disabled")
-    assert all(t > 0 for t in info["profile_seconds"])  # measured on the first stage
-    out = run(pp2)
-    assert_same_tokens(out, reference)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == prescribed_sizes(pp2)
+    tokens = assert_ran_on_the_real_profile(pp2, stages=2)
+    assert tokens == [r["output_ids"] for r in reference]
+
+
+def test_pp2_published_model_with_a_real_profile(pp2, reference, monkeypatch) -> None:
+    """The published sweep also goes through every stage; its fit may be unusable on a tiny
+    model (then fixed chunks); the tokens never change."""
+    monkeypatch.setenv("PIPESERVE_PROFILE_CACHE", "0")
+    info = pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, model="quadratic"))
+    assert [L for L, _ in info["profile_points"]] == [0] * len(info["profile_points"])
+    lengths = [x for _, x in info["profile_points"]]
+    assert lengths[0] == int(1.25 * C) and len(set(lengths)) == len(lengths)
+    assert len(info["profile_stage_seconds"]) == 2
+    assert_same_tokens(run(pp2), reference)
 
 
 def test_pp2_fixed_chunking(pp2, reference) -> None:
     assert pp2.backend.set_chunk_policy(ChunkPolicy(C)) == {"mode": "fixed", "chunk_size": C}
     out = run(pp2)
     assert_same_tokens(out, reference)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == split(PROMPT_LENS, lambda _: C)
+    assert chunk_sizes(out) == split(PROMPT_LENS, lambda _: C, 0)
+
+
+# -- synthetic profiles -------------------------------------------------------------------------
+
+
+def synthetic_prefix(*scales: float) -> Callable[..., list[list[float]]]:
+    def profile(points: list[tuple[int, int]], runs: object = None) -> list[list[float]]:
+        return [[k * t(PREFIX, L, x) for L, x in points] for k in scales]
+    return profile
+
+
+def synthetic_published(a: float, b: float) -> Callable[..., list[list[float]]]:
+    def profile(points: list[tuple[int, int]], runs: object = None) -> list[list[float]]:
+        assert all(L == 0 for L, _ in points)
+        return [[a * n * n + b * n + 0.01 for _, n in points]]
+    return profile
 
 
 @pytest.mark.parametrize("smooth", [1.0, 0.5])
-def test_pp2_dynamic_chunking_sizes_vary_and_tokens_do_not(pp2, reference, monkeypatch,
-                                                          smooth: float) -> None:
+def test_pp2_published_model_sizes(pp2, reference, monkeypatch, smooth: float) -> None:
     monkeypatch.setenv("PIPESERVE_PROFILE_CACHE", "0")
-    monkeypatch.setattr(pp2.backend, "profile_first_stage", synthetic(GROWING_A, GROWING_B))
-    info = pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, smooth_factor=smooth))
-    assert info["mode"] == "dynamic"
-    assert info["a"] == pytest.approx(GROWING_A, rel=1e-4)
-    assert info["b"] == pytest.approx(GROWING_B, rel=1e-4)
+    monkeypatch.setattr(pp2.backend, "profile_stages", synthetic_published(GROWING_A, GROWING_B))
+    policy = ChunkPolicy(C, dynamic=True, smooth_factor=smooth, model="quadratic")
+    info = pp2.backend.set_chunk_policy(policy)
+    assert info["mode"] == "dynamic" and info["model"] == "quadratic"
+    assert info["coefficients"] == pytest.approx({"a": GROWING_A, "b": GROWING_B, "c": 0.01},
+                                                 rel=1e-4)
     out = run(pp2)
     assert_same_tokens(out, reference)
-    sizes = [o["meta_info"]["chunk_sizes"] for o in out]
-    expected = split(PROMPT_LENS, lambda L: spec_size(GROWING_A, GROWING_B, L, smooth), C // 4)
-    assert sizes == expected
+    sizes = chunk_sizes(out)
+    fit = info["coefficients"]  # (the exact values may sit on an alignment boundary)
+    assert sizes == expected_sizes(published(fit["a"], fit["b"]), smooth, C // 4)
     assert sizes[0][0] == C and len(set(sizes[0][:-1])) > 1  # later chunks are smaller
-    # aligned and floored, except last chunks and a prompt's first chunk filling the rest of
-    # the batch where the previous prompt ended
-    middle = sizes[0][:-1] + [x for s in sizes[1:] for x in s[1:-1]]
-    assert all(x % 64 == 0 and x >= C // 4 for x in middle)
+
+
+@pytest.mark.parametrize("smooth", [1.0, 0.75])
+def test_pp2_prefix_model_sizes(pp2, reference, monkeypatch, smooth: float) -> None:
+    """The second stage is 1.3 times slower: its times are the ones fitted."""
+    monkeypatch.setenv("PIPESERVE_PROFILE_CACHE", "0")
+    monkeypatch.setattr(pp2.backend, "profile_stages", synthetic_prefix(1.0, 1.3))
+    info = pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, smooth_factor=smooth,
+                                                    min_size=128))
+    assert info["mode"] == "dynamic"
+    assert info["coefficients"] == pytest.approx({k: 1.3 * v for k, v in PREFIX.items()},
+                                                 rel=1e-6)
+    out = run(pp2)
+    assert_same_tokens(out, reference)
+    sizes = chunk_sizes(out)
+    assert sizes == expected_sizes(info["coefficients"], smooth, 128)
+    assert sizes[0][0] == C and len(set(sizes[0][:-1])) > 1
 
 
 def test_pp2_online_refit_keeps_tokens(pp2, reference, monkeypatch) -> None:
     monkeypatch.setenv("PIPESERVE_PROFILE_CACHE", "0")
-    monkeypatch.setattr(pp2.backend, "profile_first_stage", synthetic(GROWING_A, GROWING_B))
-    pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, smooth_factor=1.0, online=True))
+    monkeypatch.setattr(pp2.backend, "profile_stages", synthetic_prefix(1.0))
+    pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, smooth_factor=1.0, online=True,
+                                             min_size=128))
     refit = pp2.backend.scheduler.refit
     assert refit is not None
     for _ in range(2):
         out = run(pp2)
         assert_same_tokens(out, reference)
     assert len(refit.points) > 0  # single-chunk micro-batches were measured
-    assert all(x % 64 == 0 and x >= C // 4
-               for o in out for x in o["meta_info"]["chunk_sizes"][:-1])
+    first = chunk_sizes(out)[0]
+    assert first[0] == C and all(x % ALIGN == 0 and x >= 128 for x in first[1:-2])
 
 
-def test_pp2_unusable_fit_falls_back_to_fixed_chunks(pp2, reference, monkeypatch,
-                                                     caplog) -> None:
-    """A profile that gets cheaper with length fits a < 0: fixed chunks of C, with a warning."""
+@pytest.mark.parametrize("model_name", ["prefix-quadratic", "quadratic"])
+def test_pp2_unusable_fit_falls_back_to_fixed_chunks(pp2, reference, monkeypatch, caplog,
+                                                     model_name: str) -> None:
+    """A profile that gets cheaper with length or prefix: fixed chunks of C, with a warning."""
     monkeypatch.setenv("PIPESERVE_PROFILE_CACHE", "0")
-    monkeypatch.setattr(pp2.backend, "profile_first_stage",
-                        lambda lengths, runs=None: [1.0 - 1e-6 * n * n for n in lengths])
-    info = pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, smooth_factor=0.75))
-    assert info["mode"] == "dynamic-disabled" and info["a"] <= 0
+    monkeypatch.setattr(pp2.backend, "profile_stages", lambda points, runs=None: [
+        [1.0 - 1e-6 * (L + n) ** 2 + 1e-5 * n for L, n in points]])
+    info = pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, model=model_name))
+    assert info["mode"] == "dynamic-disabled"
     assert "dynamic chunking disabled" in caplog.text
     out = run(pp2)
     assert_same_tokens(out, reference)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == split(PROMPT_LENS, lambda _: C)
+    assert chunk_sizes(out) == split(PROMPT_LENS, lambda _: C, 0)
 
 
 def test_too_few_profile_points_fall_back_to_fixed_chunks(pp2, reference, monkeypatch) -> None:
-    """A profile that fails to fit (fewer than 8 points) must not disable chunking."""
+    """A profile capped at C tokens has no prefix to time: fixed chunks, chunking stays."""
     monkeypatch.setenv("PIPESERVE_PROFILE_CACHE", "0")
-    monkeypatch.setattr(pp2.backend, "profile_first_stage",
-                        lambda lengths, runs=None: [1.0] * len(lengths))
-    monkeypatch.setattr("pipeserve.engine.chunking.profile_lengths", lambda size: [size] * 5)
-    info = pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True))
-    assert info["mode"] == "dynamic-disabled"
+    info = pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, profile_max_len=C))
+    assert info["mode"] == "dynamic-disabled" and "fewer than 6" in info["reason"]
     out = run(pp2)
     assert_same_tokens(out, reference)
-    assert [o["meta_info"]["chunk_sizes"] for o in out] == split(PROMPT_LENS, lambda _: C)
+    assert chunk_sizes(out) == split(PROMPT_LENS, lambda _: C, 0)
 
 
 def test_profiling_on_a_live_engine_keeps_the_prefix_cache_valid(model, monkeypatch) -> None:
@@ -229,8 +310,9 @@ def test_profiling_on_a_live_engine_keeps_the_prefix_cache_valid(model, monkeypa
     with Engine(str(model), dtype="float32", chunked_prefill_size=128,
                 max_total_tokens=4096) as engine:
         before = engine.generate(input_ids=ids, sampling_params=sp)
-        engine.backend.set_chunk_policy(ChunkPolicy(128, dynamic=True))
+        info = engine.backend.set_chunk_policy(ChunkPolicy(128, dynamic=True))
         after = engine.generate(input_ids=ids, sampling_params=sp)
+    assert info["mode"] == "dynamic"
     assert isinstance(before, dict) and isinstance(after, dict)
     assert after["meta_info"]["cached_tokens"] == len(ids) - 1  # served from the cache
     assert after["output_ids"] == before["output_ids"]

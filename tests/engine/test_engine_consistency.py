@@ -60,9 +60,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "page64": {"page_size": 64, "chunked_prefill_size": 64},
     "no-radix-cache": {"disable_radix_cache": True, "chunked_prefill_size": 64},
     "plain-loop": {"disable_overlap_schedule": True, "chunked_prefill_size": 64},
+    "overlap-loop": {"enable_overlap_schedule": True, "chunked_prefill_size": 64},
     "mixed-chunk": {"enable_mixed_chunk": True, "chunked_prefill_size": 32},
     "small-prefill-budget": {"max_prefill_tokens": 100, "chunked_prefill_size": 64},
-    "dynamic-chunking": {"enable_dynamic_chunking": True, "chunked_prefill_size": 64},
+    # C = 128 on a real profile: later chunks of the 300-token prompt shrink to 64
+    "dynamic-chunking": {"enable_dynamic_chunking": True, "chunked_prefill_size": 128,
+                         "dynamic_chunking_smooth_factor": 1.0},
 }
 
 
@@ -78,6 +81,10 @@ def test_greedy_tokens_do_not_depend_on_layout(make_engine, alone, layout: str) 
     assert tokens(second) == expected
     if not LAYOUTS[layout].get("disable_radix_cache"):
         assert sum(o["meta_info"]["cached_tokens"] for o in second) > 0
+    if LAYOUTS[layout].get("enable_dynamic_chunking"):  # it ran: a later chunk is below C
+        size = LAYOUTS[layout]["chunked_prefill_size"]
+        assert engine.backend.chunking["mode"] == "dynamic"
+        assert any(x < size for x in first[-1]["meta_info"]["chunk_sizes"][1:-1])
     assert all(o["meta_info"]["finish_reason"] == "length" for o in first + second)
     assert_pool_empty(engine)
 

@@ -255,7 +255,7 @@ MANY_PROMPTS = random_prompts(MANY_LENS, seed=5)
 MANY_NEW = [1 + (i * 11) % 37 for i in range(len(MANY_PROMPTS))]
 PRESSURE_PROMPTS = random_prompts([10 + (i * 37) % 110 for i in range(24)], seed=6)
 PRESSURE_NEW = [20 + (i * 13) % 60 for i in range(24)]
-LOOPS = {"overlap": {}, "plain": {"disable_overlap_schedule": True}}
+LOOPS = {"overlap": {"enable_overlap_schedule": True}, "plain": {"disable_overlap_schedule": True}}
 
 
 def sampling_list(kind: str, new: list[int]) -> list[dict[str, Any]]:

@@ -1,0 +1,21 @@
+// Python bindings of the native CPU kernels. Every kernel runs without the GIL (none touches a
+// Python object), so the scheduler's thread works while attention runs, as during any torch op.
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention_gemm", &paged_decode_attention_gemm,
+        "decode attention over runs of KV slots via BLAS products (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over runs of KV slots (CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of a prompt chunk over runs of KV slots (CPU, bfloat16, AVX512-BF16)",
+        py::call_guard<py::gil_scoped_release>());
+  py::class_<ShmAllReduce>(m, "ShmAllReduce")
+      .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())
+      .def("all_reduce_", &ShmAllReduce::all_reduce_, "sum in place across the ranks",
+           py::call_guard<py::gil_scoped_release>())
+      .def("unlink", &ShmAllReduce::unlink);
+  m.def("prefill_attention_supported", &prefill_attention_supported,
+        "whether this build has the native prefill kernel (needs AVX512-BF16)");
+}

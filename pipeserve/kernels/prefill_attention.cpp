@@ -1,0 +1,364 @@
+// Paged prefill attention for CPUs with AVX512-BF16: causal attention of a prompt chunk over
+// its request's KV (the cached prefix and the chunk itself, both read in place from the pool
+// along the request's runs of slots), flash-style: per block of keys the scores of a strip
+// of query rows are computed, softmaxed online in float32 and multiplied into the output
+// right away, so the working set (a strip of scores, one packed block of keys and values)
+// stays in the core's L1/L2 cache instead of streaming a [rows, prefix] score matrix through
+// memory. Two copies of it on two cores therefore do not fight over the memory system.
+//
+// Work is split into tasks of (KV head, block of queries); threads take tasks from a shared
+// counter, so a second thread (or core) shortens the call.
+//
+// q        [n, H, D]    the chunk's queries (H = Hk * G: G query heads share a KV head)
+// k_cache  [Hk, N, D]   v_cache the same; the chunk's own keys are already written
+// runs     [R, 2] int64 (first slot, length): positions 0 .. prefix + n - 1 of the request
+// out      [n, H, D]
+//
+// Query row r of a task is (query t, head g) = (r / G, r % G): a KV head's G query heads
+// sit side by side, so its keys are read once for all of them.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PIPESERVE_PREFILL_NATIVE 1
+#endif
+
+bool prefill_attention_supported() {
+#ifdef PIPESERVE_PREFILL_NATIVE
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef PIPESERVE_PREFILL_NATIVE
+namespace {
+
+constexpr int kRows = 6;           // query rows per register tile
+constexpr int kKeyBlock = 256;     // keys per packed block
+constexpr int kTargetRows = 768;   // query rows per task: a packed key block serves them all
+constexpr int kTasksPerThread = 4;  // but at least this many tasks per thread, for balance
+constexpr float kLog2e = 1.4426950408889634f;
+
+using bf16 = uint16_t;
+
+// 2^x for x <= 0, exactly 0 below 2^-126 (masked keys give -inf): exponent by scalef,
+// fraction by a degree-5 polynomial (relative error ~2e-7, far below bfloat16's resolution).
+inline __m512 exp2_ps(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// Dims 2p and 2p+1 of a bfloat16 row as one word (low half: dim 2p).
+inline uint32_t pair_at(const bf16* row, int p) {
+  uint32_t w;
+  std::memcpy(&w, row + 2 * p, sizeof w);
+  return w;
+}
+
+// Keys of one block packed for the score product: word (p, j) holds dims 2p, 2p+1 of key j,
+// so a vector of 16 words is one dim pair of 16 keys (the VNNI layout of vdpbf16ps).
+void pack_keys(const bf16* const* rows, int keys, int padded, int D, uint32_t* out) {
+  const int pairs = D / 2;
+  for (int j = 0; j < keys; ++j)
+    for (int p = 0; p < pairs; ++p) out[p * padded + j] = pair_at(rows[j], p);
+  for (int p = 0; p < pairs; ++p)
+    for (int j = keys; j < padded; ++j) out[p * padded + j] = 0;
+}
+
+// Values of one block packed for the output product: word (q, e) holds dim e of keys 2q and
+// 2q+1. An odd last key is paired with zeros.
+void pack_values(const bf16* const* rows, int keys, int D, uint32_t* out) {
+  for (int q = 0; q < (keys + 1) / 2; ++q) {
+    const bf16* a = rows[2 * q];
+    const bf16* b = 2 * q + 1 < keys ? rows[2 * q + 1] : nullptr;
+    uint32_t* o = out + static_cast<int64_t>(q) * D;
+    for (int e = 0; e < D; ++e) o[e] = a[e] | (b ? static_cast<uint32_t>(b[e]) << 16 : 0u);
+  }
+}
+
+// scores[r][j0 + j] = q_r . k_(j0 + j) for R rows and 16 * NV keys, float32.
+template <int R, int NV>
+void score_group(const bf16* const* q, const uint32_t* kp, int padded, int pairs, int j0,
+                 float* scores, int ld) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int p = 0; p < pairs; ++p) {
+    __m512bh kv[NV];
+    for (int v = 0; v < NV; ++v)
+      kv[v] = (__m512bh)_mm512_loadu_si512(kp + p * padded + j0 + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(q[r], p)));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], qb, kv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(scores + r * ld + j0 + 16 * v, acc[r][v]);
+}
+
+// A strip's scores against a whole packed block (padded to a multiple of 32 keys).
+template <int R>
+void score_tile(const bf16* const* q, const uint32_t* kp, int padded, int D, float* scores,
+                int ld) {
+  int j0 = 0;
+  for (; j0 + 64 <= padded; j0 += 64) score_group<R, 4>(q, kp, padded, D / 2, j0, scores, ld);
+  if (j0 < padded) score_group<R, 2>(q, kp, padded, D / 2, j0, scores, ld);
+}
+
+// acc[r][:] = alpha_r * acc[r][:] + sum_j p[r][j] v_j over one block, for R rows and a slab of
+// 16 * NV output dims starting at e0 (accumulators stay in registers for the whole block).
+template <int R, int NV>
+void value_tile(const uint32_t* probs, int pair_count, const uint32_t* vp, int D, int e0,
+                const float* alpha, float* out, int ld_out) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = _mm512_mul_ps(a, _mm512_loadu_ps(out + r * ld_out + e0 + 16 * v));
+  }
+  for (int q = 0; q < pair_count; ++q) {
+    __m512bh vv[NV];
+    for (int v = 0; v < NV; ++v)
+      vv[v] = (__m512bh)_mm512_loadu_si512(vp + static_cast<int64_t>(q) * D + e0 + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pb =
+          (__m512bh)_mm512_set1_epi32(static_cast<int>(probs[r * (kKeyBlock / 2) + q]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pb, vv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * ld_out + e0 + 16 * v, acc[r][v]);
+}
+
+template <int R>
+void value_rows(const uint32_t* probs, int pair_count, const uint32_t* vp, int D,
+                const float* alpha, float* out) {
+  int e0 = 0;
+  for (; e0 + 64 <= D; e0 += 64) value_tile<R, 4>(probs, pair_count, vp, D, e0, alpha, out, D);
+  switch ((D - e0) / 16) {
+    case 3: value_tile<R, 3>(probs, pair_count, vp, D, e0, alpha, out, D); break;
+    case 2: value_tile<R, 2>(probs, pair_count, vp, D, e0, alpha, out, D); break;
+    case 1: value_tile<R, 1>(probs, pair_count, vp, D, e0, alpha, out, D); break;
+    default: break;
+  }
+}
+
+// Online softmax of one strip's scores against one key block: updates the running max m and
+// sum l, writes the block's probabilities as bfloat16 pairs and each row's rescale factor.
+// Key j of the block is visible to row r when key_pos0 + j <= limit[r].
+void softmax_rows(int R, float* scores, int keys, int padded, int64_t key_pos0,
+                  const int64_t* limit, float c, float* m, float* l, float* alpha,
+                  uint32_t* probs) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < R; ++r) {
+    float* s = scores + r * kKeyBlock;
+    const int64_t visible = std::min<int64_t>(keys, limit[r] - key_pos0 + 1);
+    for (int j = static_cast<int>(std::max<int64_t>(visible, 0)); j < padded; ++j)
+      s[j] = -std::numeric_limits<float>::infinity();
+    __m512 vmax = neg_inf;
+    for (int j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+    const float block_max = hmax(vmax);
+    const float m_new = std::max(m[r], block_max);
+    alpha[r] = m[r] == m_new ? 1.f : std::exp2((m[r] - m_new) * c);
+    m[r] = m_new;
+    const __m512 cv = _mm512_set1_ps(c);
+    const __m512 shift = _mm512_set1_ps(-m_new * c);
+    __m512 vsum = _mm512_setzero_ps();
+    uint32_t* pr = probs + r * (kKeyBlock / 2);
+    for (int j = 0; j < padded; j += 32) {
+      const __m512 p0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), cv, shift));
+      const __m512 p1 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), cv, shift));
+      vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    l[r] = l[r] * alpha[r] + hsum(vsum);
+  }
+}
+
+// Queries per task: about kTargetRows rows (each packed key block is used by more rows, so
+// the cache is read fewer times), fewer when that would leave threads without enough tasks,
+// rounded so rows fill whole register tiles.
+int64_t queries_per_task(int64_t n, int64_t Hk, int64_t G, int64_t threads) {
+  const int64_t blocks = (kTasksPerThread * threads + Hk - 1) / Hk;  // query blocks wanted
+  int64_t per = std::min<int64_t>(std::max<int64_t>(1, kTargetRows / G), (n + blocks - 1) / blocks);
+  while (per > 1 && (per * G) % kRows != 0 && per * G > kRows) --per;
+  return std::max<int64_t>(1, std::min(per, n));
+}
+
+struct Problem {
+  const bf16* q;
+  const bf16* k_cache;
+  const bf16* v_cache;
+  bf16* out;
+  std::vector<int64_t> slots;  // slot of each key position 0 .. total - 1
+  int64_t n, H, Hk, G, D, N, prefix;
+  int64_t queries_per_task;
+  float c;  // softmax scale in base 2: scale * log2(e)
+};
+
+struct Scratch {
+  std::vector<uint32_t> kp, vp, probs;
+  std::vector<float> scores, acc, m, l, alpha;
+  std::vector<const bf16*> key_rows, val_rows, q_rows;
+  std::vector<int64_t> limit;
+
+  Scratch(const Problem& p, int64_t rows)
+      : kp(p.D / 2 * kKeyBlock),
+        vp(kKeyBlock / 2 * p.D),
+        probs(kRows * kKeyBlock / 2),
+        scores(kRows * kKeyBlock),
+        acc(rows * p.D),
+        m(rows),
+        l(rows),
+        alpha(kRows),
+        key_rows(kKeyBlock),
+        val_rows(kKeyBlock),
+        q_rows(rows),
+        limit(rows) {}
+};
+
+template <int R>
+void strip(const Problem& p, Scratch& s, int64_t row0, int keys, int padded, int64_t key_pos0) {
+  score_tile<R>(s.q_rows.data() + row0, s.kp.data(), padded, static_cast<int>(p.D),
+                s.scores.data(), kKeyBlock);
+  softmax_rows(R, s.scores.data(), keys, padded, key_pos0, s.limit.data() + row0, p.c,
+               s.m.data() + row0, s.l.data() + row0, s.alpha.data(), s.probs.data());
+  value_rows<R>(s.probs.data(), (keys + 1) / 2, s.vp.data(), static_cast<int>(p.D),
+                s.alpha.data(), s.acc.data() + row0 * p.D);
+}
+
+void run_strip(int R, const Problem& p, Scratch& s, int64_t row0, int keys, int padded,
+               int64_t key_pos0) {
+  switch (R) {
+    case 6: strip<6>(p, s, row0, keys, padded, key_pos0); break;
+    case 5: strip<5>(p, s, row0, keys, padded, key_pos0); break;
+    case 4: strip<4>(p, s, row0, keys, padded, key_pos0); break;
+    case 3: strip<3>(p, s, row0, keys, padded, key_pos0); break;
+    case 2: strip<2>(p, s, row0, keys, padded, key_pos0); break;
+    default: strip<1>(p, s, row0, keys, padded, key_pos0); break;
+  }
+}
+
+void run_task(const Problem& p, Scratch& s, int64_t head, int64_t t0, int64_t t1) {
+  const int64_t rows = (t1 - t0) * p.G, D = p.D;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / p.G, h = head * p.G + r % p.G;
+    s.q_rows[r] = p.q + (t * p.H + h) * D;
+    s.limit[r] = p.prefix + t;  // causal: the last key position this row may see
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + rows * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+  const int64_t key_end = p.prefix + t1;  // no row of this task sees a key at or past it
+  const bf16* kh = p.k_cache + head * p.N * D;
+  const bf16* vh = p.v_cache + head * p.N * D;
+  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyBlock) {
+    const int keys = static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0));
+    const int padded = (keys + 31) / 32 * 32;
+    for (int j = 0; j < keys; ++j) {
+      s.key_rows[j] = kh + p.slots[k0 + j] * D;
+      s.val_rows[j] = vh + p.slots[k0 + j] * D;
+    }
+    pack_keys(s.key_rows.data(), keys, padded, static_cast<int>(D), s.kp.data());
+    pack_values(s.val_rows.data(), keys, static_cast<int>(D), s.vp.data());
+    for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
+      const int R = static_cast<int>(std::min<int64_t>(kRows, rows - row0));
+      if (s.limit[row0 + R - 1] < k0) continue;  // every key of the block is in their future
+      run_strip(R, p, s, row0, keys, padded, k0);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / p.G, h = head * p.G + r % p.G;
+    const float inv = 1.f / s.l[r];
+    const float* a = s.acc.data() + r * D;
+    bf16* o = p.out + (t * p.H + h) * D;
+    for (int64_t e = 0; e < D; e += 16) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + e),
+                                                          _mm512_set1_ps(inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + e), (__m256i)v);
+    }
+  }
+}
+
+void run_all(const Problem& p) {
+  const int64_t qblocks = (p.n + p.queries_per_task - 1) / p.queries_per_task;
+  const int64_t tasks = p.Hk * qblocks;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      Scratch s(p, p.queries_per_task * p.G);
+      for (int64_t i = next++; i < tasks; i = next++) {
+        const int64_t head = i / qblocks, qb = qblocks - 1 - i % qblocks;  // longest first
+        const int64_t t0 = qb * p.queries_per_task;
+        run_task(p, s, head, t0, std::min(p.n, t0 + p.queries_per_task));
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor runs, int64_t prefix,
+                                      double scale) {
+#ifdef PIPESERVE_PREFILL_NATIVE
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "q [n,H,D], k_cache [Hk,N,D] expected");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "the native prefill kernel takes bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
+  TORCH_CHECK(runs.scalar_type() == torch::kInt64 && runs.dim() == 2 && runs.size(1) == 2,
+              "runs must be int64 [R, 2]");
+  q = q.contiguous();
+  runs = runs.contiguous();
+  Problem p;
+  p.n = q.size(0), p.H = q.size(1), p.D = q.size(2);
+  p.Hk = k_cache.size(0), p.N = k_cache.size(1);
+  TORCH_CHECK(p.H % p.Hk == 0 && k_cache.size(2) == p.D, "q and k_cache disagree on heads/dim");
+  TORCH_CHECK(p.D % 16 == 0, "head dim must be a multiple of 16");
+  p.G = p.H / p.Hk;
+  p.prefix = prefix;
+  const int64_t* rp = runs.data_ptr<int64_t>();
+  for (int64_t r = 0; r < runs.size(0); ++r)
+    for (int64_t i = 0; i < rp[2 * r + 1]; ++i) p.slots.push_back(rp[2 * r] + i);
+  TORCH_CHECK(static_cast<int64_t>(p.slots.size()) == prefix + p.n,
+              "KV runs must cover exactly the prefix and the chunk");
+  for (int64_t s : p.slots) TORCH_CHECK(0 <= s && s < p.N, "KV slot outside the pool");
+  auto out = torch::empty_like(q);
+  p.q = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
+  p.k_cache = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
+  p.v_cache = reinterpret_cast<const bf16*>(v_cache.data_ptr<at::BFloat16>());
+  p.out = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
+  p.c = static_cast<float>(scale) * kLog2e;
+  p.queries_per_task = queries_per_task(p.n, p.Hk, p.G, at::get_num_threads());
+  run_all(p);
+  return out;
+#else
+  TORCH_CHECK(false, "the native prefill kernel needs a CPU with AVX512-BF16");
+  return q;
+#endif
+}

@@ -1,0 +1,45 @@
+"""The workers' orphan watchdog: a worker waits for a scheduler that starts late (node 0 may
+come up well after the other nodes), and exits on its own once a scheduler it heard is gone."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+import pytest
+from test_multinode import free_port_range
+
+from pipeserve.distributed import channels
+from pipeserve.distributed.channels import Endpoints, SchedulerChannels
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def worker(endpoints: Endpoints, started: Any) -> None:
+    channels.ORPHAN_TIMEOUT_S, channels.FIRST_KEEPALIVE_TIMEOUT_S = 1.0, 30.0
+    channels.WorkerChannels(1, endpoints, None)
+    started.set()
+    time.sleep(60)
+
+
+def test_a_worker_waits_for_a_late_scheduler_and_exits_after_it() -> None:
+    base = free_port_range(3)  # the scheduler's batch, status and control ports (TP 1)
+    ctx = mp.get_context("spawn")
+    started = ctx.Event()
+    proc = ctx.Process(target=worker, args=(Endpoints("127.0.0.1", (base,), base + 1, base + 2),
+                                            started), daemon=True)
+    proc.start()
+    try:
+        assert started.wait(30)
+        time.sleep(2.5)  # more than ORPHAN_TIMEOUT_S without any keepalive
+        assert proc.is_alive()
+        scheduler = SchedulerChannels("127.0.0.1", 1, base)
+        time.sleep(1.5)
+        assert proc.is_alive()
+        scheduler.close()
+        proc.join(timeout=20)
+        assert proc.exitcode == 3
+    finally:
+        if proc.is_alive():
+            proc.kill()

@@ -1,0 +1,158 @@
+"""The native CPU prefill-attention kernel (bfloat16, AVX512-BF16) against a float64 softmax
+attention, and through `PagedAttention` against the torch kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeserve.device import native_prefill_kernel
+from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
+from pipeserve.mem_cache.kv_pool import KVPool
+
+pytestmark = pytest.mark.skipif(
+    native_prefill_kernel() is None, reason="native prefill kernel unavailable (needs AVX512-BF16)"
+)
+CPU = torch.device("cpu")
+TOL = 2e-2  # bfloat16 output
+
+
+def reference(q, k_cache, v_cache, runs, prefix):
+    """q [n, H, D]; positions 0 .. prefix + n - 1 at the runs' slots; query t sits at
+    position prefix + t. -> [n, H, D] float64."""
+    slots = torch.cat([torch.arange(s, s + n) for s, n in runs])
+    k, v = k_cache[:, slots].double(), v_cache[:, slots].double()  # [Hk, T, D]
+    n, heads, d = q.shape
+    group = heads // k.shape[0]
+    qh = q.double().view(n, k.shape[0], group, d).permute(1, 2, 0, 3)  # [Hk, G, n, D]
+    scores = torch.einsum("hgnd,htd->hgnt", qh, k) * d**-0.5
+    future = torch.arange(k.shape[1])[None, :] > prefix + torch.arange(n)[:, None]
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+    return torch.einsum("hgnt,htd->hgnd", probs, v).permute(2, 0, 1, 3).reshape(n, heads, d)
+
+
+def scattered_runs(total: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """Runs of random lengths with gaps between them, covering `total` positions."""
+    runs, slot, left = [], 3, total
+    while left:
+        n = min(left, int(torch.randint(1, 300, (), generator=gen)))
+        runs.append((slot, n))
+        slot += n + int(torch.randint(0, 40, (), generator=gen))
+        left -= n
+    return runs
+
+
+CASES = {
+    # n, prefix, kv heads, group, head dim, scattered runs
+    "one-token-no-prefix": (1, 0, 1, 1, 16, False),
+    "short-chunk-after-prefix": (5, 3, 2, 3, 64, True),
+    "first-chunk": (64, 0, 4, 3, 64, False),
+    "long-prefix-d128": (300, 1000, 2, 4, 128, True),
+    "many-blocks": (700, 1500, 2, 3, 64, True),
+    "odd-group-d80": (77, 513, 3, 5, 80, True),
+    "mha-d48": (33, 257, 2, 1, 48, True),
+    "decode-like-pair": (2, 700, 1, 8, 32, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_kernel_matches_float64_attention(case) -> None:
+    n, prefix, kv_heads, group, d, scattered = case
+    gen = torch.Generator().manual_seed(n * 1000 + prefix)
+    pool_slots = 2 * (prefix + n) + 4000
+    k_cache = torch.randn(kv_heads, pool_slots, d, generator=gen).bfloat16()
+    v_cache = torch.randn(kv_heads, pool_slots, d, generator=gen).bfloat16()
+    runs = scattered_runs(prefix + n, gen) if scattered else [(11, prefix + n)]
+    q = (2 * torch.randn(n, kv_heads * group, d, generator=gen)).bfloat16()
+    kernel = native_prefill_kernel()
+    assert kernel is not None
+    out = kernel(q, k_cache, v_cache, torch.tensor(runs), prefix, d**-0.5)
+    ref = reference(q, k_cache, v_cache, runs, prefix)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.allclose(out.double(), ref, atol=TOL, rtol=TOL)
+    assert (out.double() - ref).abs().mean() < 2e-3  # errors are rounding, not a wrong key
+
+
+def test_kernel_is_the_same_with_one_or_two_threads() -> None:
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(2, 3000, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(2, 3000, 64, generator=gen).bfloat16()
+    q = torch.randn(400, 6, 64, generator=gen).bfloat16()
+    runs = torch.tensor([(0, 900), (1000, 500)])
+    kernel = native_prefill_kernel()
+    assert kernel is not None
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(kernel(q, k_cache, v_cache, runs, 1000, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])  # each task's arithmetic does not depend on threads
+
+
+def test_kernel_rejects_runs_that_do_not_cover_the_chunk() -> None:
+    k_cache = torch.zeros(1, 100, 16).bfloat16()
+    q = torch.zeros(4, 2, 16).bfloat16()
+    kernel = native_prefill_kernel()
+    assert kernel is not None
+    with pytest.raises(RuntimeError, match="cover exactly"):
+        kernel(q, k_cache, k_cache, torch.tensor([(0, 10)]), 3, 0.25)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel(q, k_cache, k_cache, torch.tensor([(98, 7)]), 3, 0.25)
+
+
+def test_paged_attention_native_and_torch_prefill_agree() -> None:
+    """A batch of two prompt chunks (one with a scattered prefix) and a decode step, through
+    `PagedAttention` with the native prefill kernel and with the torch kernels."""
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, group, d = 2, 3, 64
+    pool = KVPool(6000, range(1), kv_heads, d, torch.bfloat16, CPU, 1)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    chunk_a = [(10, 700), (900, 300), (1300, 150)]  # prefix 1000, chunk 150
+    chunk_b = [(2000, 96)]  # no prefix
+    step = [(3000, 40)]  # decode: prefix 39
+    segments = [(0, 150, 1000, chunk_a), (150, 96, 0, chunk_b), (246, 1, 39, step)]
+    tokens = 247
+    q = torch.randn(tokens, kv_heads * group, d, generator=gen).bfloat16()
+    k = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
+    v = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
+    slots = torch.cat([torch.arange(1300, 1450), torch.arange(2000, 2096), torch.tensor([3039])])
+    attn = PagedAttention(0, kv_heads * group, kv_heads, d)
+    outs = {}
+    for native in (False, True):
+        plan = plan_attention(segments, CPU, torch.bfloat16, NativeKernels(prefill=native))
+        assert all((c.runs is not None) == native for c in plan.chunks)
+        outs[native] = attn(q, k, v, pool, slots, plan).float()
+    assert torch.allclose(outs[True], outs[False], atol=TOL, rtol=TOL)
+    k_cache, v_cache = pool.buffers(0)
+    ref_a = reference(q[:150], k_cache, v_cache, chunk_a, 1000).float().reshape(150, -1)
+    assert torch.allclose(outs[True][:150], ref_a, atol=TOL, rtol=TOL)
+
+
+def test_engine_in_bfloat16_is_as_close_to_float32_as_the_torch_kernels(model_dir) -> None:
+    """The default dtype end to end: prompt logprobs of chunked prompts (later chunks read a
+    long cached prefix) with the native prefill kernel are as close to a float32 run as
+    those of the torch kernels in bfloat16 (a wrong key or a lost block would be far off)."""
+    from pipeserve.engine.engine import Engine
+
+    path = model_dir("tiny-qwen3")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (300, 150, 37)]
+    sp = {"max_new_tokens": 1, "temperature": 0.0}
+    logprobs = {}
+    for backend, dtype in (("torch", "float32"), ("torch", "bfloat16"), ("auto", "bfloat16")):
+        flags = {"dtype": dtype, "chunked_prefill_size": 64, "max_total_tokens": 4096}
+        with Engine(str(path), attention_backend=backend, **flags) as engine:
+            native = engine.backend.runner.native.prefill
+            assert native == (backend == "auto" and dtype == "bfloat16")
+            out = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+        logprobs[backend, dtype] = torch.tensor([lp for o in out for lp in o["prompt_logprobs"]])
+    exact = logprobs["torch", "float32"]
+    assert exact.shape == (300 + 150 + 37 - 3,)
+    native_err = (logprobs["auto", "bfloat16"] - exact).abs()
+    torch_err = (logprobs["torch", "bfloat16"] - exact).abs()
+    assert native_err.mean() <= 1.25 * torch_err.mean()
+    assert native_err.max() <= 2 * torch_err.max()
