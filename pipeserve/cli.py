@@ -115,17 +115,20 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     pp_sizes, tp_sizes = args.pp_size or [1], args.tp_size or [1]
     pairs = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
-    runs = len(pairs) * (args.repeat or 1) * (2 if args.compare_worker_process else 1)
+    threads = args.threads_per_worker or [None]
+    runs = len(pairs) * len(threads) * args.repeat * (2 if args.compare_worker_process else 1)
     if (args.nnodes or 1) > 1 and runs > 1:  # node 1 would start workers for the first only
         sys.exit(
             f"--nnodes {args.nnodes} runs one layout per command, once, but these flags ask for "
             f"{runs} runs: run bench once per layout (benchmarks/netlab.sh --layouts does)"
         )
     args.pp_size, args.tp_size = pairs[0]
+    args.threads_per_worker = threads[0]
     run_as_worker_node(args)
     layouts = [
-        Layout(pp, tp, spawn)
+        Layout(pp, tp, spawn, t if len(threads) > 1 else None)
         for pp, tp in pairs
+        for t in threads
         for spawn in (False, True)
         if not spawn or (args.compare_worker_process and pp * tp == 1)
     ]
@@ -226,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run each one-device layout also in a worker process (the per-worker overhead)",
     )
     add_engine_flags(bench)
-    for action in bench._actions:  # layouts to compare: --pp-size 1,2 --tp-size 1,2
-        if action.dest in ("pp_size", "tp_size"):
+    for action in bench._actions:  # to compare: --pp-size 1,2 --tp-size 1,2 --threads... 1,2
+        if action.dest in ("pp_size", "tp_size", "threads_per_worker"):
             action.type = int_list
     bench.set_defaults(func=cmd_bench)
 

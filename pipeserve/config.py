@@ -54,10 +54,16 @@ class CacheConfig:
     disable_radix_cache: bool = _flag(False, "do not share KV of common prefixes")
 
 
+DEFAULT_CHUNK_SIZE = 2048
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    chunked_prefill_size: int = _flag(
-        2048, "max prompt tokens per request per forward (-1: no chunking)"
+    chunked_prefill_size: int | None = _flag(
+        None,
+        "max prompt tokens per request per forward (-1: no chunking); default: "
+        f"{DEFAULT_CHUNK_SIZE} on one worker, and for PP/TP layouts a size picked from a "
+        "start-up measurement (printed; see the README)",
     )
     max_prefill_tokens: int = _flag(16384, "token budget of one prefill batch")
     max_running_requests: int = _flag(128, "max requests holding KV at once")
@@ -99,7 +105,10 @@ class SchedulerConfig:
 
     @property
     def chunk_size(self) -> int | None:
-        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+        """The chunk size given, or the one-worker default; None: no chunking."""
+        size = self.chunked_prefill_size
+        size = DEFAULT_CHUNK_SIZE if size is None else size
+        return size if size > 0 else None
 
     @property
     def smooth_factor(self) -> float:
@@ -262,7 +271,9 @@ def validate(config: EngineConfig) -> None:
 def _dynamic_chunking_checks(s: SchedulerConfig) -> list[tuple[bool, str]]:
     if not s.enable_dynamic_chunking:
         return []
-    size, low = s.chunked_prefill_size, s.dynamic_chunking_min_size
+    size, low = s.chunk_size or -1, s.dynamic_chunking_min_size
+    if s.chunked_prefill_size is None:  # the initial size is picked at start-up
+        return [(low is None or low > 0, f"--dynamic-chunking-min-size {low} must be positive")]
     return [
         (
             size > 0,

@@ -73,11 +73,16 @@ def test_config_is_frozen() -> None:
         ({"enable_dynamic_chunking": True, "chunked_prefill_size": -1},
          r"--enable-dynamic-chunking needs --chunked-prefill-size C > 0 \(the initial chunk "
          r"size\), not -1; drop --enable-dynamic-chunking to prefill without chunks"),
-        ({"enable_dynamic_chunking": True, "dynamic_chunking_min_size": 4096},
+        ({"enable_dynamic_chunking": True, "dynamic_chunking_min_size": 4096,
+          "chunked_prefill_size": 2048},
          r"--dynamic-chunking-min-size 4096 must be in \[1, --chunked-prefill-size 2048\]"),
-        ({"enable_dynamic_chunking": True, "dynamic_chunking_min_size": 0},
+        ({"enable_dynamic_chunking": True, "dynamic_chunking_min_size": 0,
+          "chunked_prefill_size": 2048},
          r"--dynamic-chunking-min-size 0 must be in \[1, --chunked-prefill-size 2048\]"),
-        ({"enable_dynamic_chunking": True, "dynamic_chunking_profile_max_len": 1024},
+        ({"enable_dynamic_chunking": True, "dynamic_chunking_min_size": 0},
+         r"--dynamic-chunking-min-size 0 must be positive"),
+        ({"enable_dynamic_chunking": True, "dynamic_chunking_profile_max_len": 1024,
+          "chunked_prefill_size": 2048},
          "--dynamic-chunking-profile-max-len 1024 must be at least --chunked-prefill-size 2048"),
         ({"dynamic_chunking_model": "cubic"},
          "--dynamic-chunking-model 'cubic' is not one of prefix-quadratic, quadratic"),
@@ -146,10 +151,18 @@ def test_dynamic_chunking_flags_reach_the_chunk_policy() -> None:
         dynamic_chunking_model="quadratic", dynamic_chunking_profile_max_len=65536,
         dynamic_chunking_smooth_factor=0.6, dynamic_chunking_online=True,
     )
-    assert ChunkPolicy.from_config(config) == ChunkPolicy(4096, True, 0.6, True, "quadratic",
-                                                          256, 65536)
+    assert ChunkPolicy.from_config(config) == ChunkPolicy(
+        4096, True, smooth_factor=0.6, online=True, model="quadratic", min_size=256,
+        profile_max_len=65536)
     default = ChunkPolicy.from_config(EngineConfig.from_flags(enable_dynamic_chunking=True))
     assert (default.model, default.min_size, default.profile_max_len) == (
         "prefix-quadratic", None, 32768)
+    # no size given: picked at start-up for PP/TP layouts, the one-worker default otherwise
+    assert ChunkPolicy.from_config(EngineConfig.from_flags(pp_size=2)).auto
+    assert ChunkPolicy.from_config(EngineConfig.from_flags(tp_size=2)).auto
+    one = ChunkPolicy.from_config(EngineConfig.from_flags())
+    assert (one.auto, one.size) == (False, 2048)
+    assert not ChunkPolicy.from_config(EngineConfig.from_flags(pp_size=2,
+                                                               chunked_prefill_size=1024)).auto
     # without dynamic chunking its settings are not checked against the chunk size
     assert EngineConfig.from_flags(chunked_prefill_size=-1, dynamic_chunking_min_size=9999)

@@ -105,13 +105,18 @@ class Layout:
     pp: int
     tp: int
     spawn_workers: bool = False  # one device in a worker process instead of in-process
+    threads: int | None = None  # torch threads per worker (None: the flags' or the default)
 
     @property
     def name(self) -> str:
-        return f"PP{self.pp} TP{self.tp}" + (" worker" if self.spawn_workers else "")
+        worker = " worker" if self.spawn_workers else ""
+        threads = f" {self.threads}thr" if self.threads else ""
+        return f"PP{self.pp} TP{self.tp}{worker}{threads}"
 
     def flags(self, base: dict[str, Any]) -> dict[str, Any]:
-        extra = {"spawn_workers": True} if self.spawn_workers else {}
+        extra: dict[str, Any] = {"spawn_workers": True} if self.spawn_workers else {}
+        if self.threads:
+            extra["threads_per_worker"] = self.threads
         return {**base, "pp_size": self.pp, "tp_size": self.tp, **extra}
 
 
@@ -281,12 +286,13 @@ def _offset_stage(events: list[Event], layout: int) -> list[Event]:
 
 def describe_chunking(info: dict[str, Any]) -> str:
     """One line: the chunking mode and, with dynamic chunking, the fitted cost model."""
+    picked = " picked at start-up" if "auto" in info else ""
     if "coefficients" not in info:
         extra = info.get("chunk_size") or info.get("reason")
-        return info["mode"] + (f" ({extra})" if extra else "")
+        return info["mode"] + (f" ({extra}{picked})" if extra else "")
     terms = " ".join(f"{k}={v:.3g}" for k, v in info["coefficients"].items())
     return (
-        f"{info['mode']} {info['model']}: {terms}; C {info['initial_size']}, "
+        f"{info['mode']} {info['model']}: {terms}; C {info['initial_size']}{picked}, "
         f"s {info['smooth_factor']}, floor {info['min_size']}, "
         f"{len(info['profile_points']) - 1} profile points"
     )
@@ -296,7 +302,7 @@ def print_report(r: dict[str, Any]) -> None:
     print(
         f"model {r['model']}  dtype {r['dtype']}  {r['threads_per_worker']} thread(s)/worker  "
         f"{r['num_prompts']} x {r['input_len']} in / {r['output_len']} out  "
-        f"chunk {r['chunked_prefill_size']}"
+        f"chunk {r['chunked_prefill_size'] or 'default'}"
     )
     print(f"matmul peak {r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s per worker")
     if r["repeat"] > 1:

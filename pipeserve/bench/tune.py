@@ -72,7 +72,9 @@ class Tuner:
         """Dynamic chunking as the engine's flags set it (cost model, floor, profile length),
         with this trial's initial size and smoothing factor."""
         base = ChunkPolicy.from_config(self.engine.config)
-        return replace(base, size=size, dynamic=True, smooth_factor=factor, online=False)
+        return replace(
+            base, size=size, dynamic=True, auto=False, smooth_factor=factor, online=False
+        )
 
     def _warm_up(self) -> None:
         self._measure(ChunkPolicy(min(512, self.input_len)), 256)
@@ -116,7 +118,8 @@ def run_tune(
     json_path: str | None,
     png_path: str | None,
 ) -> dict[str, Any]:
-    with Engine(**flags) as engine:
+    # the trials set their own chunk sizes: no start-up pick of one
+    with Engine(**{"chunked_prefill_size": FIXED_SIZES[0], **flags}) as engine:
         trials = Tuner(engine, input_len, budget_s).run()
         p = engine.config.parallel
         model = str(engine.model_path)

@@ -17,7 +17,7 @@ import json
 import logging
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 
 from pipeserve import envs
 from pipeserve.config import EngineConfig
+from pipeserve.device import min_pipeline_chunk, resolve_device
 from pipeserve.scheduler.chunk_cost import COEFFICIENTS, Point, profile_grid, profile_lengths
 from pipeserve.scheduler.dynamic_chunking import (
     ChunkSizePredictor,
@@ -41,10 +42,17 @@ log = logging.getLogger(__name__)
 Profiler = Callable[[list[Point]], list[list[float]]]  # seconds per point, a list per stage
 
 
+AUTO_CANDIDATES = (256, 512, 1024, 2048, 4096)
+AUTO_SLACK = 0.05  # a chunk within this share of the best per-token time is efficient enough
+AUTO_DYNAMIC_FACTOR = 2  # dynamic chunking starts from this multiple of the picked size
+
+
 @dataclass(frozen=True)
 class ChunkPolicy:
     size: int | None  # None: no chunking; with dynamic chunking, the initial size C
     dynamic: bool = False
+    auto: bool = False  # pick the size at start-up (a PP/TP layout, no size given)
+    device_type: str = "cpu"
     smooth_factor: float = 0.75
     online: bool = False
     model: str = "prefix-quadratic"  # the chunk cost model (--dynamic-chunking-model)
@@ -57,6 +65,8 @@ class ChunkPolicy:
         return cls(
             s.chunk_size,
             s.enable_dynamic_chunking,
+            s.chunked_prefill_size is None and config.parallel.world_size > 1,
+            resolve_device(config.model.device).type,
             s.smooth_factor,
             s.dynamic_chunking_online,
             s.dynamic_chunking_model,
@@ -69,6 +79,18 @@ def setup_chunking(
     policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, cache_key: dict[str, Any]
 ) -> dict[str, Any]:
     """Install the policy on the scheduler; returns a description for logs and benchmarks."""
+    if policy.auto:
+        picked = pick_chunk_size(policy, scheduler, profile, cache_key)
+        size = picked["chunk_size"] * (AUTO_DYNAMIC_FACTOR if policy.dynamic else 1)
+        return _install(replace(policy, size=size, auto=False), scheduler, profile, cache_key) | {
+            "auto": picked
+        }
+    return _install(policy, scheduler, profile, cache_key)
+
+
+def _install(
+    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, cache_key: dict[str, Any]
+) -> dict[str, Any]:
     size = policy.size
     if size is None:
         scheduler.set_chunking(None)
@@ -96,6 +118,45 @@ def setup_chunking(
     refit = _online_refit(policy, predictor, info) if policy.online else None
     scheduler.set_chunking(make_sizer(predictor, scheduler), refit)
     return info
+
+
+def pick_chunk_size(
+    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, key: dict[str, Any]
+) -> dict[str, Any]:
+    """--chunked-prefill-size for a PP/TP layout when none is given: the smallest candidate
+    whose per-token forward time (prefix 0, slowest stage) is within AUTO_SLACK of the best
+    candidate's, and at least the device's floor. Small chunks keep the pipeline full (the
+    last chunk, which the later stages run alone, is short); below the knee kernels lose
+    efficiency. Timed once and cached like the dynamic-chunking profile."""
+    free = scheduler.kv.allocator.num_free * scheduler.kv.page_size
+    sizes = [n for n in AUTO_CANDIDATES if n <= min(free, scheduler.context_len)] or [free]
+    points = [(0, sizes[0]), *((0, n) for n in sizes)]  # the first one twice: a warm-up
+    stages = cached_profile(key | {"auto_chunk_points": points}, lambda: profile(points))
+    slowest = [max(per_stage) for per_stage in zip(*stages, strict=True)][1:]
+    per_token = [t / n for n, t in zip(sizes, slowest, strict=True)]
+    best = min(per_token)
+    knee = next(n for n, t in zip(sizes, per_token, strict=True) if t <= (1 + AUTO_SLACK) * best)
+    floor = min_pipeline_chunk(policy.device_type)
+    size = max(knee, floor)
+    log.info(
+        "chunked prefill size %d (picked for this layout: per-token forward times %s ms at "
+        "chunks of %s; the smallest within %.0f%% of the best is %d, the %s floor %d; "
+        "--chunked-prefill-size overrides)",
+        size * (AUTO_DYNAMIC_FACTOR if policy.dynamic else 1),
+        ", ".join(f"{1e3 * t:.3f}" for t in per_token),
+        ", ".join(map(str, sizes)),
+        100 * AUTO_SLACK,
+        knee,
+        policy.device_type,
+        floor,
+    )
+    return {
+        "chunk_size": size,
+        "sizes": sizes,
+        "per_token_s": per_token,
+        "knee": knee,
+        "floor": floor,
+    }
 
 
 def run_profile(

@@ -234,3 +234,39 @@ def test_no_room_to_profile_falls_back_to_fixed_chunks() -> None:
     sched = make_scheduler(tokens=400)  # less free KV than a quarter chunk
     info = setup_chunking(ChunkPolicy(C, dynamic=True), sched, synthetic(), {})
     assert info["mode"] == "dynamic-disabled" and info["profile_points"] == []
+
+
+# -- the size picked for a PP/TP layout when none is given ----------------------------------
+
+
+def per_token_profile(per_token: dict[int, float]) -> Profiler:
+    """Prefix-0 chunks of n tokens cost n * per_token[n] on each of two stages (the second
+    a little slower: the slowest stage counts)."""
+    return lambda points: [[x * per_token[x] * k for _, x in points] for k in (1.0, 1.1)]
+
+
+FLAT = {256: 1e-4, 512: 1e-4, 1024: 0.99e-4, 2048: 1e-4, 4096: 1.02e-4}  # a CPU: no knee
+STEEP = {256: 8e-4, 512: 4e-4, 1024: 2e-4, 2048: 1.1e-4, 4096: 1e-4}  # kernels fill at ~4K
+
+
+@pytest.mark.parametrize(("device", "per_token", "expected"), [
+    ("cpu", FLAT, 512),  # the knee is at the first candidate: the CPU floor decides
+    ("cuda", FLAT, 2048),  # the accelerator floor
+    ("cpu", STEEP, 4096),  # 2048 is 10% slower per token than 4096: beyond the 5% slack
+    ("cuda", {**STEEP, 2048: 1.04e-4}, 2048),  # within the slack: the smaller one
+])
+def test_a_layout_without_a_size_gets_the_rule_s_pick(device: str, per_token: dict[int, float],
+                                                      expected: int) -> None:
+    sched = make_scheduler()
+    info = setup_chunking(ChunkPolicy(2048, auto=True, device_type=device), sched,
+                          per_token_profile(per_token), {})
+    assert info["mode"] == "fixed" and info["chunk_size"] == expected
+    assert info["auto"]["chunk_size"] == expected
+    assert serve(sched, [prompt(3 * expected + 5)]) == [[expected] * 3 + [5]]
+
+
+def test_dynamic_chunking_without_a_size_starts_at_twice_the_pick() -> None:
+    sched = make_scheduler()
+    info = setup_chunking(ChunkPolicy(2048, dynamic=True, auto=True), sched,
+                          per_token_profile(FLAT), {})
+    assert info["auto"]["chunk_size"] == 512 and info["initial_size"] == 1024
