@@ -110,13 +110,37 @@ def layout_list(text: str) -> list[tuple[int, int]]:
     return [(p[0], p[1]) for p in pairs]
 
 
+def size_list(text: str) -> list[int]:
+    """512,1024 or start:stop:step (stop included)."""
+    try:
+        if ":" in text:
+            start, stop, step = (int(x) for x in text.split(":"))
+            return list(range(start, stop + 1, step))
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a list like 512,1024 nor a range like 256:2048:256"
+        ) from None
+
+
+def dynamic_list(text: str) -> list[tuple[int, float]]:
+    try:
+        return [(int(c), float(f)) for c, f in (item.split(":") for item in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of C:s pairs such as 1024:1.0,1536:0.9"
+        ) from None
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from pipeserve.bench.offline import Layout, run_bench
 
     pp_sizes, tp_sizes = args.pp_size or [1], args.tp_size or [1]
     pairs = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
     threads = args.threads_per_worker or [None]
-    runs = len(pairs) * len(threads) * args.repeat * (2 if args.compare_worker_process else 1)
+    loops = ["plain", "overlap"] if args.compare_loops else [None]
+    runs = len(pairs) * len(threads) * len(loops) * args.repeat
+    runs *= 2 if args.compare_worker_process else 1
     if (args.nnodes or 1) > 1 and runs > 1:  # node 1 would start workers for the first only
         sys.exit(
             f"--nnodes {args.nnodes} runs one layout per command, once, but these flags ask for "
@@ -126,11 +150,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     args.threads_per_worker = threads[0]
     run_as_worker_node(args)
     layouts = [
-        Layout(pp, tp, spawn, t if len(threads) > 1 else None)
+        Layout(pp, tp, spawn, t if len(threads) > 1 else None, loop if pp == 1 else None)
         for pp, tp in pairs
         for t in threads
         for spawn in (False, True)
-        if not spawn or (args.compare_worker_process and pp * tp == 1)
+        for loop in loops
+        if (not spawn or (args.compare_worker_process and pp * tp == 1))
+        and (loop is None or pp == 1 or loop == loops[0])
     ]
     run_bench(
         engine_flags(args),
@@ -176,7 +202,16 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from pipeserve.bench.tune import run_tune
 
     run_as_worker_node(args)
-    run_tune(engine_flags(args), args.input_len, args.budget_s, args.json, args.png)
+    run_tune(
+        engine_flags(args),
+        args.input_len,
+        args.budget_s,
+        args.json,
+        args.png,
+        args.fixed_sizes,
+        args.dynamic,
+        args.rounds,
+    )
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:
@@ -224,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--pp-size and --tp-size)",
     )
     bench.add_argument(
+        "--compare-loops",
+        action="store_true",
+        help="run each one-stage layout with the plain and with the overlap loop",
+    )
+    bench.add_argument(
         "--compare-worker-process",
         action="store_true",
         help="run each one-device layout also in a worker process (the per-worker overhead)",
@@ -260,6 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--budget-s", type=float, default=900.0, help="stop starting trials after this"
     )
+    tune.add_argument(
+        "--fixed-sizes",
+        type=size_list,
+        help="fixed chunk sizes to try, e.g. 512,1024 or 256:2048:256 (default: powers of two)",
+    )
+    tune.add_argument(
+        "--dynamic",
+        type=dynamic_list,
+        help="dynamic settings to try as C:s pairs, e.g. 1024:1.0,1536:0.9 (default: 2-4x the "
+        "best fixed size at every smoothing factor)",
+    )
+    tune.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians reported")
     tune.add_argument("--json", default="tune.json", help="save the table here")
     tune.add_argument("--png", default="tune.png", help="plot TTFT against the smoothing factor")
     add_engine_flags(tune)

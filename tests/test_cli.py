@@ -120,3 +120,32 @@ def test_entry_point_subprocess(cli_model: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert ">>> Hello\n" in done.stdout and "generated tokens" in done.stdout
+
+
+def bench_layouts(monkeypatch, argv: list[str]) -> list[tuple[str, dict[str, Any], int]]:
+    """The layouts (name, engine flags, repeat) a bench command line would run."""
+    from pipeserve.bench import offline
+
+    seen: list[tuple[str, dict[str, Any], int]] = []
+
+    def fake(flags, layouts, *args, **kwargs) -> None:
+        seen.extend((lay.name, lay.flags(flags), args[-1]) for lay in layouts)
+
+    monkeypatch.setattr(offline, "run_bench", fake)
+    main(["bench", *argv])
+    return seen
+
+
+def test_bench_layout_options(monkeypatch) -> None:
+    got = bench_layouts(monkeypatch, ["--layouts", "1x1,2x1,1x2", "--repeat", "3"])
+    assert [(n, f["pp_size"], f["tp_size"], r) for n, f, r in got] == [
+        ("PP1 TP1", 1, 1, 3), ("PP2 TP1", 2, 1, 3), ("PP1 TP2", 1, 2, 3)]
+    got = bench_layouts(monkeypatch, ["--threads-per-worker", "1,2", "--compare-worker-process"])
+    assert [(n, f["threads_per_worker"], f.get("spawn_workers", False)) for n, f, _ in got] == [
+        ("PP1 TP1 1thr", 1, False), ("PP1 TP1 worker 1thr", 1, True),
+        ("PP1 TP1 2thr", 2, False), ("PP1 TP1 worker 2thr", 2, True)]
+    got = bench_layouts(monkeypatch, ["--pp-size", "1,2", "--compare-loops"])
+    assert [n for n, _, _ in got] == ["PP1 TP1 plain", "PP1 TP1 overlap", "PP2 TP1"]
+    assert got[0][1]["disable_overlap_schedule"] and got[1][1]["enable_overlap_schedule"]
+    with pytest.raises(SystemExit):
+        main(["bench", "--layouts", "2y1"])

@@ -106,17 +106,21 @@ class Layout:
     tp: int
     spawn_workers: bool = False  # one device in a worker process instead of in-process
     threads: int | None = None  # torch threads per worker (None: the flags' or the default)
+    loop: str | None = None  # "overlap" | "plain" forced (None: the device's default)
 
     @property
     def name(self) -> str:
         worker = " worker" if self.spawn_workers else ""
         threads = f" {self.threads}thr" if self.threads else ""
-        return f"PP{self.pp} TP{self.tp}{worker}{threads}"
+        loop = f" {self.loop}" if self.loop else ""
+        return f"PP{self.pp} TP{self.tp}{worker}{threads}{loop}"
 
     def flags(self, base: dict[str, Any]) -> dict[str, Any]:
         extra: dict[str, Any] = {"spawn_workers": True} if self.spawn_workers else {}
         if self.threads:
             extra["threads_per_worker"] = self.threads
+        if self.loop:
+            extra[f"{'enable' if self.loop == 'overlap' else 'disable'}_overlap_schedule"] = True
         return {**base, "pp_size": self.pp, "tp_size": self.tp, **extra}
 
 

@@ -8,14 +8,17 @@
 
 One engine serves every trial (the chunk policy is scheduler state, the workers do not
 change); each trial prefills a fresh random prompt, so the prefix cache never helps.
-Trials run in order of expected value until --budget-s is spent.
+Trials run in order of expected value until --budget-s is spent. `--fixed-sizes` and
+`--dynamic` name the trials instead; `--rounds R` runs the whole list R times, interleaved
+(a machine whose speed drifts affects every trial alike), and reports each trial's median.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +37,9 @@ class Trial:
     mode: str  # "fixed" | "dynamic"
     chunk_size: int
     smooth_factor: float | None
-    ttft_s: float
+    ttft_s: float  # the median of the samples
     chunk_sizes: list[int]
+    samples: list[float] = field(default_factory=list)
 
     def flags(self) -> str:
         out = f"--chunked-prefill-size {self.chunk_size}"
@@ -47,26 +51,48 @@ class Trial:
 
 
 class Tuner:
-    def __init__(self, engine: Engine, input_len: int, budget_s: float) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        input_len: int,
+        budget_s: float,
+        fixed_sizes: list[int] | None = None,
+        dynamic: list[tuple[int, float]] | None = None,
+        rounds: int = 1,
+    ) -> None:
         self.engine, self.input_len = engine, input_len
         self.deadline = time.monotonic() + budget_s
+        sizes = fixed_sizes or [s for s in FIXED_SIZES if s <= input_len] or [input_len]
+        self.fixed = [ChunkPolicy(size) for size in sizes]
+        self.dynamic_settings, self.rounds = dynamic, rounds
         self.trials: list[Trial] = []
         self._prompt_seed = 1000
 
     def run(self) -> list[Trial]:
         self._warm_up()
-        fixed = [s for s in FIXED_SIZES if s <= self.input_len] or [self.input_len]
-        for size in fixed:
-            self._try(ChunkPolicy(size))
+        self._round(self.fixed)
         fixed_trials = [t for t in self.trials if t.mode == "fixed"]
         if not fixed_trials:
             return self.trials
-        best = min(fixed_trials, key=lambda t: t.ttft_s).chunk_size
-        initial = sorted({min(m * best, self.input_len) // 64 * 64 for m in INITIAL_MULTIPLES})
-        for factor in SMOOTH_FACTORS:
-            for size in initial:
-                self._try(self._dynamic(size, factor))
+        dynamic = self._dynamic_trials(min(fixed_trials, key=lambda t: t.ttft_s).chunk_size)
+        self._round(dynamic)
+        for _ in range(self.rounds - 1):
+            self._round(self.fixed + dynamic)
         return self.trials
+
+    def _dynamic_trials(self, best_fixed: int) -> list[ChunkPolicy]:
+        """The --dynamic settings, or initial sizes 2-4x the best fixed size at every
+        smoothing factor."""
+        if self.dynamic_settings is not None:
+            return [self._dynamic(size, factor) for size, factor in self.dynamic_settings]
+        initial = sorted(
+            {min(m * best_fixed, self.input_len) // 64 * 64 for m in INITIAL_MULTIPLES}
+        )
+        return [self._dynamic(size, factor) for factor in SMOOTH_FACTORS for size in initial]
+
+    def _round(self, policies: list[ChunkPolicy]) -> None:
+        for policy in policies:
+            self._try(policy)
 
     def _dynamic(self, size: int, factor: float) -> ChunkPolicy:
         """Dynamic chunking as the engine's flags set it (cost model, floor, profile length),
@@ -84,21 +110,29 @@ class Tuner:
         if time.monotonic() + expected > self.deadline:
             return
         ttft, sizes = self._measure(policy, self.input_len)
-        mode = "dynamic" if policy.dynamic else "fixed"
-        trial = Trial(
-            mode,
-            policy.size or self.input_len,
-            policy.smooth_factor if policy.dynamic else None,
-            ttft,
-            sizes,
-        )
-        self.trials.append(trial)
+        trial = self._trial_for(policy, ttft, sizes)
+        trial.samples.append(ttft)
+        trial.ttft_s = statistics.median(trial.samples)
         factor = "-" if trial.smooth_factor is None else trial.smooth_factor
         print(
-            f"{mode:<8} C={trial.chunk_size:<6} s={factor:<5} TTFT {ttft:8.3f}s  "
+            f"{trial.mode:<8} C={trial.chunk_size:<6} s={factor:<5} TTFT {ttft:8.3f}s  "
             f"chunks {len(sizes)}",
             flush=True,
         )
+
+    def _trial_for(self, policy: ChunkPolicy, ttft: float, sizes: list[int]) -> Trial:
+        """The trial of this policy (a new one in the first round)."""
+        mode = "dynamic" if policy.dynamic else "fixed"
+        key = (
+            mode,
+            policy.size or self.input_len,
+            policy.smooth_factor if policy.dynamic else None,
+        )
+        for t in self.trials:
+            if (t.mode, t.chunk_size, t.smooth_factor) == key:
+                return t
+        self.trials.append(Trial(*key, ttft, sizes))
+        return self.trials[-1]
 
     def _measure(self, policy: ChunkPolicy, length: int) -> tuple[float, list[int]]:
         self.engine.backend.set_chunk_policy(policy)
@@ -117,10 +151,13 @@ def run_tune(
     budget_s: float,
     json_path: str | None,
     png_path: str | None,
+    fixed_sizes: list[int] | None = None,
+    dynamic: list[tuple[int, float]] | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     # the trials set their own chunk sizes: no start-up pick of one
     with Engine(**{"chunked_prefill_size": FIXED_SIZES[0], **flags}) as engine:
-        trials = Tuner(engine, input_len, budget_s).run()
+        trials = Tuner(engine, input_len, budget_s, fixed_sizes, dynamic, rounds).run()
         p = engine.config.parallel
         model = str(engine.model_path)
     if not trials:
@@ -138,6 +175,8 @@ def run_tune(
         "best_fixed": asdict(best_fixed),
         "recommended_flags": best.flags(),
         "gain_over_best_fixed": 1.0 - best.ttft_s / best_fixed.ttft_s,
+        "rounds": rounds,
+        "dynamic_vs_fixed": _dynamic_ratios(trials, best_fixed),
     }
     print(f"\nbest fixed: {best_fixed.flags()}  TTFT {best_fixed.ttft_s:.3f}s")
     print(
@@ -151,6 +190,22 @@ def run_tune(
         plot_tune(trials, best_fixed, png_path)
         print(f"saved {png_path}")
     return report
+
+
+def _dynamic_ratios(trials: list[Trial], best_fixed: Trial) -> list[dict[str, Any]]:
+    """Each dynamic trial's TTFT over the best fixed size's, and over fixed chunks of its own
+    initial size (when that size was a trial)."""
+    fixed = {t.chunk_size: t.ttft_s for t in trials if t.mode == "fixed"}
+    return [
+        {
+            "chunk_size": t.chunk_size,
+            "smooth_factor": t.smooth_factor,
+            "to_best_fixed": t.ttft_s / best_fixed.ttft_s,
+            "to_same_fixed": t.ttft_s / fixed[t.chunk_size] if t.chunk_size in fixed else None,
+        }
+        for t in trials
+        if t.mode == "dynamic"
+    ]
 
 
 def plot_tune(trials: list[Trial], best_fixed: Trial, path: str) -> None:

@@ -102,3 +102,23 @@ def test_bench_compares_layouts_and_writes_trace_and_timeline(model, tmp_path, c
                   if r.startswith("bench-") and c >= 0}
         assert chunks == {(f"bench-{i}", c) for i in range(2) for c in range(4)}
     assert timeline.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_tune_named_trials_in_interleaved_rounds(model, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PIPESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    out_json = tmp_path / "tune.json"
+    main(["tune", "--model", str(model), "--pp-size", "2", "--input-len", str(INPUT_LEN),
+          "--fixed-sizes", "128:256:128", "--dynamic", "256:1.0,256:0.0", "--rounds", "2",
+          "--budget-s", "120", "--json", str(out_json), "--png", str(tmp_path / "t.png")])
+    report = json.loads(out_json.read_text())
+    trials = report["trials"]
+    assert [(t["mode"], t["chunk_size"], t["smooth_factor"]) for t in trials] == [
+        ("fixed", 128, None), ("fixed", 256, None), ("dynamic", 256, 1.0), ("dynamic", 256, 0.0)]
+    for t in trials:
+        assert len(t["samples"]) == 2 and t["ttft_s"] == pytest.approx(sum(t["samples"]) / 2)
+    fixed = {t["chunk_size"]: t["ttft_s"] for t in trials if t["mode"] == "fixed"}
+    best = min(fixed.values())
+    for ratio, t in zip(report["dynamic_vs_fixed"], trials[2:], strict=True):
+        assert ratio["to_best_fixed"] == pytest.approx(t["ttft_s"] / best)
+        assert ratio["to_same_fixed"] == pytest.approx(t["ttft_s"] / fixed[256])
+    assert trials[3]["chunk_sizes"] == [256] * (INPUT_LEN // 256)  # s = 0: fixed chunks

@@ -39,7 +39,7 @@ def test_contradicting_flags_are_rejected() -> None:
     ({"disable_overlap_schedule": True}, "plain"),
 ])
 def test_an_in_process_cpu_engine_runs_the_chosen_loop(model_dir, flags, loop: str) -> None:
-    with Engine(str(model_dir("tiny-qwen3")), dtype="float32", max_total_tokens=1024,
+    with Engine(str(model_dir("tiny-qwen3")), device="cpu", dtype="float32", max_total_tokens=1024,
                 **flags) as engine:
         assert engine.backend.stats()["loop"] == loop
         out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
