@@ -77,24 +77,65 @@ inline uint32_t pair_at(const bf16* row, int p) {
   return w;
 }
 
+// In-register transpose of a 16 x 16 matrix of 32-bit words: r[i][j] <- r[j][i].
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);
+    v[4 + k] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+    v[8 + k] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    v[12 + k] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(v[k], v[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(v[k], v[8 + k], 0xdd);
+  }
+}
+
 // Keys of one block packed for the score product: word (p, j) holds dims 2p, 2p+1 of key j,
-// so a vector of 16 words is one dim pair of 16 keys (the VNNI layout of vdpbf16ps).
+// so a vector of 16 words is one dim pair of 16 keys (the VNNI layout of vdpbf16ps). Built
+// 16 keys x 16 dim pairs at a time by an in-register transpose; keys past `keys` are zero.
 void pack_keys(const bf16* const* rows, int keys, int padded, int D, uint32_t* out) {
-  const int pairs = D / 2;
-  for (int j = 0; j < keys; ++j)
-    for (int p = 0; p < pairs; ++p) out[p * padded + j] = pair_at(rows[j], p);
-  for (int p = 0; p < pairs; ++p)
-    for (int j = keys; j < padded; ++j) out[p * padded + j] = 0;
+  const int pairs = D / 2;  // a multiple of 8
+  for (int j0 = 0; j0 < padded; j0 += 16) {
+    for (int p0 = 0; p0 < pairs; p0 += 16) {
+      const int np = std::min(16, pairs - p0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << np) - 1);
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = j0 + j < keys ? _mm512_maskz_loadu_epi32(mask, rows[j0 + j] + 2 * p0)
+                             : _mm512_setzero_si512();
+      transpose16(r);
+      for (int p = 0; p < np; ++p)
+        _mm512_storeu_si512(out + static_cast<int64_t>(p0 + p) * padded + j0, r[p]);
+    }
+  }
 }
 
 // Values of one block packed for the output product: word (q, e) holds dim e of keys 2q and
-// 2q+1. An odd last key is paired with zeros.
+// 2q+1 (low half: key 2q). An odd last key is paired with zeros.
 void pack_values(const bf16* const* rows, int keys, int D, uint32_t* out) {
+  auto widen = [](const bf16* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
   for (int q = 0; q < (keys + 1) / 2; ++q) {
     const bf16* a = rows[2 * q];
     const bf16* b = 2 * q + 1 < keys ? rows[2 * q + 1] : nullptr;
     uint32_t* o = out + static_cast<int64_t>(q) * D;
-    for (int e = 0; e < D; ++e) o[e] = a[e] | (b ? static_cast<uint32_t>(b[e]) << 16 : 0u);
+    for (int e = 0; e < D; e += 16) {
+      const __m512i high = b ? _mm512_slli_epi32(widen(b + e), 16) : _mm512_setzero_si512();
+      _mm512_storeu_si512(o + e, _mm512_or_si512(widen(a + e), high));
+    }
   }
 }
 
