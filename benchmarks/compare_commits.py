@@ -55,7 +55,7 @@ def main() -> int:
         try:
             rounds = run_rounds(trees, bench_args, args.rounds, root)
         finally:
-            for name, tree in trees.items():
+            for tree in trees.values():
                 if tree != REPO:
                     subprocess.run(
                         ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],

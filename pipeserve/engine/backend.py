@@ -3,7 +3,9 @@ caller's process (one device); the multi-process backend drives worker processes
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -264,11 +266,29 @@ class WorkerBackend(Backend):
         return self.workers.profile_stages(points, runs)
 
 
+def source_digest(root: Path) -> str:
+    """A digest of the Python and C++ sources under `root` (names and contents)."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".cpp", ".h"):
+            digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@cache
+def code_fingerprint() -> str:
+    """A digest of pipeserve's own source files."""
+    return source_digest(Path(__file__).resolve().parent.parent)
+
+
 def profile_key(
     config: EngineConfig, model_path: Path, threads: int, partition: list[int]
 ) -> dict[str, Any]:
-    """What a chunk-time profile of the stages depends on."""
+    """What a chunk-time profile of the stages depends on (the code too: a new kernel makes
+    an old profile wrong)."""
     return {
+        "code": code_fingerprint(),
+        "attention_backend": config.model.attention_backend,
         "model": str(Path(model_path).resolve()),
         "config": (Path(model_path) / "config.json").read_text(),
         "dtype": config.model.dtype,

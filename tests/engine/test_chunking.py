@@ -270,3 +270,23 @@ def test_dynamic_chunking_without_a_size_starts_at_twice_the_pick() -> None:
     info = setup_chunking(ChunkPolicy(2048, dynamic=True, auto=True), sched,
                           per_token_profile(FLAT), {})
     assert info["auto"]["chunk_size"] == 512 and info["initial_size"] == 1024
+
+
+def test_profile_cache_key_names_the_code_that_ran(tmp_path) -> None:
+    """A profile timed by other kernels (an upgrade) must not be reused: the key holds a
+    digest of pipeserve's sources, and the attention backend."""
+    from pipeserve.config import EngineConfig
+    from pipeserve.engine.backend import code_fingerprint, profile_key, source_digest
+
+    src = tmp_path / "src"
+    (src / "kernels").mkdir(parents=True)
+    (src / "kernels" / "attention.cpp").write_text("int f() { return 1; }")
+    before = source_digest(src)
+    (src / "kernels" / "attention.cpp").write_text("int f() { return 2; }")
+    assert source_digest(src) != before
+    (tmp_path / "config.json").write_text("{}")
+    config = EngineConfig.from_flags(attention_backend="torch")
+    key = profile_key(config, tmp_path, 1, [4])
+    assert key["code"] == code_fingerprint() and len(key["code"]) == 16
+    assert key["attention_backend"] == "torch"
+    assert profile_key(EngineConfig.from_flags(), tmp_path, 1, [4]) != key
