@@ -38,6 +38,11 @@ class ModelConfig:
         "'auto': the native CPU decode kernel where it builds, else torch; 'native'; 'torch'",
         choices=("auto", "native", "torch"),
     )
+    enable_deterministic_inference: bool = _flag(
+        False,
+        "batch-invariant kernels: greedy tokens and logprobs bitwise the same whatever the "
+        "batch, the chunking, the prefix cache and the layout (needs the native kernels)",
+    )
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
 
 
@@ -138,6 +143,23 @@ class ParallelConfig:
     nnodes: int = _flag(1, "number of nodes")
     node_rank: int = _flag(0, "rank of this node")
     dist_init_addr: str | None = _flag(None, "host:port of node 0 for multi-node launch")
+    dist_auth_key: str | None = field(
+        default=None,
+        repr=False,  # a secret: kept out of printed configs
+        metadata={
+            "help": "multi-node: a shared secret (give every node the same) that authenticates "
+            "and encrypts the scheduler's ZMQ channels (CURVE); prefer env "
+            "PIPESERVE_DIST_AUTH_KEY, which the process list does not show"
+        },
+    )
+    heartbeat_interval: float = _flag(
+        0.5, "seconds between a worker's heartbeats (sent by a thread of their own)"
+    )
+    heartbeat_timeout: float = _flag(
+        5.0,
+        "a worker silent this long is stalled: fail the engine (a worker with no scheduler "
+        "for this long exits)",
+    )
 
     @property
     def world_size(self) -> int:
@@ -151,6 +173,10 @@ class ParallelConfig:
     def layer_partition(self) -> str | None:
         return self.pp_layer_partition or envs.pp_layer_partition()
 
+    @property
+    def auth_key(self) -> str | None:
+        return self.dist_auth_key or envs.dist_auth_key()
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -163,6 +189,11 @@ class ServerConfig:
     )
     max_queued_requests: int = _flag(
         256, "requests waiting beyond --max-running-requests; more get HTTP 503"
+    )
+    max_request_bytes: int = _flag(
+        64 * 2**20,
+        "largest HTTP request body in bytes (64 MiB); larger ones, by Content-Length or as a "
+        "chunked body arrives, get HTTP 413",
     )
 
 
@@ -257,7 +288,13 @@ def validate(config: EngineConfig) -> None:
         ),
         (p.nnodes == 1 or p.dist_init_addr, "--nnodes > 1 needs --dist-init-addr host:port"),
         (config.server.watchdog_timeout > 0, "--watchdog-timeout must be positive"),
+        (
+            0 < p.heartbeat_interval * 2 <= p.heartbeat_timeout,
+            f"--heartbeat-timeout {p.heartbeat_timeout:g} must be at least twice "
+            f"--heartbeat-interval {p.heartbeat_interval:g} (both positive)",
+        ),
         (config.server.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
+        (config.server.max_request_bytes > 0, "--max-request-bytes must be positive"),
         (
             p.world_size % p.nnodes == 0,
             f"--tp-size * --pp-size = {p.world_size} must be divisible by --nnodes {p.nnodes}",

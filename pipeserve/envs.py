@@ -69,3 +69,9 @@ def gloo_socket_ifname() -> str | None:
     """GLOO_SOCKET_IFNAME: the interface gloo binds to (multi-node: picked from the route to
     --dist-init-addr when not set)."""
     return os.environ.get("GLOO_SOCKET_IFNAME") or None
+
+
+def dist_auth_key() -> str | None:
+    """PIPESERVE_DIST_AUTH_KEY: the shared secret of a multi-node control plane, when
+    --dist-auth-key is not given."""
+    return os.environ.get("PIPESERVE_DIST_AUTH_KEY") or None

@@ -1,5 +1,4 @@
-"""Control-plane channels between the scheduler and the worker processes (ZMQ over TCP, so
-the same code spans nodes).
+"""Control-plane channels between the scheduler and the worker processes (ZMQ).
 
 - batches: scheduler PUSH -> each first-stage TP rank (PULL), one socket per rank;
 - status: every worker PUSH -> scheduler PULL: ready, results, heartbeats, errors;
@@ -7,70 +6,205 @@ the same code spans nodes).
   ORPHAN_TIMEOUT_S exits, so no worker outlives its scheduler, on any node (before the first
   keepalive it waits FIRST_KEEPALIVE_TIMEOUT_S: node 0 may start well after the others).
 
-Payloads are pickled plain data exchanged among the engine's own processes only.
+Every message is encoded by `wire` (msgpack, fixed schemas, never pickle); one that does not
+decode is dropped with a warning and has no other effect.
+
+Who can connect: on one node the sockets are ipc:// files in a directory only this user can
+enter (mode 0700), which the scheduler creates and removes. Across nodes they are tcp://
+ports on node 0; with an auth key every socket speaks CURVE with keys derived from it, and
+the scheduler's sockets admit only clients that hold the derived client key (ZAP). Without a
+key anyone who reaches those ports can send or take messages (the launcher warns).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import math
 import os
-import pickle
+import shutil
+import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from pipeserve.distributed import wire
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 0.5
 HEARTBEAT_S = 0.5
 ORPHAN_TIMEOUT_S = 15.0
 FIRST_KEEPALIVE_TIMEOUT_S = 600.0  # as long as the scheduler waits for workers to start
 SEND_TIMEOUT_MS = 5000
+DROP_WARN_EVERY_S = 10.0
+KEEPALIVE = b"alive"
+KEEPALIVE_MAX_BYTES = 4096  # ZMQ counts the handshake's frames against the limit too
+MAX_IPC_PATH = 100  # sun_path holds 107 bytes on Linux
 
 
 @dataclass(frozen=True)
 class Endpoints:
-    host: str
-    batch_ports: tuple[int, ...]  # one per first-stage TP rank
-    status_port: int
-    control_port: int
+    """Where workers find the scheduler's sockets (handed to spawned workers as is)."""
 
-    def url(self, port: int) -> str:
-        return f"tcp://{self.host}:{port}"
+    batch: tuple[str, ...]  # one URL per first-stage TP rank
+    status: str
+    control: str
+    directory: str | None = None  # single node: the scheduler's private directory
+    auth_key: str | None = field(default=None, repr=False)  # across nodes: CURVE on
+
+    @classmethod
+    def ipc(cls, directory: str, tp_size: int) -> Endpoints:
+        def url(name: str) -> str:
+            return f"ipc://{os.path.join(directory, name)}"
+
+        batch = tuple(url(f"batch-{i}") for i in range(tp_size))
+        return cls(batch, url("status"), url("control"), directory)
+
+    @classmethod
+    def tcp(cls, host: str, base_port: int, tp_size: int, auth_key: str | None = None) -> Endpoints:
+        """Ports base_port .. + tp_size - 1 take batches, the next two status and control."""
+
+        def url(port: int) -> str:
+            return f"tcp://{host}:{port}"
+
+        batch = tuple(url(base_port + i) for i in range(tp_size))
+        status, control = url(base_port + tp_size), url(base_port + tp_size + 1)
+        return cls(batch, status, control, auth_key=auth_key)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """Curve25519 key pairs (Z85) of the scheduler (server) and of every worker (client)."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def derive(cls, auth_key: str) -> CurveKeys:
+        """The same pairs on every node that holds `auth_key`."""
+        server, client = _secret(auth_key, "server"), _secret(auth_key, "client")
+        return cls(zmq.curve_public(server), server, zmq.curve_public(client), client)
+
+
+def _secret(auth_key: str, role: str) -> bytes:
+    digest = hmac.new(auth_key.encode(), f"pipeserve control plane {role}".encode(), hashlib.sha256)
+    return z85.encode(digest.digest())
+
+
+def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:
+    """Make `sock` a CURVE server (before it binds)."""
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+
+
+def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+    """Make `sock` a CURVE client of the scheduler (before it connects)."""
+    sock.curve_secretkey = keys.client_secret
+    sock.curve_publickey = keys.client_public
+    sock.curve_serverkey = keys.server_public
+
+
+class _ClientKey:
+    """ZAP credentials: only the key derived for workers gets in."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.public)
+
+
+def private_directory() -> str:
+    """A fresh directory only this user can enter (mkdtemp makes it 0700), short enough to
+    hold ipc socket paths."""
+    path = tempfile.mkdtemp(prefix="pipeserve-")
+    if len(path) > MAX_IPC_PATH - 16:
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="pipeserve-", dir="/tmp")
+    return path
+
+
+class DropLog:
+    """Warns about messages that do not decode, at most once per DROP_WARN_EVERY_S."""
+
+    def __init__(self, where: str) -> None:
+        self.where, self.count, self.last = where, 0, -math.inf
+
+    def dropped(self, exc: wire.WireError) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= DROP_WARN_EVERY_S:
+            log.warning(
+                "%s: dropped %d message(s) that do not decode (last: %s)",
+                self.where,
+                self.count,
+                exc,
+            )
+            self.count, self.last = 0, now
 
 
 class SchedulerChannels:
-    """The scheduler's end: binds every socket."""
+    """The scheduler's end: binds every socket, ipc:// in a private directory when
+    `base_port` is None (one node), else tcp:// on `host` from `base_port` on."""
 
-    def __init__(self, host: str, tp_size: int, base_port: int | None = None) -> None:
+    def __init__(
+        self, host: str, tp_size: int, base_port: int | None = None, auth_key: str | None = None
+    ) -> None:
         self.ctx = zmq.Context()
-        self._batch = [self.ctx.socket(zmq.PUSH) for _ in range(tp_size)]
-        self._status = self.ctx.socket(zmq.PULL)
-        self._control = self.ctx.socket(zmq.PUB)
-        sockets = [*self._batch, self._status, self._control]
-        ports = [
-            self._bind(s, host, None if base_port is None else base_port + i)
-            for i, s in enumerate(sockets)
-        ]
-        for s in self._batch:
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        self.endpoints = Endpoints(host, tuple(ports[:tp_size]), ports[tp_size], ports[tp_size + 1])
+        self._directory: str | None = None
+        self._keys: CurveKeys | None = None
+        if base_port is None:
+            self._directory = private_directory()
+            self.endpoints = Endpoints.ipc(self._directory, tp_size)
+        else:
+            self.endpoints = Endpoints.tcp(host, base_port, tp_size, auth_key)
+            self._keys = CurveKeys.derive(auth_key) if auth_key else None
+        self._auth = self._start_authenticator()
+        self._init_sockets()
+        self._dropped = DropLog("scheduler status channel")
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._keepalive = threading.Thread(target=self._keepalive_loop, daemon=True)
         self._keepalive.start()
 
-    @staticmethod
-    def _bind(sock: zmq.Socket, host: str, port: int | None) -> int:
-        if port is None:
-            return sock.bind_to_random_port(f"tcp://{host}")
-        sock.bind(f"tcp://{host}:{port}")
-        return port
+    def _start_authenticator(self) -> ThreadAuthenticator | None:
+        if self._keys is None:
+            return None
+        auth = ThreadAuthenticator(self.ctx)
+        auth.start()
+        auth.configure_curve_callback("*", _ClientKey(self._keys.client_public))
+        return auth
+
+    def _init_sockets(self) -> None:
+        self._batch = [self._bind(zmq.PUSH, url) for url in self.endpoints.batch]
+        self._status = self._bind(zmq.PULL, self.endpoints.status, wire.MAX_MESSAGE_BYTES)
+        self._control = self._bind(zmq.PUB, self.endpoints.control)
+        for s in self._batch:
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+
+    def _bind(self, kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        if self._keys is not None:
+            secure_server(sock, self._keys)
+        sock.bind(url)
+        return sock
 
     def send_batch(self, obj: Any, block: bool = True) -> bool:
-        """False if a first-stage rank did not take it (within SEND_TIMEOUT_MS if blocking)."""
-        data = pickle.dumps(obj)
+        """Send a ScheduledBatch, "shutdown", "timeline" or ("profile", points, runs) to every
+        first-stage rank. False if one did not take it (within SEND_TIMEOUT_MS if blocking)."""
+        data = wire.encode_batch_command(obj)
         try:
             for s in self._batch:
                 s.send(data, copy=False, flags=0 if block else zmq.NOBLOCK)
@@ -78,62 +212,92 @@ class SchedulerChannels:
             return False
         return True
 
-    def poll(self, timeout_ms: int) -> Any | None:
-        if self._status.poll(timeout_ms):
-            return pickle.loads(self._status.recv())
+    def poll(self, timeout_ms: int) -> tuple[str, int, Any] | None:
+        """The next status message, (kind, rank, payload), waiting up to `timeout_ms`;
+        messages that do not decode are dropped on the way."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while self._status.poll(max(0, round((deadline - time.monotonic()) * 1000))):
+            try:
+                return wire.decode_status(self._status.recv())
+            except wire.WireError as exc:
+                self._dropped.dropped(exc)
         return None
 
     def _keepalive_loop(self) -> None:
         while not self._stop.wait(KEEPALIVE_S):
             with self._lock:
-                self._control.send(b"alive")
+                self._control.send(KEEPALIVE)
 
     def close(self) -> None:
         self._stop.set()
         self._keepalive.join(timeout=2)
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.destroy(linger=0)
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
 
 
 class WorkerChannels:
     """A worker's end: status out (thread-safe), batches in (first stage), and the orphan
     watchdog on the keepalives."""
 
-    def __init__(self, rank: int, endpoints: Endpoints, batch_port: int | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        endpoints: Endpoints,
+        batch_url: str | None,
+        heartbeat_s: float = HEARTBEAT_S,
+        orphan_timeout_s: float = ORPHAN_TIMEOUT_S,
+    ) -> None:
         self.rank = rank
+        self.heartbeat_s, self.orphan_timeout_s = heartbeat_s, orphan_timeout_s
         self.ctx = zmq.Context()
-        self._status = self.ctx.socket(zmq.PUSH)
-        self._status.connect(endpoints.url(endpoints.status_port))
+        self._keys = CurveKeys.derive(endpoints.auth_key) if endpoints.auth_key else None
+        self._status = self._connect(zmq.PUSH, endpoints.status)
         self._lock = threading.Lock()
         self._batch = None
-        if batch_port is not None:
-            self._batch = self.ctx.socket(zmq.PULL)
-            self._batch.connect(endpoints.url(batch_port))
-        self._control_url = endpoints.url(endpoints.control_port)
+        if batch_url is not None:
+            self._batch = self._connect(zmq.PULL, batch_url, wire.MAX_MESSAGE_BYTES)
+        self._dropped = DropLog(f"worker {rank} batch channel")
+        self._control_url = endpoints.control
         threading.Thread(target=self._watchdog, daemon=True).start()
         threading.Thread(target=self._heartbeat, daemon=True).start()
 
+    def _connect(self, kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        if self._keys is not None:
+            secure_client(sock, self._keys)
+        sock.connect(url)
+        return sock
+
     def send_status(self, kind: str, payload: Any = None) -> None:
-        data = pickle.dumps((kind, self.rank, payload))
+        data = wire.encode_status(kind, self.rank, payload)
         with self._lock:
             self._status.send(data)
 
-    def recv_batch(self) -> Any:
+    def recv_batch(self) -> tuple[wire.MsgType, wire.StageBody]:
+        """The next message from the scheduler that decodes (others are dropped)."""
         assert self._batch is not None
-        return pickle.loads(self._batch.recv())
+        while True:
+            try:
+                return wire.decode_stage(self._batch.recv())
+            except wire.WireError as exc:
+                self._dropped.dropped(exc)
 
     def _heartbeat(self) -> None:
         while True:
             self.send_status("heartbeat")
-            time.sleep(HEARTBEAT_S)
+            time.sleep(self.heartbeat_s)
 
     def _watchdog(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
+        sub = self._connect(zmq.SUB, self._control_url, KEEPALIVE_MAX_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(self._control_url)
         last, timeout = time.monotonic(), FIRST_KEEPALIVE_TIMEOUT_S
         while True:
             if sub.poll(int(KEEPALIVE_S * 1000)):
                 sub.recv()
-                last, timeout = time.monotonic(), ORPHAN_TIMEOUT_S
+                last, timeout = time.monotonic(), self.orphan_timeout_s
             elif time.monotonic() - last > timeout:
                 os._exit(3)  # the scheduler is gone: do not linger as an orphan

@@ -1,11 +1,19 @@
 """Starting worker processes: all of them on a single node, or this node's share of the
-global ranks when --nnodes > 1 (node 0 also runs the scheduler; other nodes only workers)."""
+global ranks when --nnodes > 1 (node 0 also runs the scheduler; other nodes only workers).
+
+Where the ranks meet: on a single node, torch.distributed's rendezvous is a file store in
+the scheduler's private 0700 directory (beside its ipc sockets) and gloo binds to loopback,
+so nothing listens on a network. Across nodes it is torch's TCP store on --dist-init-addr,
+and gloo connects the nodes over TCP: neither authenticates anyone (--dist-auth-key only
+secures the scheduler's ZMQ channels), so the cluster network must be private.
+"""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
-import socket
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from pipeserve import envs
 from pipeserve.config import EngineConfig
@@ -13,43 +21,54 @@ from pipeserve.device import cpu_cores
 from pipeserve.distributed.channels import Endpoints
 from pipeserve.distributed.netif import set_gloo_socket_ifname
 
+log = logging.getLogger(__name__)
+STORE_FILE = "store"
+
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where ranks meet: the torch.distributed store and the scheduler's ZMQ ports."""
+    """Where ranks meet across nodes: torch.distributed's TCP store on node 0 and the
+    scheduler's ZMQ ports after it (both None on a single node: a file store and ipc
+    sockets in the scheduler's private directory)."""
 
     host: str
-    store_port: int
-    zmq_base_port: int | None  # None: pick free ports (single node only)
-
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.host}:{self.store_port}"
+    store_port: int | None
+    zmq_base_port: int | None
+    auth_key: str | None = field(default=None, repr=False)  # CURVE on the ZMQ channels
 
 
 def rendezvous(config: EngineConfig) -> Rendezvous:
     p = config.parallel
-    if p.dist_init_addr:
-        host, _, port = p.dist_init_addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--dist-init-addr {p.dist_init_addr!r} must be host:port")
-        return Rendezvous(host, int(port), int(port) + 1)
-    return Rendezvous("127.0.0.1", free_port(), None)
+    if p.nnodes == 1:
+        return Rendezvous("127.0.0.1", None, None)
+    assert p.dist_init_addr is not None  # validated with the config
+    host, _, port = p.dist_init_addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--dist-init-addr {p.dist_init_addr!r} must be host:port")
+    if not p.auth_key:
+        log.warning(
+            "the control plane between nodes is unauthenticated: anyone who reaches %s's "
+            "ports %s.. can submit or take micro-batches. Give every node the same "
+            "--dist-auth-key (or PIPESERVE_DIST_AUTH_KEY), and keep the cluster network "
+            "private (torch.distributed's store and gloo have no authentication)",
+            host,
+            port,
+        )
+    return Rendezvous(host, int(port), int(port) + 1, p.auth_key)
 
 
 def endpoints_for(rdzv: Rendezvous, tp_size: int) -> Endpoints:
     """The scheduler's fixed ports on node 0 (multi-node: every node computes the same)."""
     assert rdzv.zmq_base_port is not None
-    base = rdzv.zmq_base_port
-    return Endpoints(
-        rdzv.host, tuple(range(base, base + tp_size)), base + tp_size, base + tp_size + 1
-    )
+    return Endpoints.tcp(rdzv.host, rdzv.zmq_base_port, tp_size, rdzv.auth_key)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def init_method(rdzv: Rendezvous, endpoints: Endpoints) -> str:
+    """torch.distributed's rendezvous: a file in the scheduler's private directory on a
+    single node (no listening socket), node 0's TCP store across nodes."""
+    if endpoints.directory is not None:
+        return f"file://{os.path.join(endpoints.directory, STORE_FILE)}"
+    return f"tcp://{rdzv.host}:{rdzv.store_port}"
 
 
 def local_ranks(config: EngineConfig) -> range:
@@ -79,7 +98,7 @@ def start_workers(
             config.flags(),
             model_path,
             endpoints,
-            rdzv.init_method,
+            init_method(rdzv, endpoints),
             threads_per_worker(config),
             len(ranks),
             future_ring,

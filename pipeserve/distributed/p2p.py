@@ -1,10 +1,10 @@
 """Typed point-to-point messages between adjacent pipeline stages.
 
-A message is a fixed-size header (type, sizes), the batch description (pickled plain data,
-as bytes) and the activations `hidden_states` and `residual` [tokens, hidden]. Sends are
-non-blocking: `send()` returns a handle that keeps the payload alive until `wait()` at the
-sender's commit point. Each link has its own process group, so a stage's receiving thread
-and its sending thread never share one.
+A message is a fixed-size header (type, sizes), the batch description (or a profile
+request) encoded by `wire` (msgpack, never pickle) and the activations `hidden_states` and
+`residual` [tokens, hidden]. Sends are non-blocking: `send()` returns a handle that keeps
+the payload alive until `wait()` at the sender's commit point. Each link has its own process
+group, so a stage's receiving thread and its sending thread never share one.
 
 Under TP every rank of a stage holds the same activations, so each sends only its 1/T share
 of the rows to its peer in the next stage, whose ranks put the rows back together with one
@@ -15,25 +15,18 @@ times.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeserve.distributed import wire
+from pipeserve.distributed.wire import MsgType
 from pipeserve.scheduler.batch import ScheduledBatch
 
 HEADER = 7  # type, meta bytes, tokens, rows sent, hidden size, has residual, dtype code
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-class MsgType(IntEnum):
-    PROXY = 1  # a micro-batch's description and activations for the next stage
-    SHUTDOWN = 2
-    TIMELINE = 3  # report the recorded timeline, then pass it on
-    PROFILE = 4  # time chunks for dynamic chunking (payload: points, KV runs), then pass it on
 
 
 @dataclass
@@ -42,7 +35,14 @@ class StageMessage:
     batch: ScheduledBatch | None = None
     hidden: torch.Tensor | None = None
     residual: torch.Tensor | None = None
-    profile: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None  # points, runs
+    profile: wire.Profile | None = None  # points, runs
+
+
+def stage_message(kind: MsgType, body: wire.StageBody) -> StageMessage:
+    """The message a decoded (kind, body) stands for, without activations."""
+    if isinstance(body, ScheduledBatch):
+        return StageMessage(kind, batch=body)
+    return StageMessage(kind, profile=body)
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def send(
 ) -> PendingSend:
     """Post the message (this rank's share of the activations rows) without waiting."""
     body = msg.batch if msg.batch is not None else msg.profile
-    meta = pickle.dumps(body) if body is not None else b""
+    meta = wire.encode_stage(msg.kind, body) if body is not None else b""
     hidden = msg.hidden
     tokens = hidden.shape[0] if hidden is not None else 0
     start, end = shard.rows(tokens)
@@ -110,13 +110,11 @@ def recv(src: int, group: Any, device: torch.device, shard: Shard = Shard()) -> 
     header = torch.empty(HEADER, dtype=torch.long, device=device)
     dist.recv(header, src, group=group)
     kind, meta_len, tokens, rows, hidden_size, has_residual, dtype_code = header.tolist()
-    body = None
+    msg = StageMessage(MsgType(kind))
     if meta_len:
-        meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
-        dist.recv(meta, src, group=group)
-        body = pickle.loads(meta.cpu().numpy().tobytes())
-    if MsgType(kind) is not MsgType.PROXY:
-        return StageMessage(MsgType(kind), profile=body)
+        msg = stage_message(*_recv_meta(kind, meta_len, src, group, device))
+    if msg.kind is not MsgType.PROXY:
+        return msg
     start, end = shard.rows(tokens)
     if end - start != rows:
         raise RuntimeError(
@@ -129,7 +127,20 @@ def recv(src: int, group: Any, device: torch.device, shard: Shard = Shard()) -> 
     for i in range(width):
         dist.recv(parts[i, :rows], src, group=group)
     whole = _reassemble(parts, tokens, shard)
-    return StageMessage(MsgType.PROXY, body, whole[0], whole[1] if has_residual else None)
+    return StageMessage(MsgType.PROXY, msg.batch, whole[0], whole[1] if has_residual else None)
+
+
+def _recv_meta(
+    kind: int, size: int, src: int, group: Any, device: torch.device
+) -> tuple[MsgType, wire.StageBody]:
+    if size > wire.MAX_MESSAGE_BYTES:
+        raise RuntimeError(f"the previous stage announced a {size}-byte batch description")
+    meta = torch.empty(size, dtype=torch.uint8, device=device)
+    dist.recv(meta, src, group=group)
+    decoded = wire.decode_stage(meta.cpu().numpy().tobytes())
+    if decoded[0] != kind:
+        raise RuntimeError(f"a {MsgType(kind).name} header came with a {decoded[0].name} body")
+    return decoded
 
 
 def _reassemble(parts: torch.Tensor, tokens: int, shard: Shard) -> torch.Tensor:

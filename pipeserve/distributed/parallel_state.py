@@ -7,10 +7,13 @@ the default state (every size 1, every layer on the one stage).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from pipeserve import envs
 
 log = logging.getLogger(__name__)
 SHM_SLOT_BYTES = 16 << 20  # a tensor larger than this is all-reduced in slices
@@ -139,13 +142,15 @@ def init_parallel_groups(
     """Join the process group and create every TP and stage-link group (all ranks create
     all groups, in the same order). Rank layout: pp_rank * tp_size + tp_rank. A TP group
     whose ranks share a machine (of `ranks_per_node` consecutive ranks) all-reduces through
-    shared memory on CPUs."""
+    shared memory on CPUs. With every rank on this machine, gloo listens on loopback only."""
     import datetime
 
     import torch.distributed as dist
 
     global _links
     world = tp_size * pp_size
+    if _one_machine(tuple(range(world)), ranks_per_node or world):
+        _gloo_on_loopback()
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -187,6 +192,15 @@ def _one_machine(ranks: tuple[int, ...], ranks_per_node: int) -> bool:
     return len({r // ranks_per_node for r in ranks}) == 1
 
 
+def _gloo_on_loopback() -> None:
+    """Point GLOO_SOCKET_IFNAME at the loopback interface unless it is set (in this process,
+    the one whose gloo binds)."""
+    from pipeserve.distributed.netif import interface_with_address
+
+    if envs.gloo_socket_ifname() is None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface_with_address("127.0.0.1") or "lo"
+
+
 def _shared_memory_all_reduce(
     group: Any, ranks: tuple[int, ...], tp_rank: int, timeout_s: float
 ) -> Any:
@@ -194,21 +208,21 @@ def _shared_memory_all_reduce(
     /dev/shm): then gloo all-reduces over loopback TCP. The group's first rank creates the
     segment and removes its name once all have it mapped, so nothing outlives the ranks.
     Every rank reaches every collective here, whatever fails."""
-    import os
-
+    import torch
     import torch.distributed as dist
 
-    name = [f"/pipeserve-tp-{os.getpid()}-{ranks[0]}" if tp_rank == 0 else ""]
-    dist.broadcast_object_list(name, src=ranks[0], group=group)
-    shm = _open_segment(name[0], tp_rank, len(ranks), timeout_s) if tp_rank == 0 else None
+    owner = torch.tensor([os.getpid() if tp_rank == 0 else 0], dtype=torch.long)
+    dist.broadcast(owner, src=ranks[0], group=group)  # the segment is named by its creator
+    name = f"/pipeserve-tp-{int(owner)}-{ranks[0]}"
+    shm = _open_segment(name, tp_rank, len(ranks), timeout_s) if tp_rank == 0 else None
     dist.barrier(group=group)  # created before the others open it
     if tp_rank > 0:
-        shm = _open_segment(name[0], tp_rank, len(ranks), timeout_s)
-    ready: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(ready, shm is not None, group=group)
+        shm = _open_segment(name, tp_rank, len(ranks), timeout_s)
+    ready = torch.tensor([int(shm is not None)], dtype=torch.long)
+    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
     if tp_rank == 0 and shm is not None:
         shm.unlink()
-    if not all(ready):
+    if not int(ready):
         log.warning("shared-memory all-reduce unavailable on some rank; TP all-reduces over gloo")
         return None
     return shm

@@ -31,6 +31,7 @@ from pipeserve.distributed.parallel_state import (
 )
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
+from pipeserve.lifetime import exit_with_parent
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.layer_costs import measure_layer_costs
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
@@ -53,13 +54,16 @@ class WorkerArgs:
 
 
 def worker_main(args: WorkerArgs) -> None:
+    exit_with_parent()
     channels = None
     try:
         set_threads(args.threads)
         config = EngineConfig.from_flags(**args.flags)
         p = config.parallel
-        batch_port = args.endpoints.batch_ports[args.rank] if args.rank < p.tp_size else None
-        channels = WorkerChannels(args.rank, args.endpoints, batch_port)
+        batch_url = args.endpoints.batch[args.rank] if args.rank < p.tp_size else None
+        channels = WorkerChannels(
+            args.rank, args.endpoints, batch_url, p.heartbeat_interval, p.heartbeat_timeout
+        )
         arch = ArchConfig.load(args.model_path)
         device = resolve_device(config.model.device)
         init_parallel_groups(
@@ -102,9 +106,11 @@ def _all_reduce_kind(state: ParallelState) -> str:
 
 
 def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.device) -> list[int]:
-    """Rank 0 resolves the layer partition (measuring layer costs for 'auto') for all."""
+    """Rank 0 resolves the layer partition (measuring layer costs for 'auto') for all; a
+    partition it rejects fails every rank with its message."""
     p = config.parallel
-    out: list[Any] = [None]
+    partition: list[int] = []
+    error = ""
     if dist.get_rank() == 0:
 
         def measure() -> tuple[list[float], float, float]:
@@ -114,22 +120,38 @@ def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.de
             return costs.per_layer, costs.embed, costs.head
 
         try:
-            out[0] = resolve_partition(p.layer_partition, arch.num_layers, p.pp_size, measure)
+            partition = resolve_partition(p.layer_partition, arch.num_layers, p.pp_size, measure)
         except ValueError as exc:
-            out[0] = exc
-    dist.broadcast_object_list(out, src=0)
-    if isinstance(out[0], Exception):
-        raise out[0]
-    return list(out[0])
+            error = str(exc)
+    error = broadcast_text(error, device)
+    if error:
+        raise ValueError(error)
+    return broadcast_ints(partition, p.pp_size, device)
 
 
 def _agree_on_pages(
     config: EngineConfig, arch: ArchConfig, local_workers: int, partition: list[int]
 ) -> int:
     """Every stage must hold the same number of KV pages: rank 0 decides."""
-    pages = [kv_pool_pages(config, arch, local_workers, partition)]
-    dist.broadcast_object_list(pages, src=0)
-    return int(pages[0])
+    pages = kv_pool_pages(config, arch, local_workers, partition)
+    return broadcast_ints([pages], 1, resolve_device(config.model.device))[0]
+
+
+def broadcast_ints(values: list[int], count: int, device: torch.device) -> list[int]:
+    """Rank 0's `count` ints on every rank (`values` is read on rank 0 only)."""
+    root = dist.get_rank() == 0
+    if root and len(values) != count:
+        raise ValueError(f"rank 0 has {len(values)} values to broadcast, not {count}")
+    t = torch.tensor(values if root else [0] * count, dtype=torch.long, device=device)
+    dist.broadcast(t, src=0)
+    return [int(v) for v in t.tolist()]
+
+
+def broadcast_text(text: str, device: torch.device) -> str:
+    """Rank 0's `text` on every rank (`text` is read on rank 0 only)."""
+    data = text.encode() if dist.get_rank() == 0 else b""
+    size = broadcast_ints([len(data)], 1, device)[0]
+    return bytes(broadcast_ints(list(data), size, device)).decode() if size else ""
 
 
 class StageWorker:
@@ -200,14 +222,7 @@ class StageWorker:
 
     def _next_message(self) -> p2p.StageMessage:
         if self.links.prev_rank is None:
-            obj = self.channels.recv_batch()
-            if obj == "shutdown":
-                return p2p.StageMessage(p2p.MsgType.SHUTDOWN)
-            if obj == "timeline":
-                return p2p.StageMessage(p2p.MsgType.TIMELINE)
-            if isinstance(obj, tuple) and obj[0] == "profile":
-                return p2p.StageMessage(p2p.MsgType.PROFILE, profile=(obj[1], obj[2]))
-            return p2p.StageMessage(p2p.MsgType.PROXY, obj)
+            return p2p.stage_message(*self.channels.recv_batch())
         return p2p.recv(self.links.prev_rank, self.links.prev_group, self.device, self.shard)
 
     def _pass_on(self, msg: p2p.StageMessage) -> None:

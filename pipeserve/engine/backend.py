@@ -249,7 +249,7 @@ class WorkerBackend(Backend):
         try:
             return super().step()
         except WorkerError:
-            self.shutdown()
+            self._stop_failed_workers()
             raise
 
     def timeline(self) -> list[Event]:
@@ -259,8 +259,14 @@ class WorkerBackend(Backend):
         try:
             self.workers.check_health()
         except WorkerError:
-            self.shutdown()
+            self._stop_failed_workers()
             raise
+
+    def _stop_failed_workers(self) -> None:
+        """A failed pipeline cannot finish anything: kill this node's workers at once (a
+        stopped or stuck one would not answer a polite shutdown) and close the channels."""
+        self.workers.kill()
+        self.shutdown()
 
     def profile_stages(self, points: list[Point], runs: list[Run]) -> list[list[float]]:
         return self.workers.profile_stages(points, runs)

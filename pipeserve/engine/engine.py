@@ -30,6 +30,7 @@ class _Pending:
     cached_tokens: int = 0
     ttft: float | None = None
     chunk_sizes: list[int] = field(default_factory=list)
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     def apply(self, u: RequestUpdate) -> None:
         self.output_ids += u.new_token_ids
@@ -41,6 +42,7 @@ class _Pending:
         if u.finish_reason is not None:
             self.finish_reason, self.matched_stop = u.finish_reason, u.matched_stop
             self.chunk_sizes = u.chunk_sizes or []
+            self.error = u.error
 
 
 def resolve_model_path(model_path: str | None) -> Path:
@@ -161,6 +163,7 @@ class Engine:
                 "matched_stop": p.matched_stop,
                 "ttft_s": p.ttft,
                 "chunk_sizes": p.chunk_sizes,
+                **({"error": p.error} if p.error is not None else {}),
             },
         }
         if p.req.return_logprob:

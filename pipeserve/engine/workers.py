@@ -19,8 +19,9 @@ from pipeserve.scheduler.batch import BatchResult, Run, ScheduledBatch
 from pipeserve.timeline import Event
 
 POLL_MS = 100
-HEARTBEAT_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 600.0
+PROFILE_TIMEOUT_S = 900.0  # every stage times chunks at long prefixes, one after the other
+TIMELINE_TIMEOUT_S = 120.0  # the request waits behind the micro-batches in flight
 
 
 class WorkerError(RuntimeError):
@@ -32,20 +33,18 @@ class WorkerError(RuntimeError):
 
 
 class WorkerSet:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_path: str,
-        future_ring: int,
-        step_timeout_s: float | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, future_ring: int) -> None:
         p = config.parallel
         self.world_size = p.world_size
         self.tp_size = p.tp_size
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = config.server.watchdog_timeout
+        self.heartbeat_timeout_s = p.heartbeat_timeout
         rdzv = rendezvous(config)
         self.channels = SchedulerChannels(
-            "0.0.0.0" if p.nnodes > 1 else rdzv.host, p.tp_size, rdzv.zmq_base_port
+            "0.0.0.0" if p.nnodes > 1 else rdzv.host,
+            p.tp_size,
+            rdzv.zmq_base_port,
+            auth_key=rdzv.auth_key,
         )
         endpoints = self.channels.endpoints
         if rdzv.zmq_base_port is not None:
@@ -76,40 +75,44 @@ class WorkerSet:
             raise WorkerError("the first pipeline stage is not taking batches")
 
     def wait_result(self) -> BatchResult:
-        start = time.monotonic()
-        while True:
-            msg = self._poll()
-            if msg is not None and msg[0] == "result":
-                return msg[2]
-            if self.step_timeout_s and time.monotonic() - start > self.step_timeout_s:
-                raise WorkerError(
-                    f"a step took longer than the watchdog timeout ({self.step_timeout_s:.0f}s)"
-                )
+        """The next micro-batch's result (results arrive in launch order)."""
+        msgs = self._collect("result", 1, self.step_timeout_s, "a step (--watchdog-timeout)")
+        return msgs[0][2]
 
     def profile_stages(self, points: list[tuple[int, int]], runs: list[Run]) -> list[list[float]]:
         """Every stage times the profile chunks on its own layers, one stage after the other
         (the request travels down the pipeline); the seconds per stage, in stage order."""
         self.channels.send_batch(("profile", points, runs))
-        stages: dict[int, list[float]] = {}
-        while len(stages) < self.world_size // self.tp_size:
-            msg = self._poll()
-            if msg is not None and msg[0] == "profile":
-                stage, times = msg[2]
-                stages[stage] = list(times)
-        return [stages[s] for s in sorted(stages)]
+        stages = self.world_size // self.tp_size
+        msgs = self._collect("profile", stages, PROFILE_TIMEOUT_S, "the chunk-time profile")
+        by_stage = {stage: list(times) for stage, times in (m[2] for m in msgs)}
+        return [by_stage[s] for s in sorted(by_stage)]
 
     def collect_timeline(self) -> list[Event]:
         """Every rank's recorded events (sent down the pipeline in order, so all micro-batches
         launched before are included)."""
         self.channels.send_batch("timeline")
-        events: list[Event] = []
-        reported: set[int] = set()
-        while len(reported) < self.world_size:
-            msg = self._poll()
-            if msg is not None and msg[0] == "timeline":
-                reported.add(msg[1])
-                events += msg[2]
-        return events
+        msgs = self._collect("timeline", self.world_size, TIMELINE_TIMEOUT_S, "the timeline")
+        return [event for m in msgs for event in m[2]]
+
+    def _collect(
+        self, kind: str, count: int, timeout_s: float, what: str
+    ) -> list[tuple[str, int, Any]]:
+        """The next `count` messages of `kind`; messages of other kinds that arrive meanwhile
+        (results of micro-batches in flight) stay queued, in order, for their own readers."""
+        deadline = time.monotonic() + timeout_s
+        found: list[tuple[str, int, Any]] = []
+        others: list[tuple[str, int, Any]] = []
+        try:
+            while len(found) < count:
+                msg = self._poll()
+                if msg is not None:
+                    (found if msg[0] == kind else others).append(msg)
+                elif time.monotonic() > deadline:
+                    raise WorkerError(f"{what} took longer than {timeout_s:g}s")
+        finally:
+            self._pending.extendleft(reversed(others))
+        return found
 
     def check_health(self) -> None:
         """Raise WorkerError if a worker died or went silent (also while idle)."""
@@ -141,7 +144,7 @@ class WorkerSet:
             if proc.exitcode is not None:
                 raise WorkerError(f"worker rank {rank} exited with code {proc.exitcode}")
         for rank, seen in self.last_seen.items():
-            if now - seen > HEARTBEAT_TIMEOUT_S:
+            if now - seen > self.heartbeat_timeout_s:
                 raise WorkerError(f"worker rank {rank} sent no heartbeat for {now - seen:.0f}s")
 
     def kill(self) -> None:

@@ -31,6 +31,25 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
+// Copies rows [pos, pos + n) of a request's sequence (along its runs) to dst as float32;
+// `cursor` (run index, offset in it) advances with pos, so a sweep costs one pass.
+template <typename T>
+void gather_rows(const T* head, const int64_t* runs, int64_t& run, int64_t& offset, int64_t n,
+                 int64_t D, float* dst) {
+  while (n > 0) {
+    const int64_t first = runs[2 * run], count = runs[2 * run + 1];
+    const int64_t take = std::min<int64_t>(n, count - offset);
+    to_float(head + (first + offset) * D, dst, take * D);
+    dst += take * D;
+    n -= take;
+    offset += take;
+    if (offset == count) ++run, offset = 0;
+  }
+}
+
+// Keys are scored in blocks of kBlock sequence positions counted from position 0, whatever
+// the runs: the sums and the online-softmax steps of a request are the same however its KV
+// is laid out in the pool (batch and allocation invariant; a block may span two runs).
 template <typename T>
 void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* runs,
                 int64_t run_begin, int64_t run_end, int64_t G, int64_t D, float scale, T* out) {
@@ -38,50 +57,49 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* run
   std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
   to_float(q, qf.data(), G * D);
   for (int64_t i = 0; i < G * D; ++i) qf[i] *= scale;
-  for (int64_t r = run_begin; r < run_end; ++r) {
-    const int64_t first = runs[2 * r], count = runs[2 * r + 1];
-    for (int64_t s0 = 0; s0 < count; s0 += kBlock) {
-      const int64_t n = std::min<int64_t>(kBlock, count - s0);
-      const T* kr = k_head + (first + s0) * D;
-      to_float(kr, kbuf.data(), n * D);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = &qf[g * D];
-        float block_max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) {
-          const float* kj = &kbuf[j * D];
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * kj[d];
-          scores[g * kBlock + j] = dot;
-          block_max = std::max(block_max, dot);
-        }
-        const float new_m = std::max(m[g], block_max);
-        const float rescale = std::exp(m[g] - new_m);
-        float* ag = &acc[g * D];
-        if (rescale != 1.f) {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
-        }
-        l[g] *= rescale;
-        m[g] = new_m;
-        float* sg = &scores[g * kBlock];
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - new_m);
-          sum += sg[j];
-        }
-        l[g] += sum;
-      }
-      to_float(v_head + (first + s0) * D, kbuf.data(), n * D);  // reuse the buffer for values
+  int64_t total = 0;
+  for (int64_t r = run_begin; r < run_end; ++r) total += runs[2 * r + 1];
+  int64_t k_run = run_begin, k_off = 0, v_run = run_begin, v_off = 0;
+  for (int64_t s0 = 0; s0 < total; s0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, total - s0);
+    gather_rows(k_head, runs, k_run, k_off, n, D, kbuf.data());
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = &qf[g * D];
+      float block_max = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) {
-        const float* vj = &kbuf[j * D];
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * kBlock + j];
-          float* ag = &acc[g * D];
+        const float* kj = &kbuf[j * D];
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kj[d];
+        scores[g * kBlock + j] = dot;
+        block_max = std::max(block_max, dot);
+      }
+      const float new_m = std::max(m[g], block_max);
+      const float rescale = std::exp(m[g] - new_m);
+      float* ag = &acc[g * D];
+      if (rescale != 1.f) {
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * vj[d];
-        }
+        for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
+      }
+      l[g] *= rescale;
+      m[g] = new_m;
+      float* sg = &scores[g * kBlock];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = std::exp(sg[j] - new_m);
+        sum += sg[j];
+      }
+      l[g] += sum;
+    }
+    gather_rows(v_head, runs, v_run, v_off, n, D, kbuf.data());  // the buffer now holds values
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = &kbuf[j * D];
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * kBlock + j];
+        float* ag = &acc[g * D];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * vj[d];
       }
     }
   }

@@ -46,6 +46,7 @@ class NativeKernels:
 
     decode: bool = False
     prefill: bool = False
+    deterministic: bool = False  # one-token prompt chunks run the prefill kernel too
 
 
 TORCH_KERNELS = NativeKernels()  # every step on the torch kernels
@@ -128,8 +129,12 @@ def plan_attention(
     device: torch.device,
     dtype: torch.dtype,
     native: NativeKernels = TORCH_KERNELS,
+    prompt_segments: frozenset[int] = frozenset(),
 ) -> AttentionPlan:
-    """segments: (q_start, q_len, prefix_len, kv_runs) per request. A single-token step reads
+    """segments: (q_start, q_len, prefix_len, kv_runs) per request; `prompt_segments`: which
+    of them are prompt chunks (matters for one-token chunks in deterministic mode, which
+    take the prompt kernel so a prompt token is computed alike however it was chunked).
+    A single-token step reads
     every key from the pool (its own was just written; it always lands in the gathered part,
     so no padded row is empty); a prompt chunk reads its prefix from the pool and attends to
     itself from the fresh k/v."""
@@ -139,13 +144,14 @@ def plan_attention(
     views: list[tuple[int, list[Run]]] = []
     steps: list[list[Run]] = []  # native: each step's runs (its prefix and itself, exactly)
     step_lens: list[int] = []
-    for q_start, q_len, prefix_len, runs in segments:
-        if q_len == 1 and native.decode:
+    for i, (q_start, q_len, prefix_len, runs) in enumerate(segments):
+        as_chunk = native.deterministic and i in prompt_segments
+        if q_len == 1 and native.decode and not as_chunk:
             rows.append(q_start)
             steps.append(runs)
             step_lens.append(prefix_len + 1)
             continue
-        if q_len > 1 and native.prefill:
+        if (q_len > 1 or as_chunk) and native.prefill:
             table = torch.tensor(runs, dtype=torch.long).view(-1, 2)
             chunks.append(ChunkPlan(q_start, q_len, prefix_len, runs=table))
             continue

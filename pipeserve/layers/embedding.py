@@ -11,6 +11,7 @@ from torch import nn
 
 from pipeserve.distributed.communication import tp_all_gather, tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pipeserve.layers import batch_invariant
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary (gathered from the TP ranks)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [tokens, hidden] -> [tokens, vocab]
-        out = F.linear(hidden, self.weight)
+        out = batch_invariant.linear(hidden, self.weight)
         if self.tp_size > 1:
             out = tp_all_gather(out, dim=-1)
         return out[:, : self.vocab_size]

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pipeserve.layers import batch_invariant
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class LinearBase(nn.Module):
         copy_into(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return batch_invariant.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -156,5 +156,5 @@ class RowParallelLinear(LinearBase):
         copy_into(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(batch_invariant.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -11,6 +11,7 @@ from torch import nn
 
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pipeserve.layers import batch_invariant
 from pipeserve.layers.activation import silu_and_mul
 from pipeserve.layers.linear import divide
 from pipeserve.model_loader import copy_into
@@ -80,7 +81,7 @@ class FusedMoE(nn.Module):
             picks = order[start : start + count]
             start += count
             tokens = picks // top_k
-            h = silu_and_mul(F.linear(x[tokens], self.w13[expert]))
-            h = F.linear(h, self.w2[expert])
+            h = silu_and_mul(batch_invariant.linear(x[tokens], self.w13[expert]))
+            h = batch_invariant.linear(h, self.w2[expert])
             out.index_add_(0, tokens, h * weights.flatten()[picks, None].to(x.dtype))
         return tp_all_reduce(out)

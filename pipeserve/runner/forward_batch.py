@@ -48,6 +48,7 @@ class ForwardBatch:
         lp_rows: list[int] = []
         lp_targets: list[int] = []
         future_slots: list[int] = []
+        prompt_segments = frozenset(i for i, s in enumerate(batch.slices) if not s.is_decode)
         for s in batch.slices:
             row, n = len(ids), s.num_tokens
             ids.extend(s.input_ids)
@@ -63,7 +64,7 @@ class ForwardBatch:
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        attn = plan_attention(segments, device, pool.dtype, native)
+        attn = plan_attention(segments, device, pool.dtype, native, prompt_segments)
         return cls(
             tensor(ids),
             tensor(positions),

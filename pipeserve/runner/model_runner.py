@@ -21,6 +21,7 @@ from pipeserve.device import (
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
+from pipeserve.layers import batch_invariant
 from pipeserve.layers.attention import NativeKernels
 from pipeserve.layers.sampler import Sampler
 from pipeserve.mem_cache.kv_pool import KVPool
@@ -118,6 +119,23 @@ class ModelRunner:
         self.recorder = Recorder(self.state.pp_rank, self.state.tp_rank)
         self.native = use_native_kernels(
             config.model.attention_backend, self.device, self.dtype, arch.head_dim
+        )
+        if config.model.enable_deterministic_inference:
+            self._init_deterministic()
+
+    def _init_deterministic(self) -> None:
+        """Batch-invariant execution (see pipeserve/layers/batch_invariant.py): the native
+        attention kernels for every step, and a checked matrix product."""
+        if not (self.native.decode and self.native.prefill):
+            raise ValueError(
+                "--enable-deterministic-inference needs the native attention kernels for "
+                "prompts and decode steps: a CPU with AVX512-BF16, a bfloat16 model with a "
+                "head dim that is a multiple of 16, and --attention-backend auto or native"
+            )
+        self.native = NativeKernels(decode=True, prefill=True, deterministic=True)
+        batch_invariant.set_enabled(True)
+        batch_invariant.check_linear_rows(
+            w for p in self.model.parameters() for w in (p if p.dim() == 3 else [p])
         )
 
     def model_kv_heads(self) -> int:

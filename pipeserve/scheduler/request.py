@@ -10,6 +10,12 @@ from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (0, 2**63 - 1)
+# Limits on what one request may ask for (the HTTP layer checks the same ones).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOP_LOGPROBS = 20  # most likely tokens whose logprobs one step may return
+MAX_INT32 = 2**31 - 1  # bound of token ids and top_k (both become int32/float32 tensors)
 
 
 @dataclass(frozen=True)
@@ -31,11 +37,14 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"sampling parameters must be a dict, got {type(params).__name__}")
         params = dict(params or {})
         known = {f.name for f in fields(cls)}
         unknown = set(params) - known
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+            names = ", ".join(sorted(map(str, unknown)))
+            raise ValueError(f"unknown sampling parameter(s): {names}")
         if isinstance(params.get("stop"), str):
             params["stop"] = (params["stop"],)
         for key in ("stop", "stop_token_ids"):
@@ -48,31 +57,11 @@ class SamplingParams:
         return sp
 
     def validate(self) -> None:
+        """Raise ValueError naming the first field that is of the wrong type or out of range."""
         _check_types(self)
-        checks = [
-            (
-                isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-                f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}",
-            ),
-            (
-                math.isfinite(self.temperature) and self.temperature >= 0,
-                f"temperature must be >= 0, got {self.temperature}",
-            ),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (
-                isinstance(self.top_k, int) and self.top_k >= -1,
-                f"top_k must be -1 (off) or a positive integer, got {self.top_k}",
-            ),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (
-                all(isinstance(s, str) and s for s in self.stop),
-                "stop must be a list of non-empty strings",
-            ),
-            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        _check_ranges(self)
+        _check_stop_strings(self.stop)
+        _check_stop_token_ids(self.stop_token_ids)
 
 
 _NUMBER_FIELDS = {
@@ -98,8 +87,59 @@ def _check_types(sp: SamplingParams) -> None:
         raise ValueError("stop_token_ids must be a list of integers")
     if sp.seed is not None and (not isinstance(sp.seed, int) or isinstance(sp.seed, bool)):
         raise ValueError(f"seed must be an integer, got {sp.seed!r}")
-    if sp.seed is not None and not SEED_RANGE[0] <= sp.seed <= SEED_RANGE[1]:
-        raise ValueError(f"seed must be in [0, 2**63 - 1], got {sp.seed}")
+    if not isinstance(sp.ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be true or false, got {sp.ignore_eos!r}")
+
+
+def _check_ranges(sp: SamplingParams) -> None:
+    seed_ok = sp.seed is None or SEED_RANGE[0] <= sp.seed <= SEED_RANGE[1]
+    checks = [
+        ("max_new_tokens", sp.max_new_tokens >= 0, "must be a non-negative integer"),
+        ("temperature", _finite(sp.temperature) and sp.temperature >= 0, "must be >= 0"),
+        ("top_p", 0 < sp.top_p <= 1, "must be in (0, 1]"),
+        ("top_k", sp.top_k >= -1, "must be -1 (off) or a positive integer"),
+        ("top_k", sp.top_k <= MAX_INT32, f"must be at most {MAX_INT32}"),
+        ("min_p", 0 <= sp.min_p <= 1, "must be in [0, 1]"),
+        ("seed", seed_ok, "must be in [0, 2**63 - 1]"),
+    ]
+    for name, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{name} {rule}, got {getattr(sp, name)!r}")
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _check_stop_strings(stop: tuple[str, ...]) -> None:
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError("stop must be a list of non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
+    for s in stop:
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got one "
+                f"of {len(s)}: {s[:20]!r}..."
+            )
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"stop string {s!r} is not valid Unicode text (a lone surrogate at position "
+                f"{exc.start}); send whole characters"
+            ) from None
+
+
+def _check_stop_token_ids(ids: tuple[int, ...]) -> None:
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(ids)}")
+    bad = next((t for t in ids if not 0 <= t <= MAX_INT32), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids must be token ids in [0, {MAX_INT32}], got {bad}")
 
 
 class Status(Enum):
@@ -118,7 +158,7 @@ class Req:
     top_logprobs: int = 0  # also return the k most likely tokens' logprobs at each step
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "length", "stop", "abort"
+    finish_reason: str | None = None  # "length", "stop", "abort", "error"
     matched_stop: str | int | None = None
     # KV cache (owned by the KV manager)
     pages: list[int] = field(default_factory=list)

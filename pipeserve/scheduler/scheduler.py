@@ -7,6 +7,7 @@ drives the same three calls: `schedule()` -> executor -> `process_result()`.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ from pipeserve.scheduler.prefill import (
     PrefillManager,
 )
 from pipeserve.scheduler.request import Req
+from pipeserve.scheduler.stop_matcher import StopStringWatch
 
-STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop string
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class RequestUpdate:
     cached_tokens: int = 0
     ttft: float | None = None  # seconds from arrival to the first token, sent once
     chunk_sizes: list[int] | None = None  # prefill chunk sizes, sent at the end
+    error: str | None = None  # with finish_reason "error": what went wrong (engine side)
 
 
 class Scheduler:
@@ -68,6 +71,7 @@ class Scheduler:
         self.stage_busy: list[float] = []  # forward seconds per pipeline stage, cumulative
         self.decode = DecodeManager(kv, on_retract=self.prefill.waiting.appendleft)
         self.reqs: dict[str, Req] = {}
+        self._stop_watches: dict[str, StopStringWatch] = {}  # requests with stop strings
         self._released: list[str] = []
         self._batch_ids = itertools.count()
 
@@ -77,6 +81,8 @@ class Scheduler:
         if req.rid in self.reqs:
             raise ValueError(f"request id {req.rid!r} is already in use")
         self.check_request(len(req.input_ids), req.sampling.max_new_tokens)
+        if req.sampling.stop and self.detokenize is not None:
+            self._stop_watches[req.rid] = StopStringWatch(req.sampling.stop, self.detokenize)
         self.reqs[req.rid] = req
         self.prefill.waiting.append(req)
 
@@ -169,8 +175,21 @@ class Scheduler:
             req.prompt_logprobs.extend(prompt_lps)
             if token is not None:
                 assert logprob is not None and top is not None
-                updates.append(self._append_token(req, token, logprob, top))
+                updates.append(self._append_token_or_fail(req, token, logprob, top))
         return updates
+
+    def _append_token_or_fail(
+        self, req: Req, token: int, logprob: float, top: list[tuple[int, float]]
+    ) -> RequestUpdate:
+        """A failure while folding in one request's token (detokenizing, stop matching)
+        finishes that request with an error; the others carry on."""
+        try:
+            return self._append_token(req, token, logprob, top)
+        except Exception as exc:
+            log.exception("request %s failed while processing its token %d", req.rid, token)
+            update = self._finish(req, "error")
+            update.error = f"internal error while processing the request's output: {exc!r}"
+            return update
 
     def _append_token(
         self, req: Req, token: int, logprob: float, top: list[tuple[int, float]]
@@ -198,12 +217,10 @@ class Scheduler:
         sp = req.sampling
         if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
             return "stop", token
-        if sp.stop and self.detokenize is not None:
-            longest = max(len(s.encode()) for s in sp.stop)
-            tail = self.detokenize(req.output_ids[-(longest + STOP_STRING_TAIL_TOKENS) :])
-            matched = next((s for s in sp.stop if s in tail), None)
-            if matched is not None:
-                return "stop", matched
+        watch = self._stop_watches.get(req.rid)
+        matched = watch.advance(req.output_ids) if watch is not None else None
+        if matched is not None:
+            return "stop", matched
         if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= self.context_len:
             return "length", None
         return None
@@ -215,6 +232,7 @@ class Scheduler:
         if req.pages or req.last_node is not None:
             self.kv.release(req, cache=True)
         del self.reqs[req.rid]
+        self._stop_watches.pop(req.rid, None)
         self._released.append(req.rid)
         return RequestUpdate(
             req.rid, finish_reason=reason, matched_stop=matched, chunk_sizes=req.chunk_sizes

@@ -1,26 +1,33 @@
 """`pipeserve serve`: an OpenAI-compatible HTTP API over the engine process.
 
-The event loop here only parses JSON, tokenizes prompts (in a thread), and relays deltas
-(text is detokenized in the engine process). Bad input is answered with an OpenAI-style
-error body and never reaches the engine; a client that goes away aborts its request.
+The event loop here only parses JSON and relays deltas (text is detokenized in the engine
+process); prompts are tokenized and chat templates rendered in worker threads. Bad input is
+answered with an OpenAI-style error body before any tokenization or engine work; a request
+is admitted (counted against the capacity) before it is tokenized; a client that goes away
+aborts its request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import jinja2
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeserve.config import EngineConfig
 from pipeserve.server import protocol as P
@@ -34,6 +41,9 @@ log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FAILURE_GRACE_S = 2.0  # after an engine failure: time to answer clients before exiting
 DISCONNECT_POLL_S = 0.25
+RETRY_BUSY_S = 1  # Retry-After of a 503 from a full server
+RETRY_UNAVAILABLE_S = 5  # Retry-After of a 503 from a server shutting down or failed
+TOKENIZE_CONCURRENCY = 2 * (os.cpu_count() or 1)  # prompts tokenized at once
 
 
 class ApiError(Exception):
@@ -44,31 +54,103 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = (
-            status,
-            message,
-            kind,
-            param,
-            code,
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.retry_after = param, code, retry_after
+
+    def response(self) -> JSONResponse:
+        return _error_response(
+            self.status,
+            P.error_body(self.message, self.kind, self.param, self.code),
+            self.retry_after,
         )
 
 
+def _error_response(status: int, body: dict[str, Any], retry_after: int | None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _unavailable(exc: EngineFailed | str) -> ApiError:
+    return ApiError(
+        503, f"engine unavailable: {exc}", "server_error", retry_after=RETRY_UNAVAILABLE_S
+    )
+
+
+class Ticket:
+    """An admitted request's place in the admission count. Ended exactly once, however the
+    request ends; a request that reached the engine is counted in the metrics then."""
+
+    def __init__(self, admission: Admission, metrics: Metrics) -> None:
+        self.admission, self.metrics = admission, metrics
+        self.ended = False
+
+    def end(self, finish_reason: str | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.admission.active -= 1
+        if finish_reason is not None:
+            self.metrics.requests.labels(finish_reason=finish_reason).inc()
+
+    def end_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """For a finalizer, which may run in any thread at any moment: end as an abort, on
+        the loop's thread (where every other change of the count happens)."""
+        if self.ended:
+            return
+        try:
+            loop.call_soon_threadsafe(self.end, "abort")
+        except RuntimeError:  # the loop is closed: nothing can race with us any more
+            self.end("abort")
+
+
+class Admission:
+    """Requests admitted and not yet ended. The capacity check and the count happen in one
+    step (no await between), so a burst cannot pass the check together."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.active = 0
+        self.peak = 0
+
+    def admit(self, metrics: Metrics) -> Ticket:
+        if self.active >= self.capacity:
+            raise ApiError(
+                503,
+                f"server busy: {self.active} requests are running or queued; retry later",
+                "server_error",
+                code="server_busy",
+                retry_after=RETRY_BUSY_S,
+            )
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        return Ticket(self, metrics)
+
+
 class ServerState:
-    def __init__(self, config: EngineConfig, flags: dict[str, Any], model_path: Path) -> None:
+    def __init__(
+        self, config: EngineConfig, client: EngineClient, tokenizer: Tokenizer, model_name: str
+    ) -> None:
         self.config = config
-        self.client = EngineClient(flags)
-        self.tokenizer = Tokenizer(model_path)
-        self.model_name = config.server.served_model_name or model_path.name
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
         self.metrics = Metrics()
+        capacity = config.scheduler.max_running_requests + config.server.max_queued_requests
+        self.admission = Admission(capacity)
+        self.tokenize_slots = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
         self.context_len = 0
         self.vocab_size = 0
-        self.on_failure: Any = None  # set by the launcher: asks the HTTP server to exit
+        self.on_failure: Callable[[], None] | None = None  # set by the launcher: asks to exit
 
-    @property
-    def capacity(self) -> int:
-        return self.config.scheduler.max_running_requests + self.config.server.max_queued_requests
+    @classmethod
+    def for_model(
+        cls, config: EngineConfig, flags: dict[str, Any], model_path: Path
+    ) -> ServerState:
+        name = config.server.served_model_name or model_path.name
+        return cls(config, EngineClient(flags), Tokenizer(model_path), name)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -86,14 +168,26 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="pipeserve", lifespan=lifespan)
     app.state.pipeserve = state
+    app.add_middleware(BodySizeLimit, limit=state.config.server.max_request_bytes)
     _install_error_handlers(app)
+    authorize = _authorizer(state.config.server.api_key)
+    _add_info_routes(app, state, authorize)
+    _add_generation_routes(app, state, authorize)
+    return app
+
+
+def _authorizer(key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """Checks `Authorization: Bearer <key>` (the scheme in any case, RFC 7235) in constant
+    time."""
+    expected = key.encode() if key is not None else None
 
     async def authorize(request: Request) -> None:
-        key = state.config.server.api_key
-        if key is None:
+        if expected is None:
             return
-        header = request.headers.get("authorization", "")
-        if not secrets.compare_digest(header.encode(), f"Bearer {key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # header values arrive decoded as latin-1: encoding them back gives the raw bytes
+        same = secrets.compare_digest(token.strip().encode("latin-1"), expected)
+        if not (same and scheme.lower() == "bearer"):
             raise ApiError(
                 401,
                 "invalid or missing API key (use 'Authorization: Bearer <key>')",
@@ -101,11 +195,18 @@ def create_app(state: ServerState) -> FastAPI:
                 code="invalid_api_key",
             )
 
+    return authorize
+
+
+def _add_info_routes(
+    app: FastAPI, state: ServerState, authorize: Callable[[Request], Awaitable[None]]
+) -> None:
     @app.get("/health")
     async def health() -> Response:
         if state.client.healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "error": state.client.failure}, status_code=503)
+        body = {"status": "unhealthy", "error": _unhealthy_cause(state.client)}
+        return _error_response(503, body, RETRY_UNAVAILABLE_S)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -126,16 +227,36 @@ def create_app(state: ServerState) -> FastAPI:
             ],
         }
 
+
+def _unhealthy_cause(client: EngineClient) -> str:
+    if client.failure is not None:
+        return client.failure
+    if not client.info:
+        return "engine starting"
+    if not client.proc.is_alive():
+        return f"engine process exited with code {client.proc.exitcode}"
+    return "engine unhealthy"
+
+
+def _add_generation_routes(
+    app: FastAPI, state: ServerState, authorize: Callable[[Request], Awaitable[None]]
+) -> None:
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
         _check_model(state, body.model)
-        if isinstance(body.prompt, str):
-            ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt)
-        else:
-            ids = list(body.prompt)
-        max_new = _max_new_tokens(state, body, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-        top = body.logprobs or 0
-        run = _Run(state, ids, body.sampling(max_new), body.logprobs is not None, top)
+        _check_prompt_size(state, body.prompt)
+        _check_engine(state)
+        ticket = state.admission.admit(state.metrics)
+        with _ended_on_error(ticket):
+            if isinstance(body.prompt, str):
+                ids = await _off_loop(state, state.tokenizer.encode, body.prompt)
+            else:
+                ids = list(body.prompt)
+            default = COMPLETION_DEFAULT_MAX_TOKENS
+            max_new = _max_new_tokens(state, body, len(ids), default, "prompt")
+            _check_vocab(state, ids)
+            top = body.logprobs or 0
+            run = _Run(state, ticket, ids, body.sampling(max_new), body.logprobs is not None, top)
         if body.stream:
             return _sse(run.stream_completion(body))
         return JSONResponse(await _until_done(request, run.complete_completion()))
@@ -144,46 +265,122 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat(body: P.ChatCompletionRequest, request: Request) -> Response:
         _check_model(state, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = state.tokenizer.apply_chat_template(messages)
-        ids = await asyncio.to_thread(state.tokenizer.encode, text)
-        max_new = _max_new_tokens(state, body, len(ids), None, "messages")
-        top = body.top_logprobs or 0 if body.logprobs else 0
-        run = _Run(state, ids, body.sampling(max_new), body.logprobs, top)
+        _check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
+        _check_engine(state)
+        ticket = state.admission.admit(state.metrics)
+        with _ended_on_error(ticket):
+            ids = await _off_loop(state, _render_and_encode, state.tokenizer, messages)
+            max_new = _max_new_tokens(state, body, len(ids), None, "messages")
+            _check_vocab(state, ids)
+            top = body.top_logprobs or 0 if body.logprobs else 0
+            run = _Run(state, ticket, ids, body.sampling(max_new), body.logprobs, top)
         if body.stream:
             return _sse(run.stream_chat(body))
         return JSONResponse(await _until_done(request, run.complete_chat()))
 
-    return app
+
+@contextlib.contextmanager
+def _ended_on_error(ticket: Ticket) -> Iterator[None]:
+    """Give the admission back if the request fails before its run owns the ticket."""
+    try:
+        yield
+    except BaseException:
+        ticket.end()
+        raise
+
+
+async def _off_loop(state: ServerState, work: Callable[..., list[int]], *args: Any) -> list[int]:
+    """Tokenize in a worker thread; at most TOKENIZE_CONCURRENCY prompts at once."""
+    async with state.tokenize_slots:
+        return await asyncio.to_thread(work, *args)
+
+
+def _render_and_encode(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except jinja2.TemplateError as exc:
+        raise ApiError(
+            400, f"the model's chat template rejected the messages: {exc}", param="messages"
+        ) from None
+    return tokenizer.encode(text)
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware (streamed responses pass through untouched): a request body over
+    `limit` bytes gets 413, at once when its Content-Length says so, else as soon as the
+    chunks received pass the limit."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+        elif _content_length(scope) > self.limit:
+            await _send_too_large(send, self.limit)
+        else:
+            await _LimitedBody(self.limit, receive, send).run(self.app, scope)
+
+
+class _LimitedBody:
+    """One request under BodySizeLimit. Past the limit the client gets 413 (unless a
+    response already started), the app sees the client disconnect, and whatever the app
+    answers then is dropped."""
+
+    def __init__(self, limit: int, receive: Receive, send: Send) -> None:
+        self.limit, self._receive, self._send = limit, receive, send
+        self.received, self.rejected, self.started = 0, False, False
+
+    async def run(self, app: ASGIApp, scope: Scope) -> None:
+        await app(scope, self.receive, self.send)
+
+    async def receive(self) -> Message:
+        if self.rejected:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.limit:
+                self.rejected = True
+                if not self.started:
+                    await _send_too_large(self._send, self.limit)
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.rejected:
+            return
+        self.started = self.started or message["type"] == "http.response.start"
+        await self._send(message)
+
+
+def _content_length(scope: Scope) -> int:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
+async def _send_too_large(send: Send, limit: int) -> None:
+    message = f"the request body is larger than {limit} bytes (the server's --max-request-bytes)"
+    body = json.dumps(P.error_body(message, code="request_too_large")).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
-        return JSONResponse(
-            P.error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status
-        )
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        content_type = request.headers.get("content-type", "")
-        if not content_type.startswith("application/json"):
-            message = (
-                "the request body must be JSON (Content-Type: application/json), "
-                f"got Content-Type {content_type!r}"
-            )
-            return JSONResponse(P.error_body(message), status_code=400)
-        # the deepest location is the most specific (a union reports every branch)
-        first: dict[str, Any] = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
-        if first.get("type") == "json_invalid":
-            at = first.get("loc", ("body", "?"))[-1]
-            reason = first.get("ctx", {}).get("error", first.get("msg"))
-            message = f"malformed JSON at byte {at}: {reason}"
-            return JSONResponse(P.error_body(message), status_code=400)
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = (
-            f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
-        )
-        return JSONResponse(P.error_body(message, param=where or None), status_code=400)
+        return _validation_error(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -191,9 +388,30 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineFailed)
     async def engine_failed(_: Request, exc: EngineFailed) -> Response:
-        return JSONResponse(
-            P.error_body(f"engine unavailable: {exc}", "server_error"), status_code=503
+        return _unavailable(exc).response()
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("application/json"):
+        message = (
+            "the request body must be JSON (Content-Type: application/json), "
+            f"got Content-Type {content_type!r}"
         )
+        return JSONResponse(P.error_body(message), status_code=400)
+    # the deepest location is the most specific (a union reports every branch)
+    first: dict[str, Any] = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+    error = first.get("ctx", {}).get("error")
+    if isinstance(error, P.FieldError):
+        return JSONResponse(P.error_body(error.message, param=error.param), status_code=400)
+    if first.get("type") == "json_invalid":
+        at = first.get("loc", ("body", "?"))[-1]
+        reason = first.get("ctx", {}).get("error", first.get("msg"))
+        message = f"malformed JSON at byte {at}: {reason}"
+        return JSONResponse(P.error_body(message), status_code=400)
+    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
+    return JSONResponse(P.error_body(message, param=where or None), status_code=400)
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -207,6 +425,51 @@ def _check_model(state: ServerState, name: str) -> None:
         )
 
 
+def _check_engine(state: ServerState) -> None:
+    if state.client.failure is not None:
+        raise _unavailable(state.client.failure)
+
+
+def _check_prompt_size(state: ServerState, prompt: str | list[int]) -> None:
+    """Reject a prompt that cannot fit the context before tokenizing or admitting it."""
+    if isinstance(prompt, str):
+        _check_prompt_chars(state, len(prompt), "prompt")
+    elif len(prompt) >= state.context_len:
+        raise _context_exceeded(state, len(prompt), "prompt")
+
+
+def _check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
+    limit = P.MAX_PROMPT_CHARS_PER_TOKEN * state.context_len
+    if chars > limit:
+        raise ApiError(
+            400,
+            f"the prompt has {chars} characters; this model's maximum context length is "
+            f"{state.context_len} tokens, which no text over {limit} characters fits "
+            f"({P.MAX_PROMPT_CHARS_PER_TOKEN} characters per token)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def _context_exceeded(state: ServerState, prompt_len: int, param: str) -> ApiError:
+    return ApiError(
+        400,
+        f"this model's maximum context length is {state.context_len} tokens, but the "
+        f"prompt has {prompt_len} tokens",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def _check_vocab(state: ServerState, ids: list[int]) -> None:
+    vocab = state.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(
+            400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+        )
+
+
 def _max_new_tokens(
     state: ServerState, body: P._Request, prompt_len: int, default: int | None, prompt_param: str
 ) -> int:
@@ -215,13 +478,7 @@ def _max_new_tokens(
     if prompt_len == 0:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if prompt_len >= ctx:
-        raise ApiError(
-            400,
-            f"this model's maximum context length is {ctx} tokens, but the "
-            f"prompt has {prompt_len} tokens",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+        raise _context_exceeded(state, prompt_len, prompt_param)
     asked = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -239,58 +496,59 @@ def _max_new_tokens(
 
 
 class _Run:
-    """One request's life: admission, deltas, and the OpenAI response shapes."""
+    """One admitted request's life: its deltas (it owns the admission ticket from here on:
+    the ticket ends when the deltas end, or, if they never start, when the run is
+    collected) and the OpenAI response shapes."""
 
     def __init__(
-        self, state: ServerState, ids: list[int], params: dict[str, Any], logprobs: bool, top: int
+        self,
+        state: ServerState,
+        ticket: Ticket,
+        ids: list[int],
+        params: dict[str, Any],
+        logprobs: bool,
+        top: int,
     ) -> None:
-        if state.client.num_active >= state.capacity:
-            raise ApiError(
-                503,
-                f"server busy: {state.client.num_active} requests are running or "
-                "queued; retry later",
-                "server_error",
-                code="server_busy",
-            )
-        vocab = state.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(
-                400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
-            )
-        self.state, self.ids, self.params, self.logprobs, self.top = (
-            state,
-            ids,
-            params,
-            logprobs,
-            top,
-        )
+        self.state, self.ticket, self.ids, self.params = state, ticket, ids, params
+        self.logprobs, self.top = logprobs, top
         self.id = P.new_id("cmpl")
         self.created = P.now()
         self.start = time.perf_counter()
         self.last_token_at: float | None = None
+        finalizer = weakref.finalize(self, ticket.end_soon, asyncio.get_running_loop())
+        finalizer.atexit = False
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
-        m = self.state.metrics
-        async for d in self.state.client.generate(self.ids, self.params, self.logprobs, self.top):
-            if d.error is not None:
-                raise ApiError(
-                    400 if d.error_kind == "invalid" else 500,
-                    d.error,
-                    "invalid_request_error" if d.error_kind == "invalid" else "server_error",
-                )
-            now = time.perf_counter()
-            if d.token_ids:
-                if self.last_token_at is None:
-                    m.ttft.observe(now - self.start)
-                else:
-                    m.itl.observe((now - self.last_token_at) / len(d.token_ids))
-                self.last_token_at = now
-                m.generation_tokens.inc(len(d.token_ids))
-            if d.finish_reason is not None:
-                m.prompt_tokens.inc(d.prompt_tokens)
-                m.requests.labels(finish_reason=d.finish_reason).inc()
-            yield d
+        reason = "abort"  # unless the engine says how the request ended
+        deltas = self.state.client.generate(self.ids, self.params, self.logprobs, self.top)
+        gen = cast(AsyncGenerator[StreamDelta, None], deltas)  # an async generator function
+        try:
+            # closed here, not when collected: its finally drops the request from the engine
+            async with contextlib.aclosing(gen):
+                async for d in gen:
+                    if d.error is not None:
+                        reason = "error"
+                        raise _delta_error(d)
+                    self._observe(d)
+                    reason = d.finish_reason or reason
+                    yield d
+        except EngineFailed:
+            reason = "error"
+            raise
+        finally:
+            self.ticket.end(reason)
+
+    def _observe(self, d: StreamDelta) -> None:
+        m, now = self.state.metrics, time.perf_counter()
+        if d.token_ids:
+            if self.last_token_at is None:
+                m.ttft.observe(now - self.start)
+            else:
+                m.itl.observe((now - self.last_token_at) / len(d.token_ids))
+            self.last_token_at = now
+            m.generation_tokens.inc(len(d.token_ids))
+        if d.finish_reason is not None:
+            m.prompt_tokens.inc(d.prompt_tokens)
 
     def _envelope(
         self, kind: str, choices: list[dict[str, Any]], final: StreamDelta | None = None
@@ -429,6 +687,14 @@ class _Logprobs:
         }
 
 
+def _delta_error(d: StreamDelta) -> ApiError:
+    """The error a request's failed delta answers with: 400 for a request the engine
+    rejected, 503 when the engine failed or the server is shutting down."""
+    if d.error_kind == "invalid":
+        return ApiError(400, str(d.error))
+    return _unavailable(str(d.error))
+
+
 def _finish(d: StreamDelta) -> str | None:
     if d.finish_reason in (None, "stop", "length"):
         return d.finish_reason
@@ -442,17 +708,19 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         try:
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
-        except ApiError as exc:
-            body = P.error_body(exc.message, exc.kind, exc.param, exc.code)
-            yield f"data: {json.dumps(body)}\n\n"
-        except EngineFailed as exc:
-            body = P.error_body(f"engine unavailable: {exc}", "server_error")
-            yield f"data: {json.dumps(body)}\n\n"
+        except (ApiError, EngineFailed) as exc:
+            yield _error_event(exc)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
         body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
+
+
+def _error_event(exc: ApiError | EngineFailed) -> str:
+    error = exc if isinstance(exc, ApiError) else _unavailable(exc)
+    body = P.error_body(error.message, error.kind, error.param, error.code)
+    return f"data: {json.dumps(body)}\n\n"
 
 
 async def _until_done(request: Request, work: Any) -> dict[str, Any]:

@@ -4,8 +4,9 @@ deltas to per-request queues, keep its latest stats, and notice when it fails.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import multiprocessing as mp
-import pickle
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -15,8 +16,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pipeserve.distributed import wire
 from pipeserve.server.engine_process import EngineProcessArgs, engine_main
 from pipeserve.server.streams import StreamDelta
+
+log = logging.getLogger(__name__)
+
+SEND_NOW_TIMEOUT_S = 0.5
 
 
 class EngineFailed(RuntimeError):
@@ -61,15 +67,23 @@ class EngineClient:
             if loop.time() > deadline:
                 raise EngineFailed("engine did not start in time")
             if await self._from_engine.poll(200):
-                self._dispatch(pickle.loads(await self._from_engine.recv()))
+                self._receive(await self._from_engine.recv())
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
         while True:
             if await self._from_engine.poll(500):
-                self._dispatch(pickle.loads(await self._from_engine.recv()))
+                self._receive(await self._from_engine.recv())
             elif not self.proc.is_alive() and self.failure is None:
                 self._fail(f"engine process exited with code {self.proc.exitcode}")
+
+    def _receive(self, data: bytes) -> None:
+        try:
+            msg = wire.decode_from_engine(data)
+        except wire.WireError as exc:  # only the engine can connect; still, never trust bytes
+            log.warning("dropped a malformed message from the engine: %s", exc)
+            return
+        self._dispatch(msg)
 
     def _dispatch(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -86,9 +100,11 @@ class EngineClient:
             self._fail(msg[1])
 
     def _fail(self, message: str) -> None:
-        """Every waiting request gets the error; the server turns unhealthy."""
-        self.failure = message
-        self.fail_all(message)
+        """Every waiting request gets the error; the server turns unhealthy. The first
+        cause stays (a watchdog's report, not the worker exits that follow from it)."""
+        if self.failure is None:
+            self.failure = message
+        self.fail_all(self.failure)
 
     def fail_all(self, message: str) -> None:
         for rid, q in list(self.queues.items()):
@@ -107,7 +123,12 @@ class EngineClient:
         self.queues[rid] = queue
         finished = False
         try:
-            await self._send(("add", rid, input_ids, params, return_logprob, top_logprobs))
+            try:
+                await self._send(("add", rid, input_ids, params, return_logprob, top_logprobs))
+            except wire.WireError as exc:  # e.g. an integer beyond 64 bits
+                finished = True
+                yield StreamDelta(rid, finish_reason="error", error=f"invalid request: {exc}")
+                return
             while True:
                 delta = await queue.get()
                 finished = delta.finish_reason is not None
@@ -123,15 +144,20 @@ class EngineClient:
     def num_active(self) -> int:
         return len(self.queues)
 
+    async def _send_now(self, msg: tuple[Any, ...]) -> None:
+        """Send, giving up after SEND_NOW_TIMEOUT_S (an engine that is gone takes nothing)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._send(msg), SEND_NOW_TIMEOUT_S)
+
     async def _send(self, msg: tuple[Any, ...]) -> None:
-        await self._to_engine.send(pickle.dumps(msg))
+        await self._to_engine.send(wire.encode_to_engine(msg))
 
     async def shutdown(self, timeout_s: float = 15.0) -> None:
         """Abort everything, stop the engine (and its workers), wait for it."""
         for rid in list(self.queues):
-            await self._send(("abort", rid))
+            await self._send_now(("abort", rid))
         if self.proc.is_alive():
-            await self._send(("shutdown",))
+            await self._send_now(("shutdown",))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self.proc.is_alive() and loop.time() < deadline:

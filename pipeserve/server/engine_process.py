@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import threading
 import time
 import traceback
@@ -21,7 +20,10 @@ from typing import Any
 
 import zmq
 
-from pipeserve.scheduler.request import Req, SamplingParams
+from pipeserve.distributed import wire
+from pipeserve.lifetime import exit_with_parent
+from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, Req, SamplingParams
+from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.server.streams import OutputStream, StreamDelta
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class EngineProcessArgs:
 
 
 def engine_main(args: EngineProcessArgs) -> None:
+    exit_with_parent()
     logging.basicConfig(level=logging.INFO, format="[pipeserve] %(message)s")
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -48,7 +51,7 @@ def engine_main(args: EngineProcessArgs) -> None:
 
         engine = Engine(**args.flags)
     except BaseException as exc:  # start-up failure: tell the server, then exit
-        outbox.send(pickle.dumps(("fatal", f"engine failed to start: {exc}")))
+        outbox.send(wire.encode_from_engine(("fatal", f"engine failed to start: {exc}")))
         time.sleep(0.2)
         raise
     EngineLoop(engine, inbox, outbox, args.flags.get("watchdog_timeout") or 300.0).run()
@@ -102,7 +105,12 @@ class EngineLoop:
     def _intake(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
         while self.inbox.poll(timeout):
-            self._handle(pickle.loads(self.inbox.recv()))
+            try:
+                msg = wire.decode_to_engine(self.inbox.recv())
+            except wire.WireError as exc:
+                log.warning("dropped a malformed message from the HTTP server: %s", exc)
+            else:
+                self._handle(msg)
             timeout = 0
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
@@ -119,27 +127,51 @@ class EngineLoop:
     def _add(
         self, rid: str, input_ids: list[int], params: dict[str, Any], return_logprob: bool, top: int
     ) -> None:
+        """Admit a request; anything wrong with it (or any failure while admitting it) is
+        answered to that request alone."""
+        submitted = False
         try:
-            sp = SamplingParams.from_dict(params)
-            req = Req(rid, input_ids, sp, return_logprob or top > 0, top_logprobs=top)
+            req = request_from_message(rid, input_ids, params, return_logprob, top)
             self.engine.validate(req)
             self.backend.submit(req)
-        except ValueError as exc:
-            self._send(("deltas", [StreamDelta(rid, finish_reason="error", error=str(exc))]))
-            return
-        self.streams[rid] = OutputStream(rid, self.engine.tokenizer, sp.stop, len(input_ids))
+            submitted = True
+            stream = OutputStream(rid, self.engine.tokenizer, req.sampling.stop, len(input_ids))
+            self.streams[rid] = stream
+        except Exception as exc:
+            if submitted:
+                self.backend.abort(rid)
+            invalid = isinstance(exc, ValueError) and not submitted
+            self._send(("deltas", [self._error_delta(rid, exc, invalid)]))
 
-    def _emit(self, updates: list[Any]) -> None:
-        deltas = []
-        for u in updates:
-            stream = self.streams.get(u.rid)
-            if stream is None:
-                continue
-            deltas.append(stream.apply(u))
-            if u.finish_reason is not None:
-                del self.streams[u.rid]
+    def _emit(self, updates: list[RequestUpdate]) -> None:
+        deltas = [d for u in updates if (d := self._delta(u)) is not None]
         if deltas:
             self._send(("deltas", deltas))
+
+    def _delta(self, u: RequestUpdate) -> StreamDelta | None:
+        """The client's view of one update; a failure here fails (and aborts) that request."""
+        stream = self.streams.get(u.rid)
+        if stream is None:
+            return None
+        try:
+            delta = stream.apply(u)
+        except Exception as exc:
+            del self.streams[u.rid]
+            self.backend.abort(u.rid)
+            return self._error_delta(u.rid, exc, invalid=False)
+        if u.finish_reason is not None:
+            del self.streams[u.rid]
+        if u.error is not None:  # the scheduler failed this request
+            delta.error, delta.error_kind = u.error, "engine"
+        return delta
+
+    @staticmethod
+    def _error_delta(rid: str, exc: Exception, invalid: bool) -> StreamDelta:
+        if invalid:
+            return StreamDelta(rid, finish_reason="error", error=str(exc))
+        log.error("request %s failed:\n%s", rid, traceback.format_exc())
+        message = f"internal error while handling the request: {exc!r}"
+        return StreamDelta(rid, finish_reason="error", error=message, error_kind="engine")
 
     def _maybe_stats(self) -> None:
         now = time.monotonic()
@@ -150,7 +182,7 @@ class EngineLoop:
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         with self._lock:
-            self.outbox.send(pickle.dumps(msg))
+            self.outbox.send(wire.encode_from_engine(msg))
 
     def _watchdog(self) -> None:
         """A step that overruns --watchdog-timeout cannot be interrupted from inside: report
@@ -176,3 +208,20 @@ class EngineLoop:
             kill()
         time.sleep(0.2)
         os._exit(code)
+
+
+def request_from_message(
+    rid: Any, input_ids: Any, params: Any, return_logprob: Any, top: Any
+) -> Req:
+    """The Req of an "add" message; ValueError names the first field that is wrong (the
+    HTTP layer checks these too: this is the engine's own line of defence)."""
+    if not isinstance(rid, str):
+        raise ValueError(f"the request id must be a string, got {type(rid).__name__}")
+    if not isinstance(input_ids, list) or not all(type(t) is int for t in input_ids):
+        raise ValueError("input_ids must be a list of integers")
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
+    if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+    sp = SamplingParams.from_dict(params)
+    return Req(rid, input_ids, sp, return_logprob or top > 0, top_logprobs=top)

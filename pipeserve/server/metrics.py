@@ -31,7 +31,11 @@ class Metrics:
             "pipeserve_generation_tokens", "tokens generated", registry=r
         )
         self.requests = Counter(
-            "pipeserve_requests", "finished requests", ["finish_reason"], registry=r
+            "pipeserve_requests",
+            "requests that reached the engine, once each, by how they ended (stop, length; "
+            "abort: the client went away; error)",
+            ["finish_reason"],
+            registry=r,
         )
         self.running = Gauge("pipeserve_requests_running", "requests holding KV", registry=r)
         self.waiting = Gauge("pipeserve_requests_waiting", "requests queued", registry=r)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeserve.scheduler.scheduler import RequestUpdate
+from pipeserve.scheduler.stop_matcher import StopMatcher, automaton_for
 from pipeserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -36,6 +37,7 @@ class OutputStream:
         self.rid = rid
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = stop
+        self.matcher = StopMatcher(automaton_for(stop)) if stop else None
         self.prompt_tokens = prompt_tokens
         self.emitted = 0
         self.completion_tokens = 0
@@ -47,10 +49,7 @@ class OutputStream:
         if done:
             self.detok.flush()
         text = self.detok.text
-        if done and isinstance(u.matched_stop, str) and u.matched_stop in text:
-            end = text.index(u.matched_stop)
-        else:
-            end = len(text) if done else len(text) - self._held_back(text)
+        end = self._end(text, done, u.matched_stop)
         delta = text[self.emitted : max(end, self.emitted)]
         self.emitted = max(end, self.emitted)
         return StreamDelta(
@@ -67,12 +66,15 @@ class OutputStream:
             u.ttft,
         )
 
-    def _held_back(self, text: str) -> int:
-        """Length of the longest tail of `text` that could still grow into a stop string."""
-        hold = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), 0, -1):
-                if s.startswith(text[-n:]):
-                    hold = max(hold, n)
-                    break
-        return hold
+    def _end(self, text: str, done: bool, matched_stop: str | int | None) -> int:
+        """How much of `text` may be sent: before the end, all but a tail that is or could
+        still grow into a stop string; at the end, all of it, cut before the stop string
+        that ended the request."""
+        match = self.matcher.feed(text[self.matcher.fed :]) if self.matcher else None
+        if done and isinstance(matched_stop, str):
+            if match is not None:
+                return match.start
+            return text.index(matched_stop) if matched_stop in text else len(text)
+        if done or self.matcher is None:
+            return len(text)
+        return match.start if match is not None else len(text) - self.matcher.held

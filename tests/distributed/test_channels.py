@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def worker(endpoints: Endpoints, started: Any) -> None:
-    channels.ORPHAN_TIMEOUT_S, channels.FIRST_KEEPALIVE_TIMEOUT_S = 1.0, 30.0
-    channels.WorkerChannels(1, endpoints, None)
+    channels.FIRST_KEEPALIVE_TIMEOUT_S = 30.0
+    channels.WorkerChannels(1, endpoints, None, orphan_timeout_s=1.0)
     started.set()
     time.sleep(60)
 
@@ -27,8 +27,8 @@ def test_a_worker_waits_for_a_late_scheduler_and_exits_after_it() -> None:
     base = free_port_range(3)  # the scheduler's batch, status and control ports (TP 1)
     ctx = mp.get_context("spawn")
     started = ctx.Event()
-    proc = ctx.Process(target=worker, args=(Endpoints("127.0.0.1", (base,), base + 1, base + 2),
-                                            started), daemon=True)
+    proc = ctx.Process(target=worker, args=(Endpoints.tcp("127.0.0.1", base, 1), started),
+                       daemon=True)
     proc.start()
     try:
         assert started.wait(30)
@@ -43,3 +43,29 @@ def test_a_worker_waits_for_a_late_scheduler_and_exits_after_it() -> None:
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def test_heartbeats_keep_coming_during_a_long_forward() -> None:
+    """Heartbeats come from a thread of their own: a forward that runs for many heartbeat
+    intervals in one native call (here one large matrix product) must not silence them,
+    or a long prefill chunk would look like a stalled worker."""
+    import torch
+
+    scheduler = SchedulerChannels("127.0.0.1", 1)
+    try:
+        worker_end = channels.WorkerChannels(0, scheduler.endpoints, None, heartbeat_s=0.05)
+        while scheduler.poll(1000) is None:  # connected
+            pass
+        while scheduler.poll(0) is not None:
+            pass
+        a = torch.randn(3072, 3072)
+        start = time.monotonic()
+        a @ a  # one call of ~0.3-2 s; the GIL is released inside it
+        long_forward_s = time.monotonic() - start
+        beats = 0
+        while scheduler.poll(0) is not None:
+            beats += 1
+        assert beats >= long_forward_s / 0.05 / 3, f"{beats} heartbeats in {long_forward_s:.1f}s"
+        del worker_end
+    finally:
+        scheduler.close()

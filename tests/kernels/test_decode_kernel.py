@@ -49,3 +49,34 @@ def test_kernel_matches_reference_and_torch_path(
         ref = reference(q[i], pool, runs, attn.scale)
         assert torch.allclose(outs[True][i].float(), ref, atol=tol, rtol=tol)
     assert torch.allclose(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_is_invariant_to_where_the_kv_lives_and_to_the_batch(dtype: torch.dtype) -> None:
+    """The same sequence laid out as one run or split into runs at odd places, alone or in a
+    batch with others: bitwise the same output (blocks of keys are counted from position 0,
+    not from the start of each run; the old kernel restarted them at every run)."""
+    gen = torch.Generator().manual_seed(1)
+    hk, d, group, length = 2, 32, 2, 203
+    pool = KVPool(4096, range(1), hk, d, dtype, torch.device("cpu"), 1)
+    seq_k = torch.randn(hk, length, d, generator=gen).to(dtype)
+    seq_v = torch.randn(hk, length, d, generator=gen).to(dtype)
+    layouts = [[(0, length)], [(300, 5), (400, 90), (600, 108)], [(1000, 33), (2000, 170)]]
+    for runs in layouts:  # the same keys and values at each layout's slots
+        idx = torch.cat([torch.arange(s, s + n) for s, n in runs])
+        pool.k[0][:, idx], pool.v[0][:, idx] = seq_k, seq_v
+    other = [(3000, 77)]
+    q = torch.randn(1, hk, group, d, generator=gen).to(dtype)
+    q_other = torch.randn(1, hk, group, d, generator=gen).to(dtype)
+    kernel = native_decode_kernel()
+    k_cache, v_cache = pool.buffers(0)
+
+    def run(steps: list[list[tuple[int, int]]], queries: torch.Tensor) -> torch.Tensor:
+        flat = torch.tensor([r for step in steps for r in step], dtype=torch.long)
+        offsets = torch.tensor([0, *torch.tensor([len(s) for s in steps]).cumsum(0).tolist()])
+        return kernel(queries, k_cache, v_cache, flat, offsets, d**-0.5)
+
+    alone = run([layouts[0]], q)[0]
+    for runs in layouts[1:]:
+        assert torch.equal(run([runs], q)[0], alone), runs
+        assert torch.equal(run([other, runs], torch.cat([q_other, q]))[1], alone), runs

@@ -221,6 +221,25 @@ def test_evict_stops_once_enough_is_freed() -> None:
     assert tree.evictable_pages == 3
 
 
+def test_evict_does_not_walk_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eviction pops candidates from a heap kept up to date by insert/match/lock/unlock; a
+    walk of every node per call (what it did before) would make each eviction O(tree)."""
+    tree, freed = make_tree()
+    held = []
+    for i in range(500):  # 500 locked branches and 5 evictable ones
+        tree.insert([i, 1000 + i], [2 * i, 2 * i + 1])
+        _, node = tree.match_prefix([i, 1000 + i])
+        if i >= 5:
+            tree.lock(node)
+            held.append(node)
+    monkeypatch.setattr(RadixCache, "_nodes", lambda self: pytest.fail("walked the tree"))
+    tree.match_prefix([3, 1003])  # touched: now the most recently used of the five
+    assert tree.evict(1) == 2 and freed == [0, 1]
+    assert tree.evict(100) == 8 and freed[2:] == [2, 3, 4, 5, 8, 9, 6, 7]
+    tree.unlock(held[0])  # branch 5 becomes evictable
+    assert tree.evict(1) == 2 and freed[-2:] == [10, 11]
+
+
 def test_evict_on_empty_tree() -> None:
     tree, freed = make_tree()
     assert tree.evict(5) == 0 and freed == []
@@ -250,6 +269,11 @@ class Model:
         self.live: list[LiveRequest] = []
 
     def _tree_frees(self, pages: list[int]) -> None:
+        """Called with the victim still in the tree: it must be the least recently used
+        unlocked leaf."""
+        leaves = [n for n in nodes(self.tree) if not n.children and n.lock_ref == 0]
+        victim = next(n for n in leaves if n.pages == pages)
+        assert victim.last_access == min(n.last_access for n in leaves), "not LRU"
         for p in pages:
             del self.page_of[self.prefix_of.pop(p)]
         self.alloc.free(pages)

@@ -3,11 +3,13 @@ never reach (or hurt) the engine, and the server keeps serving; schemathesis fuz
 generation endpoints from the server's own OpenAPI schema and no answer may be a 5xx.
 
 The module's server runs with --context-length 64: context errors are easy to provoke and a
-fuzzed request without max_tokens generates at most a few dozen tokens."""
+fuzzed request without max_tokens generates at most a few dozen tokens; and with
+--max-request-bytes 65536."""
 
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from server_helpers import Server, error_message, running_server, wait_for
 pytestmark = pytest.mark.timeout(240)
 
 CONTEXT = 64
+MAX_BYTES = 65536
 NAME = "tiny"
 VOCAB = 512
 OK = {"model": NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0}
@@ -31,6 +34,7 @@ OK = {"model": NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0}
 def server(tiny_model: Path, tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("bad-input-server") / "server.log"
     args = ["--context-length", str(CONTEXT), "--served-model-name", NAME]
+    args += ["--max-request-bytes", str(MAX_BYTES)]
     with running_server(tiny_model, args, log) as srv:
         yield srv
 
@@ -203,6 +207,41 @@ def test_chat_content_part_with_non_string_text_is_400(server: Server) -> None:
         "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
     }
     expect_error(server.post("/v1/chat/completions", body), 400, "text")
+
+
+def test_lone_surrogates_are_400_on_a_connection_that_keeps_serving(server: Server) -> None:
+    """They used to crash the engine (in a stop string) or end in a text/plain 500 and a
+    reset connection (in a prompt)."""
+    headers = {"content-type": "application/json"}
+    chat = '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}'
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        for path, raw, param in (
+            ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800"}', "prompt"),
+            ("/v1/completions", '{"model": "tiny", "prompt": "a", "stop": ["\\udc00"]}', "stop.0"),
+            ("/v1/chat/completions", chat, "messages.0.content"),
+        ):
+            r = http.post(path, content=raw.encode(), headers=headers)
+            expect_error(r, 400, "surrogate")
+            assert r.json()["error"]["param"] == param
+        r = http.post("/v1/completions", json=OK)
+        assert r.status_code == 200, r.text
+    still_serves(server)
+
+
+def test_declared_body_over_max_request_bytes_is_413_unread(server: Server) -> None:
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: pipeserve\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {MAX_BYTES + 1}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(head.encode())  # no body: the answer must come from the header alone
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    status, _, body = reply.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 413"), reply
+    assert "--max-request-bytes" in json.loads(body)["error"]["message"]
+    still_serves(server)
 
 
 def test_server_keeps_serving_after_bad_input(server: Server) -> None:

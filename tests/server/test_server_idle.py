@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import Server, running_server, wait_for
+from server_helpers import Server, running_server, wait_for, wait_gone
 
-from pipeserve.engine.workers import HEARTBEAT_TIMEOUT_S
+from pipeserve.config import ParallelConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +31,7 @@ def server(tiny_model: Path, tmp_path: Path) -> Iterator[Server]:
 
 def test_pp_server_still_serves_after_idling(server: Server) -> None:
     assert server.post("/v1/completions", REQUEST).status_code == 200
-    time.sleep(HEARTBEAT_TIMEOUT_S + 2)  # idle: nothing to assert on time, just be idle
+    time.sleep(ParallelConfig().heartbeat_timeout + 2)  # idle: nothing to assert on time
     r = server.post("/v1/completions", REQUEST)
     assert r.status_code == 200, r.text[:300]
     assert r.json()["usage"]["completion_tokens"] == 4
@@ -67,3 +67,39 @@ def test_health_notices_a_worker_killed_while_idle(server: Server) -> None:
             return True  # the server already exited: also not reporting healthy
 
     assert wait_for(unhealthy, timeout_s=8, interval_s=0.1)
+
+
+def test_workers_exit_within_2s_of_an_engine_sigkill(server: Server) -> None:
+    """The engine process asks the kernel to kill its workers when it dies (they used to
+    wait 15 s for missing keepalives)."""
+    workers = worker_pids(server)
+    stat = Path(f"/proc/{workers[0]}/stat").read_text()
+    engine = int(stat.rsplit(")", 1)[1].split()[1])
+    tree = {pid: start for pid, start in server.tree()}
+    os.kill(engine, signal.SIGKILL)
+    left = wait_gone([(w, tree[w]) for w in workers], timeout_s=2.0)
+    assert left == [], f"workers {left} outlived their engine process by 2 s"
+
+
+@pytest.fixture
+def fast_heartbeat_server(tiny_model: Path, tmp_path: Path) -> Iterator[Server]:
+    args = ["--pp-size", "2", "--served-model-name", NAME, "--heartbeat-timeout", "2"]
+    with running_server(tiny_model, args, tmp_path / "server.log") as srv:
+        yield srv
+
+
+def test_a_stopped_worker_is_noticed_within_the_heartbeat_timeout(
+    fast_heartbeat_server: Server,
+) -> None:
+    server = fast_heartbeat_server
+    assert server.post("/v1/completions", REQUEST).status_code == 200
+    os.kill(worker_pids(server)[-1], signal.SIGSTOP)
+
+    def unhealthy() -> bool:
+        try:
+            r = server.get("/health")
+        except httpx.HTTPError:
+            return True
+        return r.status_code == 503 and "heartbeat" in r.text
+
+    assert wait_for(unhealthy, timeout_s=2 + 3, interval_s=0.1)

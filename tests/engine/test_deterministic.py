@@ -1,0 +1,73 @@
+"""--enable-deterministic-inference: the same prompt gives bitwise the same greedy tokens and
+logprobs alone, among 32 other requests (other chunk boundaries, other batch sizes), after a
+prefix-cache hit and on a two-stage pipeline; the same runs without the flag differ, which
+shows these situations do exercise what the mode fixes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from engine_helpers import random_prompts
+
+from pipeserve.device import native_decode_kernel, native_prefill_kernel
+from pipeserve.engine.engine import Engine
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        native_decode_kernel() is None or native_prefill_kernel() is None,
+        reason="deterministic mode needs the native kernels (AVX512-BF16)",
+    ),
+]
+
+@pytest.fixture(scope="module")
+def model_path(model_dir: Any) -> Any:
+    """The 8-layer bench model: wide enough that BLAS computes a one-row product of its MLP
+    with a matrix-vector kernel that sums in another order, and deep enough that such
+    differences reach the logprobs (on the 4-layer tiny model bf16 rounding hides them)."""
+    return model_dir("bench")
+
+
+BASE_FLAGS: dict[str, Any] = {"dtype": "bfloat16", "max_total_tokens": 16384}
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+def runs(make_engine: Any, deterministic: bool) -> dict[str, tuple[list[int], list[float]]]:
+    """The target prompt's (tokens, logprobs) in each situation."""
+    target, *others = random_prompts([301] + [37 + 11 * i for i in range(32)], seed=5)
+    flags = {"enable_deterministic_inference": deterministic}
+
+    def result(
+        engine: Engine, prompts: list[list[int]], index: int
+    ) -> tuple[list[int], list[float]]:
+        out = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+        return out[index]["output_ids"], out[index]["output_logprobs"]
+
+    engine = make_engine(chunked_prefill_size=64, **flags)
+    seen = {"alone": result(engine, [target], 0)}
+    seen["cache hit"] = result(engine, [target], 0)  # all but its last token cached
+    crowd = make_engine(chunked_prefill_size=96, disable_radix_cache=True, **flags)
+    seen["among 32"] = result(crowd, others[:16] + [target] + others[16:], 16)
+    pp2 = make_engine(pp_size=2, chunked_prefill_size=128, **flags)
+    seen["pp2"] = result(pp2, [target], 0)
+    return seen
+
+
+def test_deterministic_mode_is_batch_chunk_cache_and_layout_invariant(make_engine: Any) -> None:
+    seen = runs(make_engine, deterministic=True)
+    tokens, logprobs = seen["alone"]
+    for situation, (t, lp) in seen.items():
+        assert t == tokens, f"{situation}: other tokens"
+        assert lp == logprobs, f"{situation}: other logprobs"
+
+
+def test_without_the_flag_the_same_situations_differ(make_engine: Any) -> None:
+    seen = runs(make_engine, deterministic=False)
+    alone = seen.pop("alone")
+    assert any(other != alone for other in seen.values()), "nothing to fix: a hollow test"
+
+
+def test_deterministic_mode_refuses_the_torch_kernels(make_engine: Any) -> None:
+    with pytest.raises(ValueError, match="needs the native attention kernels"):
+        make_engine(enable_deterministic_inference=True, attention_backend="torch")
