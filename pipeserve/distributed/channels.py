@@ -261,8 +261,20 @@ class WorkerChannels:
             self._batch = self._connect(zmq.PULL, batch_url, wire.MAX_MESSAGE_BYTES)
         self._dropped = DropLog(f"worker {rank} batch channel")
         self._control_url = endpoints.control
-        threading.Thread(target=self._watchdog, daemon=True).start()
-        threading.Thread(target=self._heartbeat, daemon=True).start()
+        self._closed = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._watchdog, daemon=True),
+            threading.Thread(target=self._heartbeat, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat and the watchdog (a worker process just exits instead)."""
+        self._closed.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self.ctx.destroy(linger=0)
 
     def _connect(self, kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -287,17 +299,18 @@ class WorkerChannels:
                 self._dropped.dropped(exc)
 
     def _heartbeat(self) -> None:
-        while True:
+        while not self._closed.is_set():
             self.send_status("heartbeat")
-            time.sleep(self.heartbeat_s)
+            self._closed.wait(self.heartbeat_s)
 
     def _watchdog(self) -> None:
         sub = self._connect(zmq.SUB, self._control_url, KEEPALIVE_MAX_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         last, timeout = time.monotonic(), FIRST_KEEPALIVE_TIMEOUT_S
-        while True:
+        while not self._closed.is_set():
             if sub.poll(int(KEEPALIVE_S * 1000)):
                 sub.recv()
                 last, timeout = time.monotonic(), self.orphan_timeout_s
             elif time.monotonic() - last > timeout:
                 os._exit(3)  # the scheduler is gone: do not linger as an orphan
+        sub.close(linger=0)

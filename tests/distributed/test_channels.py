@@ -52,8 +52,8 @@ def test_heartbeats_keep_coming_during_a_long_forward() -> None:
     import torch
 
     scheduler = SchedulerChannels("127.0.0.1", 1)
-    try:
-        worker_end = channels.WorkerChannels(0, scheduler.endpoints, None, heartbeat_s=0.05)
+    worker_end = channels.WorkerChannels(0, scheduler.endpoints, None, heartbeat_s=0.05)
+    try:  # closed at the end, or its orphan watchdog would end this process later
         while scheduler.poll(1000) is None:  # connected
             pass
         while scheduler.poll(0) is not None:
@@ -66,6 +66,6 @@ def test_heartbeats_keep_coming_during_a_long_forward() -> None:
         while scheduler.poll(0) is not None:
             beats += 1
         assert beats >= long_forward_s / 0.05 / 3, f"{beats} heartbeats in {long_forward_s:.1f}s"
-        del worker_end
     finally:
+        worker_end.close()
         scheduler.close()
