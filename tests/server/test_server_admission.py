@@ -24,7 +24,7 @@ from fake_engine import (
 )
 
 from pipeserve.server import protocol as P
-from pipeserve.server.app import _Run
+from pipeserve.server.request_run import RequestRun
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,7 +108,7 @@ def test_a_run_whose_deltas_never_start_is_one_abort_when_collected() -> None:
 
     async def go() -> None:
         ticket = state.admission.admit(state.metrics)
-        run = _Run(state, ticket, [1, 2], {}, False, 0)
+        run = RequestRun(state, ticket, [1, 2], {}, False, 0)
         stream = run.stream_completion(P.CompletionRequest(model=NAME, prompt="hi"))
         del run, stream  # the stream was never iterated
         gc.collect()
