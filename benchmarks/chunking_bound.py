@@ -46,7 +46,8 @@ def main() -> None:
     ap.add_argument("--fixed-sizes", default="256,512,768,1024,1536,2048")
     ap.add_argument("--floor", type=int, default=64)
     args = ap.parse_args()
-    data = json.load(open(args.profile))
+    with open(args.profile) as f:
+        data = json.load(f)
     points = [tuple(p) for p in data["key"]["points"]][1:]  # the first is the warm-up
     seconds = data["seconds"]
     if seconds and isinstance(seconds[0], list):  # per stage: the slowest stage sets the pace

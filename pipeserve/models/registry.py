@@ -1,4 +1,5 @@
-"""Architecture name (config.json `architectures`) -> model class."""
+"""Architecture -> model class. `ArchConfig` has chosen the architecture: the first one that
+config.json's `architectures` names and pipeserve reads, else the one of its `model_type`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
+def model_class(arch: ArchConfig) -> type[LlamaForCausalLM]:
+    cls = MODELS.get(arch.architecture)
+    if cls is None:  # read by ArchConfig (DeepSeek) but not built yet
+        raise ValueError(
+            f"{arch.architecture} checkpoints are not supported yet (their config is read, the "
+            f"model is not built); pipeserve runs {', '.join(MODELS)}"
+        )
+    return cls
+
+
 def build_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    cls = model_class(arch)
     with torch.device(device):
-        return MODELS[arch.architecture](arch, dtype)
+        return cls(arch, dtype)

@@ -28,6 +28,7 @@ from typing import Any
 import jinja2
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FAILURE_GRACE_S = 2.0  # after an engine failure: time to answer clients before exiting
 DISCONNECT_POLL_S = 0.25
+CLIENT_GONE = 499  # status of a request whose client disconnected (never seen by it)
 TOKENIZE_CONCURRENCY = 2 * (os.cpu_count() or 1)  # prompts tokenized at once
 
 
@@ -101,7 +103,35 @@ def create_app(state: ServerState) -> FastAPI:
     authorize = _authorizer(state.config.server.api_key)
     _add_info_routes(app, state, authorize)
     _add_generation_routes(app, state, authorize)
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     return app
+
+
+ERROR_STATUSES = {  # what the API answers besides 200 (never FastAPI's 422: bad input is 400)
+    "400": "invalid request (OpenAI error body)",
+    "401": "missing or wrong API key",
+    "404": "unknown model",
+    "413": "body over --max-request-bytes",
+    "503": "busy, shutting down or engine failed (Retry-After)",
+}
+
+
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema with the statuses this server really answers: 422 replaced by the
+    error statuses above on every operation that takes a body, and /metrics as text."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error = {"content": {"application/json": {"schema": {"type": "object"}}}}
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                if responses.pop("422", None) is not None or path.startswith("/v1/"):
+                    for status, text in ERROR_STATUSES.items():
+                        responses[status] = {"description": text, **error}
+        metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]
+        metrics["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _authorizer(key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -189,7 +219,7 @@ def _add_generation_routes(
             )
         if body.stream:
             return _sse(run.stream_completion(body))
-        return JSONResponse(await _until_done(request, run.complete_completion()))
+        return await _until_done(request, run.complete_completion())
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: P.ChatCompletionRequest, request: Request) -> Response:
@@ -206,7 +236,7 @@ def _add_generation_routes(
             run = RequestRun(state, ticket, ids, body.sampling(max_new), body.logprobs, top)
         if body.stream:
             return _sse(run.stream_chat(body))
-        return JSONResponse(await _until_done(request, run.complete_chat()))
+        return await _until_done(request, run.complete_chat())
 
 
 @contextlib.contextmanager
@@ -246,7 +276,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return JSONResponse(P.error_body(str(exc.detail)), status_code=exc.status_code)
+        return JSONResponse(  # keeps e.g. a 405's Allow header
+            P.error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(EngineFailed)
     async def engine_failed(_: Request, exc: EngineFailed) -> Response:
@@ -298,14 +330,18 @@ def _error_event(exc: ApiError | EngineFailed) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _until_done(request: Request, work: Any) -> dict[str, Any]:
-    """Await a non-streamed response; abort it if the client disconnects meanwhile."""
+async def _until_done(request: Request, work: Any) -> Response:
+    """Await a non-streamed response; abort it if the client disconnects meanwhile (then
+    nobody reads the answer: an empty 499, as proxies log a client that went away)."""
     task = asyncio.ensure_future(work)
     while not task.done():
         await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if not task.done() and await request.is_disconnected():
             task.cancel()
-    return task.result()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=CLIENT_GONE)
+    return JSONResponse(task.result())
 
 
 async def _watch_failure(state: ServerState) -> None:

@@ -77,7 +77,11 @@ class EngineLoop:
             (
                 "ready",
                 {
-                    "context_len": self.engine.context_len,
+                    # what one request can hold: the model's context, or the KV pool if
+                    # smaller (the HTTP layer's default max_tokens must fit it)
+                    "context_len": min(
+                        self.engine.context_len, self.backend.scheduler.kv.capacity_tokens
+                    ),
                     "vocab_size": self.engine.arch.vocab_size,
                     "model_path": str(self.engine.model_path),
                 },

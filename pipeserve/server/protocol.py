@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -123,7 +123,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
 
