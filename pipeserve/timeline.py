@@ -17,7 +17,10 @@ from typing import Any
 
 from pipeserve.scheduler.batch import ScheduledBatch
 
-MAX_EVENTS = 200_000
+# Every process keeps its latest events in a ring for `--timeline` and the profiles; a
+# server that never asks for them must not grow: 20K events (~1 KB each with a batch's
+# request ids) bound it to ~20 MB per process, and cover 10K micro-batches of a benchmark.
+MAX_EVENTS = 20_000
 
 
 @dataclass
