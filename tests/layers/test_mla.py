@@ -1,0 +1,242 @@
+"""Multi-head latent attention against transformers' DeepseekV3Attention (random weights, copied
+in by checkpoint name): a causal prompt through the expanded path, the same prompt in chunks over
+the latent cache, absorbed decode steps, what the cache holds, and two emulated TP ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
+from pipeserve.distributed import parallel_state
+from pipeserve.distributed.parallel_state import ParallelState
+from pipeserve.layers import linear
+from pipeserve.layers.mla import LatentSegment, MLAttention, Mode, latent_width
+from pipeserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
+from pipeserve.models.arch import MLAConfig
+
+HIDDEN, HEADS, THETA, MAX_POSITIONS = 64, 4, 10000.0, 256
+RANK, NOPE, ROPE, V = 32, 16, 8, 12  # kv_lora_rank, qk_nope/rope_head_dim, v_head_dim
+PROMPT = 40
+NUM_SLOTS = 128
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+CASES: dict[str, dict[str, Any]] = {
+    "q-lora-interleaved-yarn": {"q_lora_rank": 24, "rope_interleave": True, "rope": YARN},
+    "no-q-lora-half-split-yarn": {"q_lora_rank": None, "rope_interleave": False, "rope": YARN},
+    "q-lora-half-split-bias": {
+        "q_lora_rank": 24,
+        "rope_interleave": False,
+        "rope": None,
+        "attention_bias": True,
+    },
+}
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def hf_config(case: dict[str, Any]) -> DeepseekV3Config:
+    rope = case["rope"] or {"rope_type": "default"}
+    config = DeepseekV3Config(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        num_hidden_layers=1,
+        q_lora_rank=case["q_lora_rank"],
+        kv_lora_rank=RANK,
+        qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=V,
+        rope_interleave=case["rope_interleave"],
+        attention_bias=case.get("attention_bias", False),
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={**rope, "rope_theta": THETA},
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+class InMemory:
+    """A checkpoint tensor as the weight loaders see one (`LazyTensor`'s interface)."""
+
+    def __init__(self, tensor: torch.Tensor, name: str) -> None:
+        self.tensor, self.name, self.shape = tensor, name, list(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> InMemory:
+        return InMemory(self.tensor.narrow(dim, start, length), self.name)
+
+    def load(self) -> torch.Tensor:
+        return self.tensor
+
+
+class Setup:
+    """transformers' attention with random weights, and the layer's config and rope."""
+
+    def __init__(self, name: str) -> None:
+        case = CASES[name]
+        self.config = hf_config(case)
+        torch.manual_seed(0)
+        self.hf = hf_v3.DeepseekV3Attention(self.config, layer_idx=0).eval()
+        with torch.no_grad():
+            for n, p in self.hf.named_parameters():
+                if "layernorm" in n or n.endswith("bias"):  # not their trivial init
+                    p.copy_(1 + 0.2 * torch.randn_like(p))
+        self.hf_rope = hf_v3.DeepseekV3RotaryEmbedding(self.config)
+        self.mla = MLAConfig(case["q_lora_rank"] or 0, RANK, NOPE, ROPE, V, case["rope_interleave"])
+        self.scaling = RopeScaling.from_dict(case["rope"], MAX_POSITIONS) if case["rope"] else None
+        self.bias = case.get("attention_bias", False)
+        self.rotary = RotaryEmbedding(ROPE, THETA, self.scaling)
+
+    def layer(self, dtype: torch.dtype = torch.float32) -> MLAttention:
+        layer = MLAttention(HIDDEN, HEADS, self.mla, self.scaling, dtype, self.bias)
+        params = dict(layer.named_parameters())
+        hf_params = dict(self.hf.named_parameters())
+        assert params.keys() == hf_params.keys()
+        for name, tensor in hf_params.items():
+            loader = getattr(params[name], "weight_loader", None)
+            if loader is None:
+                params[name].data.copy_(tensor)
+            else:
+                loader(params[name], InMemory(tensor.detach(), name))
+        return layer
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' output for one causal prompt x [n, hidden] at positions 0..n-1."""
+        n = x.shape[0]
+        cos_sin = self.hf_rope(x, torch.arange(n)[None])
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        with torch.no_grad():
+            return self.hf(x[None], cos_sin, mask)[0][0]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return self.rotary.cos_sin(positions, dtype)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def setup(request: pytest.FixtureRequest) -> Setup:
+    return Setup(request.param)
+
+
+def scattered_slots(n: int, seed: int) -> torch.Tensor:
+    """A request's slots, out of order (as pages make them); slot 0 is never used."""
+    return 1 + torch.randperm(NUM_SLOTS - 1, generator=torch.Generator().manual_seed(seed))[:n]
+
+
+def run_chunks(
+    layer: MLAttention,
+    setup: Setup,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    chunks: list[int],
+    cache: torch.Tensor,
+    mode: Mode = "auto",
+) -> torch.Tensor:
+    """One request's prompt fed in chunks of the given sizes, each over the cached prefix."""
+    outs, start = [], 0
+    for n in chunks:
+        seg = LatentSegment(0, n, slots[: start + n])
+        rope = setup.rope(torch.arange(start, start + n), x.dtype)
+        with torch.no_grad():
+            outs.append(layer(x[start : start + n], rope, cache, [seg], mode))
+        start += n
+    return torch.cat(outs)
+
+
+def new_cache(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(NUM_SLOTS, RANK + ROPE, dtype=dtype)
+
+
+def test_expanded_prompt_matches_transformers(setup: Setup) -> None:
+    x = rand(PROMPT, HIDDEN, seed=1)
+    got = run_chunks(
+        setup.layer(), setup, x, scattered_slots(PROMPT, 2), [PROMPT], new_cache(), "expanded"
+    )
+    torch.testing.assert_close(got, setup.reference(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["expanded", "absorbed", "auto"])
+def test_chunks_over_cached_prefix_match_one_shot(setup: Setup, mode: Mode) -> None:
+    layer, x, slots = setup.layer(), rand(PROMPT, HIDDEN, seed=1), scattered_slots(PROMPT, 2)
+    one_shot = run_chunks(layer, setup, x, slots, [PROMPT], new_cache(), "expanded")
+    chunked = run_chunks(layer, setup, x, slots, [13, 1, 15, 11], new_cache(), mode)
+    torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=0)
+
+
+def test_absorbed_decode_matches_expanded_and_transformers(setup: Setup) -> None:
+    """Two requests prefilled, then one batch with a decode step of each (absorbed)."""
+    layer, cache = setup.layer(), new_cache()
+    lens, xs = [PROMPT, 25], [rand(PROMPT, HIDDEN, seed=1), rand(25, HIDDEN, seed=3)]
+    all_slots = scattered_slots(PROMPT + 25, 2)
+    slots = [all_slots[:PROMPT], all_slots[PROMPT:]]
+    expanded = [
+        run_chunks(layer, setup, x, s, [n], cache, "expanded")
+        for x, s, n in zip(xs, slots, lens, strict=True)
+    ]
+    # decode the last token again, as a step over the other n - 1 cached positions
+    segments = [LatentSegment(i, 1, s) for i, s in enumerate(slots)]
+    x_step = torch.stack([x[-1] for x in xs])
+    rope = setup.rope(torch.tensor([n - 1 for n in lens]), torch.float32)
+    with torch.no_grad():
+        step = layer(x_step, rope, cache, segments)
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(step[i], expanded[i][-1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(step[i], setup.reference(x)[-1], atol=1e-5, rtol=0)
+
+
+def test_cache_holds_normed_latent_and_roped_key_per_token(setup: Setup) -> None:
+    layer, cache = setup.layer(), new_cache()
+    x, slots = rand(PROMPT, HIDDEN, seed=1), scattered_slots(PROMPT, 2)
+    run_chunks(layer, setup, x, slots, [PROMPT], cache)
+    assert latent_width(setup.mla) == RANK + ROPE == cache.shape[1]
+    with torch.no_grad():
+        c, k_rope = setup.hf.kv_a_proj_with_mqa(x).split([RANK, ROPE], -1)
+        cos, sin = setup.rope(torch.arange(PROMPT), torch.float32)
+        k_rope = apply_rotary(k_rope[:, None], cos, sin, setup.mla.rope_interleave)[:, 0]
+        expected = torch.cat([setup.hf.kv_a_layernorm(c), k_rope], -1)
+    torch.testing.assert_close(cache[slots], expected, atol=1e-6, rtol=0)
+    unused = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    unused[slots] = False
+    assert not cache[unused].any()  # nothing else was written
+
+
+def test_bfloat16_paths_agree_with_float32(setup: Setup) -> None:
+    x, slots = rand(PROMPT, HIDDEN, seed=1), scattered_slots(PROMPT, 2)
+    reference = setup.reference(x)
+    layer = setup.layer(torch.bfloat16)
+    xb = x.bfloat16()
+    for mode, chunks in (("expanded", [PROMPT]), ("absorbed", [30, 10]), ("auto", [PROMPT - 1, 1])):
+        got = run_chunks(layer, setup, xb, slots, chunks, new_cache(torch.bfloat16), mode)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), reference, atol=2e-2, rtol=0)  # max err ~1e-2
+
+
+def test_two_tp_ranks_sum_to_one_rank(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each emulated rank holds half the heads; o_proj's all-reduce is the sum of their outputs.
+    Prefill expanded, then an absorbed decode step, each rank over its own (equal) cache."""
+    x, slots = rand(PROMPT, HIDDEN, seed=1), scattered_slots(PROMPT, 2)
+    chunks = [PROMPT - 1, 1]
+    full = run_chunks(setup.layer(), setup, x, slots, chunks, new_cache())
+    monkeypatch.setattr(linear, "tp_all_reduce", lambda t: t)
+    partials, caches = [], []
+    for rank in range(2):
+        monkeypatch.setattr(parallel_state, "_state", ParallelState(tp_rank=rank, tp_size=2))
+        layer = setup.layer()
+        assert layer.num_heads == HEADS // 2
+        assert layer.kv_b_proj.weight.shape == (HEADS // 2 * (NOPE + V), RANK)
+        caches.append(new_cache())
+        partials.append(run_chunks(layer, setup, x, slots, chunks, caches[-1]))
+    bias = setup.hf.o_proj.bias if setup.bias else torch.zeros(HIDDEN)
+    torch.testing.assert_close(partials[0] + partials[1] - bias.detach(), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
