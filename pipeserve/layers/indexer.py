@@ -1,0 +1,164 @@
+"""DeepSeek-V3.2's lightning indexer: which earlier tokens each query's MLA attention may read.
+
+Per token and layer it caches one key of `index_head_dim` values: LayerNorm(wk(x)), its first
+qk_rope_head_dim channels roped half-split (see rotary.py). Queries are `index_n_heads` heads of
+index_head_dim from wq_b over the MLA block's q_a_layernorm output, roped the same way. The score
+of key t for query s (transformers' DeepseekV32Indexer, float32):
+
+    score[s, t] = sum_h w[s, h] * ReLU(q[s, h] . k[t] * index_head_dim**-0.5),
+    w = weights_proj(x) * index_n_heads**-0.5
+
+over causally visible keys only (t <= position of s); later ones score -inf. Each query then keeps
+its `index_topk` best keys, or every visible key when it sees fewer.
+
+Tie-break: scores are sums of ReLUs, so exact ties (0 most of all) are common. Among equal scores
+the earlier position wins; -0.0 counts as 0.0. transformers' topk leaves this order unspecified.
+
+Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), best
+first, -1 where a query sees fewer than index_topk tokens. `selection_mask` turns one request's
+rows into the boolean mask [q_len, prefix_len + q_len] its attention is restricted to.
+
+Tensor parallelism: every projection is replicated (the indexer is small), so every rank caches
+the same keys and selects the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pipeserve.layers.linear import ReplicatedLinear
+from pipeserve.layers.rotary import apply_rotary_part
+from pipeserve.models.arch import IndexerConfig
+
+if TYPE_CHECKING:  # mla.py may hold an Indexer; importing it at run time would be circular
+    from pipeserve.layers.mla import LatentSegment
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_dim], as mla.Rope
+
+K_NORM_EPS = 1e-6  # transformers' and DeepSeek's k_norm, whatever the config's eps
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias, computed in float32 and cast back."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight.float(), self.bias.float()
+        y = nn.functional.layer_norm(x.float(), w.shape, w, b, self.eps)
+        return y.to(x.dtype)
+
+
+class Indexer(nn.Module):
+    """Parameters under transformers' checkpoint names: wq_b, wk, k_norm, weights_proj. The rotary
+    width (qk_rope_head_dim) is that of the model's shared cos/sin tables passed to forward."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        q_lora_rank: int,
+        config: IndexerConfig,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if not q_lora_rank:
+            raise ValueError("the V3.2 indexer reads the MLA query latent; q_lora_rank must be > 0")
+        self.config = config
+        self.scale = config.head_dim**-0.5
+        heads, dim = config.n_heads, config.head_dim
+        self.wq_b = ReplicatedLinear(q_lora_rank, heads * dim, False, dtype)
+        self.wk = ReplicatedLinear(hidden_size, dim, False, dtype)
+        self.k_norm = LayerNorm(dim, K_NORM_EPS, dtype)
+        self.weights_proj = ReplicatedLinear(hidden_size, heads, False, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        rope: Rope,
+        cache: torch.Tensor,
+        segments: list[LatentSegment],
+    ) -> torch.Tensor:
+        """x [tokens, hidden]; q_latent [tokens, q_lora_rank], MLA's q_a_layernorm output; cache
+        [slots, index_head_dim] of this layer, written at each segment's new slots
+        -> [tokens, index_topk] long: selected positions of each token's request, -1 for none."""
+        topk = self.config.topk
+        out = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
+        all_scores = self.scores(x, q_latent, rope, cache, segments)
+        for seg, scores in zip(segments, all_scores, strict=True):
+            out[seg.rows] = top_positions(scores, topk)
+        return out
+
+    def scores(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        rope: Rope,
+        cache: torch.Tensor,
+        segments: list[LatentSegment],
+    ) -> list[torch.Tensor]:
+        """As `forward`, but the index scores: per segment [q_len, prefix_len + q_len] float32,
+        -inf at positions after the query's. Writes the segments' keys to the cache."""
+        q, w = self.queries(q_latent, rope), self.head_weights(x)
+        new = self.keys(x, rope)
+        for seg in segments:
+            cache[seg.new_slots] = new[seg.rows]
+        return [
+            causal_index_scores(
+                q[seg.rows], w[seg.rows], cache[seg.slots], seg.prefix_len, self.scale
+            )
+            for seg in segments
+        ]
+
+    def queries(self, q_latent: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """[tokens, n_heads, head_dim], the first qk_rope_head_dim channels roped half-split."""
+        q = self.wq_b(q_latent).view(q_latent.shape[0], self.config.n_heads, self.config.head_dim)
+        return apply_rotary_part(q, *rope, start=0, interleaved=False)
+
+    def keys(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """What the tokens cache: [tokens, head_dim]."""
+        k = self.k_norm(self.wk(x))[:, None]
+        return apply_rotary_part(k, *rope, start=0, interleaved=False)[:, 0]
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, n_heads] float32, with transformers' n_heads**-0.5."""
+        return self.weights_proj(x).float() * self.config.n_heads**-0.5
+
+
+def causal_index_scores(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, prefix_len: int, scale: float
+) -> torch.Tensor:
+    """q [n, heads, d], w [n, heads], k [L, d] (key j at position j, query i at prefix_len + i)
+    -> [n, L] float32: sum over heads of w * ReLU(q.k * scale), -inf at future keys."""
+    logits = torch.matmul(q.float().transpose(0, 1), k.float().t()) * scale  # [heads, n, L]
+    scores = torch.matmul(w[:, None, :], torch.relu(logits).transpose(0, 1))[:, 0]  # [n, L]
+    future = torch.ones_like(scores, dtype=torch.bool).triu(prefix_len + 1)
+    return scores.masked_fill(future, float("-inf"))
+
+
+def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [n, L] (-inf: not visible) -> [n, topk] long: the positions of each row's topk
+    highest finite scores, best first, the earlier position first among equal scores; -1 pads
+    rows with fewer than topk finite scores."""
+    # + 0.0 turns -0.0 into 0.0, so a stable sort sees them as the tie they are
+    values, order = torch.sort(scores + 0.0, dim=-1, descending=True, stable=True)
+    picked = order[:, :topk].masked_fill(values[:, :topk] == float("-inf"), -1)
+    if picked.shape[1] < topk:
+        picked = nn.functional.pad(picked, (0, topk - picked.shape[1]), value=-1)
+    return picked
+
+
+def selection_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """positions [n, topk] of one request (-1: none) -> [n, length] bool, True where selected."""
+    mask = torch.zeros(positions.shape[0], length + 1, dtype=torch.bool, device=positions.device)
+    mask.scatter_(
+        1, torch.where(positions < 0, length, positions), True
+    )  # -1 lands in a spare column
+    return mask[:, :length]

@@ -1,0 +1,255 @@
+"""V3.2's lightning indexer against transformers' DeepseekV32Indexer (random weights, copied in by
+checkpoint name): index scores of a causal prompt, the selected sets where the top-k boundary is
+not a near tie, chunks over the key cache, queries seeing fewer tokens than index_topk, and the
+tie-break (earlier position wins) on constructed ties."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from transformers import DeepseekV32Config
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
+
+from pipeserve.layers.indexer import Indexer, selection_mask, top_positions
+from pipeserve.layers.mla import LatentSegment
+from pipeserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary_part
+from pipeserve.models.arch import IndexerConfig
+
+HIDDEN, Q_RANK, ROPE, THETA, MAX_POSITIONS = 64, 24, 8, 10000.0, 256
+INDEX_HEADS, INDEX_DIM, TOPK = 4, 32, 16
+PROMPT, NUM_SLOTS = 40, 128
+GAP = 1e-4  # the selections are compared only where the top-k boundary is wider than this
+YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,  # cos/sin carry an attention factor != 1
+}
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Setup:
+    """transformers' indexer with random weights, and our layer's config and rope."""
+
+    def __init__(self, topk: int = TOPK) -> None:
+        self.config = DeepseekV32Config(
+            hidden_size=HIDDEN,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_hidden_layers=1,
+            q_lora_rank=Q_RANK,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=ROPE,
+            v_head_dim=12,
+            index_n_heads=INDEX_HEADS,
+            index_head_dim=INDEX_DIM,
+            index_topk=topk,
+            max_position_embeddings=MAX_POSITIONS,
+            rope_parameters={**YARN, "rope_theta": THETA},
+        )
+        torch.manual_seed(0)
+        self.hf = hf_v32.DeepseekV32Indexer(self.config, layer_idx=0).eval()
+        with torch.no_grad():
+            self.hf.k_norm.weight.copy_(1 + 0.2 * torch.randn(INDEX_DIM))  # not the trivial init
+            self.hf.k_norm.bias.copy_(0.2 * torch.randn(INDEX_DIM))
+        self.hf_rope = hf_v32.DeepseekV32RotaryEmbedding(self.config)
+        self.rotary = RotaryEmbedding(ROPE, THETA, RopeScaling.from_dict(YARN, MAX_POSITIONS))
+        self.index = IndexerConfig(INDEX_HEADS, INDEX_DIM, topk)
+
+    def layer(self) -> Indexer:
+        layer = Indexer(HIDDEN, Q_RANK, self.index, torch.float32)
+        params, hf_params = dict(layer.named_parameters()), dict(self.hf.named_parameters())
+        assert params.keys() == hf_params.keys()
+        for name, tensor in hf_params.items():
+            params[name].data.copy_(tensor.detach())
+        return layer
+
+    def reference(self, x: torch.Tensor, q_latent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """transformers' index scores [n, n] (-inf where masked) and top-k indices [n, topk] for
+        one causal prompt at positions 0..n-1."""
+        n = x.shape[0]
+        cos_sin = self.hf_rope(x, torch.arange(n)[None])
+        visible = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        with torch.no_grad(), recorded_topk_input() as seen:
+            indices = self.hf(x[None], q_latent[None], cos_sin, visible, torch.arange(n)[None])
+        return seen[0][0], indices[0].long()
+
+
+@contextmanager
+def recorded_topk_input() -> Iterator[list[torch.Tensor]]:
+    """transformers returns only the indices; its scores are what it calls `.topk` on."""
+    seen: list[torch.Tensor] = []
+    original = torch.Tensor.topk
+
+    def recording(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append(self.clone())
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.topk = recording  # type: ignore[method-assign, assignment]
+    try:
+        yield seen
+    finally:
+        torch.Tensor.topk = original  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def setup() -> Setup:
+    return Setup()
+
+
+def scattered_slots(n: int, seed: int) -> torch.Tensor:
+    """A request's slots, out of order (as pages make them); slot 0 is never used."""
+    return 1 + torch.randperm(NUM_SLOTS - 1, generator=torch.Generator().manual_seed(seed))[:n]
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    return rand(PROMPT, HIDDEN, seed=1), rand(PROMPT, Q_RANK, seed=2)
+
+
+def run_chunks(
+    layer: Indexer, setup: Setup, x: torch.Tensor, q_latent: torch.Tensor, chunks: list[int]
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One request fed in chunks over its cached prefix -> per chunk scores, the selected
+    positions [n, topk], and the cache."""
+    cache = torch.zeros(NUM_SLOTS, INDEX_DIM)
+    slots = scattered_slots(x.shape[0], seed=3)
+    scores, picked, start = [], [], 0
+    for n in chunks:
+        seg, rows = LatentSegment(0, n, slots[: start + n]), slice(start, start + n)
+        rope = setup.rotary.cos_sin(torch.arange(start, start + n), x.dtype)
+        with torch.no_grad():
+            scores += layer.scores(x[rows], q_latent[rows], rope, cache.clone(), [seg])
+            picked.append(layer(x[rows], q_latent[rows], rope, cache, [seg]))
+        start += n
+    return scores, torch.cat(picked), cache
+
+
+def boundary_gaps(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """[n]: k-th best minus (k+1)-th best score; inf where a row sees topk tokens or fewer."""
+    values = scores.sort(dim=-1, descending=True).values
+    gaps = values[:, topk - 1] - values[:, topk]
+    return torch.where(values[:, topk] == float("-inf"), float("inf"), gaps)
+
+
+def test_index_scores_match_transformers(setup: Setup) -> None:
+    x, q_latent = inputs()
+    expected, _ = setup.reference(x, q_latent)
+    scores, _, _ = run_chunks(setup.layer(), setup, x, q_latent, [PROMPT])
+    assert (expected.tril() != 0).any()
+    torch.testing.assert_close(scores[0], expected, atol=1e-5, rtol=0)
+
+
+def test_selected_sets_match_transformers_away_from_near_ties(setup: Setup) -> None:
+    x, q_latent = inputs()
+    expected_scores, hf_indices = setup.reference(x, q_latent)
+    _, picked, _ = run_chunks(setup.layer(), setup, x, q_latent, [PROMPT])
+    gaps = boundary_gaps(expected_scores, TOPK)
+    decided = gaps > GAP
+    assert decided[TOPK:].sum() >= (PROMPT - TOPK) // 2  # enough rows to be a real comparison
+    visible = torch.ones(PROMPT, PROMPT, dtype=torch.bool).tril()
+    hf_mask = torch.zeros(PROMPT, PROMPT, dtype=torch.bool).scatter(1, hf_indices, True) & visible
+    ours = selection_mask(picked, PROMPT)
+    assert torch.equal(ours[decided], hf_mask[decided])
+    assert (ours.sum(1) == torch.arange(1, PROMPT + 1).clamp(max=TOPK)).all()
+
+
+def test_chunks_over_cached_prefix_match_one_shot(setup: Setup) -> None:
+    layer, (x, q_latent) = setup.layer(), inputs()
+    (one_shot,), picked, cache = run_chunks(layer, setup, x, q_latent, [PROMPT])
+    chunk_scores, chunk_picked, chunk_cache = run_chunks(layer, setup, x, q_latent, [13, 1, 15, 11])
+    start = 0
+    for scores in chunk_scores:
+        n, length = scores.shape
+        torch.testing.assert_close(scores, one_shot[start : start + n, :length], atol=1e-5, rtol=0)
+        start += n
+    torch.testing.assert_close(chunk_cache, cache, atol=1e-6, rtol=0)
+    decided = boundary_gaps(one_shot, TOPK) > GAP
+    assert torch.equal(
+        selection_mask(chunk_picked, PROMPT)[decided], selection_mask(picked, PROMPT)[decided]
+    )
+
+
+def test_cache_holds_normed_roped_keys_and_nothing_else(setup: Setup) -> None:
+    x, q_latent = inputs()
+    _, _, cache = run_chunks(setup.layer(), setup, x, q_latent, [PROMPT])
+    cos, sin = setup.rotary.cos_sin(torch.arange(PROMPT), torch.float32)
+    with torch.no_grad():
+        k = setup.hf.k_norm(setup.hf.wk(x))[:, None]
+        expected = apply_rotary_part(k, cos, sin, start=0, interleaved=False)[:, 0]
+    slots = scattered_slots(PROMPT, seed=3)
+    torch.testing.assert_close(cache[slots], expected, atol=1e-6, rtol=0)
+    unused = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    unused[slots] = False
+    assert not cache[unused].any()
+
+
+def test_every_visible_token_selected_when_fewer_than_topk() -> None:
+    setup = Setup(topk=64)  # > PROMPT: no query sees 64 tokens
+    x, q_latent = inputs()
+    _, picked, _ = run_chunks(setup.layer(), setup, x, q_latent, [PROMPT - 3, 3])
+    assert picked.shape == (PROMPT, 64)
+    for i in range(PROMPT):
+        assert sorted(picked[i, : i + 1].tolist()) == list(range(i + 1))
+        assert (picked[i, i + 1 :] == -1).all()
+    visible = torch.ones(PROMPT, PROMPT, dtype=torch.bool).tril()
+    assert torch.equal(selection_mask(picked, PROMPT), visible)
+    _, hf_indices = setup.reference(x, q_latent)  # transformers: every visible one, too
+    hf_mask = torch.zeros(PROMPT, PROMPT, dtype=torch.bool).scatter(1, hf_indices, True)
+    assert torch.equal(hf_mask & visible, visible)
+
+
+def test_tie_break_earlier_position_wins() -> None:
+    inf = float("inf")
+    scores = torch.tensor(
+        [
+            [1.0, 0.0, 2.0, 0.0, -0.0, 1.0, -inf],
+            [-0.0, 0.0, -0.0, 0.0, 0.0, 0.0, 0.0],  # -0.0 ties with 0.0
+            [0.0, -1.0, -inf, -inf, -inf, -inf, -inf],  # fewer visible than topk
+        ]
+    )
+    assert top_positions(scores, 4).tolist() == [[2, 0, 5, 1], [0, 1, 2, 3], [0, 1, -1, -1]]
+    assert top_positions(scores[:, :2], 4).tolist() == [[0, 1, -1, -1]] * 3
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0])
+def test_layer_ties_pick_the_earliest_positions(setup: Setup, weight: float) -> None:
+    """All scores 0: head weights zero, or queries zero under negative weights (-0.0 sums)."""
+    layer, (x, q_latent) = setup.layer(), inputs()
+    with torch.no_grad():
+        layer.weights_proj.weight.fill_(weight)
+        if weight:
+            layer.wq_b.weight.zero_()
+    scores, picked, _ = run_chunks(layer, setup, x, q_latent, [PROMPT - 8, 8])
+    assert all((s[s > -float("inf")] == 0).all() for s in scores)
+    for i in range(PROMPT):
+        k = min(i + 1, TOPK)
+        assert picked[i, :k].tolist() == list(range(k))
+
+
+def test_selection_mask_of_two_segments_in_one_batch(setup: Setup) -> None:
+    """Two requests in one batch select exactly what each selects alone."""
+    layer, (x, q_latent) = setup.layer(), inputs()
+    alone = [run_chunks(layer, setup, x[:n], q_latent[:n], [n])[1] for n in (PROMPT, 25)]
+    slots = scattered_slots(PROMPT + 25, seed=5)
+    segs = [LatentSegment(0, PROMPT, slots[:PROMPT]), LatentSegment(PROMPT, 25, slots[PROMPT:])]
+    xb, qb = torch.cat([x, x[:25]]), torch.cat([q_latent, q_latent[:25]])
+    positions = torch.cat([torch.arange(PROMPT), torch.arange(25)])
+    with torch.no_grad():
+        picked = layer(
+            xb,
+            qb,
+            setup.rotary.cos_sin(positions, torch.float32),
+            torch.zeros(NUM_SLOTS, INDEX_DIM),
+            segs,
+        )
+    assert torch.equal(picked[:PROMPT], alone[0])
+    assert torch.equal(picked[PROMPT:], alone[1])
