@@ -6,10 +6,21 @@ import torch
 
 
 class KVPool:
-    """K and V buffers per layer, each [kv_heads, num_slots, head_dim]: head-major, so one
-    head's KV for a run of consecutive slots is contiguous and a request whose pages are
-    consecutive is read as a view. Slot s of page p is p * page_size + s; page 0 is the
-    padding target and stays zero."""
+    """The cache of this stage's layers in one of two layouts with one slot numbering: slot s
+    of page p is p * page_size + s; page 0 is the padding target and stays zero.
+
+    - K/V (MHA/GQA, the constructor): per layer K and V, each [kv_heads, num_slots, head_dim]:
+      head-major, so one head's KV for a run of consecutive slots is contiguous and a request
+      whose pages are consecutive is read as a view.
+    - latent (MLA, `latent_layout`): per layer one [num_slots, width] buffer (MLA's
+      kv_lora_rank + qk_rope_head_dim) and, for DeepSeek-V3.2, one [num_slots, extra_width]
+      buffer of indexer keys; no per-head K/V.
+    The buffers of the layout not built are empty lists."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    latents: list[torch.Tensor]
+    index_key_bufs: list[torch.Tensor]
 
     def __init__(
         self,
@@ -21,21 +32,84 @@ class KVPool:
         device: torch.device,
         page_size: int,
     ) -> None:
+        shape = (num_kv_heads, num_slots, head_dim)
+        self._init_common(num_slots, layers, dtype)
+        self.k = _alloc(layers, shape, dtype, device)
+        self.v = _alloc(layers, shape, dtype, device)
+        self.latents, self.index_key_bufs = [], []
+        self.zero_slots(0, page_size)
+
+    @classmethod
+    def latent_layout(
+        cls,
+        num_slots: int,
+        layers: range,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        page_size: int,
+        extra_width: int = 0,
+    ) -> KVPool:
+        """The MLA layout: `width` values per token and layer, plus `extra_width` indexer key
+        values (DeepSeek-V3.2) when above 0."""
+        pool = cls.__new__(cls)
+        pool._init_common(num_slots, layers, dtype)
+        pool.k, pool.v = [], []
+        pool.latents = _alloc(layers, (num_slots, width), dtype, device)
+        extra = (num_slots, extra_width)
+        pool.index_key_bufs = _alloc(layers, extra, dtype, device) if extra_width else []
+        pool.zero_slots(0, page_size)
+        return pool
+
+    def _init_common(self, num_slots: int, layers: range, dtype: torch.dtype) -> None:
         self.num_slots = num_slots
         self.dtype = dtype
         self.first_layer = layers.start
-        shape = (num_kv_heads, num_slots, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]
-        for buf in self.k + self.v:
-            buf[:, :page_size].zero_()
 
     def buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = layer_id - self.first_layer
+        """K and V of a layer, each [kv_heads, num_slots, head_dim]."""
+        i = self._index(self.k, layer_id, "per-head K/V")
         return self.k[i], self.v[i]
+
+    def latent(self, layer_id: int) -> torch.Tensor:
+        """The latent cache of a layer: [num_slots, width]."""
+        return self.latents[self._index(self.latents, layer_id, "latent cache")]
+
+    def index_keys(self, layer_id: int) -> torch.Tensor:
+        """The indexer key cache of a layer: [num_slots, extra_width]."""
+        return self.index_key_bufs[self._index(self.index_key_bufs, layer_id, "indexer keys")]
+
+    def _index(self, bufs: list[torch.Tensor], layer_id: int, what: str) -> int:
+        if not bufs:
+            raise ValueError(
+                f"this KVPool holds no {what}: build it with KVPool(...) for per-head K/V or "
+                "KVPool.latent_layout(...) for MLA (extra_width > 0 for indexer keys)"
+            )
+        return layer_id - self.first_layer
+
+    def zero_slots(self, start: int, n: int) -> None:
+        """Zeroes slots [start, start + n) in every buffer of either layout."""
+        for buf in self.k + self.v:  # [kv_heads, slots, head_dim]
+            buf[:, start : start + n].zero_()
+        for buf in self.latents + self.index_key_bufs:  # [slots, width]
+            buf[start : start + n].zero_()
 
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
+        """Bytes one token takes in the K/V layout."""
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    @staticmethod
+    def latent_bytes_per_token(
+        num_layers: int, width: int, dtype: torch.dtype, extra_width: int = 0
+    ) -> int:
+        """Bytes one token takes in the latent layout: one row per layer, no K/V pair, no heads."""
+        return num_layers * (width + extra_width) * dtype.itemsize
+
+
+def _alloc(
+    layers: range, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    return [torch.empty(shape, dtype=dtype, device=device) for _ in layers]

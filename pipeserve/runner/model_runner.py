@@ -197,9 +197,8 @@ class ModelRunner:
     def _zero_slots(self, runs: list[Run]) -> None:
         """Lent slots may hold anything (never written memory: NaNs, denormals, which some
         CPUs compute slowly); zeros keep the profile's timings honest."""
-        for buf in self.kv_pool.k + self.kv_pool.v:  # [kv_heads, slots, head_dim]
-            for start, n in runs:
-                buf[:, start : start + n].zero_()
+        for start, n in runs:
+            self.kv_pool.zero_slots(start, n)
 
     def forward(
         self,
