@@ -7,16 +7,16 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
-import tempfile
+import shutil
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from pipeserve.distributed import wire
+from pipeserve.distributed.channels import private_directory
 from pipeserve.server.engine_process import EngineProcessArgs, engine_main
 from pipeserve.server.streams import StreamDelta
 
@@ -32,7 +32,7 @@ class EngineFailed(RuntimeError):
 class EngineClient:
     def __init__(self, flags: dict[str, Any]) -> None:
         self.flags = flags
-        self._dir = tempfile.mkdtemp(prefix="pipeserve-")  # private (0700): only we connect
+        self._dir = private_directory()  # 0700: only this user can connect
         self.ctx = zmq.asyncio.Context()
         self._to_engine = self.ctx.socket(zmq.PUSH)
         self._from_engine = self.ctx.socket(zmq.PULL)
@@ -167,6 +167,4 @@ class EngineClient:
         if self._reader is not None:
             self._reader.cancel()
         self.ctx.destroy(linger=0)
-        for name in ("in", "out"):
-            Path(self._dir, name).unlink(missing_ok=True)
-        Path(self._dir).rmdir()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -190,8 +190,8 @@ class EngineLoop:
 
     def _watchdog(self) -> None:
         """A step that overruns --watchdog-timeout cannot be interrupted from inside: report
-        it, stop the workers and end this process (the server then fails its requests)."""
-        parent = os.getppid()
+        it, stop the workers and end this process (the server then fails its requests). The
+        server's death ends this process through `exit_with_parent`."""
         while True:
             time.sleep(0.5)
             started = self.step_started
@@ -203,8 +203,6 @@ class EngineLoop:
                     )
                 )
                 self._die(70)
-            if os.getppid() != parent:  # the server is gone: leave no orphans
-                self._die(71)
 
     def _die(self, code: int) -> None:
         kill = getattr(getattr(self.backend, "workers", None), "kill", None)
