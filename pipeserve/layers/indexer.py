@@ -76,7 +76,8 @@ class Indexer(nn.Module):
         self.wq_b = ReplicatedLinear(q_lora_rank, heads * dim, False, dtype)
         self.wk = ReplicatedLinear(hidden_size, dim, False, dtype)
         self.k_norm = LayerNorm(dim, K_NORM_EPS, dtype)
-        self.weights_proj = ReplicatedLinear(hidden_size, heads, False, dtype)
+        # kept in float32, as transformers keeps it (_keep_in_fp32_modules)
+        self.weights_proj = ReplicatedLinear(hidden_size, heads, False, torch.float32)
 
     def forward(
         self,
@@ -129,7 +130,7 @@ class Indexer(nn.Module):
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, n_heads] float32, with transformers' n_heads**-0.5."""
-        return self.weights_proj(x).float() * self.config.n_heads**-0.5
+        return self.weights_proj(x.float()) * self.config.n_heads**-0.5
 
 
 def causal_index_scores(

@@ -27,7 +27,10 @@ from typing import Literal
 import torch
 from torch import nn
 
+from pipeserve.device import attention_with_lse
 from pipeserve.distributed.parallel_state import get_tp_size
+from pipeserve.layers.attention import merge_partials
+from pipeserve.layers.indexer import Indexer, selection_mask
 from pipeserve.layers.layernorm import RMSNorm
 from pipeserve.layers.linear import (
     ColumnParallelLinear,
@@ -36,11 +39,14 @@ from pipeserve.layers.linear import (
     divide,
 )
 from pipeserve.layers.rotary import ScalingLike, apply_rotary, apply_rotary_part, mla_softmax_scale
-from pipeserve.models.arch import MLAConfig
+from pipeserve.models.arch import IndexerConfig, MLAConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_dim]
 Mode = Literal["auto", "expanded", "absorbed"]  # auto: absorbed for one-token segments
 NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm ignore the config's rms_norm_eps
+# Segments of at most this many new tokens attend in latent space (absorbed), longer ones
+# up-project their whole prefix (expanded); see benchmarks/mla_paths.py for the measurement.
+ABSORB_MAX_QUERIES = 1
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class LatentSegment:
     q_start: int  # row of its first token in the batch
     q_len: int  # its new tokens (a prompt chunk, or 1 for a decode step)
     slots: torch.Tensor  # [prefix_len + q_len] long: the cache slot of each position, in order
+    first_slot: int | None = None  # set when those slots are one run: `read` takes a view
 
     @property
     def prefix_len(self) -> int:
@@ -63,6 +70,13 @@ class LatentSegment:
     def new_slots(self) -> torch.Tensor:
         return self.slots[self.prefix_len :]
 
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        """The rows of all its positions, [prefix_len + q_len, width]: a view when they are
+        one run of slots, else a gathered copy."""
+        if self.first_slot is not None:
+            return cache[self.first_slot : self.first_slot + self.slots.shape[0]]
+        return cache[self.slots]
+
 
 def latent_width(mla: MLAConfig) -> int:
     """Values one token caches per layer."""
@@ -71,7 +85,11 @@ def latent_width(mla: MLAConfig) -> int:
 
 class MLAttention(nn.Module):
     """Parameters under DeepSeek-V3's checkpoint names (q_a_proj, q_a_layernorm, q_b_proj or
-    q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
+    q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; V3.2: indexer.*).
+
+    With an `indexer` config (DeepSeek-V3.2's sparse attention) every query attends only to
+    the `topk` positions its indexer selects; a request whose queries see at most topk
+    positions attends causally to all of them, as the selection would keep them all."""
 
     def __init__(
         self,
@@ -81,6 +99,7 @@ class MLAttention(nn.Module):
         rope_scaling: ScalingLike,
         dtype: torch.dtype,
         bias: bool = False,  # the config's attention_bias (q_a, kv_a and o projections)
+        indexer: IndexerConfig | None = None,
     ) -> None:
         super().__init__()
         self.mla = mla
@@ -89,6 +108,9 @@ class MLAttention(nn.Module):
         self._init_query(hidden_size, num_heads, bias, dtype)
         self._init_latent(hidden_size, num_heads, bias, dtype)
         self.o_proj = RowParallelLinear(num_heads * mla.v_head_dim, hidden_size, bias, dtype)
+        self.indexer = (
+            Indexer(hidden_size, mla.q_lora_rank, indexer, dtype) if indexer is not None else None
+        )
 
     def _init_query(self, hidden: int, heads: int, bias: bool, dtype: torch.dtype) -> None:
         rank, out = self.mla.q_lora_rank, heads * self.mla.qk_head_dim
@@ -111,29 +133,40 @@ class MLAttention(nn.Module):
         cache: torch.Tensor,
         segments: list[LatentSegment],
         mode: Mode = "auto",
+        index_cache: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [tokens, hidden]; cache [slots, latent_width] of this layer, written at each
-        segment's new slots, then read at all its slots -> [tokens, hidden], all-reduced."""
-        q = self.query(x, rope)
+        """x [tokens, hidden]; cache [slots, latent_width] of this layer (index_cache [slots,
+        index_head_dim] with an indexer), written at each segment's new slots, then read at
+        all its slots -> [tokens, hidden], all-reduced."""
+        q_latent = self.query_latent(x)
+        q = self.query(x, rope, q_latent)
         new = self.latent(x, rope)
         for seg in segments:
             cache[seg.new_slots] = new[seg.rows]
+        allowed = self.selections(x, q_latent, rope, index_cache, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
-        for seg in segments:
-            kv = cache[seg.slots]  # [prefix_len + q_len, latent_width]
-            absorb = mode == "absorbed" or (mode == "auto" and seg.q_len == 1)
-            attend = self.absorbed if absorb else self.expanded
-            out[seg.rows] = attend(q[seg.rows], kv, seg.prefix_len)
+        for seg, keep in zip(segments, allowed, strict=True):
+            attend = self.absorbed if absorbs(mode, seg.q_len) else self.expanded
+            out[seg.rows] = attend(q[seg.rows], seg.read(cache), seg.prefix_len, keep)
         return self.o_proj(out.view(x.shape[0], -1))
 
-    def query(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The compressed query, q_a_layernorm's output [tokens, q_lora_rank] (what V3.2's
+        indexer reads); None without query compression."""
+        if self.q_a_proj is None:
+            return None
+        assert self.q_a_layernorm is not None
+        return self.q_a_layernorm(self.q_a_proj(x))
+
+    def query(
+        self, x: torch.Tensor, rope: Rope, q_latent: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[tokens, heads, qk_head_dim]: per head [q_nope | roped q_rope]."""
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None
             assert self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.query_latent(x) if q_latent is None else q_latent)
         q = q.view(x.shape[0], self.num_heads, self.mla.qk_head_dim)
         m = self.mla
         return apply_rotary_part(q, *rope, start=m.qk_nope_head_dim, interleaved=m.rope_interleave)
@@ -145,25 +178,55 @@ class MLAttention(nn.Module):
         k_rope = apply_rotary(k_rope[:, None], *rope, interleaved=m.rope_interleave)[:, 0]
         return torch.cat([self.kv_a_layernorm(c), k_rope], dim=-1)
 
-    def expanded(self, q: torch.Tensor, kv: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    def selections(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor | None,
+        rope: Rope,
+        index_cache: torch.Tensor | None,
+        segments: list[LatentSegment],
+    ) -> list[torch.Tensor | None]:
+        """Per segment, the [q_len, prefix_len + q_len] bool mask of the keys its queries may
+        read (the indexer's choice), or None for plain causal attention."""
+        if self.indexer is None:
+            return [None] * len(segments)
+        if index_cache is None or q_latent is None:
+            raise ValueError("an MLA layer with an indexer needs its index key cache")
+        positions = self.indexer(x, q_latent, rope, index_cache, segments)
+        topk = self.indexer.config.topk
+        return [
+            selection_mask(positions[seg.rows], seg.slots.shape[0])
+            if seg.slots.shape[0] > topk
+            else None
+            for seg in segments
+        ]
+
+    def expanded(
+        self, q: torch.Tensor, kv: torch.Tensor, prefix_len: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """q [n, heads, qk_head_dim]; kv [L, latent_width] cached rows of positions [0, L),
-        the queries at the last n of them -> [n, heads, v_head_dim]."""
+        the queries at the last n of them; keep: optional [n, L] mask of readable keys
+        -> [n, heads, v_head_dim]."""
         m, h = self.mla, self.num_heads
         c, k_rope = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         up = self.kv_b_proj(c).view(kv.shape[0], h, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = up.split([m.qk_nope_head_dim, m.v_head_dim], -1)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1)], dim=-1)  # [L, heads, qk]
-        return causal_attention(q, k, v, prefix_len, self.scale)
+        return causal_attention(q, k, v, prefix_len, self.scale, keep)
 
-    def absorbed(self, q: torch.Tensor, kv: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    def absorbed(
+        self, q: torch.Tensor, kv: torch.Tensor, prefix_len: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """As `expanded`, attending in latent space: only the cache rows are read."""
         m = self.mla
         w_uk, w_uv = self.absorbed_weights()
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
         q_cat = torch.cat([q_latent, q_rope], dim=-1)  # [n, heads, latent_width]
-        c = kv[:, None, : m.kv_lora_rank]  # values: the latents, one head shared by all
-        o = causal_attention(q_cat, kv[:, None], c, prefix_len, self.scale)  # [n, heads, rank]
+        # one key head shared by all heads; its value is the whole row, of which the latent
+        # part is kept (no copy of the cache to cut the rope part off first)
+        o = causal_attention(q_cat, kv[:, None], kv[:, None], prefix_len, self.scale, keep)
+        o = o[..., : m.kv_lora_rank]  # [n, heads, rank]
         return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,13 +238,94 @@ class MLAttention(nn.Module):
         return w_uk, w_uv
 
 
+def absorbs(mode: Mode, q_len: int) -> bool:
+    """Whether a segment of q_len new tokens attends in latent space (see ABSORB_MAX_QUERIES)."""
+    return mode == "absorbed" or (mode == "auto" and q_len <= ABSORB_MAX_QUERIES)
+
+
 def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [n, h, d]; k [L, hk, d], v [L, hk, dv] with hk = h or 1 (one head shared by all);
+    key j is position j, query i position prefix_len + i; keep: optional [n, L] bool of the
+    keys each query may read, causality included -> [n, h, dv]. Runs the fused
+    softmax-attention kernel (`attention_with_lse`), which wants one head width: the narrower
+    of q/k and v is zero-padded, which changes no score and no output column."""
+    n, h, d = q.shape
+    dv = v.shape[-1]
+    width = max(d, dv)
+    q, k, v = _pad(q, width), _pad(k, width), _pad(v, width)
+    if k.shape[1] == 1:
+        out = _shared_key_head(q, k, v, prefix_len, scale, keep)
+    elif keep is not None:
+        out = _masked(q, k, v, scale, keep)
+    else:
+        out = _prefix_then_chunk(q, k, v, prefix_len, scale)
+    return out[..., :dv]
+
+
+def _shared_key_head(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """All query heads against one key head: the heads are folded into the query rows (row
+    i * h + head), so the cache rows are read once for every head."""
+    n, h, d = q.shape
+    if keep is None and n > 1:
+        keep = _causal(n, k.shape[0], prefix_len, q.device)
+    mask = None if keep is None else _additive(keep.repeat_interleave(h, dim=0), q.dtype)
+    out, _ = attention_with_lse(
+        q.reshape(1, 1, n * h, d), _heads_first(k), _heads_first(v), False, scale, mask
+    )
+    return out[0, 0].view(n, h, -1)
+
+
+def _masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor
+) -> torch.Tensor:
+    qh, kh, vh = (_heads_first(t) for t in (q, k, v))
+    out, _ = attention_with_lse(qh, kh, vh, False, scale, _additive(keep, q.dtype))
+    return out[0].transpose(0, 1)
+
+
+def _prefix_then_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
 ) -> torch.Tensor:
-    """q [n, h, d]; k [L, hk, d], v [L, hk, dv] with hk = h or 1 (shared by all heads); key j
-    is position j, query i position prefix_len + i -> [n, h, dv]. Softmax in float32."""
-    scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)) * scale  # [h, n, L]
-    future = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
-    scores = scores.masked_fill(future.triu(prefix_len + 1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
+    """Causal attention as two kernel calls merged by their log-sum-exp: the queries over the
+    whole prefix (nothing masked) and over their own chunk (causal, top-left aligned)."""
+    qh, kh, vh = (_heads_first(t) for t in (q, k, v))
+    parts = [attention_with_lse(qh, kh[:, :, prefix_len:], vh[:, :, prefix_len:], True, scale)]
+    if prefix_len:
+        prefix = (kh[:, :, :prefix_len], vh[:, :, :prefix_len])
+        parts.append(attention_with_lse(qh, *prefix, False, scale))
+    return merge_partials(parts)[0].transpose(0, 1)
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """[n, h, d] -> [1, h, n, d], the kernel's layout."""
+    return t.transpose(0, 1)[None]
+
+
+def _causal(n: int, length: int, prefix_len: int, device: torch.device) -> torch.Tensor:
+    """[n, length] bool: query i (position prefix_len + i) may read keys 0..prefix_len + i."""
+    return torch.ones(n, length, dtype=torch.bool, device=device).tril(prefix_len)
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, L] bool -> [1, 1, rows, L] additive mask (0 kept, -inf not), as the fused kernel
+    takes masks in the query's dtype."""
+    zeros = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    return zeros.masked_fill_(~keep, float("-inf"))[None, None]
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else nn.functional.pad(t, (0, width - t.shape[-1]))

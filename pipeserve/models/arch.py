@@ -450,17 +450,69 @@ def _indexer(v: dict[str, Any]) -> IndexerConfig:
     return IndexerConfig(v["index_n_heads"], v["index_head_dim"], v["index_topk"])
 
 
-def param_count(a: ArchConfig) -> int:
-    """Parameters of the whole model (embeddings and LM head included)."""
-    h, d = a.hidden_size, a.head_dim
-    attn = h * (a.q_size + 2 * a.kv_size) + a.q_size * h + 2 * h
-    attn += (a.q_size + 2 * a.kv_size) if a.qkv_bias else 0
-    attn += 2 * d if a.qk_norm else 0
-    total = a.vocab_size * h * (1 if a.tie_word_embeddings else 2) + h
-    for layer in range(a.num_layers):
-        if a.is_moe_layer(layer):
-            mlp = a.num_experts * 3 * h * a.moe_intermediate_size + h * a.num_experts
-        else:
-            mlp = 3 * h * a.intermediate_size
-        total += attn + mlp
+def attention_matmul_weights(a: ArchConfig) -> int:
+    """Weights of one layer's attention projections, biases and norms left out: the
+    multiply-adds one token costs in them. MLA: the query path (q_a + q_b, or q_proj),
+    kv_a_proj_with_mqa, kv_b_proj (once per token: the expanded form) and o_proj; V3.2 adds the
+    indexer's wq_b, wk and weights_proj."""
+    h = a.hidden_size
+    if a.mla is None:
+        return h * (a.q_size + 2 * a.kv_size) + a.q_size * h
+    m, heads, r = a.mla, a.num_heads, a.mla.q_lora_rank
+    q = (h * r + r * heads * m.qk_head_dim) if r else h * heads * m.qk_head_dim
+    kv_a = h * (m.kv_lora_rank + m.qk_rope_head_dim)
+    kv_b = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    total = q + kv_a + kv_b + heads * m.v_head_dim * h
+    if a.indexer:
+        i = a.indexer
+        total += r * i.n_heads * i.head_dim + h * i.head_dim + h * i.n_heads
     return total
+
+
+def _attention_other_params(a: ArchConfig) -> int:
+    """One layer's attention biases and norms, with the layer's two RMSNorms."""
+    h, total = a.hidden_size, 2 * a.hidden_size
+    if a.mla is None:
+        total += a.q_size + 2 * a.kv_size if a.qkv_bias else 0
+        return total + (2 * a.head_dim if a.qk_norm else 0)
+    m = a.mla
+    total += m.q_lora_rank + m.kv_lora_rank  # q_a_layernorm (0 without it), kv_a_layernorm
+    if a.qkv_bias:  # q_a_proj, kv_a_proj_with_mqa, o_proj
+        total += m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim + h
+    return total + (2 * a.indexer.head_dim if a.indexer else 0)  # k_norm: weight and bias
+
+
+def mlp_matmul_weights(a: ArchConfig, layer: int, active: bool = False) -> int:
+    """Weights of one layer's MLP: dense, or router + routed experts (the top-k when `active`,
+    else all) + shared experts."""
+    h = a.hidden_size
+    if not a.is_moe_layer(layer):
+        return 3 * h * a.intermediate_size
+    routed = a.num_experts_per_tok if active else a.num_experts
+    shared = a.routing.n_shared_experts if a.routing else 0
+    return h * a.num_experts + (routed + shared) * 3 * h * a.moe_intermediate_size
+
+
+def _params(a: ArchConfig, active: bool) -> int:
+    h = a.hidden_size
+    attn = attention_matmul_weights(a) + _attention_other_params(a)
+    total = a.vocab_size * h * (1 if a.tie_word_embeddings else 2) + h  # + the final norm
+    for layer in range(a.num_layers):
+        total += attn + mlp_matmul_weights(a, layer, active)
+        if a.routing and a.is_moe_layer(layer):
+            total += a.num_experts  # e_score_correction_bias
+    return total
+
+
+def param_count(a: ArchConfig) -> int:
+    """Parameters of the whole model as its checkpoint stores them (embeddings and LM head
+    included, once when tied). DeepSeek's `e_score_correction_bias` counts (pipeserve holds it
+    as a parameter; transformers as a buffer, outside its `num_parameters()`)."""
+    return _params(a, active=False)
+
+
+def active_param_count(a: ArchConfig) -> int:
+    """The parameters one token uses: `param_count` less, in each MoE layer, the routed experts
+    beyond its top-k. Everything else counts whole: shared experts, routers, norms, and the
+    embedding table and LM head (once when tied), though a token reads one embedding row."""
+    return _params(a, active=True)

@@ -78,9 +78,12 @@ class LlamaDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(x, rope, fb)
+        x = self.attend(x, rope, fb)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
+
+    def attend(self, x: torch.Tensor, rope: Rope, fb: ForwardBatch) -> torch.Tensor:
+        return self.self_attn(x, rope, fb)
 
 
 class LlamaModel(nn.Module):

@@ -13,6 +13,7 @@ import json
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,44 @@ def _tiny(arch: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def _tiny_deepseek(arch: str, **extra: Any) -> dict[str, Any]:
+    """Three layers (the first dense), MLA with compressed queries, grouped sigmoid routing
+    over 8 experts plus a shared one, and DeepSeek's YaRN (scales both cos/sin and softmax)."""
+    base = {k: v for k, v in _tiny(arch).items() if k != "head_dim"}  # MLA: qk_rope_head_dim
+    return {
+        **base,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
+        "attention_bias": False,
+        **extra,
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": _tiny(
         "LlamaForCausalLM",
@@ -73,6 +112,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[1],
+    ),
+    "tiny-deepseek-v3": _tiny_deepseek(
+        "DeepseekV3ForCausalLM", model_type="deepseek_v3", rope_interleave=True
+    ),
+    # V3.2's model always interleaves rotary pairs (it reads no rope_interleave). 16 indexer
+    # heads: with 4, a fifth of a 600-token prompt's queries tie exactly at the top-k boundary
+    # (index scores are sums of ReLUs, so all-zero sums are common) and which tied key is kept
+    # is unspecified in transformers.
+    "tiny-deepseek-v32": _tiny_deepseek(
+        "DeepseekV32ForCausalLM",
+        model_type="deepseek_v32",
+        index_n_heads=16,
+        index_head_dim=32,
+        index_topk=64,
     ),
     # ~57M parameters, 8 layers, GQA 12:4: long prompts are compute-bound on a CPU core.
     "bench": {
@@ -112,6 +165,41 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 1048576,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "_init_std": 0.02,
+    },
+    # 458M parameters, 150M active per token (84M without embeddings and LM head): MLA + MoE.
+    "bench-deepseek": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 1024,
+        "intermediate_size": 2048,  # the dense first layer's MLP
+        "num_hidden_layers": 8,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 384,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "n_routed_experts": 32,
+        "moe_intermediate_size": 512,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "rope_interleave": True,
+        "vocab_size": 32000,
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "torch_dtype": "bfloat16",
@@ -244,47 +332,125 @@ def make_model(
     return out
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: its shape and how `random_weights` fills it."""
+
+    shape: tuple[int, ...]
+    init: str = "normal"  # normal: N(0, std); norm: 1 + N(0, 0.1); router_bias: N(0, 0.1), fp32
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.init == "router_bias" else torch.bfloat16
+
+
 def random_weights(arch: ArchConfig, std: float, seed: int) -> dict[str, torch.Tensor]:
-    """Hugging Face tensor names and shapes of `arch`, filled deterministically."""
+    """Hugging Face tensor names and shapes of `arch`, filled deterministically in the order
+    of `weight_specs`."""
     gen = torch.Generator().manual_seed(seed)
 
-    def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+    def fill(spec: TensorSpec) -> torch.Tensor:
+        x = torch.randn(*spec.shape, generator=gen)
+        if spec.init == "norm":
+            return (1.0 + 0.1 * x).to(torch.bfloat16)
+        return (x * 0.1) if spec.init == "router_bias" else (x * std).to(torch.bfloat16)
 
-    def norm_weight(n: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
+    return {name: fill(spec) for name, spec in weight_specs(arch).items()}
 
-    h, q, kv = arch.hidden_size, arch.q_size, arch.kv_size
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(arch.vocab_size, h)}
+
+def weight_specs(arch: ArchConfig) -> dict[str, TensorSpec]:
+    """The checkpoint's tensors as transformers' `save_pretrained` writes them (experts one
+    by one), in the order `random_weights` fills them."""
+    h = arch.hidden_size
+    w = {"model.embed_tokens.weight": TensorSpec((arch.vocab_size, h))}
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            w[p + f"self_attn.{name}.weight"] = normal(rows, h)
-            if arch.qkv_bias:
-                w[p + f"self_attn.{name}.bias"] = normal(rows)
-        w[p + "self_attn.o_proj.weight"] = normal(h, q)
-        if arch.qk_norm:
-            w[p + "self_attn.q_norm.weight"] = norm_weight(arch.head_dim)
-            w[p + "self_attn.k_norm.weight"] = norm_weight(arch.head_dim)
-        w[p + "input_layernorm.weight"] = norm_weight(h)
-        w[p + "post_attention_layernorm.weight"] = norm_weight(h)
+        w.update(_mla_specs(p + "self_attn.", arch) if arch.mla else _attention_specs(p, arch))
+        w[p + "input_layernorm.weight"] = TensorSpec((h,), "norm")
+        w[p + "post_attention_layernorm.weight"] = TensorSpec((h,), "norm")
         if arch.is_moe_layer(i):
-            w[p + "mlp.gate.weight"] = normal(arch.num_experts, h)
-            for e in range(arch.num_experts):
-                w.update(_mlp(f"{p}mlp.experts.{e}.", h, arch.moe_intermediate_size, normal))
+            w.update(_moe_specs(p + "mlp.", arch))
         else:
-            w.update(_mlp(p + "mlp.", h, arch.intermediate_size, normal))
-    w["model.norm.weight"] = norm_weight(h)
+            w.update(_mlp(p + "mlp.", h, arch.intermediate_size))
+    w["model.norm.weight"] = TensorSpec((h,), "norm")
     if not arch.tie_word_embeddings:
-        w["lm_head.weight"] = normal(arch.vocab_size, h)
+        w["lm_head.weight"] = TensorSpec((arch.vocab_size, h))
     return w
 
 
-def _mlp(prefix: str, h: int, inter: int, normal: Any) -> dict[str, torch.Tensor]:
+def _attention_specs(p: str, arch: ArchConfig) -> dict[str, TensorSpec]:
+    h, q, kv = arch.hidden_size, arch.q_size, arch.kv_size
+    w: dict[str, TensorSpec] = {}
+    for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        w[p + f"self_attn.{name}.weight"] = TensorSpec((rows, h))
+        if arch.qkv_bias:
+            w[p + f"self_attn.{name}.bias"] = TensorSpec((rows,))
+    w[p + "self_attn.o_proj.weight"] = TensorSpec((h, q))
+    if arch.qk_norm:
+        w[p + "self_attn.q_norm.weight"] = TensorSpec((arch.head_dim,), "norm")
+        w[p + "self_attn.k_norm.weight"] = TensorSpec((arch.head_dim,), "norm")
+    return w
+
+
+def _linear(w: dict[str, TensorSpec], name: str, rows: int, cols: int, bias: bool) -> None:
+    w[name + ".weight"] = TensorSpec((rows, cols))
+    if bias:
+        w[name + ".bias"] = TensorSpec((rows,))
+
+
+def _mla_specs(p: str, arch: ArchConfig) -> dict[str, TensorSpec]:
+    """DeepSeek's latent attention (`p` ends in "self_attn.")."""
+    assert arch.mla is not None
+    m, h, heads, bias = arch.mla, arch.hidden_size, arch.num_heads, arch.qkv_bias
+    w: dict[str, TensorSpec] = {}
+    if m.q_lora_rank:
+        _linear(w, p + "q_a_proj", m.q_lora_rank, h, bias)
+        w[p + "q_a_layernorm.weight"] = TensorSpec((m.q_lora_rank,), "norm")
+        _linear(w, p + "q_b_proj", heads * m.qk_head_dim, m.q_lora_rank, False)
+    else:
+        _linear(w, p + "q_proj", heads * m.qk_head_dim, h, False)
+    _linear(w, p + "kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, h, bias)
+    w[p + "kv_a_layernorm.weight"] = TensorSpec((m.kv_lora_rank,), "norm")
+    _linear(w, p + "kv_b_proj", heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False)
+    _linear(w, p + "o_proj", h, heads * m.v_head_dim, bias)
+    if arch.indexer:
+        w.update(_indexer_specs(p + "indexer.", arch))
+    return w
+
+
+def _indexer_specs(p: str, arch: ArchConfig) -> dict[str, TensorSpec]:
+    """DeepSeek-V3.2's lightning indexer. transformers keeps `weights_proj` in float32 only
+    when loading in float16; a bfloat16 model saves it in bfloat16, as here."""
+    assert arch.mla is not None and arch.indexer is not None
+    ix, q_rank, h = arch.indexer, arch.mla.q_lora_rank, arch.hidden_size
+    if not q_rank:
+        raise ValueError("DeepSeek-V3.2's indexer reads the query latent: q_lora_rank must be set")
     return {
-        prefix + "gate_proj.weight": normal(inter, h),
-        prefix + "up_proj.weight": normal(inter, h),
-        prefix + "down_proj.weight": normal(h, inter),
+        p + "wq_b.weight": TensorSpec((ix.n_heads * ix.head_dim, q_rank)),
+        p + "wk.weight": TensorSpec((ix.head_dim, h)),
+        p + "k_norm.weight": TensorSpec((ix.head_dim,), "norm"),
+        p + "k_norm.bias": TensorSpec((ix.head_dim,)),
+        p + "weights_proj.weight": TensorSpec((ix.n_heads, h)),
+    }
+
+
+def _moe_specs(p: str, arch: ArchConfig) -> dict[str, TensorSpec]:
+    h, inter = arch.hidden_size, arch.moe_intermediate_size
+    w = {p + "gate.weight": TensorSpec((arch.num_experts, h))}
+    if arch.routing:  # DeepSeek: float32 like transformers saves it, non-zero to be exercised
+        w[p + "gate.e_score_correction_bias"] = TensorSpec((arch.num_experts,), "router_bias")
+    for e in range(arch.num_experts):
+        w.update(_mlp(f"{p}experts.{e}.", h, inter))
+    if arch.routing and arch.routing.n_shared_experts:
+        w.update(_mlp(p + "shared_experts.", h, inter * arch.routing.n_shared_experts))
+    return w
+
+
+def _mlp(prefix: str, h: int, inter: int) -> dict[str, TensorSpec]:
+    return {
+        prefix + "gate_proj.weight": TensorSpec((inter, h)),
+        prefix + "up_proj.weight": TensorSpec((inter, h)),
+        prefix + "down_proj.weight": TensorSpec((h, inter)),
     }
 
 

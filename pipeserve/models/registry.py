@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pipeserve.models.arch import ArchConfig
+from pipeserve.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
 from pipeserve.models.llama import LlamaForCausalLM
 from pipeserve.models.qwen2 import Qwen2ForCausalLM
 from pipeserve.models.qwen3 import Qwen3ForCausalLM
@@ -16,16 +17,16 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
 }
 
 
 def model_class(arch: ArchConfig) -> type[LlamaForCausalLM]:
     cls = MODELS.get(arch.architecture)
-    if cls is None:  # read by ArchConfig (DeepSeek) but not built yet
-        raise ValueError(
-            f"{arch.architecture} checkpoints are not supported yet (their config is read, the "
-            f"model is not built); pipeserve runs {', '.join(MODELS)}"
-        )
+    if cls is None:  # ArchConfig reads only the architectures listed here
+        supported = ", ".join(MODELS)
+        raise ValueError(f"{arch.architecture} is not supported; pipeserve runs {supported}")
     return cls
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,10 +10,12 @@ from pipeserve.layers.attention import (
     TORCH_KERNELS,
     AttentionPlan,
     NativeKernels,
+    gather_index,
     plan_attention,
 )
+from pipeserve.layers.mla import LatentSegment
 from pipeserve.mem_cache.kv_pool import KVPool
-from pipeserve.scheduler.batch import Run, ScheduledBatch
+from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
 
 
 @dataclass
@@ -27,6 +29,8 @@ class ForwardBatch:
     logprob_rows: torch.Tensor  # [n] rows whose prompt logprob is wanted
     logprob_targets: torch.Tensor  # [n] the token whose logprob each of those rows gives
     future_slots: torch.Tensor  # [samples] overlap loop: ring slot of each sampled token
+    # latent (MLA) pools: each request's rows and the slots of all its positions
+    latent_segments: list[LatentSegment] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +68,12 @@ class ForwardBatch:
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        attn = plan_attention(segments, device, pool.dtype, native, prompt_segments)
+        if pool.latents:  # MLA reads the cache through latent segments, not a plan
+            attn = AttentionPlan([], None)
+            latent = [latent_segment(*seg, device) for seg in segments]
+        else:
+            attn = plan_attention(segments, device, pool.dtype, native, prompt_segments)
+            latent = []
         return cls(
             tensor(ids),
             tensor(positions),
@@ -75,7 +84,22 @@ class ForwardBatch:
             tensor(lp_rows),
             tensor(lp_targets),
             tensor(future_slots),
+            latent,
         )
+
+
+def latent_segment(
+    q_start: int, q_len: int, prefix_len: int, runs: list[Run], device: torch.device
+) -> LatentSegment:
+    """The segment of a request whose positions [0, prefix_len + q_len) lie in `runs`."""
+    length = prefix_len + q_len
+    used = runs_prefix(runs, length)
+    if len(used) == 1:  # one run: read in place
+        start = used[0][0]
+        slots = torch.arange(start, start + length, device=device)
+        return LatentSegment(q_start, q_len, slots, first_slot=start)
+    slots, _ = gather_index([used], device)
+    return LatentSegment(q_start, q_len, slots[0])
 
 
 def _tail_slots(runs: list[Run], n: int) -> list[int]:

@@ -15,11 +15,11 @@ import torch
 
 from pipeserve.device import synchronize
 from pipeserve.distributed.parallel_state import standalone
-from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.llama import LlamaForCausalLM
 from pipeserve.models.registry import build_model
 from pipeserve.runner.forward_batch import ForwardBatch
+from pipeserve.runner.kv_layout import build_kv_pool
 from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
 
 REPEATS = 3
@@ -47,15 +47,7 @@ def measure_layer_costs(
         model = build_model(probe, dtype, device)
     for p in model.parameters():
         p.normal_(0.0, 0.02)
-    pool = KVPool(
-        2 * chunk + 1,
-        range(probe.num_layers),
-        max(probe.num_kv_heads, 1),
-        probe.head_dim,
-        dtype,
-        device,
-        1,
-    )
+    pool = build_kv_pool(probe, 2 * chunk + 1, range(probe.num_layers), 1, dtype, device, 1)
     ids = [i % arch.vocab_size for i in range(chunk)]
     timed: dict[str, float] = {}
     for prefix in (0, chunk):  # the first pass fills the prefix; the second is timed

@@ -24,11 +24,11 @@ from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers import batch_invariant
 from pipeserve.layers.attention import NativeKernels
 from pipeserve.layers.sampler import Sampler
-from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig, param_count
 from pipeserve.models.registry import build_model
 from pipeserve.runner.forward_batch import ForwardBatch
+from pipeserve.runner.kv_layout import build_kv_pool, kv_bytes_per_token
 from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch, runs_prefix
 from pipeserve.timeline import Recorder, now
 
@@ -59,8 +59,7 @@ def kv_pool_pages(
         partition = resolve_partition(spec, arch.num_layers, p.pp_size)
     stage_layers_max = max(partition)
     weights = param_count(arch) * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
-    kv_heads = max(arch.num_kv_heads // p.tp_size, 1)
-    per_token = KVPool.bytes_per_token(stage_layers_max, kv_heads, arch.head_dim, dtype)
+    per_token = kv_bytes_per_token(arch, stage_layers_max, p.tp_size, dtype)
     tokens = int((budget - weights) // per_token)
     if tokens < 4 * page:
         raise ValueError(
@@ -106,11 +105,11 @@ class ModelRunner:
         load_weights(self.model, model_path)
         self.model.eval()
         page = config.cache.page_size
-        self.kv_pool = KVPool(
+        self.kv_pool = build_kv_pool(
+            arch,
             num_pages * page,
             stage_layers(arch.num_layers),
-            self.model_kv_heads(),
-            arch.head_dim,
+            self.state.tp_size,
             self.dtype,
             self.device,
             page,
@@ -126,6 +125,11 @@ class ModelRunner:
     def _init_deterministic(self) -> None:
         """Batch-invariant execution (see pipeserve/layers/batch_invariant.py): the native
         attention kernels for every step, and a checked matrix product."""
+        if self.arch.mla is not None:
+            raise ValueError(
+                "--enable-deterministic-inference is not available for multi-head latent "
+                f"attention ({self.arch.architecture}): its batch-invariant kernels are GQA's"
+            )
         if not (self.native.decode and self.native.prefill):
             raise ValueError(
                 "--enable-deterministic-inference needs the native attention kernels for "
@@ -137,10 +141,6 @@ class ModelRunner:
         batch_invariant.check_linear_rows(
             w for p in self.model.parameters() for w in (p if p.dim() == 3 else [p])
         )
-
-    def model_kv_heads(self) -> int:
-        """KV heads per TP rank (one replica each when there are fewer heads than ranks)."""
-        return max(self.arch.num_kv_heads // self.state.tp_size, 1)
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         return ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native)

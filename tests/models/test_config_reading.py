@@ -304,7 +304,7 @@ def test_unknown_model_is_rejected_naming_both(cfg: dict[str, Any], message: str
         ArchConfig.from_dict(cfg)
 
 
-def test_registry_builds_from_model_type_and_refuses_deepseek() -> None:
+def test_registry_builds_from_model_type() -> None:
     a = ArchConfig.from_dict(
         {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 32,
          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -312,10 +312,11 @@ def test_registry_builds_from_model_type_and_refuses_deepseek() -> None:
          "moe_intermediate_size": 16}
     )
     assert model_class(a).__name__ == "Qwen3MoeForCausalLM"
-    deepseek = ArchConfig.from_dict({"model_type": "deepseek_v3"})
-    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM checkpoints are not supported "
-                                         r"yet \(their config is read, the model is not built\)"):
-        build_model(deepseek, torch.float32, torch.device("meta"))
+    for model_type, name in (("deepseek_v3", "DeepseekV3ForCausalLM"),
+                             ("deepseek_v32", "DeepseekV32ForCausalLM")):
+        deepseek = ArchConfig.from_dict({"model_type": model_type})
+        model = build_model(deepseek, torch.float32, torch.device("meta"))
+        assert type(model).__name__ == name
 
 
 # -- end to end ---------------------------------------------------------------------------

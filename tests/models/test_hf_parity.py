@@ -101,14 +101,17 @@ def hf_reference(model_dir):
     return get
 
 
-def hf_run(model: Any, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+def hf_run(
+    model: Any, ids: list[int], new_tokens: int = NEW_TOKENS
+) -> tuple[torch.Tensor, list[int]]:
+    """transformers' prompt logprobs of `ids` and its greedy continuation."""
     x = torch.tensor([ids])
     mask = torch.ones_like(x)  # token 0 occurs in the prompts: it must not read as padding
     with torch.inference_mode():
         logits = model(x, attention_mask=mask).logits[0].float()
         logprobs = torch.log_softmax(logits[:-1], -1).gather(1, x[0, 1:, None])[:, 0]
-        out = model.generate(x, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+        out = model.generate(x, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return logprobs, out[0, len(ids) :].tolist()
 
