@@ -24,7 +24,9 @@ def _flag(default: Any, help: str, **extra: Any) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str | None = _flag(
-        None, "Hugging Face checkpoint directory; default: the built-in preset (made once, cached)"
+        None,
+        "Hugging Face checkpoint directory, or the name of a built-in model (`pipeserve "
+        "make-model --help` lists them; made once, cached); default: the `bench` model",
     )
     dtype: str = _flag(
         "bfloat16", "weight and activation dtype ('auto' = the checkpoint's)", choices=DTYPES

@@ -13,7 +13,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.device import resolve_device
 from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
 from pipeserve.models.arch import ArchConfig
-from pipeserve.models.presets import DEFAULT_PRESET, preset_path
+from pipeserve.models.presets import DEFAULT_PRESET, PRESETS, preset_path
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.tokenizer import Tokenizer
@@ -49,10 +49,12 @@ def resolve_model_path(model_path: str | None) -> Path:
     if model_path is None:
         return preset_path(DEFAULT_PRESET)
     path = Path(model_path)
+    if not path.exists() and model_path in PRESETS:  # a built-in model, made on first use
+        return preset_path(model_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json); "
-            "make one with `pipeserve make-model --preset NAME --out DIR`"
+            f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json) "
+            f"nor a built-in model ({', '.join(PRESETS)})"
         )
     return path
 

@@ -5,9 +5,11 @@ KV latent then the roped key part shared by all heads (in half-split order, see 
 per-head K or V is ever stored; kv_b_proj turns a latent into every head's k_nope and v.
 
 Two ways to attend to the cache, equal up to rounding:
-- expanded (prompt chunks): kv_b_proj up-projects each cached latent of the request to per-head
-  [k_nope | v]; keys are [k_nope | k_rope]; causal attention of the chunk over prefix + chunk.
-- absorbed (decode steps; valid for chunks too): kv_b_proj's key rows W_UK are folded into the
+- expanded (long prompt chunks): kv_b_proj up-projects each cached latent of the request to
+  per-head [k_nope | v], for every chunk again (the cache holds only latents); keys are
+  [k_nope | k_rope]; causal attention of the chunk over prefix + chunk.
+- absorbed (decode steps and short chunks after a prefix; `absorb_max_queries` says where the
+  two cost the same): kv_b_proj's key rows W_UK are folded into the
   query, q_nope·k_nope = (q_nope W_UK)·latent, and its value rows W_UV into the output,
   probs·v = (probs·latent) W_UV^T. Attention is then one shared key head whose key is the whole
   cache row and whose value is its latent part, so it reads only the cache. The dot products
@@ -27,7 +29,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from pipeserve.device import attention_with_lse
+from pipeserve.device import attention_with_lse, native_prefill_kernel
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention import merge_partials
 from pipeserve.layers.indexer import Indexer, selection_mask
@@ -42,11 +44,8 @@ from pipeserve.layers.rotary import ScalingLike, apply_rotary, apply_rotary_part
 from pipeserve.models.arch import IndexerConfig, MLAConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_dim]
-Mode = Literal["auto", "expanded", "absorbed"]  # auto: absorbed for one-token segments
+Mode = Literal["auto", "expanded", "absorbed"]  # auto: the cheaper (MLAttention.absorbs)
 NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm ignore the config's rms_norm_eps
-# Segments of at most this many new tokens attend in latent space (absorbed), longer ones
-# up-project their whole prefix (expanded); see benchmarks/mla_paths.py for the measurement.
-ABSORB_MAX_QUERIES = 1
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,7 @@ class MLAttention(nn.Module):
         self.mla = mla
         self.num_heads = divide(num_heads, get_tp_size(), "number of attention heads")  # local
         self.scale = mla_softmax_scale(mla.qk_head_dim, rope_scaling)
+        self.absorb_max_queries = absorb_max_queries(mla)
         self._init_query(hidden_size, num_heads, bias, dtype)
         self._init_latent(hidden_size, num_heads, bias, dtype)
         self.o_proj = RowParallelLinear(num_heads * mla.v_head_dim, hidden_size, bias, dtype)
@@ -134,10 +134,12 @@ class MLAttention(nn.Module):
         segments: list[LatentSegment],
         mode: Mode = "auto",
         index_cache: torch.Tensor | None = None,
+        native: bool = False,
     ) -> torch.Tensor:
         """x [tokens, hidden]; cache [slots, latent_width] of this layer (index_cache [slots,
         index_head_dim] with an indexer), written at each segment's new slots, then read at
-        all its slots -> [tokens, hidden], all-reduced."""
+        all its slots -> [tokens, hidden], all-reduced. native: expanded prompt chunks may run
+        the compiled CPU prefill kernel (bfloat16)."""
         q_latent = self.query_latent(x)
         q = self.query(x, rope, q_latent)
         new = self.latent(x, rope)
@@ -146,9 +148,19 @@ class MLAttention(nn.Module):
         allowed = self.selections(x, q_latent, rope, index_cache, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
         for seg, keep in zip(segments, allowed, strict=True):
-            attend = self.absorbed if absorbs(mode, seg.q_len) else self.expanded
-            out[seg.rows] = attend(q[seg.rows], seg.read(cache), seg.prefix_len, keep)
+            kv = seg.read(cache)
+            if self.absorbs(mode, seg):
+                out[seg.rows] = self.absorbed(q[seg.rows], kv, seg.prefix_len, keep)
+            else:
+                out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, keep, native)
         return self.o_proj(out.view(x.shape[0], -1))
+
+    def absorbs(self, mode: Mode, seg: LatentSegment) -> bool:
+        """Whether a segment attends in latent space; "auto" takes the cheaper form (see
+        `absorb_max_queries`)."""
+        if mode != "auto":
+            return mode == "absorbed"
+        return seg.prefix_len > 0 and seg.q_len <= self.absorb_max_queries
 
     def query_latent(self, x: torch.Tensor) -> torch.Tensor | None:
         """The compressed query, q_a_layernorm's output [tokens, q_lora_rank] (what V3.2's
@@ -202,7 +214,12 @@ class MLAttention(nn.Module):
         ]
 
     def expanded(
-        self, q: torch.Tensor, kv: torch.Tensor, prefix_len: int, keep: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        prefix_len: int,
+        keep: torch.Tensor | None = None,
+        native: bool = False,
     ) -> torch.Tensor:
         """q [n, heads, qk_head_dim]; kv [L, latent_width] cached rows of positions [0, L),
         the queries at the last n of them; keep: optional [n, L] mask of readable keys
@@ -212,7 +229,7 @@ class MLAttention(nn.Module):
         up = self.kv_b_proj(c).view(kv.shape[0], h, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = up.split([m.qk_nope_head_dim, m.v_head_dim], -1)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1)], dim=-1)  # [L, heads, qk]
-        return causal_attention(q, k, v, prefix_len, self.scale, keep)
+        return causal_attention(q, k, v, prefix_len, self.scale, keep, native)
 
     def absorbed(
         self, q: torch.Tensor, kv: torch.Tensor, prefix_len: int, keep: torch.Tensor | None = None
@@ -238,9 +255,17 @@ class MLAttention(nn.Module):
         return w_uk, w_uv
 
 
-def absorbs(mode: Mode, q_len: int) -> bool:
-    """Whether a segment of q_len new tokens attends in latent space (see ABSORB_MAX_QUERIES)."""
-    return mode == "absorbed" or (mode == "auto" and q_len <= ABSORB_MAX_QUERIES)
+def absorb_max_queries(mla: MLAConfig) -> int:
+    """The longest segment for which absorbed attention costs fewer multiply-adds than expanded,
+    per head: expanded pays kv_lora_rank * (qk_nope_head_dim + v_head_dim) to up-project each
+    cached position once per segment; absorbed pays 2 * kv_lora_rank - qk_nope_head_dim -
+    v_head_dim more per (query, key) pair (latent-width keys and values instead of per-head
+    ones). bench-deepseek: 85 (DeepSeek-V3: 170). benchmarks/mla_paths.py measured the
+    crossover on a CPU core at 64-150 new tokens for prefixes of 2K-32K, so the count is used
+    as it is. With no prefix there is nothing to re-expand and expanded always wins."""
+    m = mla
+    per_pair = 2 * m.kv_lora_rank - m.qk_nope_head_dim - m.v_head_dim
+    return m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) // max(per_pair, 1)
 
 
 def causal_attention(
@@ -250,17 +275,22 @@ def causal_attention(
     prefix_len: int,
     scale: float,
     keep: torch.Tensor | None = None,
+    native: bool = False,
 ) -> torch.Tensor:
     """q [n, h, d]; k [L, hk, d], v [L, hk, dv] with hk = h or 1 (one head shared by all);
     key j is position j, query i position prefix_len + i; keep: optional [n, L] bool of the
-    keys each query may read, causality included -> [n, h, dv]. Runs the fused
-    softmax-attention kernel (`attention_with_lse`), which wants one head width: the narrower
-    of q/k and v is zero-padded, which changes no score and no output column."""
+    keys each query may read, causality included -> [n, h, dv]. Runs a fused softmax-attention
+    kernel: with `native`, per-head keys, no mask and bfloat16, pipeserve's compiled prefill
+    kernel (pipeserve/kernels), else `attention_with_lse`. Both want one head width: the
+    narrower of q/k and v is zero-padded, which changes no score and no output column."""
     n, h, d = q.shape
     dv = v.shape[-1]
-    width = max(d, dv)
+    native = native and k.shape[1] == h and keep is None and q.dtype == torch.bfloat16
+    width = -(-max(d, dv) // 16) * 16 if native else max(d, dv)  # the kernel's multiple of 16
     q, k, v = _pad(q, width), _pad(k, width), _pad(v, width)
-    if k.shape[1] == 1:
+    if native:
+        out = _native_prefill(q, k, v, prefix_len, scale)
+    elif k.shape[1] == 1:
         out = _shared_key_head(q, k, v, prefix_len, scale, keep)
     elif keep is not None:
         out = _masked(q, k, v, scale, keep)
@@ -308,6 +338,18 @@ def _prefix_then_chunk(
         prefix = (kh[:, :, :prefix_len], vh[:, :, :prefix_len])
         parts.append(attention_with_lse(qh, *prefix, False, scale))
     return merge_partials(parts)[0].transpose(0, 1)
+
+
+def _native_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+) -> torch.Tensor:
+    """The paged prefill kernel over the freshly expanded keys and values, laid out as a
+    one-run pool [h, L, d]."""
+    kernel = native_prefill_kernel()
+    assert kernel is not None
+    k_pool, v_pool = (t.transpose(0, 1).contiguous() for t in (k, v))
+    runs = torch.tensor([[0, k.shape[0]]], dtype=torch.long)
+    return kernel(q.contiguous(), k_pool, v_pool, runs, prefix_len, scale)
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
         pool = fb.kv_pool
         index = pool.index_keys(self.layer_id) if self.self_attn.indexer is not None else None
         cache = pool.latent(self.layer_id)
-        return self.self_attn(x, rope, cache, fb.latent_segments, index_cache=index)
+        native = fb.native.prefill
+        return self.self_attn(x, rope, cache, fb.latent_segments, index_cache=index, native=native)
 
 
 def grouped_routing(arch: ArchConfig) -> GroupedRouting:

@@ -31,6 +31,7 @@ class ForwardBatch:
     future_slots: torch.Tensor  # [samples] overlap loop: ring slot of each sampled token
     # latent (MLA) pools: each request's rows and the slots of all its positions
     latent_segments: list[LatentSegment] = field(default_factory=list)
+    native: NativeKernels = TORCH_KERNELS  # which steps may run the compiled CPU kernels
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +86,7 @@ class ForwardBatch:
             tensor(lp_targets),
             tensor(future_slots),
             latent,
+            native,
         )
 
 

@@ -11,10 +11,18 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
+from pipeserve.device import native_prefill_kernel
 from pipeserve.distributed import parallel_state
 from pipeserve.distributed.parallel_state import ParallelState
 from pipeserve.layers import linear
-from pipeserve.layers.mla import LatentSegment, MLAttention, Mode, latent_width
+from pipeserve.layers import mla as mla_mod
+from pipeserve.layers.mla import (
+    LatentSegment,
+    MLAttention,
+    Mode,
+    absorb_max_queries,
+    latent_width,
+)
 from pipeserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from pipeserve.models.arch import MLAConfig
 
@@ -142,6 +150,7 @@ def run_chunks(
     chunks: list[int],
     cache: torch.Tensor,
     mode: Mode = "auto",
+    native: bool = False,
 ) -> torch.Tensor:
     """One request's prompt fed in chunks of the given sizes, each over the cached prefix."""
     outs, start = [], 0
@@ -149,7 +158,7 @@ def run_chunks(
         seg = LatentSegment(0, n, slots[: start + n])
         rope = setup.rope(torch.arange(start, start + n), x.dtype)
         with torch.no_grad():
-            outs.append(layer(x[start : start + n], rope, cache, [seg], mode))
+            outs.append(layer(x[start : start + n], rope, cache, [seg], mode, native=native))
         start += n
     return torch.cat(outs)
 
@@ -240,3 +249,34 @@ def test_two_tp_ranks_sum_to_one_rank(setup: Setup, monkeypatch: pytest.MonkeyPa
     bias = setup.hf.o_proj.bias if setup.bias else torch.zeros(HIDDEN)
     torch.testing.assert_close(partials[0] + partials[1] - bias.detach(), full, atol=1e-5, rtol=0)
     torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
+
+
+def test_auto_mode_takes_the_cheaper_form() -> None:
+    """Absorbed up to the multiply-add crossover, and only after a prefix (none to re-expand)."""
+    bench = MLAConfig(384, 256, 64, 32, 64, True)  # bench-deepseek
+    assert absorb_max_queries(bench) == 256 * 128 // (512 - 128) == 85
+    assert absorb_max_queries(MLAConfig(1536, 512, 128, 64, 128, True)) == 170  # DeepSeek-V3
+    layer = MLAttention(64, 4, bench, None, torch.float32)
+    slots = torch.arange(1, 201)
+    assert layer.absorbs("auto", LatentSegment(0, 1, slots))
+    assert layer.absorbs("auto", LatentSegment(0, 85, slots))
+    assert not layer.absorbs("auto", LatentSegment(0, 86, slots))
+    assert not layer.absorbs("auto", LatentSegment(0, 200, slots))  # no prefix
+    assert layer.absorbs("absorbed", LatentSegment(0, 200, slots))
+    assert not layer.absorbs("expanded", LatentSegment(0, 1, slots))
+
+
+def test_native_prefill_kernel_matches_transformers(setup: Setup) -> None:
+    """bfloat16 expanded chunks on pipeserve's compiled prefill kernel (keys of qk_head_dim,
+    values zero-padded to it) agree with transformers as the torch path does."""
+    if native_prefill_kernel() is None:
+        pytest.skip("the native prefill kernel needs a CPU with AVX512-BF16")
+    x, slots = rand(PROMPT, HIDDEN, seed=1), scattered_slots(PROMPT, 2)
+    calls: list[int] = []
+    kernel = mla_mod._native_prefill
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla_mod, "_native_prefill", lambda *a: calls.append(1) or kernel(*a))
+        got = run_chunks(setup.layer(torch.bfloat16), setup, x.bfloat16(), slots, [30, 10],
+                         new_cache(torch.bfloat16), "expanded", native=True)
+    assert len(calls) == 2
+    torch.testing.assert_close(got.float(), setup.reference(x), atol=2e-2, rtol=0)
