@@ -5,7 +5,8 @@ Expanded up-projects every cached latent of the request through kv_b_proj for ea
 linear in the prefix, paid once per chunk) and then attends with qk_head_dim keys; absorbed
 folds kv_b_proj into the queries and outputs and attends over the latent rows themselves, wider
 per (query, key) pair but with no up-projection. One MLA layer of bench-deepseek's shape, random
-weights, bf16, on the current thread budget; median of a few runs. Prints and saves JSON.
+weights, bf16, on the current thread budget (expanded on the compiled prefill kernel where it
+builds, as in the engine); median of a few runs. Prints and saves JSON.
 
     python benchmarks/mla_paths.py --json out/mla_paths.json
 """
@@ -20,7 +21,8 @@ from typing import Any
 
 import torch
 
-from pipeserve.layers.mla import LatentSegment, MLAttention
+from pipeserve.device import native_prefill_kernel
+from pipeserve.layers.mla import LatentSegment, MLAttention, Mode
 from pipeserve.layers.rotary import RotaryEmbedding
 from pipeserve.models.arch import MLAConfig
 
@@ -49,10 +51,12 @@ def measure(layer: MLAttention, prefix: int, chunk: int, repeats: int) -> dict[s
     rope = RotaryEmbedding(MLA.qk_rope_head_dim, 10000.0, None).cos_sin(
         torch.arange(prefix, total), dtype
     )
-    out = {}
-    for mode in ("expanded", "absorbed"):
-        out[mode] = timed(lambda mode=mode: layer(x, rope, cache, [seg], mode), repeats)
-    return out
+    native = native_prefill_kernel() is not None  # as the engine runs expanded chunks
+
+    def run(mode: Mode) -> None:
+        layer(x, rope, cache, [seg], mode, native=native)
+
+    return {mode: timed(lambda mode=mode: run(mode), repeats) for mode in ("expanded", "absorbed")}
 
 
 @torch.inference_mode()
@@ -74,7 +78,8 @@ def main() -> None:
             print(f"prefix {prefix:6d} chunk {chunk:5d}  expanded {t['expanded'] * 1e3:9.2f} ms  "
                   f"absorbed {t['absorbed'] * 1e3:9.2f} ms  absorbed/expanded {ratio:6.2f}",
                   flush=True)
-    report = {"threads": torch.get_num_threads(), "rows": rows}
+    report = {"threads": torch.get_num_threads(), "native": native_prefill_kernel() is not None,
+              "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -10,13 +11,16 @@ from typing import Any
 
 from pipeserve import kernels
 from pipeserve.config import EngineConfig
-from pipeserve.device import resolve_device
+from pipeserve.device import resolve_device, resolve_dtype
 from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.presets import DEFAULT_PRESET, PRESETS, preset_path
+from pipeserve.runner.kv_layout import kv_bytes_per_token
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,6 +75,18 @@ class Engine:
         kind = WorkerBackend if self.config.parallel.uses_workers else InProcessBackend
         self.backend: Backend = kind(
             self.config, self.arch, self.model_path, self.tokenizer, self.context_len
+        )
+        self._log_kv_cache()
+
+    def _log_kv_cache(self) -> None:
+        dtype = resolve_dtype(self.config.model.dtype, self.arch.torch_dtype)
+        per_layer = kv_bytes_per_token(self.arch, 1, self.config.parallel.tp_size, dtype)
+        pages = self.backend.stats()["kv_pages_total"]
+        log.info(
+            "KV cache: %s, %d bytes per token and layer on each rank; %d tokens",
+            "latent (MLA)" if self.arch.mla is not None else "per-head K/V",
+            per_layer,
+            pages * self.config.cache.page_size,
         )
 
     def __enter__(self) -> Engine:

@@ -31,7 +31,7 @@ from torch import nn
 
 from pipeserve.device import attention_with_lse, native_prefill_kernel
 from pipeserve.distributed.parallel_state import get_tp_size
-from pipeserve.layers.attention import merge_partials
+from pipeserve.layers.attention import merge_partials, split_runs
 from pipeserve.layers.indexer import Indexer, selection_mask
 from pipeserve.layers.layernorm import RMSNorm
 from pipeserve.layers.linear import (
@@ -40,10 +40,14 @@ from pipeserve.layers.linear import (
     RowParallelLinear,
     divide,
 )
-from pipeserve.layers.rotary import ScalingLike, apply_rotary, apply_rotary_part, mla_softmax_scale
+from pipeserve.layers.rotary import RopeScaling, apply_rotary, apply_rotary_part, mla_softmax_scale
 from pipeserve.models.arch import IndexerConfig, MLAConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_dim]
+# The compiled prefill kernel's speed over the fused kernel's (what absorbed attention runs on)
+# per FLOP, one CPU core: benchmarks/mla_paths.py measured the crossover at 40-66 new tokens
+# (bench-deepseek, prefixes 2K-32K), half the multiply-add count's 85.
+NATIVE_EXPANDED_SPEEDUP = 2
 Mode = Literal["auto", "expanded", "absorbed"]  # auto: the cheaper (MLAttention.absorbs)
 NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm ignore the config's rms_norm_eps
 
@@ -56,6 +60,7 @@ class LatentSegment:
     q_len: int  # its new tokens (a prompt chunk, or 1 for a decode step)
     slots: torch.Tensor  # [prefix_len + q_len] long: the cache slot of each position, in order
     first_slot: int | None = None  # set when those slots are one run: `read` takes a view
+    runs: tuple[tuple[int, int], ...] = ()  # (first slot, length) runs of those slots, in order
 
     @property
     def prefix_len(self) -> int:
@@ -76,6 +81,18 @@ class LatentSegment:
             return cache[self.first_slot : self.first_slot + self.slots.shape[0]]
         return cache[self.slots]
 
+    def parts(self, cache: torch.Tensor) -> list[torch.Tensor]:
+        """The same rows as `read`, in parts whose order is not kept: each long run of slots
+        as a view, the short rest gathered into one tensor (what a query seeing every position,
+        a decode step, can attend to part by part)."""
+        if self.first_slot is not None or not self.runs:
+            return [self.read(cache)]
+        views, short = split_runs(list(self.runs), self.slots.shape[0])
+        parts = [cache[start : start + n] for start, n in views]
+        if short:
+            parts.append(cache[torch.cat([torch.arange(s, s + n) for s, n in short])])
+        return parts
+
 
 def latent_width(mla: MLAConfig) -> int:
     """Values one token caches per layer."""
@@ -88,14 +105,17 @@ class MLAttention(nn.Module):
 
     With an `indexer` config (DeepSeek-V3.2's sparse attention) every query attends only to
     the `topk` positions its indexer selects; a request whose queries see at most topk
-    positions attends causally to all of them, as the selection would keep them all."""
+    positions attends causally to all of them, as the selection would keep them all. Absorbed
+    segments (decode steps, short chunks) gather and read only the chosen cache rows; expanded
+    chunks up-project the whole prefix anyway and apply the choice as a mask (a sparse prefill
+    kernel, as FlashMLA's, would read only the chosen rows there too)."""
 
     def __init__(
         self,
         hidden_size: int,
         num_heads: int,
         mla: MLAConfig,
-        rope_scaling: ScalingLike,
+        rope_scaling: RopeScaling | None,
         dtype: torch.dtype,
         bias: bool = False,  # the config's attention_bias (q_a, kv_a and o projections)
         indexer: IndexerConfig | None = None,
@@ -145,22 +165,24 @@ class MLAttention(nn.Module):
         new = self.latent(x, rope)
         for seg in segments:
             cache[seg.new_slots] = new[seg.rows]
-        allowed = self.selections(x, q_latent, rope, index_cache, segments)
+        selected = self.selections(x, q_latent, rope, index_cache, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
-        for seg, keep in zip(segments, allowed, strict=True):
-            kv = seg.read(cache)
-            if self.absorbs(mode, seg):
-                out[seg.rows] = self.absorbed(q[seg.rows], kv, seg.prefix_len, keep)
+        for seg, chosen in zip(segments, selected, strict=True):
+            if self.absorbs(mode, seg, native):
+                out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, chosen)
             else:
+                keep = None if chosen is None else selection_mask(chosen, seg.slots.shape[0])
+                kv = seg.read(cache)
                 out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, keep, native)
         return self.o_proj(out.view(x.shape[0], -1))
 
-    def absorbs(self, mode: Mode, seg: LatentSegment) -> bool:
+    def absorbs(self, mode: Mode, seg: LatentSegment, native: bool = False) -> bool:
         """Whether a segment attends in latent space; "auto" takes the cheaper form (see
-        `absorb_max_queries`)."""
+        `absorb_max_queries`), expanded on the compiled kernel being the faster per FLOP."""
         if mode != "auto":
             return mode == "absorbed"
-        return seg.prefix_len > 0 and seg.q_len <= self.absorb_max_queries
+        limit = self.absorb_max_queries // (NATIVE_EXPANDED_SPEEDUP if native else 1)
+        return seg.prefix_len > 0 and seg.q_len <= limit
 
     def query_latent(self, x: torch.Tensor) -> torch.Tensor | None:
         """The compressed query, q_a_layernorm's output [tokens, q_lora_rank] (what V3.2's
@@ -198,20 +220,15 @@ class MLAttention(nn.Module):
         index_cache: torch.Tensor | None,
         segments: list[LatentSegment],
     ) -> list[torch.Tensor | None]:
-        """Per segment, the [q_len, prefix_len + q_len] bool mask of the keys its queries may
-        read (the indexer's choice), or None for plain causal attention."""
+        """Per segment, the positions [q_len, topk] each query may read (the indexer's choice,
+        -1 for none), or None for plain causal attention (no query sees more than topk)."""
         if self.indexer is None:
             return [None] * len(segments)
         if index_cache is None or q_latent is None:
             raise ValueError("an MLA layer with an indexer needs its index key cache")
         positions = self.indexer(x, q_latent, rope, index_cache, segments)
         topk = self.indexer.config.topk
-        return [
-            selection_mask(positions[seg.rows], seg.slots.shape[0])
-            if seg.slots.shape[0] > topk
-            else None
-            for seg in segments
-        ]
+        return [positions[seg.rows] if seg.slots.shape[0] > topk else None for seg in segments]
 
     def expanded(
         self,
@@ -232,9 +249,15 @@ class MLAttention(nn.Module):
         return causal_attention(q, k, v, prefix_len, self.scale, keep, native)
 
     def absorbed(
-        self, q: torch.Tensor, kv: torch.Tensor, prefix_len: int, keep: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        seg: LatentSegment,
+        cache: torch.Tensor,
+        chosen: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As `expanded`, attending in latent space: only the cache rows are read."""
+        """As `expanded`, attending in latent space: only cache rows are read, and with an
+        indexer's choice `chosen` [n, topk] only the chosen rows. q [n, heads, qk_head_dim]
+        -> [n, heads, v_head_dim]."""
         m = self.mla
         w_uk, w_uv = self.absorbed_weights()
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
@@ -242,7 +265,15 @@ class MLAttention(nn.Module):
         q_cat = torch.cat([q_latent, q_rope], dim=-1)  # [n, heads, latent_width]
         # one key head shared by all heads; its value is the whole row, of which the latent
         # part is kept (no copy of the cache to cut the rope part off first)
-        o = causal_attention(q_cat, kv[:, None], kv[:, None], prefix_len, self.scale, keep)
+        if chosen is not None:
+            o = sparse_latent_attention(
+                q_cat, cache[seg.slots[chosen.clamp_min(0)]], chosen >= 0, self.scale
+            )
+        elif seg.q_len == 1:
+            o = _over_parts(q_cat, seg.parts(cache), self.scale)
+        else:
+            kv = seg.read(cache)[:, None]
+            o = causal_attention(q_cat, kv, kv, seg.prefix_len, self.scale)
         o = o[..., : m.kv_lora_rank]  # [n, heads, rank]
         return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -261,8 +292,10 @@ def absorb_max_queries(mla: MLAConfig) -> int:
     cached position once per segment; absorbed pays 2 * kv_lora_rank - qk_nope_head_dim -
     v_head_dim more per (query, key) pair (latent-width keys and values instead of per-head
     ones). bench-deepseek: 85 (DeepSeek-V3: 170). benchmarks/mla_paths.py measured the
-    crossover on a CPU core at 64-150 new tokens for prefixes of 2K-32K, so the count is used
-    as it is. With no prefix there is nothing to re-expand and expanded always wins."""
+    crossover on a CPU core at 64-150 new tokens for prefixes of 2K-32K with both forms on the
+    same fused kernel, so the count is used as it is; with expanded on the compiled prefill
+    kernel, see NATIVE_EXPANDED_SPEEDUP. With no prefix there is nothing to re-expand and
+    expanded always wins."""
     m = mla
     per_pair = 2 * m.kv_lora_rank - m.qk_nope_head_dim - m.v_head_dim
     return m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) // max(per_pair, 1)
@@ -297,6 +330,27 @@ def causal_attention(
     else:
         out = _prefix_then_chunk(q, k, v, prefix_len, scale)
     return out[..., :dv]
+
+
+def sparse_latent_attention(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Each query over its own chosen rows: q [n, h, W], kv [n, topk, W] (the rows each query
+    may read; keys and values alike), valid [n, topk] (False: padding) -> [n, h, W]."""
+    n, h, w = q.shape
+    mask = None
+    if not bool(valid.all()):
+        mask = _additive(valid, q.dtype)[0, 0][:, None, None, :].expand(n, 1, h, -1)
+    out, _ = attention_with_lse(q[:, None], kv[:, None], kv[:, None], False, scale, mask)
+    return out[:, 0]
+
+
+def _over_parts(q: torch.Tensor, parts: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """One query's heads (q [1, h, W]) over every row of `parts` ([len_i, W] each, keys and
+    values alike), part by part, merged by log-sum-exp -> [1, h, W]."""
+    rows = q.reshape(1, 1, q.shape[1], q.shape[2])
+    partials = [attention_with_lse(rows, p[None, None], p[None, None], False, scale) for p in parts]
+    return merge_partials(partials)[0, 0][None]
 
 
 def _shared_key_head(

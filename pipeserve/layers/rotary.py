@@ -21,9 +21,7 @@ factor folded in. The MLA softmax scale is `mla_softmax_scale`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeAlias
 
 import torch
 
@@ -36,8 +34,8 @@ _REQUIRED = {
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Frequency scaling of one checkpoint: the keys of its `rope_scaling` / `rope_parameters`
-    under transformers' names. No scaling (rope_type "default") is `None`, not an instance.
+    """Frequency scaling of one checkpoint under transformers' names, built from config.json by
+    `RopeConfig.scaling`. No scaling (rope_type "default") is `None`, not an instance.
     Fields a type does not use keep their defaults; 0 means "not given"."""
 
     rope_type: str  # one of SCALING_TYPES
@@ -53,72 +51,27 @@ class RopeScaling:
     truncate: bool = True  # yarn: round the ramp's ends out to whole channel pairs
 
     def __post_init__(self) -> None:
+        if self.rope_type not in SCALING_TYPES:
+            supported = ", ".join(SCALING_TYPES)
+            raise ValueError(f"rope scaling type {self.rope_type!r} is not one of {supported}")
         missing = [k for k in _REQUIRED.get(self.rope_type, ()) if not getattr(self, k)]
         if missing:
             raise ValueError(
                 f"rope scaling {self.rope_type!r} needs {', '.join(missing)}; add them to the "
-                "checkpoint's rope_scaling (or pass max_position_embeddings to from_dict)"
+                "checkpoint's rope_scaling"
             )
 
-    @classmethod
-    def from_dict(
-        cls, d: Mapping[str, Any], max_position_embeddings: int | None = None
-    ) -> RopeScaling | None:
-        """Reads a config's rope dict the way transformers does: `type` is an old name of
-        `rope_type`; original_max_position_embeddings defaults to max_position_embeddings, and a
-        yarn `factor` left null to their ratio; beta_fast/beta_slow of 0 or null mean 32/1."""
-        kind = d.get("rope_type") or d.get("type") or "default"
-        if kind == "default":
-            return None
-        if kind not in SCALING_TYPES:
-            supported = ", ".join(("default", *SCALING_TYPES))
-            raise ValueError(f"rope scaling type {kind!r} is not supported ({supported} are)")
-        original = d.get("original_max_position_embeddings") or max_position_embeddings or 0
-        return cls(
-            rope_type=kind,
-            factor=_factor(d, kind, original, max_position_embeddings),
-            original_max_position_embeddings=original,
-            low_freq_factor=d.get("low_freq_factor") or 0.0,
-            high_freq_factor=d.get("high_freq_factor") or 0.0,
-            beta_fast=d.get("beta_fast") or 32.0,
-            beta_slow=d.get("beta_slow") or 1.0,
-            mscale=d.get("mscale") or 0.0,
-            mscale_all_dim=d.get("mscale_all_dim") or 0.0,
-            attention_factor=d.get("attention_factor"),
-            truncate=bool(d.get("truncate", True)),
-        )
 
-
-def _factor(d: Mapping[str, Any], kind: str, original: int, max_positions: int | None) -> float:
-    factor = d.get("factor")
-    if factor is None and kind == "yarn" and original and max_positions:
-        factor = max_positions / original
-    if factor is None:
-        raise ValueError(f"rope scaling {kind!r} has no factor; add one to the checkpoint's config")
-    return factor
-
-
-ScalingLike: TypeAlias = RopeScaling | Mapping[str, Any] | None
-
-
-def as_scaling(scaling: ScalingLike) -> RopeScaling | None:
-    """A RopeScaling from itself or from a raw rope dict (what ArchConfig.rope_scaling holds)."""
-    if scaling is None or isinstance(scaling, RopeScaling):
-        return scaling
-    return RopeScaling.from_dict(scaling)
-
-
-def inverse_frequencies(rotary_dim: int, theta: float, scaling: ScalingLike) -> torch.Tensor:
+def inverse_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """[rotary_dim // 2] float32: the angle per position of each channel pair."""
     powers = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
-    s = as_scaling(scaling)
-    if s is None:
+    if scaling is None:
         return 1.0 / powers
-    if s.rope_type == "linear":
-        return 1.0 / powers / s.factor
-    if s.rope_type == "llama3":
-        return _llama3(1.0 / powers, s)
-    return _yarn(powers, rotary_dim, theta, s)
+    if scaling.rope_type == "linear":
+        return 1.0 / powers / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3(1.0 / powers, scaling)
+    return _yarn(powers, rotary_dim, theta, scaling)
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -165,29 +118,28 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_attention_factor(scaling: ScalingLike) -> float:
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
     """What cos and sin are multiplied by (transformers' `attention_scaling`): for yarn an
     explicit attention_factor, else mscale(mscale) / mscale(mscale_all_dim) when both are set,
     else mscale(1); 1 for every other type."""
-    s = as_scaling(scaling)
-    if s is None or s.rope_type != "yarn":
+    if scaling is None or scaling.rope_type != "yarn":
         return 1.0
-    if s.attention_factor is not None:
-        return s.attention_factor
-    if s.mscale and s.mscale_all_dim:
-        return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
-    return yarn_mscale(s.factor)
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    factor, mscale, mscale_all_dim = scaling.factor, scaling.mscale, scaling.mscale_all_dim
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
-def mla_softmax_scale(qk_head_dim: int, scaling: ScalingLike) -> float:
+def mla_softmax_scale(qk_head_dim: int, scaling: RopeScaling | None) -> float:
     """Softmax scale of DeepSeek's MLA (V2, V3, V3.2), qk_head_dim = qk_nope_head_dim +
     qk_rope_head_dim: qk_head_dim**-0.5, times yarn_mscale(factor, mscale_all_dim)**2 when the
     scaling (of any type) sets mscale_all_dim, as transformers' DeepseekV3Attention.scaling.
     With mscale == mscale_all_dim the cos/sin factor is 1 and all of YaRN's correction is here."""
     scale = qk_head_dim**-0.5
-    s = as_scaling(scaling)
-    if s is not None and s.mscale_all_dim:
-        m = yarn_mscale(s.factor, s.mscale_all_dim)
+    if scaling is not None and scaling.mscale_all_dim:
+        m = yarn_mscale(scaling.factor, scaling.mscale_all_dim)
         scale = scale * m * m
     return scale
 
@@ -196,10 +148,9 @@ class RotaryEmbedding:
     """The frequencies of one model; `cos_sin` turns them into per-token tables.
     rotary_dim: the rotated channels per head (head_dim, or qk_rope_head_dim for DeepSeek)."""
 
-    def __init__(self, rotary_dim: int, theta: float, scaling: ScalingLike) -> None:
-        s = as_scaling(scaling)
-        self.inv_freq = inverse_frequencies(rotary_dim, theta, s)
-        self.attention_factor = rope_attention_factor(s)
+    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+        self.inv_freq = inverse_frequencies(rotary_dim, theta, scaling)
+        self.attention_factor = rope_attention_factor(scaling)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype

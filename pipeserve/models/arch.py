@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeserve.layers.rotary import RopeScaling
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,19 @@ _MODEL_TYPE_OF = {spec.architecture: name for name, spec in MODEL_TYPES.items()}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPE_OF)
 _DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v32")
 
-# Parameters of each rope type, as transformers names them, and those it requires.
+# The rope types `layers.rotary` computes, the parameters of each as transformers (and
+# RopeScaling) names them, and those it requires.
 _ROPE_PARAMS: dict[str, tuple[str, ...]] = {
     "default": (),
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # mscale_all_dim: DeepSeek's attention scales its softmax by it under any rope type
+    "linear": ("factor", "mscale_all_dim"),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+        "mscale_all_dim",
+    ),
     "yarn": (
         "factor",
         "original_max_position_embeddings",
@@ -147,7 +157,6 @@ _ROPE_PARAMS: dict[str, tuple[str, ...]] = {
 }
 _ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
-    "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
 }
 
@@ -158,7 +167,7 @@ class RopeConfig:
     `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`. Parameters the type does not use
     stay None; those transformers fills in when absent are filled in here too."""
 
-    rope_type: str = "default"  # default (no scaling), linear, dynamic, llama3 or yarn
+    rope_type: str = "default"  # default (no scaling), linear, llama3 or yarn
     theta: float = 10000.0
     factor: float | None = None  # context extension factor (every type but default)
     original_max_position_embeddings: int | None = None  # llama3, yarn: pretraining context
@@ -188,13 +197,15 @@ class RopeConfig:
         return cls(kind, float(theta), **_rope_defaults(kind, values, max_position_embeddings))
 
     @property
-    def scaling(self) -> dict[str, Any] | None:
-        """The form `layers.rotary` takes: None without scaling, else `rope_type` and the
-        parameters set."""
+    def scaling(self) -> RopeScaling | None:
+        """What `layers.rotary` computes: None without scaling, else the type's parameters,
+        those left None at RopeScaling's defaults."""
+        from pipeserve.layers.rotary import RopeScaling  # here: reading config.json needs no torch
+
         if self.rope_type == "default":
             return None
         params = {name: getattr(self, name) for name in _ROPE_PARAMS[self.rope_type]}
-        return {"rope_type": self.rope_type, **{k: v for k, v in params.items() if v is not None}}
+        return RopeScaling(self.rope_type, **{k: v for k, v in params.items() if v is not None})
 
 
 def _rope_defaults(kind: str, values: dict[str, Any], max_positions: int) -> dict[str, Any]:
@@ -293,7 +304,7 @@ class ArchConfig:
         return self.rope.theta
 
     @property
-    def rope_scaling(self) -> dict[str, Any] | None:
+    def rope_scaling(self) -> RopeScaling | None:
         return self.rope.scaling
 
     @property

@@ -101,7 +101,7 @@ def latent_segment(
         slots = torch.arange(start, start + length, device=device)
         return LatentSegment(q_start, q_len, slots, first_slot=start)
     slots, _ = gather_index([used], device)
-    return LatentSegment(q_start, q_len, slots[0])
+    return LatentSegment(q_start, q_len, slots[0], runs=tuple(used))
 
 
 def _tail_slots(runs: list[Run], n: int) -> list[int]:

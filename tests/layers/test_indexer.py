@@ -16,8 +16,8 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
 from pipeserve.layers.indexer import Indexer, selection_mask, top_positions
 from pipeserve.layers.mla import LatentSegment
-from pipeserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary_part
-from pipeserve.models.arch import IndexerConfig
+from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary_part
+from pipeserve.models.arch import IndexerConfig, RopeConfig
 
 HIDDEN, Q_RANK, ROPE, THETA, MAX_POSITIONS = 64, 24, 8, 10000.0, 256
 INDEX_HEADS, INDEX_DIM, TOPK = 4, 32, 16
@@ -62,7 +62,8 @@ class Setup:
             self.hf.k_norm.weight.copy_(1 + 0.2 * torch.randn(INDEX_DIM))  # not the trivial init
             self.hf.k_norm.bias.copy_(0.2 * torch.randn(INDEX_DIM))
         self.hf_rope = hf_v32.DeepseekV32RotaryEmbedding(self.config)
-        self.rotary = RotaryEmbedding(ROPE, THETA, RopeScaling.from_dict(YARN, MAX_POSITIONS))
+        scaling = RopeConfig.from_config({"rope_parameters": YARN}, MAX_POSITIONS).scaling
+        self.rotary = RotaryEmbedding(ROPE, THETA, scaling)
         self.index = IndexerConfig(INDEX_HEADS, INDEX_DIM, topk)
 
     def layer(self) -> Indexer:

@@ -16,6 +16,7 @@ from pipeserve.distributed import parallel_state
 from pipeserve.distributed.parallel_state import ParallelState
 from pipeserve.layers import linear
 from pipeserve.layers import mla as mla_mod
+from pipeserve.layers.indexer import selection_mask
 from pipeserve.layers.mla import (
     LatentSegment,
     MLAttention,
@@ -23,8 +24,8 @@ from pipeserve.layers.mla import (
     absorb_max_queries,
     latent_width,
 )
-from pipeserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
-from pipeserve.models.arch import MLAConfig
+from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pipeserve.models.arch import MLAConfig, RopeConfig
 
 HIDDEN, HEADS, THETA, MAX_POSITIONS = 64, 4, 10000.0, 256
 RANK, NOPE, ROPE, V = 32, 16, 8, 12  # kv_lora_rank, qk_nope/rope_head_dim, v_head_dim
@@ -103,7 +104,8 @@ class Setup:
                     p.copy_(1 + 0.2 * torch.randn_like(p))
         self.hf_rope = hf_v3.DeepseekV3RotaryEmbedding(self.config)
         self.mla = MLAConfig(case["q_lora_rank"] or 0, RANK, NOPE, ROPE, V, case["rope_interleave"])
-        self.scaling = RopeScaling.from_dict(case["rope"], MAX_POSITIONS) if case["rope"] else None
+        rope = RopeConfig.from_config({"rope_parameters": case["rope"]}, MAX_POSITIONS)
+        self.scaling = rope.scaling
         self.bias = case.get("attention_bias", False)
         self.rotary = RotaryEmbedding(ROPE, THETA, self.scaling)
 
@@ -263,6 +265,8 @@ def test_auto_mode_takes_the_cheaper_form() -> None:
     assert not layer.absorbs("auto", LatentSegment(0, 86, slots))
     assert not layer.absorbs("auto", LatentSegment(0, 200, slots))  # no prefix
     assert layer.absorbs("absorbed", LatentSegment(0, 200, slots))
+    assert layer.absorbs("auto", LatentSegment(0, 42, slots), native=True)  # 85 // 2
+    assert not layer.absorbs("auto", LatentSegment(0, 43, slots), native=True)
     assert not layer.absorbs("expanded", LatentSegment(0, 1, slots))
 
 
@@ -280,3 +284,49 @@ def test_native_prefill_kernel_matches_transformers(setup: Setup) -> None:
                          new_cache(torch.bfloat16), "expanded", native=True)
     assert len(calls) == 2
     torch.testing.assert_close(got.float(), setup.reference(x), atol=2e-2, rtol=0)
+
+
+def test_decode_over_runs_reads_views_and_matches_one_gather(setup: Setup) -> None:
+    """A decode step whose positions lie in runs of slots attends to long runs in place (as
+    views) and to the gathered short rest, merged by log-sum-exp: the same as one gather."""
+    layer, cache = setup.layer(), rand(1024, RANK + ROPE, seed=5)
+    runs = ((1, 300), (700, 7), (400, 260))  # long, short, long
+    slots = torch.cat([torch.arange(s, s + n) for s, n in runs])
+    in_runs = LatentSegment(0, 1, slots, runs=runs)
+    parts = in_runs.parts(cache)
+    assert [p.shape[0] for p in parts] == [300, 260, 7]
+    assert parts[0].data_ptr() == cache[1].data_ptr()  # a view, not a copy
+    q = layer.query(rand(1, HIDDEN, seed=6), setup.rope(torch.tensor([566]), torch.float32))
+    with torch.no_grad():
+        got = layer.absorbed(q, in_runs, cache)
+        expected = layer.absorbed(q, LatentSegment(0, 1, slots), cache)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_sparse_absorbed_reads_only_chosen_rows_like_masked_expanded(
+    setup: Setup, q_len: int
+) -> None:
+    """With an indexer's choice (some queries padded with -1), absorbed attention over the
+    gathered chosen rows equals expanded attention over all rows under the selection mask."""
+    layer, cache = setup.layer(), rand(NUM_SLOTS, RANK + ROPE, seed=5)
+    length = 90
+    slots = scattered_slots(length, 7)
+    seg = LatentSegment(0, q_len, slots)
+    gen = torch.Generator().manual_seed(8)
+    chosen = torch.stack([torch.randperm(length - q_len + i + 1, generator=gen)[:12]
+                          for i in range(q_len)])
+    chosen[0, 9:] = -1  # fewer than topk for the first query
+    positions = torch.arange(length - q_len, length)
+    q = layer.query(rand(q_len, HIDDEN, seed=6), setup.rope(positions, torch.float32))
+    shapes: list[tuple[int, ...]] = []
+    sparse = mla_mod.sparse_latent_attention
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla_mod, "sparse_latent_attention",
+                   lambda q, kv, *a: shapes.append(tuple(kv.shape)) or sparse(q, kv, *a))
+        got = layer.absorbed(q, seg, cache, chosen)
+    assert shapes == [(q_len, 12, RANK + ROPE)]  # the chosen rows only
+    with torch.no_grad():
+        keep = selection_mask(chosen, length)
+        expected = layer.expanded(q, cache[slots], length - q_len, keep)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

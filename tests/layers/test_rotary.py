@@ -31,6 +31,7 @@ from pipeserve.layers.rotary import (
     mla_softmax_scale,
     rope_attention_factor,
 )
+from pipeserve.models.arch import RopeConfig
 
 ATOL = 1e-6
 THETA = 10000.0
@@ -67,9 +68,13 @@ def deepseek_config(cls: type, rope: dict[str, Any] | None) -> Any:
     )
 
 
+def scaling_of(rope: dict[str, Any] | None) -> RopeScaling | None:
+    """`rope` read as config.json's rope_parameters, for a context of MAX_POSITIONS."""
+    return RopeConfig.from_config({"rope_parameters": rope}, MAX_POSITIONS).scaling
+
+
 def ours(rope: dict[str, Any] | None) -> RotaryEmbedding:
-    scaling = RopeScaling.from_dict(rope, MAX_POSITIONS) if rope else None
-    return RotaryEmbedding(ROPE_DIM, THETA, scaling)
+    return RotaryEmbedding(ROPE_DIM, THETA, scaling_of(rope))
 
 
 def hf_cos_sin(rotary: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +110,7 @@ def test_yarn_cos_sin_match_transformers(case: str) -> None:
 
 
 def test_yarn_cases_cover_both_cos_sin_factors() -> None:
-    factors = {rope_attention_factor(RopeScaling.from_dict(r, MAX_POSITIONS))
-               for r in YARN_CASES.values()}
+    factors = {rope_attention_factor(scaling_of(r)) for r in YARN_CASES.values()}
     assert 1.0 in factors and len(factors) > 2, factors
 
 
@@ -170,8 +174,7 @@ def test_mla_softmax_scale_matches_transformers(case: str, config_cls: type) -> 
     attention = hf_v3.DeepseekV3Attention if config_cls is DeepseekV3Config \
         else hf_v32.DeepseekV32Attention
     want = attention(deepseek_config(config_cls, rope), layer_idx=0).scaling
-    scaling = RopeScaling.from_dict(rope, MAX_POSITIONS) if rope else None
-    assert mla_softmax_scale(NOPE_DIM + ROPE_DIM, scaling) == want
+    assert mla_softmax_scale(NOPE_DIM + ROPE_DIM, scaling_of(rope)) == want
     corrected = bool(rope and rope.get("mscale_all_dim"))
     assert (want != (NOPE_DIM + ROPE_DIM) ** -0.5) == corrected
 
@@ -201,7 +204,7 @@ def test_llama_qwen_rope_match_transformers(case: str) -> None:
                         rope_parameters=params)
     rotary_cls = next(v for k, v in vars(module).items() if k.endswith("RotaryEmbedding"))
     hf = rotary_cls(config)
-    mine = RotaryEmbedding(head_dim, theta, rope)
+    mine = RotaryEmbedding(head_dim, theta, scaling_of(rope))
     torch.testing.assert_close(mine.inv_freq, hf.inv_freq, rtol=0, atol=0)
     cos, sin = mine.cos_sin(POSITIONS, torch.float32)
     want_cos, want_sin = hf_cos_sin(hf)
@@ -213,14 +216,10 @@ def test_llama_qwen_rope_match_transformers(case: str) -> None:
     torch.testing.assert_close(apply_rotary(k, cos, sin), want_k, rtol=0, atol=ATOL)
 
 
-def test_rope_dict_reading() -> None:
-    assert RopeScaling.from_dict({"rope_type": "default", "rope_theta": 1e4}) is None
-    legacy = RopeScaling.from_dict({"type": "yarn", "factor": 40,
-                                    "original_max_position_embeddings": 4096})
-    assert legacy == RopeScaling("yarn", 40, 4096)
-    assert RopeScaling.from_dict({"rope_type": "yarn", "factor": None}, 8192) \
-        == RopeScaling("yarn", 1.0, 8192)  # both default to the context, as in transformers
+def test_rope_scaling_checks_its_fields() -> None:
+    """RopeConfig reads config.json; built directly, a RopeScaling still refuses what the
+    frequencies above cannot be computed from."""
     with pytest.raises(ValueError, match="needs original_max_position_embeddings"):
-        RopeScaling.from_dict({"rope_type": "yarn", "factor": 4})
-    with pytest.raises(ValueError, match="'longrope' is not supported"):
-        RopeScaling.from_dict({"rope_type": "longrope", "factor": 4})
+        RopeScaling("yarn", 4)
+    with pytest.raises(ValueError, match="'dynamic' is not one of linear, llama3, yarn"):
+        RopeScaling("dynamic", 4)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_hf_parity import GREEDY, LAYOUTS, LOGPROB_ATOL, hf_run, prompts, run_engine
 
+from pipeserve.layers.rotary import RopeScaling
 from pipeserve.models.arch import MODEL_TYPES, ArchConfig, RopeConfig
 from pipeserve.models.registry import build_model, model_class
 
@@ -138,7 +139,7 @@ def test_llama3_rope_parameters(tmp_path: Path) -> None:
         low_freq_factor=1.0, high_freq_factor=4.0,
     )
     assert a.rope_theta == 500000.0
-    assert a.rope_scaling == {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+    assert a.rope_scaling == RopeScaling("llama3", 8.0, 256, 1.0, 4.0)
     assert (a.head_dim, a.num_kv_heads, a.eos_token_ids, a.num_experts) == (16, 2, (5, 7), 0)
 
 
@@ -241,6 +242,8 @@ def test_rope_defaults_filled_as_transformers() -> None:
         "yarn", 10000.0, factor=4, original_max_position_embeddings=163840, beta_fast=32,
         beta_slow=1, truncate=True,
     )
+    # what rotary takes: the unset mscales and attention factor at RopeScaling's 0 / None
+    assert sparse.rope_scaling == RopeScaling("yarn", 4, 163840, beta_fast=32, beta_slow=1)
     ratio = ArchConfig.from_dict({**base, "rope_parameters": {
         "rope_type": "yarn", "factor": None, "original_max_position_embeddings": 4096}})
     assert ratio.rope.factor == 40.0
@@ -250,6 +253,9 @@ def test_rope_defaults_filled_as_transformers() -> None:
     ("rope", "message"),
     [
         ({"rope_type": "longrope", "factor": 2.0}, r"rope type 'longrope' is not supported"),
+        # read by transformers, not computed by layers.rotary
+        ({"type": "dynamic", "factor": 2.0}, r"'dynamic' is not supported \(default, linear, "
+                                             r"llama3, yarn are\)"),
         ({"type": "llama3", "factor": 8.0}, r"'llama3' needs low_freq_factor, high_freq_factor"),
         ({"rope_type": "linear"}, r"'linear' needs factor"),
     ],

@@ -161,3 +161,8 @@ def test_plain_query_projection_matches_transformers(model_dir, tmp_path: Path) 
         shutil.copy(src / name, tmp_path / name)
     ids = prompts()
     assert_matches(run_engine(tmp_path, LAYOUTS["chunk128"], ids), [hf_run(model, p) for p in ids])
+
+
+def test_deterministic_mode_is_refused_clearly(model_dir) -> None:
+    with pytest.raises(ValueError, match=r"not available for multi-head latent attention"):
+        Engine(str(model_dir("tiny-deepseek-v3")), enable_deterministic_inference=True)

@@ -20,6 +20,7 @@ import torch
 from pipeserve.engine.engine import Engine
 from pipeserve.layers import attention as attn_mod
 from pipeserve.layers.rotary import inverse_frequencies
+from pipeserve.models.arch import ArchConfig
 from pipeserve.models.presets import make_model
 from pipeserve.runner import forward_batch
 
@@ -171,10 +172,10 @@ def test_llama3_rope_scaling_is_exercised(model_dir, hf_reference, tmp_path: Pat
     without it disagree with HF, so the parity above really covers the scaling."""
     src = model_dir("tiny-llama")
     config = json.loads((src / "config.json").read_text())
-    scaling = config["rope_scaling"]
-    assert scaling["rope_type"] == "llama3"
-    head_dim, theta = config["head_dim"], config["rope_theta"]
-    assert not torch.allclose(inverse_frequencies(head_dim, theta, scaling),
+    arch = ArchConfig.from_dict(config)
+    assert arch.rope.rope_type == "llama3"
+    head_dim, theta = arch.head_dim, arch.rope_theta
+    assert not torch.allclose(inverse_frequencies(head_dim, theta, arch.rope_scaling),
                               inverse_frequencies(head_dim, theta, None))
     unscaled = tmp_path / "tiny-llama-unscaled"
     shutil.copytree(src, unscaled)
