@@ -22,7 +22,7 @@ def test_deepseek_v32_served_at_tp2_matches_offline(model_dir, tmp_path: Path) -
     with Engine(str(model), dtype="float32") as engine:
         offline = engine.generate(input_ids=prompt, sampling_params={"temperature": 0,
                                                                       "max_new_tokens": NEW})
-    body = {"model": "m", "prompt": prompt, "max_tokens": NEW, "temperature": 0}
+    body = {"model": model.name, "prompt": prompt, "max_tokens": NEW, "temperature": 0}
     with running_server(model, ["--tp-size", "2", "--chunked-prefill-size", "128"],
                         tmp_path / "server.log") as srv:
         r = srv.post("/v1/completions", body)

@@ -1,0 +1,182 @@
+"""Expert-parallel dispatch and combine over `torch.distributed.all_to_all_single` with split
+sizes: gloo on CPU, NCCL on GPUs; nothing here depends on the device.
+
+Dispatch sends each token once per destination rank (the ranks holding any of its top-k
+experts), with that rank's local expert ids and routing weights; combine sends each row's
+weighted expert output back, and the token's owner sums the rows from all its ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, Work
+
+from pipeserve.moe.dispatcher.base import (
+    CombineHandle,
+    CombinePlan,
+    Dispatched,
+    Dispatcher,
+    DispatchHandle,
+    Traffic,
+)
+from pipeserve.moe.dispatcher.placement import ExpertPlacement
+
+ID_BYTES, WEIGHT_BYTES = 8, 4  # long local ids, float32 weights
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """One row per (destination rank, token) pair, ordered by rank, then token."""
+
+    hidden: torch.Tensor  # [S, H]
+    local_ids: torch.Tensor  # [S, k] long, -1 where the slot's expert is on another rank
+    weights: torch.Tensor  # [S, k] float32, 0 where local_ids is -1
+    gather_index: torch.Tensor  # [n, min(k, ep)], see CombinePlan
+
+
+class AllToAllDispatcher(Dispatcher):
+    """`rank` is this process's rank in `group` (None: the default group), whose size must be
+    the placement's expert-parallel size."""
+
+    def __init__(
+        self, placement: ExpertPlacement, rank: int, group: ProcessGroup | None = None
+    ) -> None:
+        super().__init__(placement, rank)
+        self.group = group
+        self._check_group()
+        self._lookups: dict[torch.device, torch.Tensor] = {}  # immutable once built
+
+    def _check_group(self) -> None:
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if (size, rank) != (self.placement.ep_size, self.rank):
+            raise ValueError(
+                f"the dispatcher was given rank {self.rank} of an expert-parallel size of "
+                f"{self.placement.ep_size}, but its process group has this process as rank "
+                f"{rank} of {size}; build the placement and rank from the ep group"
+            )
+
+    def dispatch_a(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        """Blocks on the counts exchange only (ep_size integers): the data transfers need
+        their receive sizes when launched. That exchange is launched first and runs while the
+        send buffers are gathered; the data transfers are launched without waiting. (Waiting
+        for the counts in dispatch_b would leave the whole data transfer to the wait half;
+        launching the data from a completion callback would issue collectives from another
+        thread, out of the order all ranks must share.)"""
+        to = self._destinations(topk_ids)
+        counts = to.sum(dim=1)  # [ep] long, rows per destination rank
+        recv_counts = torch.empty_like(counts)
+        counts_work = self._all_to_all(recv_counts, counts, None, None)
+        out = self._outgoing(hidden, topk_ids, topk_weights.float(), to)
+        counts_work.wait()
+        return self._launch_dispatch(out, counts.tolist(), recv_counts.tolist())
+
+    def dispatch_b(self, handle: DispatchHandle) -> Dispatched:
+        for work in handle.works:
+            work.wait()
+        return handle.result
+
+    def combine_a(self, expert_out: torch.Tensor, dispatched: Dispatched) -> CombineHandle:
+        plan = self._plan_of(expert_out, dispatched)
+        sent = sum(plan.send_counts)
+        returned = expert_out.new_empty((sent + 1, expert_out.shape[1]))  # [S + 1, H]
+        returned[sent].zero_()
+        work = self._all_to_all(
+            returned[:sent], expert_out.contiguous(), plan.send_counts, plan.recv_counts
+        )
+        row_bytes = expert_out.shape[1] * expert_out.element_size()
+        traffic = self._traffic(plan.recv_counts, plan.send_counts, row_bytes)
+        return CombineHandle((work,), returned, plan, dispatched.hidden.dtype, traffic)
+
+    def combine_b(self, handle: CombineHandle) -> torch.Tensor:
+        for work in handle.works:
+            work.wait()
+        assert handle.plan is not None, "combine handles of this dispatcher carry a plan"
+        rows = handle.returned[handle.plan.gather_index]  # [n, slots, H]
+        return rows.sum(dim=1, dtype=torch.float32).to(handle.dtype)
+
+    def _lookup(self, device: torch.device) -> torch.Tensor:
+        if device not in self._lookups:
+            self._lookups[device] = self.placement.lookup(device)
+        return self._lookups[device]
+
+    def _destinations(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[ep, n] bool: which ranks each token goes to."""
+        ep, n = self.placement.ep_size, topk_ids.shape[0]
+        dest = self._lookup(topk_ids.device)[0][topk_ids]  # [n, k]
+        to = torch.zeros((n, ep), dtype=torch.bool, device=topk_ids.device)
+        return to.scatter_(1, dest, True).t()
+
+    def _outgoing(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor, to: torch.Tensor
+    ) -> _Outgoing:
+        rank, token = to.nonzero(as_tuple=True)  # [S] each, by rank then token
+        lookup = self._lookup(topk_ids.device)
+        ids = topk_ids[token]  # [S, k]
+        here = lookup[0][ids] == rank[:, None]
+        local_ids = torch.where(here, lookup[1][ids], -1)
+        local_weights = torch.where(here, weights[token], 0.0)
+        slots = min(topk_ids.shape[1], self.placement.ep_size)
+        index = _gather_index(to, token.numel(), slots)
+        return _Outgoing(hidden[token], local_ids, local_weights, index)
+
+    def _launch_dispatch(self, out: _Outgoing, send: list[int], recv: list[int]) -> DispatchHandle:
+        rows, (hidden_size, k) = sum(recv), (out.hidden.shape[1], out.local_ids.shape[1])
+        result = Dispatched(
+            out.hidden.new_empty((rows, hidden_size)),
+            out.local_ids.new_empty((rows, k)),
+            out.weights.new_empty((rows, k)),
+            CombinePlan(tuple(send), tuple(recv), out.gather_index),
+        )
+        works = tuple(
+            self._all_to_all(mine, theirs, recv, send)
+            for mine, theirs in zip(
+                (result.hidden, result.local_ids, result.weights),
+                (out.hidden, out.local_ids, out.weights),
+                strict=True,
+            )
+        )
+        row_bytes = hidden_size * out.hidden.element_size() + k * (ID_BYTES + WEIGHT_BYTES)
+        return DispatchHandle(works, result, self._traffic(send, recv, row_bytes))
+
+    def _plan_of(self, expert_out: torch.Tensor, dispatched: Dispatched) -> CombinePlan:
+        if dispatched.plan is None:
+            raise ValueError(
+                "combine got a dispatch result without a plan (made by another dispatcher)"
+            )
+        if expert_out.shape[0] != dispatched.hidden.shape[0]:
+            raise ValueError(
+                f"combine got {expert_out.shape[0]} expert output rows for "
+                f"{dispatched.hidden.shape[0]} dispatched rows; give one row per received row"
+            )
+        return dispatched.plan
+
+    def _all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None,
+        input_splits: Sequence[int] | None,
+    ) -> Work:
+        """Launch; None splits: equal parts."""
+        out_splits = None if output_splits is None else list(output_splits)
+        in_splits = None if input_splits is None else list(input_splits)
+        return dist.all_to_all_single(
+            output, input, out_splits, in_splits, group=self.group, async_op=True
+        )
+
+    def _traffic(self, sent: Sequence[int], recv: Sequence[int], row_bytes: int) -> Traffic:
+        rows_out, rows_in = sum(sent) - sent[self.rank], sum(recv) - recv[self.rank]
+        return Traffic(rows_out, rows_in, rows_out * row_bytes, rows_in * row_bytes)
+
+
+def _gather_index(to: torch.Tensor, sent: int, slots: int) -> torch.Tensor:
+    """[n, slots]: per token, the positions of its rows in send order, ascending (so in rank
+    order); a token sent to fewer ranks is padded with S, the zero row after the S rows."""
+    pos = torch.full(to.shape, sent, dtype=torch.long, device=to.device)  # [ep, n]
+    pos[to] = torch.arange(sent, device=to.device)  # row-major: the order of nonzero()
+    return pos.t().sort(dim=1).values[:, :slots].contiguous()

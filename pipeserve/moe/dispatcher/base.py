@@ -1,0 +1,123 @@
+"""The expert-parallel dispatcher interface and the plain data it hands around.
+
+A MoE layer calls `dispatch_a` (launch) ... `dispatch_b` (wait), runs its local experts on
+the rows it got, then `combine_a` (launch) ... `combine_b` (wait). Between a launch and its
+wait the caller may compute something else (the other micro-batch under two-batch overlap,
+the shared experts under single-batch overlap)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeserve.moe.dispatcher.placement import ExpertPlacement
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one launch moves between this rank and the other ranks, from tensor sizes. The
+    slice a rank sends itself is a local copy and is not counted, nor is the counts exchange."""
+
+    rows_sent: int
+    rows_recv: int
+    bytes_sent: int
+    bytes_recv: int
+
+
+NO_TRAFFIC = Traffic(0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class CombinePlan:
+    """How the rows a dispatch moved find their way back; kept by `Dispatched` for combine."""
+
+    send_counts: tuple[int, ...]  # rows this rank sent to each rank (one per token and rank)
+    recv_counts: tuple[int, ...]  # rows this rank received from each rank
+    # [n, slots] long: per token, the rows combine returns for it, in rank order; padded with
+    # sum(send_counts), the index of an all-zero row
+    gather_index: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What this rank must compute. Received rows are grouped by source rank (0, 1, ...) and,
+    within a source, in that source's token order; a token arrives once on every rank that
+    holds at least one of its experts, carrying only that rank's share of its routing."""
+
+    hidden: torch.Tensor  # [R, H], the dtype the tokens were dispatched in
+    local_ids: torch.Tensor  # [R, k] long: this rank's local expert index; -1: expert elsewhere
+    weights: torch.Tensor  # [R, k] float32 routing weights; 0 where local_ids is -1
+    plan: CombinePlan | None  # None when nothing moved (expert-parallel size 1)
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """A launched dispatch; the tensors of `result` are valid once `dispatch_b` returns."""
+
+    works: tuple[Work, ...]
+    result: Dispatched
+    traffic: Traffic
+
+
+@dataclass(frozen=True)
+class CombineHandle:
+    """A launched combine; `combine_b` reduces `returned` once the transfer is complete."""
+
+    works: tuple[Work, ...]
+    # [S + 1, H] with a plan: the expert outputs back from each rank in send order, then a zero
+    # row; without a plan: the combined result itself, [n, H]
+    returned: torch.Tensor
+    plan: CombinePlan | None
+    dtype: torch.dtype  # of the dispatched tokens; combine_b returns this dtype
+    traffic: Traffic
+
+
+class Dispatcher(ABC):
+    """Moves each token to the ranks holding its experts and their outputs back to it.
+
+    Launch halves return a handle without waiting for the data; wait halves complete it. An
+    instance keeps no buffers between calls, so each micro-batch may own one and several
+    launches may be in flight together; every rank must issue the launches of all instances
+    on a group in the same order (a collective's place in that order is its identity)."""
+
+    def __init__(self, placement: ExpertPlacement, rank: int) -> None:
+        self.placement = placement
+        self.rank = rank
+
+    @property
+    def local_experts(self) -> tuple[int, ...]:
+        """Global ids of this rank's experts; local expert index i is `local_experts[i]`."""
+        return self.placement.experts_on(self.rank)
+
+    @abstractmethod
+    def dispatch_a(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        """hidden [n, H], topk_ids [n, k] long global expert ids, topk_weights [n, k]."""
+
+    @abstractmethod
+    def dispatch_b(self, handle: DispatchHandle) -> Dispatched: ...
+
+    @abstractmethod
+    def combine_a(self, expert_out: torch.Tensor, dispatched: Dispatched) -> CombineHandle:
+        """expert_out [R, H]: per received row, its local experts' outputs, already weighted
+        and summed."""
+
+    @abstractmethod
+    def combine_b(self, handle: CombineHandle) -> torch.Tensor:
+        """[n, H] in the dispatched dtype: per original token, in the original order, the sum
+        over every rank of what that rank returned for it."""
+
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Dispatched:
+        return self.dispatch_b(self.dispatch_a(hidden, topk_ids, topk_weights))
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        return self.combine_b(self.combine_a(expert_out, dispatched))
