@@ -76,7 +76,8 @@ class Indexer(nn.Module):
         self.wq_b = ReplicatedLinear(q_lora_rank, heads * dim, False, dtype)
         self.wk = ReplicatedLinear(hidden_size, dim, False, dtype)
         self.k_norm = LayerNorm(dim, K_NORM_EPS, dtype)
-        # kept in float32, as transformers keeps it (_keep_in_fp32_modules)
+        # float32, as transformers' _keep_in_fp32_modules asks (it honours that for float16
+        # loads only; a bfloat16 transformers model computes these head weights in bfloat16)
         self.weights_proj = ReplicatedLinear(hidden_size, heads, False, torch.float32)
 
     def forward(

@@ -90,7 +90,8 @@ class LatentSegment:
         views, short = split_runs(list(self.runs), self.slots.shape[0])
         parts = [cache[start : start + n] for start, n in views]
         if short:
-            parts.append(cache[torch.cat([torch.arange(s, s + n) for s, n in short])])
+            rows = [torch.arange(s, s + n, device=cache.device) for s, n in short]
+            parts.append(cache[torch.cat(rows)])
         return parts
 
 
@@ -402,7 +403,7 @@ def _native_prefill(
     kernel = native_prefill_kernel()
     assert kernel is not None
     k_pool, v_pool = (t.transpose(0, 1).contiguous() for t in (k, v))
-    runs = torch.tensor([[0, k.shape[0]]], dtype=torch.long)
+    runs = torch.tensor([[0, k.shape[0]]], dtype=torch.long)  # the kernel is CPU-only
     return kernel(q.contiguous(), k_pool, v_pool, runs, prefix_len, scale)
 
 
