@@ -11,9 +11,12 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeserve import envs
+
+if TYPE_CHECKING:
+    from pipeserve.moe.dispatcher.placement import ExpertPlacement
 
 log = logging.getLogger(__name__)
 SHM_SLOT_BYTES = 16 << 20  # a tensor larger than this is all-reduced in slices
@@ -29,6 +32,26 @@ class ParallelState:
     tp_group: Any = None  # torch.distributed group of this stage's TP ranks
     tp_ranks: tuple[int, ...] = (0,)  # global ranks of that group
     tp_shm: Any = None  # shared-memory all-reduce of that group (CPU, all on one machine)
+    # Expert parallelism: the routed experts are spread over the ep_size ranks of ep_group
+    # (None: the default group), each running its own tokens through attention. Under EP the
+    # experts are not split by TP, so ep_size > 1 requires tp_size == 1 (TP inside an
+    # attention rank is later work).
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError(
+                f"--ep-size {self.ep_size} with --tp-size {self.tp_size}: under expert "
+                "parallelism the experts are not split by tensor parallelism yet; use "
+                "--tp-size 1 with --ep-size > 1"
+            )
+        if not 0 <= self.ep_rank < self.ep_size:
+            last = self.ep_size - 1
+            raise ValueError(
+                f"ep_rank {self.ep_rank} is outside --ep-size {self.ep_size} (0..{last})"
+            )
 
     @property
     def global_rank(self) -> int:
@@ -84,6 +107,26 @@ def get_pp_rank() -> int:
 
 def get_pp_size() -> int:
     return _state.pp_size
+
+
+def get_ep_rank() -> int:
+    return _state.ep_rank
+
+
+def get_ep_size() -> int:
+    return _state.ep_size
+
+
+def get_ep_group() -> Any:
+    """The expert-parallel process group; None: the default group."""
+    return _state.ep_group
+
+
+def get_expert_placement(num_experts: int) -> ExpertPlacement:
+    """Which ep rank holds each routed expert: a contiguous block per rank."""
+    from pipeserve.moe.dispatcher.placement import ExpertPlacement
+
+    return ExpertPlacement.contiguous(num_experts, _state.ep_size)
 
 
 def is_first_stage() -> bool:

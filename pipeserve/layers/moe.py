@@ -3,12 +3,15 @@
 Qwen3-MoE routes by softmax top-k (`select_experts`). DeepSeek-V3 routes by grouped top-k
 over sigmoid scores (`select_experts_grouped`) and adds shared experts that every token runs
 (`DeepseekV3MoE`). Under TP every rank holds every expert with its intermediate dimension
-split (expert parallelism is a later layout); a block's output is all-reduced once, in its
-forward."""
+split, and a block's output is all-reduced once, in its forward. Under expert parallelism
+(ep size > 1, TP size 1) each rank holds whole experts, its block of the placement, and
+`FusedMoE` sends the tokens to the ranks holding their experts and the outputs back (its
+dispatcher); routers and shared experts are replicated and run on the rank's own tokens."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,11 +20,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeserve.distributed.communication import tp_all_reduce
-from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pipeserve.distributed.parallel_state import (
+    get_ep_group,
+    get_ep_rank,
+    get_expert_placement,
+    get_tp_rank,
+    get_tp_size,
+)
 from pipeserve.layers import batch_invariant
 from pipeserve.layers.activation import silu_and_mul
 from pipeserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
 from pipeserve.model_loader import copy_into
+from pipeserve.moe.dispatcher import LocalDispatcher, make_dispatcher
 
 if TYPE_CHECKING:
     from pipeserve.model_loader import LazyTensor
@@ -110,8 +120,10 @@ def select_experts_grouped(
 
 
 class FusedMoE(nn.Module):
-    """All experts' weights stacked: w13 [experts, 2*inter_local, hidden] (gate; up) and
-    w2 [experts, hidden, inter_local]."""
+    """This rank's routed experts' weights stacked: w13 [local experts, 2*inter_local, hidden]
+    (gate; up) and w2 [local experts, hidden, inter_local]. Local expert i is global expert
+    `experts[i]`: all of them at ep size 1 (under TP with the intermediate dim split), else
+    this ep rank's block of the placement (whole experts)."""
 
     def __init__(
         self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype
@@ -119,28 +131,48 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.inter = divide(intermediate, self.tp_size, "moe_intermediate_size")
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # routed experts of the whole model
+        self._init_placement(num_experts)
+        local = len(self.experts)
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False
+            torch.empty(local, 2 * self.inter, hidden, dtype=dtype), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False
+            torch.empty(local, hidden, self.inter, dtype=dtype), requires_grad=False
         )
         for p in (self.w13, self.w2):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
+    def _init_placement(self, num_experts: int) -> None:
+        """The experts held here and the layer's dispatcher (it keeps no state between calls,
+        so one serves every forward)."""
+        placement, rank = get_expert_placement(num_experts), get_ep_rank()
+        self.experts = placement.experts_on(rank)  # global ids, in local order
+        self._local_index = {e: i for i, e in enumerate(self.experts)}
+        self.dispatcher = make_dispatcher(placement, rank, get_ep_group())
+
     def weight_loader(
         self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
     ) -> None:
-        """shard_id = (expert, part): part 0 gate, 1 up (rows of w13), 2 down (w2)."""
+        """shard_id = (global expert id, part): part 0 gate, 1 up (rows of w13), 2 down (w2)."""
         assert isinstance(shard_id, tuple)
         expert, part = shard_id
+        dst = param.data[self._local(expert)]
         start = self.tp_rank * self.inter
         if part == 2:
-            copy_into(param.data[expert], loaded.narrow(1, start, self.inter))
+            copy_into(dst, loaded.narrow(1, start, self.inter))
         else:
-            rows = param.data[expert].narrow(0, part * self.inter, self.inter)
+            rows = dst.narrow(0, part * self.inter, self.inter)
             copy_into(rows, loaded.narrow(0, start, self.inter))
+
+    def _local(self, expert: int) -> int:
+        if expert not in self._local_index:
+            raise ValueError(
+                f"expert {expert} is not on this expert-parallel rank, which holds experts "
+                f"{self.experts[0]}..{self.experts[-1]}; list only this rank's experts in "
+                "checkpoint_names (expert_checkpoint_names with held_experts)"
+            )
+        return self._local_index[expert]
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
@@ -150,15 +182,27 @@ class FusedMoE(nn.Module):
     def partial(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
-        """x [tokens, hidden]; each token's output is the routing-weighted sum of its experts,
-        over this rank's slice of their intermediate dimension (not yet all-reduced)."""
-        top_k = expert_ids.shape[1]
-        flat = expert_ids.flatten()
+        """x [tokens, hidden], this rank's tokens; expert_ids [tokens, k] global. Each token's
+        output is the routing-weighted sum of its experts: the token goes to the ranks holding
+        them, they run their share (`run_local`), and the shares come back summed. Under TP,
+        over this rank's slice of the intermediate dimension (not yet all-reduced)."""
+        if isinstance(self.dispatcher, LocalDispatcher):  # one rank: no routing of rows
+            return self.run_local(x, weights, expert_ids)
+        got = self.dispatcher.dispatch(x, expert_ids, weights)
+        return self.dispatcher.combine(self.run_local(got.hidden, got.weights, got.local_ids), got)
+
+    def run_local(
+        self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x [rows, hidden]; local_ids [rows, k] index this rank's experts, -1 for a slot whose
+        expert is elsewhere (skipped). Per row, the weighted sum over its local experts."""
+        top_k = local_ids.shape[1]
+        flat = local_ids.flatten() + 1  # bucket 0: experts elsewhere
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=len(self.experts) + 1).tolist()
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
+        start = counts[0]
+        for expert, count in enumerate(counts[1:]):
             if count == 0:
                 continue
             picks = order[start : start + count]
@@ -170,10 +214,19 @@ class FusedMoE(nn.Module):
         return out
 
 
-def expert_checkpoint_names(param_name: str, num_experts: int) -> list[tuple[str, object]] | None:
+def held_experts(num_experts: int) -> tuple[int, ...]:
+    """Global ids of the routed experts this expert-parallel rank holds (all at ep size 1)."""
+    return get_expert_placement(num_experts).experts_on(get_ep_rank())
+
+
+def expert_checkpoint_names(
+    param_name: str, num_experts: int, held: Sequence[int] | None = None
+) -> list[tuple[str, object]] | None:
     """Hugging Face checkpoints store routed experts one by one
     (`<prefix>.experts.<e>.{gate,up,down}_proj.weight`); our `<prefix>.experts.w13` / `.w2`
-    are made of those, with `FusedMoE.weight_loader` shard ids. None for other parameters."""
+    are made of those, with `FusedMoE.weight_loader` shard ids. `held`: the global ids of the
+    experts to list (a model passes `held_experts`, so a rank reads only its own experts'
+    tensors); None: all `num_experts`. None for other parameters."""
     m = re.fullmatch(r"(.*\.experts)\.(w13|w2)", param_name)
     if m is None:
         return None
@@ -181,7 +234,7 @@ def expert_checkpoint_names(param_name: str, num_experts: int) -> list[tuple[str
     parts = [("gate_proj", 0), ("up_proj", 1)] if which == "w13" else [("down_proj", 2)]
     return [
         (f"{prefix}.{e}.{name}.weight", (e, part))
-        for e in range(num_experts)
+        for e in (range(num_experts) if held is None else held)
         for name, part in parts
     ]
 

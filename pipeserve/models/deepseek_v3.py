@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 from pipeserve.layers.mla import MLAttention
-from pipeserve.layers.moe import DeepseekV3MoE, GroupedRouting, expert_checkpoint_names
+from pipeserve.layers.moe import (
+    DeepseekV3MoE,
+    GroupedRouting,
+    expert_checkpoint_names,
+    held_experts,
+)
 from pipeserve.models.arch import ArchConfig, MoERouting
 from pipeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Rope
 from pipeserve.runner.forward_batch import ForwardBatch
@@ -90,7 +95,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         )
 
     def checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:
-        experts = expert_checkpoint_names(param_name, self.arch.num_experts)
+        n = self.arch.num_experts
+        experts = expert_checkpoint_names(param_name, n, held_experts(n))
         return experts if experts is not None else super().checkpoint_names(param_name)
 
 

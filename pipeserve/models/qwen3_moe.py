@@ -5,13 +5,11 @@ output the routing-weighted sum of those experts' SwiGLU MLPs. Layers listed in
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from pipeserve.layers.linear import ReplicatedLinear
-from pipeserve.layers.moe import FusedMoE, select_experts
+from pipeserve.layers.moe import FusedMoE, expert_checkpoint_names, held_experts, select_experts
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.llama import LlamaMLP
 from pipeserve.models.qwen3 import Qwen3ForCausalLM
@@ -38,13 +36,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return LlamaMLP(self.arch.hidden_size, self.arch.intermediate_size, self.dtype)
 
     def checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:
-        m = re.fullmatch(r"(.*\.mlp\.experts)\.(w13|w2)", param_name)
-        if m is None:
-            return super().checkpoint_names(param_name)
-        prefix, which = m.groups()
-        parts = [("gate_proj", 0), ("up_proj", 1)] if which == "w13" else [("down_proj", 2)]
-        return [
-            (f"{prefix}.{e}.{name}.weight", (e, part))
-            for e in range(self.arch.num_experts)
-            for name, part in parts
-        ]
+        n = self.arch.num_experts
+        experts = expert_checkpoint_names(param_name, n, held_experts(n))
+        return experts if experts is not None else super().checkpoint_names(param_name)

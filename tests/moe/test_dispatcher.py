@@ -8,16 +8,12 @@ output from the global routing, with loops of its own, and compares."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from moe_helpers import multi_process, run_ranks
 
 from pipeserve.moe.dispatcher import (
     AllToAllDispatcher,
@@ -29,7 +25,6 @@ from pipeserve.moe.dispatcher import (
 
 HIDDEN, TOP_K, EXPERTS_PER_RANK = 6, 3, 3
 ROW_EXTRA_BYTES = TOP_K * (8 + 4)  # long local ids + float32 weights ride with each row
-DEADLINE_S = 100
 
 
 @dataclass(frozen=True)
@@ -130,15 +125,7 @@ def dispatcher_for(case: Case, world: int, rank: int) -> Dispatcher:
     return make_dispatcher(ExpertPlacement.from_table(case.table, world), rank)
 
 
-def worker(rank: int, world: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from pipeserve.distributed.netif import interface_with_address
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_with_address("127.0.0.1") or "lo")
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
+def rank_results(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     all_cases, results = cases(world), {}
     for name in ["fp32", "bf16", "table", "last_gets_nothing", "one_rank"]:
         results[name] = one_dispatch(dispatcher_for(all_cases[name], world, rank),
@@ -151,24 +138,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
         results["wrong_group"] = ""
     except ValueError as exc:
         results["wrong_group"] = str(exc)
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-def run_group(world: int, out_dir: Path) -> list[dict[str, Any]]:
-    """Spawn `world` gloo ranks; a rank's error is raised here, a hang fails at the deadline."""
-    ctx = mp.start_processes(worker, args=(world, str(out_dir)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{world} dispatcher ranks did not finish in {DEADLINE_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+    return results
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
@@ -176,7 +146,7 @@ def group(request: pytest.FixtureRequest,
           tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
     """(world, per-rank results), one spawn per world size for the whole module."""
     world = request.param
-    return world, run_group(world, tmp_path_factory.mktemp(f"ep{world}"))
+    return world, run_ranks(rank_results, world, tmp_path_factory.mktemp(f"ep{world}"))
 
 
 # --- the expected results, from the global view -------------------------------------------
@@ -212,7 +182,6 @@ def expected_out(case: Case, rank: int) -> torch.Tensor:
 
 
 NAMES = ["fp32", "bf16", "table", "last_gets_nothing", "one_rank", "tbo_a", "tbo_b"]
-multi_process = pytest.mark.timeout(2 * DEADLINE_S)
 
 
 # --- the tests ------------------------------------------------------------------------------
