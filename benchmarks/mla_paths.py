@@ -46,7 +46,7 @@ def measure(layer: MLAttention, prefix: int, chunk: int, repeats: int) -> dict[s
     dtype = torch.bfloat16
     total = prefix + chunk
     cache = torch.randn(total + 1, MLA.kv_lora_rank + MLA.qk_rope_head_dim, dtype=dtype)
-    seg = LatentSegment(0, chunk, torch.arange(1, total + 1), first_slot=1)
+    seg = LatentSegment(0, chunk, torch.arange(1, total + 1), runs=((1, total),))
     x = torch.randn(chunk, HIDDEN, dtype=dtype)
     rope = RotaryEmbedding(MLA.qk_rope_head_dim, 10000.0, None).cos_sin(
         torch.arange(prefix, total), dtype

@@ -59,8 +59,9 @@ class LatentSegment:
     q_start: int  # row of its first token in the batch
     q_len: int  # its new tokens (a prompt chunk, or 1 for a decode step)
     slots: torch.Tensor  # [prefix_len + q_len] long: the cache slot of each position, in order
-    first_slot: int | None = None  # set when those slots are one run: `read` takes a view
-    runs: tuple[tuple[int, int], ...] = ()  # (first slot, length) runs of those slots, in order
+    # (first slot, length) runs of those slots, in order, where known: one run is read as a
+    # view, several as views of their long runs (`parts`); unknown: gathered by `slots`
+    runs: tuple[tuple[int, int], ...] = ()
 
     @property
     def prefix_len(self) -> int:
@@ -77,15 +78,16 @@ class LatentSegment:
     def read(self, cache: torch.Tensor) -> torch.Tensor:
         """The rows of all its positions, [prefix_len + q_len, width]: a view when they are
         one run of slots, else a gathered copy."""
-        if self.first_slot is not None:
-            return cache[self.first_slot : self.first_slot + self.slots.shape[0]]
+        if len(self.runs) == 1:
+            start = self.runs[0][0]
+            return cache[start : start + self.slots.shape[0]]
         return cache[self.slots]
 
     def parts(self, cache: torch.Tensor) -> list[torch.Tensor]:
         """The same rows as `read`, in parts whose order is not kept: each long run of slots
         as a view, the short rest gathered into one tensor (what a query seeing every position,
         a decode step, can attend to part by part)."""
-        if self.first_slot is not None or not self.runs:
+        if len(self.runs) <= 1:
             return [self.read(cache)]
         views, short = split_runs(list(self.runs), self.slots.shape[0])
         parts = [cache[start : start + n] for start, n in views]

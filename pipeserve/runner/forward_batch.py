@@ -96,12 +96,11 @@ def latent_segment(
     """The segment of a request whose positions [0, prefix_len + q_len) lie in `runs`."""
     length = prefix_len + q_len
     used = runs_prefix(runs, length)
-    if len(used) == 1:  # one run: read in place
-        start = used[0][0]
-        slots = torch.arange(start, start + length, device=device)
-        return LatentSegment(q_start, q_len, slots, first_slot=start)
-    slots, _ = gather_index([used], device)
-    return LatentSegment(q_start, q_len, slots[0], runs=tuple(used))
+    if len(used) == 1:
+        slots = torch.arange(used[0][0], used[0][0] + length, device=device)
+    else:
+        slots = gather_index([used], device)[0][0]
+    return LatentSegment(q_start, q_len, slots, runs=tuple(used))
 
 
 def _tail_slots(runs: list[Run], n: int) -> list[int]:
