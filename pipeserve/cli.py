@@ -135,27 +135,28 @@ def dynamic_list(text: str) -> list[tuple[int, float]]:
 def cmd_bench(args: argparse.Namespace) -> None:
     from pipeserve.bench.offline import Layout, run_bench
 
-    pp_sizes, tp_sizes = args.pp_size or [1], args.tp_size or [1]
+    pp_sizes, tp_sizes, ep_sizes = args.pp_size or [1], args.tp_size or [1], args.ep_size or [1]
     pairs = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
+    sizes = [(pp, tp, ep) for pp, tp in pairs for ep in ep_sizes]
     threads = args.threads_per_worker or [None]
     loops = ["plain", "overlap"] if args.compare_loops else [None]
-    runs = len(pairs) * len(threads) * len(loops) * args.repeat
+    runs = len(sizes) * len(threads) * len(loops) * args.repeat
     runs *= 2 if args.compare_worker_process else 1
     if (args.nnodes or 1) > 1 and runs > 1:  # node 1 would start workers for the first only
         sys.exit(
             f"--nnodes {args.nnodes} runs one layout per command, once, but these flags ask for "
             f"{runs} runs: run bench once per layout (benchmarks/netlab.sh --layouts does)"
         )
-    args.pp_size, args.tp_size = pairs[0]
+    args.pp_size, args.tp_size, args.ep_size = sizes[0]
     args.threads_per_worker = threads[0]
     run_as_worker_node(args)
     layouts = [
-        Layout(pp, tp, spawn, t if len(threads) > 1 else None, loop if pp == 1 else None)
-        for pp, tp in pairs
+        Layout(pp, tp, ep, spawn, t if len(threads) > 1 else None, loop if pp == 1 else None)
+        for pp, tp, ep in sizes
         for t in threads
         for spawn in (False, True)
         for loop in loops
-        if (not spawn or (args.compare_worker_process and pp * tp == 1))
+        if (not spawn or (args.compare_worker_process and pp * tp * ep == 1))
         and (loop is None or pp == 1 or loop == loops[0])
     ]
     run_bench(
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--layouts",
         type=layout_list,
         help="layouts to compare as PPxTP pairs, e.g. 1x1,2x1,1x2 (instead of the product of "
-        "--pp-size and --tp-size)",
+        "--pp-size and --tp-size; each pair runs with every --ep-size)",
     )
     bench.add_argument(
         "--compare-loops",
@@ -269,8 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run each one-device layout also in a worker process (the per-worker overhead)",
     )
     add_engine_flags(bench)
-    for action in bench._actions:  # to compare: --pp-size 1,2 --tp-size 1,2 --threads... 1,2
-        if action.dest in ("pp_size", "tp_size", "threads_per_worker"):
+    for action in bench._actions:  # to compare: --pp-size 1,2 --ep-size 1,2 --threads... 1,2
+        if action.dest in ("pp_size", "tp_size", "ep_size", "threads_per_worker"):
             action.type = int_list
     bench.set_defaults(func=cmd_bench)
 

@@ -128,6 +128,12 @@ class SchedulerConfig:
 class ParallelConfig:
     tp_size: int = _flag(1, "tensor parallel size")
     pp_size: int = _flag(1, "pipeline parallel size")
+    ep_size: int = _flag(
+        1,
+        "expert parallel size: each pipeline stage has this many ranks, each with the full "
+        "attention, its own KV cache and requests (data-parallel attention), the routed "
+        "experts split over them (needs --tp-size 1)",
+    )
     pp_layer_partition: str | None = _flag(
         None, "layers per stage, e.g. '15,15,15,16' or 'auto' (env PIPESERVE_PP_LAYER_PARTITION)"
     )
@@ -165,7 +171,12 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.stage_width * self.pp_size
+
+    @property
+    def stage_width(self) -> int:
+        """Ranks per pipeline stage: its TP ranks, or under EP its attention ranks."""
+        return self.tp_size * self.ep_size
 
     @property
     def uses_workers(self) -> bool:
@@ -282,7 +293,16 @@ def validate(config: EngineConfig) -> None:
             f"{', '.join(DYNAMIC_CHUNKING_MODELS)}",
         ),
         *_dynamic_chunking_checks(s),
-        (p.tp_size > 0 and p.pp_size > 0, "--tp-size and --pp-size must be positive"),
+        (
+            p.tp_size > 0 and p.pp_size > 0 and p.ep_size > 0,
+            "--tp-size, --pp-size and --ep-size must be positive",
+        ),
+        (
+            p.ep_size == 1 or p.tp_size == 1,
+            f"--ep-size {p.ep_size} with --tp-size {p.tp_size}: under expert parallelism each "
+            "attention rank runs whole (TP inside an attention rank is not built yet); use "
+            "--tp-size 1",
+        ),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
         (
             p.nnodes > 0 and 0 <= p.node_rank < p.nnodes,
@@ -299,7 +319,8 @@ def validate(config: EngineConfig) -> None:
         (config.server.max_request_bytes > 0, "--max-request-bytes must be positive"),
         (
             p.world_size % p.nnodes == 0,
-            f"--tp-size * --pp-size = {p.world_size} must be divisible by --nnodes {p.nnodes}",
+            f"--tp-size * --pp-size * --ep-size = {p.world_size} must be divisible by "
+            f"--nnodes {p.nnodes}",
         ),
     ]
     for ok, message in checks:

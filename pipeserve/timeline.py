@@ -1,14 +1,17 @@
 """Per-stage timelines: when each stage ran which micro-batch, and when it waited.
 
 Workers record events as they go; `pipeserve bench --trace` writes them as a Chrome/Perfetto
-trace and `--timeline` draws the Gantt chart users read to find bubbles.
+trace and `--timeline` draws the Gantt chart users read to find bubbles. Communication spans
+inside a forward (MoE dispatch and combine halves per layer, TP all-reduces) go to a log of
+their own, which the model runner's recorder drains; the bench turns them into bytes per
+forward and exposed (waited) seconds per kind.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -21,11 +24,17 @@ from pipeserve.scheduler.batch import ScheduledBatch
 # server that never asks for them must not grow: 20K events (~1 KB each with a batch's
 # request ids) bound it to ~20 MB per process, and cover 10K micro-batches of a benchmark.
 MAX_EVENTS = 20_000
+# Communication spans come several per layer per forward, so they have a ring of their own and
+# never push forward events out of a recorder's: 100K spans (~200 bytes each) bound it to
+# ~20 MB per process, ~400 forwards of a 61-layer MoE model under EP.
+MAX_COMM_SPANS = 100_000
 
 
 @dataclass
 class Event:
-    kind: str  # "forward", "recv_wait", "send" (posted), "send_wait"
+    # "forward", "recv_wait", "send" (posted), "send_wait"; communication spans (record_comm):
+    # "dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait", "tp_all_reduce"
+    kind: str
     stage: int
     tp_rank: int
     start: float  # seconds, wall clock (comparable across local processes)
@@ -35,12 +44,37 @@ class Event:
     chunks: list[int] = field(default_factory=list)  # chunk index per request (-1: decode)
     tokens: list[int] = field(default_factory=list)
     prefix: list[int] = field(default_factory=list)
-    nbytes: int = 0  # "send": bytes this rank put on the link to the next stage
+    # bytes this rank sent: "send" to the next stage; "tp_all_reduce" the ring algorithm's
+    # share (see communication.tp_all_reduce); "dispatch_launch"/"combine_launch" to other ranks
+    nbytes: int = 0
+    nbytes_recv: int = 0  # "dispatch_launch"/"combine_launch": bytes from other ranks
+    layer: int = -1  # communication spans of a MoE layer: its layer id
+
+
+# (kind, start, end, layer, nbytes, nbytes_recv) per span, in the order they ended
+CommSpan = tuple[str, float, float, int, int, int]
+_comm_log: deque[CommSpan] = deque(maxlen=MAX_COMM_SPANS)
+
+
+def record_comm(
+    kind: str, start: float, layer: int = -1, nbytes: int = 0, nbytes_recv: int = 0
+) -> None:
+    """Log a communication span of this process from `start` (a `now()`) until now. Called
+    per layer per forward, so it builds one tuple and appends it (thread-safe, no lock)."""
+    _comm_log.append((kind, start, now(), layer, nbytes, nbytes_recv))
+
+
+def drain_comm() -> list[CommSpan]:
+    """Take every logged span out of this process's log, oldest first."""
+    return [_comm_log.popleft() for _ in range(len(_comm_log))]
 
 
 class Recorder:
-    def __init__(self, stage: int = 0, tp_rank: int = 0) -> None:
-        self.stage, self.tp_rank = stage, tp_rank
+    """A process's events. With `comm` (the model runner's recorder), `take` also drains the
+    process's communication log, stamped with this recorder's stage and rank."""
+
+    def __init__(self, stage: int = 0, tp_rank: int = 0, comm: bool = False) -> None:
+        self.stage, self.tp_rank, self.comm = stage, tp_rank, comm
         self.events: deque[Event] = deque(maxlen=MAX_EVENTS)
 
     def add(
@@ -72,7 +106,15 @@ class Recorder:
     def take(self) -> list[Event]:
         out = list(self.events)
         self.events.clear()
+        if self.comm:
+            out += [self._comm_event(span) for span in drain_comm()]
         return out
+
+    def _comm_event(self, span: CommSpan) -> Event:
+        kind, start, end, layer, sent, recv = span
+        ev = Event(kind, self.stage, self.tp_rank, start, end, nbytes=sent, layer=layer)
+        ev.nbytes_recv = recv
+        return ev
 
 
 def now() -> float:
@@ -147,6 +189,79 @@ def boundary_bytes(events: list[Event]) -> list[dict[str, float]]:
     return out
 
 
+# Per communication kind the bench reports: the event whose `nbytes` (bytes the rank sent)
+# counts its traffic, and the spans in which a rank waited for it. The launch of a dispatch
+# blocks on its counts exchange, so it counts as waited; a combine launch does not wait. A
+# stage's recv_wait also holds its bubbles (the previous stage has not finished the
+# micro-batch), so pp_boundary's seconds are an upper bound; the first stage's recv_wait
+# (waiting for the scheduler) is left out. Spans are host wall-clock: with gloo they are the
+# waiting itself; on a GPU a wait only orders streams (and the dispatch launch's count read
+# waits for the kernels before it), so there they place the waiting only roughly.
+COMM_BYTES = {
+    "tp_all_reduce": "tp_all_reduce",
+    "pp_boundary": "send",
+    "ep_dispatch": "dispatch_launch",
+    "ep_combine": "combine_launch",
+}
+COMM_WAITS = {
+    "tp_all_reduce": ("tp_all_reduce",),
+    "pp_boundary": ("recv_wait", "send_wait"),
+    "ep_dispatch": ("dispatch_launch", "dispatch_wait"),
+    "ep_combine": ("combine_wait",),
+}
+
+Rank = tuple[int, int]  # (stage, rank within the stage)
+
+
+def _forwards(events: list[Event]) -> Counter[Rank]:
+    """Forwards per rank; the ranks are the ones that ran a forward."""
+    return Counter((e.stage, e.tp_rank) for e in events if e.kind == "forward")
+
+
+def comm_bytes_per_forward(events: list[Event]) -> dict[str, float]:
+    """Per kind (COMM_BYTES): the bytes a rank sent per forward it ran, the largest over
+    ranks (the rank whose links carry the most)."""
+    forwards = _forwards(events)
+    out = {}
+    for kind, source in COMM_BYTES.items():
+        sent: Counter[Rank] = Counter()
+        for e in events:
+            if e.kind == source:
+                sent[e.stage, e.tp_rank] += e.nbytes
+        out[kind] = max((sent[r] / n for r, n in forwards.items()), default=0.0)
+    return out
+
+
+def exposed_comm_s(events: list[Event]) -> dict[str, float]:
+    """Per kind (COMM_WAITS): seconds a rank spent waiting for that communication over the
+    whole run, the mean over ranks."""
+    ranks = _forwards(events)
+    waited = [e for e in events if (e.stage, e.tp_rank) in ranks and _waits_for_peer(e)]
+    return {
+        kind: sum(e.end - e.start for e in waited if e.kind in kinds) / max(1, len(ranks))
+        for kind, kinds in COMM_WAITS.items()
+    }
+
+
+def _waits_for_peer(e: Event) -> bool:
+    """The first stage's recv_wait waits for the scheduler, not for another rank."""
+    return not (e.kind == "recv_wait" and e.stage == 0)
+
+
+def forward_s_per_rank(events: list[Event]) -> float:
+    """Seconds a rank spent in forwards over the run, the mean over ranks."""
+    forwards = _forwards(events)
+    total = sum(e.end - e.start for e in events if e.kind == "forward")
+    return total / len(forwards) if forwards else 0.0
+
+
+def exposed_comm_share(events: list[Event]) -> dict[str, float]:
+    """Per kind: `exposed_comm_s` over `forward_s_per_rank` (dispatch, combine and all-reduce
+    waits happen inside forwards, a pipeline stage's waits between them)."""
+    forward_s = forward_s_per_rank(events)
+    return {k: s / forward_s if forward_s else 0.0 for k, s in exposed_comm_s(events).items()}
+
+
 CPU_KINDS = ("schedule", "prepare", "process")
 
 
@@ -182,7 +297,7 @@ def write_trace(events: list[Event], path: str | Path) -> None:
     t0 = min((e.start for e in events), default=0.0)
     trace = [
         {
-            "name": e.kind if e.kind != "forward" else _label(e),
+            "name": _name(e),
             "cat": e.kind,
             "ph": "X",
             "pid": e.stage,
@@ -198,6 +313,12 @@ def write_trace(events: list[Event], path: str | Path) -> None:
         for s, name in sorted({(e.stage, _row_name(e)) for e in events})
     ]
     Path(path).write_text(json.dumps({"traceEvents": meta + trace}))
+
+
+def _name(e: Event) -> str:
+    if e.kind == "forward":
+        return _label(e)
+    return e.kind if e.layer < 0 else f"{e.kind} L{e.layer}"
 
 
 def _row_name(e: Event) -> str:

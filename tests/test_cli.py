@@ -149,3 +149,14 @@ def test_bench_layout_options(monkeypatch) -> None:
     assert got[0][1]["disable_overlap_schedule"] and got[1][1]["enable_overlap_schedule"]
     with pytest.raises(SystemExit):
         main(["bench", "--layouts", "2y1"])
+
+
+def test_bench_ep_sizes_multiply_the_layouts(monkeypatch) -> None:
+    got = bench_layouts(monkeypatch, ["--pp-size", "1,2", "--ep-size", "1,2"])
+    assert [(n, f["pp_size"], f["tp_size"], f["ep_size"]) for n, f, _ in got] == [
+        ("PP1 TP1", 1, 1, 1), ("PP1 TP1 EP2", 1, 1, 2), ("PP2 TP1", 2, 1, 1),
+        ("PP2 TP1 EP2", 2, 1, 2)]
+    got = bench_layouts(monkeypatch, ["--layouts", "1x1,2x1", "--ep-size", "2"])
+    assert [n for n, _, _ in got] == ["PP1 TP1 EP2", "PP2 TP1 EP2"]
+    with pytest.raises(SystemExit):
+        main(["bench", "--ep-size", "1,two"])

@@ -1,11 +1,25 @@
 """The per-process event ring: a server that records every micro-batch and never asks for
 its timeline must not grow without bound (a 10-minute soak grew each worker ~6 MB/min with
-a 200K-event ring)."""
+a 200K-event ring). The communication log beside it, and the bench's numbers from both:
+bytes per forward and waited seconds per kind of communication, on made-up events."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from pipeserve import timeline
-from pipeserve.timeline import Recorder
+from pipeserve.timeline import (
+    Event,
+    Recorder,
+    comm_bytes_per_forward,
+    drain_comm,
+    exposed_comm_s,
+    exposed_comm_share,
+    record_comm,
+    write_trace,
+)
 
 
 def test_the_recorder_keeps_only_the_latest_events() -> None:
@@ -16,3 +30,99 @@ def test_the_recorder_keeps_only_the_latest_events() -> None:
     assert len(events) == timeline.MAX_EVENTS
     assert events[0].start == 500.0 and events[-1].start == timeline.MAX_EVENTS + 499
     assert timeline.MAX_EVENTS * 1500 <= 32 * 2**20  # ~1.4 KB per event of a 32-request batch
+
+
+def test_comm_spans_keep_their_own_ring_and_never_evict_forwards() -> None:
+    drain_comm()
+    rec = Recorder(stage=2, tp_rank=1, comm=True)
+    for i in range(timeline.MAX_EVENTS):
+        rec.add("forward", float(i), float(i) + 0.5)
+    for i in range(timeline.MAX_COMM_SPANS + 300):
+        record_comm("dispatch_wait", float(i), layer=i % 7)
+    record_comm("dispatch_launch", 0.0, layer=3, nbytes=1000, nbytes_recv=600)
+    events = rec.take()
+    forwards = [e for e in events if e.kind == "forward"]
+    comm = [e for e in events if e.kind != "forward"]
+    assert len(forwards) == timeline.MAX_EVENTS and forwards[0].start == 0.0
+    assert len(comm) == timeline.MAX_COMM_SPANS  # the oldest 301 spans dropped
+    assert comm[0].start == 301.0 and comm[0].layer == 301 % 7
+    assert {(e.stage, e.tp_rank) for e in comm} == {(2, 1)}
+    last = comm[-1]
+    assert (last.kind, last.layer, last.nbytes, last.nbytes_recv) == (
+        "dispatch_launch",
+        3,
+        1000,
+        600,
+    )
+    assert rec.take() == []
+
+
+def test_only_a_comm_recorder_drains_the_log() -> None:
+    drain_comm()
+    record_comm("tp_all_reduce", 1.0, nbytes=64)
+    assert Recorder(stage=-1).take() == []
+    assert [e.nbytes for e in Recorder(comm=True).take()] == [64]
+
+
+def ev(kind: str, stage: int, rank: int, seconds: float = 0.0, nbytes: int = 0) -> Event:
+    return Event(kind, stage, rank, 10.0, 10.0 + seconds, nbytes=nbytes)
+
+
+def test_bytes_per_forward_take_the_busiest_rank_per_kind() -> None:
+    events = (
+        [ev("forward", 0, 0)] * 2
+        + [ev("forward", 0, 1)] * 2
+        + [ev("forward", 1, 0)] * 4
+        + [ev("schedule", -1, 0), ev("tp_all_reduce", 5, 0, nbytes=10**6)]  # no forwards
+        + [ev("tp_all_reduce", 0, 0, nbytes=100)] * 4
+        + [ev("tp_all_reduce", 0, 1, nbytes=300)]
+        + [ev("tp_all_reduce", 1, 0, nbytes=400)] * 2
+        + [ev("send", 0, 0, nbytes=1000)] * 2
+        + [ev("send", 0, 1, nbytes=n) for n in (1000, 1200)]
+        + [ev("dispatch_launch", 0, 0, nbytes=n) for n in (30, 50)]
+        + [ev("dispatch_launch", 0, 1, nbytes=100), ev("dispatch_wait", 0, 1, nbytes=999)]
+        + [ev("combine_launch", 0, 0, nbytes=10), ev("combine_wait", 0, 0, nbytes=999)]
+    )
+    assert comm_bytes_per_forward(events) == {
+        "tp_all_reduce": 200.0,
+        "pp_boundary": 1100.0,
+        "ep_dispatch": 50.0,
+        "ep_combine": 5.0,
+    }
+    assert comm_bytes_per_forward([]) == dict.fromkeys(timeline.COMM_BYTES, 0.0)
+
+
+def test_exposed_time_counts_waits_and_the_blocking_launch() -> None:
+    """Two ranks with 2 s of forwards each. The first stage's recv_wait (waiting for the
+    scheduler) and a combine launch (which does not wait) are not exposed communication."""
+    events = (
+        [ev("forward", 0, 0, 1.0)] * 2
+        + [ev("forward", 1, 0, 1.0)] * 2
+        + [
+            ev("recv_wait", 0, 0, 0.5),
+            ev("send_wait", 0, 0, 0.2),
+            ev("tp_all_reduce", 0, 0, 0.1),
+            ev("tp_all_reduce", 0, 0, 0.1),
+            ev("dispatch_launch", 0, 0, 0.05),
+            ev("dispatch_wait", 0, 0, 0.15),
+            ev("combine_launch", 0, 0, 0.3),
+            ev("combine_wait", 0, 0, 0.1),
+            ev("recv_wait", 1, 0, 0.4),
+            ev("tp_all_reduce", 1, 0, 0.2),
+            ev("dispatch_wait", 1, 0, 0.1),
+            ev("combine_wait", 1, 0, 0.3),
+            ev("recv_wait", -1, 0, 9.0),  # not a rank that ran forwards
+        ]
+    )
+    want = {"tp_all_reduce": 0.2, "pp_boundary": 0.3, "ep_dispatch": 0.15, "ep_combine": 0.2}
+    assert exposed_comm_s(events) == pytest.approx(want)
+    assert exposed_comm_share(events) == pytest.approx({k: v / 2.0 for k, v in want.items()})
+    assert exposed_comm_share([]) == dict.fromkeys(timeline.COMM_WAITS, 0.0)
+
+
+def test_trace_names_and_args_carry_the_layer(tmp_path) -> None:
+    span = Event("combine_wait", 0, 1, 1.0, 1.5, layer=12)
+    write_trace([span, Event("forward", 0, 1, 0.5, 2.0)], tmp_path / "t.json")
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    wait = next(t for t in trace if t.get("cat") == "combine_wait")
+    assert wait["name"] == "combine_wait L12" and wait["args"]["layer"] == 12

@@ -1,7 +1,8 @@
 """`pipeserve bench`: prefill/decode timing on identical random prompts, the achieved prefill
-FLOP/s against this machine's matmul peak, per-stage bubble ratios from the timeline, and
-ratios taken in the same run: between parallel layouts (`--pp-size 1,2`) and against
-Hugging Face transformers (`--baseline hf`)."""
+FLOP/s against this machine's matmul peak, per-stage bubble ratios and communication (bytes
+per forward, seconds waited) from the timeline, and ratios taken in the same run: between
+parallel layouts (`--pp-size 1,2 --ep-size 1,2`) and against Hugging Face transformers
+(`--baseline hf`)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.timeline import (
+    COMM_BYTES,
     Event,
     boundary_bytes,
     bubble_ratios,
+    comm_bytes_per_forward,
     draw_timeline,
+    exposed_comm_s,
+    exposed_comm_share,
     forward_events,
     hidden_cpu_time,
     stage_overlap,
@@ -104,6 +109,7 @@ class Layout:
 
     pp: int
     tp: int
+    ep: int = 1
     spawn_workers: bool = False  # one device in a worker process instead of in-process
     threads: int | None = None  # torch threads per worker (None: the flags' or the default)
     loop: str | None = None  # "overlap" | "plain" forced (None: the device's default)
@@ -113,7 +119,8 @@ class Layout:
         worker = " worker" if self.spawn_workers else ""
         threads = f" {self.threads}thr" if self.threads else ""
         loop = f" {self.loop}" if self.loop else ""
-        return f"PP{self.pp} TP{self.tp}{worker}{threads}{loop}"
+        ep = f" EP{self.ep}" if self.ep > 1 else ""
+        return f"PP{self.pp} TP{self.tp}{ep}{worker}{threads}{loop}"
 
     def flags(self, base: dict[str, Any]) -> dict[str, Any]:
         extra: dict[str, Any] = {"spawn_workers": True} if self.spawn_workers else {}
@@ -121,7 +128,12 @@ class Layout:
             extra["threads_per_worker"] = self.threads
         if self.loop:
             extra[f"{'enable' if self.loop == 'overlap' else 'disable'}_overlap_schedule"] = True
-        return {**base, "pp_size": self.pp, "tp_size": self.tp, **extra}
+        sizes = {"pp_size": self.pp, "tp_size": self.tp, "ep_size": self.ep}
+        return {**base, **sizes, **extra}
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.tp * self.ep
 
 
 def run_bench(
@@ -140,6 +152,8 @@ def run_bench(
     """Run every layout on the same prompts, `repeat` rounds interleaved (layout A, B, A, B:
     a machine whose speed drifts affects all alike); each layout reports its median run."""
     config = EngineConfig.from_flags(**flags)
+    for layout in layouts:  # a layout the engine refuses fails before any runs
+        EngineConfig.from_flags(**layout.flags(flags))
     samples: dict[Layout, list[dict[str, Any]]] = {lay: [] for lay in layouts}
     for _ in range(repeat):
         for layout in layouts:
@@ -160,6 +174,9 @@ def run_bench(
         row["boundary_bytes"] = boundary_bytes(events)
         row["stage_overlap"] = stage_overlap(events)
         row["forward_s_mean"] = _mean_forward(events)
+        row["comm_bytes_per_forward"] = comm_bytes_per_forward(events)
+        row["exposed_comm_s"] = exposed_comm_s(events)
+        row["exposed_comm_share_of_forward"] = exposed_comm_share(events)
         runs.append(row)
     report["repeat"] = repeat
     report.update({k: v for k, v in runs[0].items() if k not in ("output_ids", "events")})
@@ -219,15 +236,15 @@ def _layout_row(
     peak: float,
     earlier: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    pp, tp = layout.pp, layout.tp
-    devices = pp * tp
+    devices = layout.devices
     base = earlier[0] if earlier else None
     speedup = base["prefill_s"] / stats["prefill_s"] if base else 1.0
-    base_devices = base["pp_size"] * base["tp_size"] if base else devices
+    base_devices = base["pp_size"] * base["tp_size"] * base["ep_size"] if base else devices
     return {
         "layout": layout.name,
-        "pp_size": pp,
-        "tp_size": tp,
+        "pp_size": layout.pp,
+        "tp_size": layout.tp,
+        "ep_size": layout.ep,
         "spawn_workers": layout.spawn_workers,
         **stats,
         "prefill_flops": flops,
@@ -302,6 +319,18 @@ def describe_chunking(info: dict[str, Any]) -> str:
     )
 
 
+def describe_comm(row: dict[str, Any]) -> str:
+    """One line: per kind, KiB a rank sends per forward (the busiest rank) / seconds a rank
+    waited for it over the run (the mean rank), and their share of its forward time."""
+    sent, waited = row["comm_bytes_per_forward"], row["exposed_comm_s"]
+    share = row["exposed_comm_share_of_forward"]
+    parts = [
+        f"{kind} {sent[kind] / 2**10:.1f}/{waited[kind]:.3f} ({share[kind]:.0%})"
+        for kind in COMM_BYTES
+    ]
+    return "comm KiB per forward / s waited (share of forward): " + ", ".join(parts)
+
+
 def print_report(r: dict[str, Any]) -> None:
     print(
         f"model {r['model']}  dtype {r['dtype']}  {r['threads_per_worker']} thread(s)/worker  "
@@ -329,6 +358,8 @@ def print_report(r: dict[str, Any]) -> None:
         if row["boundary_bytes"]:
             per = ", ".join(f"{b['per_micro_batch'] / 2**20:.2f}" for b in row["boundary_bytes"])
             print(f"{row['layout']}: MiB per micro-batch per stage boundary: {per}")
+    for row in r["layouts"]:
+        print(f"{row['layout']}: {describe_comm(row)}")
     if len(r["layouts"]) > 1:
         print(f"same tokens across layouts: {r['same_tokens_across_layouts']}")
     base = r.get("baseline")

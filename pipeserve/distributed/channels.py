@@ -1,6 +1,7 @@
 """Control-plane channels between the scheduler and the worker processes (ZMQ).
 
-- batches: scheduler PUSH -> each first-stage TP rank (PULL), one socket per rank;
+- batches: scheduler PUSH -> each first-stage rank (PULL), one socket per rank: the same
+  batch to every TP rank, its own batch to every attention rank under expert parallelism;
 - status: every worker PUSH -> scheduler PULL: ready, results, heartbeats, errors;
 - control: scheduler PUB -> every worker SUB: keepalives. A worker that hears none for
   ORPHAN_TIMEOUT_S exits, so no worker outlives its scheduler, on any node (before the first
@@ -53,29 +54,30 @@ MAX_IPC_PATH = 100  # sun_path holds 107 bytes on Linux
 class Endpoints:
     """Where workers find the scheduler's sockets (handed to spawned workers as is)."""
 
-    batch: tuple[str, ...]  # one URL per first-stage TP rank
+    batch: tuple[str, ...]  # one URL per first-stage rank
     status: str
     control: str
     directory: str | None = None  # single node: the scheduler's private directory
     auth_key: str | None = field(default=None, repr=False)  # across nodes: CURVE on
 
     @classmethod
-    def ipc(cls, directory: str, tp_size: int) -> Endpoints:
+    def ipc(cls, directory: str, width: int) -> Endpoints:
         def url(name: str) -> str:
             return f"ipc://{os.path.join(directory, name)}"
 
-        batch = tuple(url(f"batch-{i}") for i in range(tp_size))
+        batch = tuple(url(f"batch-{i}") for i in range(width))
         return cls(batch, url("status"), url("control"), directory)
 
     @classmethod
-    def tcp(cls, host: str, base_port: int, tp_size: int, auth_key: str | None = None) -> Endpoints:
-        """Ports base_port .. + tp_size - 1 take batches, the next two status and control."""
+    def tcp(cls, host: str, base_port: int, width: int, auth_key: str | None = None) -> Endpoints:
+        """Ports base_port .. + width - 1 take batches (one per first-stage rank), the next two
+        status and control."""
 
         def url(port: int) -> str:
             return f"tcp://{host}:{port}"
 
-        batch = tuple(url(base_port + i) for i in range(tp_size))
-        status, control = url(base_port + tp_size), url(base_port + tp_size + 1)
+        batch = tuple(url(base_port + i) for i in range(width))
+        status, control = url(base_port + width), url(base_port + width + 1)
         return cls(batch, status, control, auth_key=auth_key)
 
 
@@ -158,16 +160,16 @@ class SchedulerChannels:
     `base_port` is None (one node), else tcp:// on `host` from `base_port` on."""
 
     def __init__(
-        self, host: str, tp_size: int, base_port: int | None = None, auth_key: str | None = None
+        self, host: str, width: int, base_port: int | None = None, auth_key: str | None = None
     ) -> None:
         self.ctx = zmq.Context()
         self._directory: str | None = None
         self._keys: CurveKeys | None = None
         if base_port is None:
             self._directory = private_directory()
-            self.endpoints = Endpoints.ipc(self._directory, tp_size)
+            self.endpoints = Endpoints.ipc(self._directory, width)
         else:
-            self.endpoints = Endpoints.tcp(host, base_port, tp_size, auth_key)
+            self.endpoints = Endpoints.tcp(host, base_port, width, auth_key)
             self._keys = CurveKeys.derive(auth_key) if auth_key else None
         self._auth = self._start_authenticator()
         self._init_sockets()
@@ -204,9 +206,16 @@ class SchedulerChannels:
     def send_batch(self, obj: Any, block: bool = True) -> bool:
         """Send a ScheduledBatch, "shutdown", "timeline" or ("profile", points, runs) to every
         first-stage rank. False if one did not take it (within SEND_TIMEOUT_MS if blocking)."""
-        data = wire.encode_batch_command(obj)
+        return self.send_each([obj] * len(self._batch), block)
+
+    def send_each(self, objs: list[Any], block: bool = True) -> bool:
+        """Send objs[i] to first-stage rank i (each as `send_batch` takes them)."""
+        encoded: dict[int, bytes] = {}  # one encoding per distinct object
         try:
-            for s in self._batch:
+            for s, obj in zip(self._batch, objs, strict=True):
+                if id(obj) not in encoded:
+                    encoded[id(obj)] = wire.encode_batch_command(obj)
+                data = encoded[id(obj)]
                 s.send(data, copy=False, flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
             return False

@@ -57,10 +57,10 @@ def rendezvous(config: EngineConfig) -> Rendezvous:
     return Rendezvous(host, int(port), int(port) + 1, p.auth_key)
 
 
-def endpoints_for(rdzv: Rendezvous, tp_size: int) -> Endpoints:
+def endpoints_for(rdzv: Rendezvous, width: int) -> Endpoints:
     """The scheduler's fixed ports on node 0 (multi-node: every node computes the same)."""
     assert rdzv.zmq_base_port is not None
-    return Endpoints.tcp(rdzv.host, rdzv.zmq_base_port, tp_size, rdzv.auth_key)
+    return Endpoints.tcp(rdzv.host, rdzv.zmq_base_port, width, rdzv.auth_key)
 
 
 def init_method(rdzv: Rendezvous, endpoints: Endpoints) -> str:
@@ -115,7 +115,7 @@ def run_worker_node(config: EngineConfig, model_path: str) -> int:
     """A node other than 0: start this node's workers and wait for them (they exit when
     node 0 shuts the pipeline down, or on their own once node 0 is gone)."""
     rdzv = rendezvous(config)
-    endpoints = endpoints_for(rdzv, config.parallel.tp_size)
+    endpoints = endpoints_for(rdzv, config.parallel.stage_width)
     from pipeserve.engine.future_map import worker_ring_size
     from pipeserve.models.arch import ArchConfig
 

@@ -84,6 +84,7 @@ def send(
     tokens = hidden.shape[0] if hidden is not None else 0
     start, end = shard.rows(tokens)
     tensors = [t[start:end].contiguous() for t in (msg.hidden, msg.residual) if t is not None]
+    tensors = [t for t in tensors if t.numel()]  # an idle rank's step: zero rows, none sent
     header = torch.tensor(
         [
             int(msg.kind),
@@ -124,7 +125,7 @@ def recv(src: int, group: Any, device: torch.device, shard: Shard = Shard()) -> 
     width = 1 + has_residual
     share = -(-tokens // shard.count)  # rows of the largest share; smaller ones are padded
     parts = torch.empty(width, share, hidden_size, dtype=DTYPES[dtype_code], device=device)
-    for i in range(width):
+    for i in range(width if rows else 0):
         dist.recv(parts[i, :rows], src, group=group)
     whole = _reassemble(parts, tokens, shard)
     return StageMessage(MsgType.PROXY, msg.batch, whole[0], whole[1] if has_residual else None)

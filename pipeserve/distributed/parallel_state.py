@@ -54,8 +54,19 @@ class ParallelState:
             )
 
     @property
+    def stage_width(self) -> int:
+        """Ranks per pipeline stage: its TP ranks, or under EP its attention ranks."""
+        return self.tp_size * self.ep_size
+
+    @property
+    def stage_rank(self) -> int:
+        """This rank's place within its stage (its TP rank, or under EP its ep rank)."""
+        return self.tp_rank if self.tp_size > 1 else self.ep_rank
+
+    @property
     def global_rank(self) -> int:
-        return self.pp_rank * self.tp_size + self.tp_rank
+        """Global rank layout: `pp_rank * stage_width + stage_rank`."""
+        return self.pp_rank * self.stage_width + self.stage_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -64,10 +75,6 @@ class ParallelState:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
-        """Global rank layout: `pp_rank * tp_size + tp_rank`."""
-        return pp_rank * self.tp_size + tp_rank
 
 
 _state = ParallelState()
@@ -143,10 +150,10 @@ def stage_layers(num_layers: int) -> range:
 
 @dataclass(frozen=True)
 class StageLinks:
-    """Point-to-point groups of this rank: to the same TP rank of the previous and next
-    stage (a group per link, so sending and receiving never share one), and, under TP, a
-    group of this stage's ranks in which received activation shares are put together
-    (apart from the forward's TP group, which another thread uses meanwhile)."""
+    """Point-to-point groups of this rank: to the rank of the same place (TP or EP rank) in
+    the previous and next stage (a group per link, so sending and receiving never share one),
+    and, under TP, a group of this stage's ranks in which received activation shares are put
+    together (apart from the forward's TP group, which another thread uses meanwhile)."""
 
     prev_group: Any = None
     next_group: Any = None
@@ -181,17 +188,21 @@ def init_parallel_groups(
     init_method: str,
     timeout_s: float,
     ranks_per_node: int | None = None,
+    ep_size: int = 1,
 ) -> ParallelState:
-    """Join the process group and create every TP and stage-link group (all ranks create
-    all groups, in the same order). Rank layout: pp_rank * tp_size + tp_rank. A TP group
-    whose ranks share a machine (of `ranks_per_node` consecutive ranks) all-reduces through
-    shared memory on CPUs. With every rank on this machine, gloo listens on loopback only."""
+    """Join the process group and create every TP, EP and stage-link group (all ranks create
+    all groups, in the same order). A stage has `tp_size * ep_size` ranks (one of the two is
+    1); rank layout: pp_rank * width + rank within the stage, and a stage link joins the
+    ranks of the same place in adjacent stages. A TP group whose ranks share a machine (of
+    `ranks_per_node` consecutive ranks) all-reduces through shared memory on CPUs. With every
+    rank on this machine, gloo listens on loopback only."""
     import datetime
 
     import torch.distributed as dist
 
     global _links
-    world = tp_size * pp_size
+    width = tp_size * ep_size
+    world = width * pp_size
     if _one_machine(tuple(range(world)), ranks_per_node or world):
         _gloo_on_loopback()
     dist.init_process_group(
@@ -201,21 +212,24 @@ def init_parallel_groups(
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    pp_rank, tp_rank = divmod(rank, tp_size)
-    tp_group, tp_ranks, gather_group = None, tuple[int, ...]((rank,)), None
+    pp_rank, local = divmod(rank, width)
+    tp_rank, ep_rank = (local, 0) if tp_size > 1 else (0, local)
+    tp_group, tp_ranks, gather_group, ep_group = None, tuple[int, ...]((rank,)), None, None
     for stage in range(pp_size):
-        ranks = [stage * tp_size + t for t in range(tp_size)]
-        group = dist.new_group(ranks) if tp_size > 1 else None
+        ranks = [stage * width + t for t in range(width)]
+        group = dist.new_group(ranks) if width > 1 else None
         gather = dist.new_group(ranks) if tp_size > 1 and stage > 0 else None
-        if stage == pp_rank:
+        if stage == pp_rank and tp_size > 1:
             tp_group, tp_ranks, gather_group = group, tuple(ranks), gather
+        if stage == pp_rank and ep_size > 1:
+            ep_group = group
     links: dict[tuple[int, int], Any] = {}
     for stage in range(pp_size - 1):
-        for t in range(tp_size):
-            pair = (stage * tp_size + t, (stage + 1) * tp_size + t)
+        for t in range(width):
+            pair = (stage * width + t, (stage + 1) * width + t)
             links[pair] = dist.new_group(list(pair))
-    prev_rank = rank - tp_size if pp_rank > 0 else None
-    next_rank = rank + tp_size if pp_rank < pp_size - 1 else None
+    prev_rank = rank - width if pp_rank > 0 else None
+    next_rank = rank + width if pp_rank < pp_size - 1 else None
     _links = StageLinks(
         prev_group=links.get((prev_rank, rank)) if prev_rank is not None else None,
         next_group=links.get((rank, next_rank)) if next_rank is not None else None,
@@ -226,7 +240,19 @@ def init_parallel_groups(
     shm = None
     if backend == "gloo" and tp_size > 1 and _one_machine(tp_ranks, ranks_per_node or world):
         shm = _shared_memory_all_reduce(tp_group, tp_ranks, tp_rank, timeout_s)
-    state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, None, tp_group, tp_ranks, shm)
+    state = ParallelState(
+        tp_rank,
+        tp_size,
+        pp_rank,
+        pp_size,
+        None,
+        tp_group,
+        tp_ranks,
+        shm,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        ep_group=ep_group,
+    )
     set_parallel_state(state)
     return state
 

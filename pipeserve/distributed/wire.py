@@ -340,13 +340,16 @@ def encode_event(e: Event) -> list[Any]:
         _pack_ints(e.tokens),
         _pack_ints(e.prefix),
         e.nbytes,
+        e.nbytes_recv,
+        e.layer,
     ]
 
 
 def decode_event(v: Any) -> Event:
-    kind, stage, tp_rank, start, end, batch_id, rids, chunks, tokens, prefix, nbytes = _fields(
-        v, 11, "timeline event"
+    kind, stage, tp_rank, start, end, batch_id, rids, chunks, tokens, prefix, *sizes = _fields(
+        v, 13, "timeline event"
     )
+    nbytes, nbytes_recv, layer = sizes
     return Event(
         _str(kind),
         _int(stage),
@@ -359,6 +362,8 @@ def decode_event(v: Any) -> Event:
         _ints(tokens),
         _ints(prefix),
         _int(nbytes),
+        _int(nbytes_recv),
+        _int(layer),
     )
 
 
@@ -449,7 +454,7 @@ def encode_batch_command(obj: ScheduledBatch | str | tuple[Any, ...]) -> bytes:
 
 # --- status: worker -> scheduler ----------------------------------------------------------
 
-READY_FIELDS = ("num_pages", "partition", "stage", "tp_rank", "tp_all_reduce")
+READY_FIELDS = ("num_pages", "partition", "stage", "tp_rank", "ep_rank", "tp_all_reduce")
 
 
 def _encode_ready(info: dict[str, Any]) -> list[Any]:
@@ -459,8 +464,9 @@ def _encode_ready(info: dict[str, Any]) -> list[Any]:
 
 
 def _decode_ready(v: Any) -> dict[str, Any]:
-    pages, partition, stage, tp_rank, all_reduce = _fields(v, 5, "ready")
-    values = (_int(pages), _ints(partition), _int(stage), _int(tp_rank), _str(all_reduce))
+    pages, partition, stage, tp_rank, ep_rank, all_reduce = _fields(v, 6, "ready")
+    ranks = (_int(stage), _int(tp_rank), _int(ep_rank))
+    values = (_int(pages), _ints(partition), *ranks, _str(all_reduce))
     return dict(zip(READY_FIELDS, values, strict=True))
 
 

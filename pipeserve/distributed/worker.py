@@ -1,4 +1,5 @@
-"""A worker process: one pipeline stage x one TP rank. Stateless apart from its KV pool (and
+"""A worker process: one pipeline stage x one TP rank (or, under expert parallelism, one
+attention rank, which runs its own requests' micro-batches). Stateless apart from its KV pool (and
 the last stage's sampler): everything a forward needs arrives with the batch.
 
 Loop per micro-batch:
@@ -60,7 +61,7 @@ def worker_main(args: WorkerArgs) -> None:
         set_threads(args.threads)
         config = EngineConfig.from_flags(**args.flags)
         p = config.parallel
-        batch_url = args.endpoints.batch[args.rank] if args.rank < p.tp_size else None
+        batch_url = args.endpoints.batch[args.rank] if args.rank < p.stage_width else None
         channels = WorkerChannels(
             args.rank, args.endpoints, batch_url, p.heartbeat_interval, p.heartbeat_timeout
         )
@@ -74,6 +75,7 @@ def worker_main(args: WorkerArgs) -> None:
             args.init_method,
             INIT_TIMEOUT_S,
             ranks_per_node=p.world_size // p.nnodes,
+            ep_size=p.ep_size,
         )
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
@@ -86,6 +88,7 @@ def worker_main(args: WorkerArgs) -> None:
                 "partition": partition,
                 "stage": state.pp_rank,
                 "tp_rank": state.tp_rank,
+                "ep_rank": state.ep_rank,
                 "tp_all_reduce": _all_reduce_kind(state),
             },
         )
@@ -165,6 +168,7 @@ class StageWorker:
         self.stream = ComputeStream(self.device, args.threads)
         self.future = FutureMap(args.future_ring, self.device) if args.future_ring else None
         self.inbox: queue.Queue[p2p.StageMessage | BaseException] = queue.Queue()
+        # the last stage reports results: one TP rank for all, or every attention rank its own
         self.reports = state.is_last_stage and state.tp_rank == 0
         threading.Thread(target=self._receive, daemon=True).start()
 
@@ -235,7 +239,7 @@ class StageWorker:
         if kind is p2p.MsgType.PROFILE:
             assert msg.profile is not None
             times = self.runner.profile_prefill(*msg.profile)
-            if self.state.tp_rank == 0:
+            if self.state.stage_rank == 0:
                 self.channels.send_status("profile", (self.state.pp_rank, times))
         if self.links.next_rank is not None:
             msg = p2p.StageMessage(kind, profile=msg.profile)

@@ -4,7 +4,9 @@ caller's process (one device); the multi-process backend drives worker processes
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.batch import Run
 from pipeserve.scheduler.chunk_cost import Point
+from pipeserve.scheduler.data_parallel import DataParallelScheduler
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
@@ -63,7 +66,8 @@ class Backend:
     """Owns the scheduler and a loop that executes its batches; the engine front end talks
     to this interface only."""
 
-    scheduler: Scheduler
+    scheduler: Scheduler | DataParallelScheduler  # takes the requests
+    schedulers: list[Scheduler]  # one per attention rank (several under data-parallel attention)
     loop: PlainLoop | OverlapLoop | PipelineLoop
     _profile_key: dict[str, Any]  # what a chunk-time profile of the stages depends on
 
@@ -84,20 +88,24 @@ class Backend:
         return updates + self.loop.step()
 
     def stats(self) -> dict[str, Any]:
-        kv = self.scheduler.kv
+        """Counts summed over the attention ranks (each has its own KV pool)."""
+        kvs = [s.kv for s in self.schedulers]
+        busy = [s.stage_busy for s in self.schedulers]
         return {
             "loop": self.loop.name,
             "overlap_schedule": self.loop.name == "overlap",
-            "kv_pages_total": kv.allocator.capacity,
-            "kv_pages_free": kv.allocator.num_free,
-            "kv_pages_cached": kv.tree.cached_pages() if kv.tree else 0,
-            "kv_pages_evictable": kv.tree.evictable_pages if kv.tree else 0,
+            "attention_ranks": len(self.schedulers),
+            "kv_pages_total": sum(kv.allocator.capacity for kv in kvs),
+            "kv_pages_free": sum(kv.allocator.num_free for kv in kvs),
+            "kv_pages_cached": sum(kv.tree.cached_pages() if kv.tree else 0 for kv in kvs),
+            "kv_pages_evictable": sum(kv.tree.evictable_pages if kv.tree else 0 for kv in kvs),
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
-            "num_retracted": self.scheduler.decode.num_retracted,
-            "prefix_hit_tokens": kv.hit_tokens,
-            "prefix_lookup_tokens": kv.lookup_tokens,
-            "stage_busy_s": list(self.scheduler.stage_busy),
+            "num_retracted": sum(s.decode.num_retracted for s in self.schedulers),
+            "prefix_hit_tokens": sum(kv.hit_tokens for kv in kvs),
+            "prefix_lookup_tokens": sum(kv.lookup_tokens for kv in kvs),
+            # forward seconds per stage (of the busiest attention rank)
+            "stage_busy_s": [max(t) for t in itertools.zip_longest(*busy, fillvalue=0.0)],
         }
 
     def timeline(self) -> list[Event]:
@@ -106,24 +114,33 @@ class Backend:
     def check_health(self) -> None:
         """Raise if the executor can no longer run batches (a worker died)."""
 
-    def profile_stages(self, points: list[Point], runs: list[Run]) -> list[list[float]]:
+    def profile_stages(self, points: list[Point], runs: list[list[Run]]) -> list[list[float]]:
         """Seconds of one chunk per (prefix_len, chunk_len) point, timed by every pipeline
-        stage on its own layers: a list per stage, in stage order."""
+        stage on its own layers: a list per stage, in stage order. `runs`: per attention
+        rank, the KV slots lent for the profile."""
         raise NotImplementedError
 
     def set_chunk_policy(self, policy: ChunkPolicy) -> dict[str, Any]:
-        """Install a chunk-size policy (profiling the stages for dynamic chunking)."""
-        self.chunking = setup_chunking(policy, self.scheduler, self._profile, self._profile_key)
+        """Install a chunk-size policy (profiling the stages for dynamic chunking) on every
+        attention rank's scheduler (they share one sizer and one online refit)."""
+        lead = self.schedulers[0]
+        self.chunking = setup_chunking(policy, lead, self._profile, self._profile_key)
+        for s in self.schedulers[1:]:
+            s.set_chunking(lead.prefill.chunk_sizer, lead.refit)
         return self.chunking
 
     def _profile(self, points: list[Point]) -> list[list[float]]:
-        """Profile chunks write their KV into slots lent by the allocator, so cached
+        """Profile chunks write their KV into slots lent by the allocators, so cached
         prefixes and running requests are never touched."""
-        runs, give_back = self.scheduler.kv.lend(max(p + n for p, n in points))
+        tokens = max(p + n for p, n in points)
+        lent = []
         try:
-            return self.profile_stages(points, runs)
+            for s in self.schedulers:
+                lent.append(s.kv.lend(tokens))
+            return self.profile_stages(points, [runs for runs, _ in lent])
         finally:
-            give_back()
+            for _, give_back in lent:
+                give_back()
 
     def shutdown(self) -> None:
         self.loop.close()
@@ -146,6 +163,7 @@ class InProcessBackend(Backend):
         num_pages = kv_pool_pages(config, arch, local_workers=1)
         self.runner = ModelRunner(config, arch, model_path, num_pages)
         self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
+        self.schedulers = [self.scheduler]
         self.loop: PlainLoop | OverlapLoop = self._make_loop(config, threads, context_len)
         log.info(
             "event loop: %s",
@@ -167,13 +185,13 @@ class InProcessBackend(Backend):
     ) -> PlainLoop | OverlapLoop:
         s = config.scheduler
         if not use_overlap_schedule(config, in_process=True):
-            return PlainLoop(self.scheduler, self.runner, self.cpu)
+            return PlainLoop(self.schedulers[0], self.runner, self.cpu)
         # The compute stream gets the thread budget; this thread only schedules and builds
         # small tensors (two full OpenMP pools on the same cores would fight each other).
         set_threads(1)
         size = ring_size(s.max_running_requests, context_len, s.chunk_size)
         return OverlapLoop(
-            self.scheduler,
+            self.schedulers[0],
             self.runner,
             ComputeStream(self.runner.device, threads),
             FutureMap(size, self.runner.device),
@@ -184,8 +202,8 @@ class InProcessBackend(Backend):
     def timeline(self) -> list[Event]:
         return self.cpu.take() + self.runner.recorder.take()
 
-    def profile_stages(self, points: list[Point], runs: list[Run]) -> list[list[float]]:
-        return [self.loop.on_device(self.runner.profile_prefill, points, runs)]
+    def profile_stages(self, points: list[Point], runs: list[list[Run]]) -> list[list[float]]:
+        return [self.loop.on_device(self.runner.profile_prefill, points, runs[0])]
 
 
 class WorkerBackend(Backend):
@@ -218,19 +236,31 @@ class WorkerBackend(Backend):
         if p.tp_size > 1:
             kinds = sorted({i["tp_all_reduce"] for i in info.values()})
             log.info("TP all-reduce: %s", ", ".join(kinds))
-        per_batch = max(s.max_running_requests // p.pp_size, 1)
-        self.scheduler = build_scheduler(
-            config, arch, tokenizer, num_pages, context_len, max_batch_reqs=per_batch
-        )
+        # --max-running-requests is split over the attention ranks, and a rank's share over
+        # the micro-batch slots of the pipeline
+        per_rank = max(s.max_running_requests // p.ep_size, 1)
+        rank_config = replace(config, scheduler=replace(s, max_running_requests=per_rank))
+        per_batch = max(per_rank // p.pp_size, 1)
+        self.schedulers = [
+            build_scheduler(
+                rank_config, arch, tokenizer, num_pages, context_len, max_batch_reqs=per_batch
+            )
+            for _ in range(p.ep_size)
+        ]
+        self.scheduler = DataParallelScheduler(self.schedulers)
         depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(
             self.scheduler, self.workers, depth, SlotRing(ring) if ring else None, self.cpu
         )
         log.info(
-            "event loop: %s over %d worker process(es), %d micro-batch(es) in flight%s",
+            "event loop: %s over %d worker process(es), %d micro-batch(es) in flight%s%s",
             self.loop.name,
             p.world_size,
             depth,
+            f"; {p.ep_size} data-parallel attention ranks per stage, each with its own "
+            "requests and KV cache, the routed experts split over them"
+            if p.ep_size > 1
+            else "",
             "; the pipeline itself is the CPU/device overlap (the overlap loop is not "
             "combined with PP)"
             if p.pp_size > 1
@@ -268,7 +298,7 @@ class WorkerBackend(Backend):
         self.workers.kill()
         self.shutdown()
 
-    def profile_stages(self, points: list[Point], runs: list[Run]) -> list[list[float]]:
+    def profile_stages(self, points: list[Point], runs: list[list[Run]]) -> list[list[float]]:
         return self.workers.profile_stages(points, runs)
 
 
@@ -301,6 +331,7 @@ def profile_key(
         "device": config.model.device,
         "threads": threads,
         "tp": config.parallel.tp_size,
+        "ep": config.parallel.ep_size,
         "partition": partition,
         "page_size": config.cache.page_size,
     }

@@ -81,12 +81,14 @@ class Engine:
     def _log_kv_cache(self) -> None:
         dtype = resolve_dtype(self.config.model.dtype, self.arch.torch_dtype)
         per_layer = kv_bytes_per_token(self.arch, 1, self.config.parallel.tp_size, dtype)
-        pages = self.backend.stats()["kv_pages_total"]
+        stats = self.backend.stats()
+        ranks = stats["attention_ranks"]
         log.info(
-            "KV cache: %s, %d bytes per token and layer on each rank; %d tokens",
+            "KV cache: %s, %d bytes per token and layer on each rank; %d tokens%s",
             "latent (MLA)" if self.arch.mla is not None else "per-head K/V",
             per_layer,
-            pages * self.config.cache.page_size,
+            stats["kv_pages_total"] // ranks * self.config.cache.page_size,
+            f" on each of {ranks} data-parallel attention ranks" if ranks > 1 else "",
         )
 
     def __enter__(self) -> Engine:

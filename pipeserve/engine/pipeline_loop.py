@@ -10,6 +10,8 @@ waiting for each other, so all stages work on different chunks at once.
   between chunks); a request is in at most one micro-batch at a time (its next step needs
   the token the last stage returns). The per-micro-batch request cap is
   max(max_running_requests // P, 1), so the running requests spread over the slots.
+- Data-parallel attention (--ep-size E): a micro-batch is a group of E batches, one per
+  attention rank under one id (`DataParallelScheduler`); each rank reports its own result.
 - One stage: depth 2 with future-token placeholders — the CPU/device overlap loop, with
   the worker process as the device. (The two are never combined: under PP the pipeline is
   the overlap.)
@@ -21,15 +23,15 @@ from collections import deque
 
 from pipeserve.engine.future_map import SlotRing
 from pipeserve.engine.workers import WorkerSet
-from pipeserve.scheduler.batch import ScheduledBatch
-from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+from pipeserve.scheduler.data_parallel import BatchGroup, DataParallelScheduler
+from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.timeline import Recorder
 
 
 class PipelineLoop:
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: DataParallelScheduler,
         workers: WorkerSet,
         depth: int,
         future: SlotRing | None,
@@ -38,33 +40,29 @@ class PipelineLoop:
         self.scheduler, self.workers, self.depth, self.future = scheduler, workers, depth, future
         self.cpu = cpu
         self.name = "overlap" if future is not None else ("pipeline" if depth > 1 else "plain")
-        self.inflight: deque[ScheduledBatch] = deque()
+        self.inflight: deque[BatchGroup] = deque()
 
     def step(self) -> list[RequestUpdate]:
         self._fill()
         if not self.inflight:
             return []
-        result = self.workers.wait_result()
-        batch = self.inflight.popleft()
-        if result.batch_id != batch.batch_id:
-            raise RuntimeError(
-                f"result of batch {result.batch_id} arrived, expected {batch.batch_id}"
-            )
+        results = self.workers.wait_results()
+        group = self.inflight.popleft()
         with self.cpu.span("process"):
-            return self.scheduler.process_result(batch, result)
+            return self.scheduler.process_result(group, results)
 
     def _fill(self) -> None:
         max_inflight = 1 if self.future is not None else 0
         while len(self.inflight) < self.depth:
             with self.cpu.span("schedule"):
-                batch = self.scheduler.schedule(max_inflight=max_inflight)
-                if batch is None:
+                group = self.scheduler.schedule(max_inflight=max_inflight)
+                if group is None:
                     return
                 if self.future is not None:
-                    slots = self.future.reserve(batch.num_samples)
-                    self.scheduler.assign_future_slots(batch, slots)
-                self.workers.send_batch(batch)
-            self.inflight.append(batch)
+                    slots = self.future.reserve(group.num_samples)
+                    self.scheduler.assign_future_slots(group, slots)
+                self.workers.send_batch(group)
+            self.inflight.append(group)
 
     def close(self) -> None:
         self.workers.shutdown()

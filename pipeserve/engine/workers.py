@@ -15,7 +15,8 @@ from pipeserve.distributed.launcher import (
     rendezvous,
     start_workers,
 )
-from pipeserve.scheduler.batch import BatchResult, Run, ScheduledBatch
+from pipeserve.scheduler.batch import BatchResult, Run
+from pipeserve.scheduler.data_parallel import BatchGroup
 from pipeserve.timeline import Event
 
 POLL_MS = 100
@@ -32,27 +33,35 @@ class WorkerError(RuntimeError):
         self.details = details  # e.g. the worker's traceback (for logs, not for clients)
 
 
+def report_ranks(pp_size: int, tp_size: int, ep_size: int) -> list[int]:
+    """Global ranks that report results: the last stage's first TP rank, or under expert
+    parallelism each of its attention ranks."""
+    last = (pp_size - 1) * tp_size * ep_size
+    return [last + e for e in range(ep_size)]
+
+
 class WorkerSet:
     def __init__(self, config: EngineConfig, model_path: str, future_ring: int) -> None:
         p = config.parallel
-        self.world_size = p.world_size
-        self.tp_size = p.tp_size
+        self.world_size, self.width, self.pp_size = p.world_size, p.stage_width, p.pp_size
+        self.reporters = report_ranks(p.pp_size, p.tp_size, p.ep_size)
         self.step_timeout_s = config.server.watchdog_timeout
         self.heartbeat_timeout_s = p.heartbeat_timeout
         rdzv = rendezvous(config)
         self.channels = SchedulerChannels(
             "0.0.0.0" if p.nnodes > 1 else rdzv.host,
-            p.tp_size,
+            p.stage_width,
             rdzv.zmq_base_port,
             auth_key=rdzv.auth_key,
         )
         endpoints = self.channels.endpoints
         if rdzv.zmq_base_port is not None:
-            endpoints = endpoints_for(rdzv, p.tp_size)
+            endpoints = endpoints_for(rdzv, p.stage_width)
         self.procs = start_workers(config, model_path, endpoints, rdzv, future_ring)
         self.local = dict(zip(local_ranks(config), self.procs, strict=True))
         self.last_seen: dict[int, float] = {}
         self._pending: deque[tuple[str, int, Any]] = deque()
+        self._results: dict[int, deque[BatchResult]] = {r: deque() for r in self.reporters}
         self.info: dict[int, dict[str, Any]] = {}
         self.closed = False
 
@@ -68,22 +77,35 @@ class WorkerSet:
                 raise WorkerError(f"workers {missing} did not start within {START_TIMEOUT_S:.0f}s")
         return self.info
 
-    def send_batch(self, batch: ScheduledBatch) -> None:
+    def send_batch(self, group: BatchGroup) -> None:
+        """The same batch to every first-stage TP rank, or each attention rank its own."""
         self._check_alive(time.monotonic())
-        if not self.channels.send_batch(batch):
+        if not self._send_per_rank(group.batches):
             self._check_alive(time.monotonic())
             raise WorkerError("the first pipeline stage is not taking batches")
 
-    def wait_result(self) -> BatchResult:
-        """The next micro-batch's result (results arrive in launch order)."""
-        msgs = self._collect("result", 1, self.step_timeout_s, "a step (--watchdog-timeout)")
-        return msgs[0][2]
+    def _send_per_rank(self, objs: list[Any]) -> bool:
+        if len(objs) == 1:
+            return self.channels.send_batch(objs[0])
+        return self.channels.send_each(objs)
 
-    def profile_stages(self, points: list[tuple[int, int]], runs: list[Run]) -> list[list[float]]:
+    def wait_results(self) -> list[BatchResult]:
+        """The next micro-batch's result from every reporting rank (the last stage's first
+        TP rank, or each attention rank), in rank order. Each rank's results arrive in launch
+        order; one rank may be a micro-batch ahead of another."""
+        while not all(self._results.values()):
+            msg = self._collect("result", 1, self.step_timeout_s, "a step (--watchdog-timeout)")
+            self._results[msg[0][1]].append(msg[0][2])
+        return [self._results[r].popleft() for r in self.reporters]
+
+    def profile_stages(
+        self, points: list[tuple[int, int]], runs: list[list[Run]]
+    ) -> list[list[float]]:
         """Every stage times the profile chunks on its own layers, one stage after the other
-        (the request travels down the pipeline); the seconds per stage, in stage order."""
-        self.channels.send_batch(("profile", points, runs))
-        stages = self.world_size // self.tp_size
+        (the request travels down the pipeline); the seconds per stage, in stage order.
+        `runs`: per attention rank, the KV slots its pool lent for the profile."""
+        self._send_per_rank([("profile", points, r) for r in runs])
+        stages = self.pp_size
         msgs = self._collect("profile", stages, PROFILE_TIMEOUT_S, "the chunk-time profile")
         by_stage = {stage: list(times) for stage, times in (m[2] for m in msgs)}
         return [by_stage[s] for s in sorted(by_stage)]
@@ -157,7 +179,7 @@ class WorkerSet:
         if self.closed:
             return
         self.closed = True
-        first_stage_alive = all(p.is_alive() for r, p in self.local.items() if r < self.tp_size)
+        first_stage_alive = all(p.is_alive() for r, p in self.local.items() if r < self.width)
         if first_stage_alive:  # a dead first stage would make this wait out the send timeout
             self.channels.send_batch("shutdown", block=False)
         deadline = time.monotonic() + 5

@@ -126,10 +126,17 @@ class FusedMoE(nn.Module):
     this ep rank's block of the placement (whole experts)."""
 
     def __init__(
-        self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        layer_id: int = -1,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.top_k, self.layer_id = top_k, layer_id
         self.inter = divide(intermediate, self.tp_size, "moe_intermediate_size")
         self.num_experts = num_experts  # routed experts of the whole model
         self._init_placement(num_experts)
@@ -149,7 +156,7 @@ class FusedMoE(nn.Module):
         placement, rank = get_expert_placement(num_experts), get_ep_rank()
         self.experts = placement.experts_on(rank)  # global ids, in local order
         self._local_index = {e: i for i, e in enumerate(self.experts)}
-        self.dispatcher = make_dispatcher(placement, rank, get_ep_group())
+        self.dispatcher = make_dispatcher(placement, rank, get_ep_group(), layer=self.layer_id)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
@@ -190,6 +197,16 @@ class FusedMoE(nn.Module):
             return self.run_local(x, weights, expert_ids)
         got = self.dispatcher.dispatch(x, expert_ids, weights)
         return self.dispatcher.combine(self.run_local(got.hidden, got.weights, got.local_ids), got)
+
+    def join_idle(self) -> None:
+        """A step in which this rank has no tokens of its own (data-parallel attention): it
+        still takes part in the layer's dispatch and combine, and runs its experts on the
+        tokens the other ranks send. Nothing to do when nothing is routed between ranks."""
+        if isinstance(self.dispatcher, LocalDispatcher):
+            return
+        x = self.w13.new_empty((0, self.w13.shape[2]))
+        ids = torch.empty((0, self.top_k), dtype=torch.long, device=x.device)
+        self.partial(x, ids.float(), ids)
 
     def run_local(
         self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor
@@ -284,12 +301,15 @@ class DeepseekV3MoE(nn.Module):
         n_shared_experts: int,
         routing: GroupedRouting,
         dtype: torch.dtype,
+        layer_id: int = -1,
     ) -> None:
         super().__init__()
         if n_shared_experts < 1:
             raise ValueError(f"n_shared_experts is {n_shared_experts}; DeepSeek-V3 needs >= 1")
         self.gate = GroupedTopKRouter(hidden, routing)
-        self.experts = FusedMoE(routing.num_experts, hidden, moe_intermediate, dtype)
+        self.experts = FusedMoE(
+            routing.num_experts, routing.top_k, hidden, moe_intermediate, dtype, layer_id
+        )
         self.shared_experts = SharedExperts(hidden, moe_intermediate * n_shared_experts, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class Node:
@@ -48,22 +48,36 @@ class RadixCache:
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
         """Longest cached page-aligned prefix of `tokens`: its pages and the node where it
         ends (split so that the node ends exactly there)."""
-        node, pages, i = self.root, [], 0
+        node, pages = self.root, []
+        for child, n in self._matches(tokens):
+            if n < len(child.key):
+                child = self._split(child, n)
+            self._touch(child)
+            pages.extend(child.pages)
+            node = child
+        return pages, node
+
+    def prefix_length(self, tokens: list[int]) -> int:
+        """Tokens of the longest cached page-aligned prefix of `tokens`; unlike
+        `match_prefix` it changes nothing (no split, no recency update)."""
+        return sum(n for _, n in self._matches(tokens))
+
+    def _matches(self, tokens: list[int]) -> Iterator[tuple[Node, int]]:
+        """The nodes along the longest cached page-aligned prefix of `tokens`, each with how
+        many of its leading tokens match (all of them but perhaps in the last node). The
+        caller may split a yielded node: the walk has finished with it."""
+        node, i = self.root, 0
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
         while i < len(tokens):
             child = node.children.get(self._child_key(tokens, i))
             if child is None:
-                break
+                return
             n = self._match_len(child.key, tokens, i)
-            partial = n < len(child.key)
-            if partial:
-                child = self._split(child, n)
-            self._touch(child)
-            pages.extend(child.pages)
+            whole = n == len(child.key)
+            yield child, n
+            if not whole:
+                return
             node, i = child, i + n
-            if partial:
-                break
-        return pages, node
 
     def insert(self, tokens: list[int], pages: list[int]) -> int:
         """Cache `pages` as the KV of `tokens` (page-aligned). Returns how many leading pages

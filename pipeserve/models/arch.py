@@ -522,6 +522,12 @@ def param_count(a: ArchConfig) -> int:
     return _params(a, active=False)
 
 
+def routed_expert_params(a: ArchConfig) -> int:
+    """Parameters of the routed experts of every MoE layer (what expert parallelism splits)."""
+    per_expert = 3 * a.hidden_size * a.moe_intermediate_size
+    return sum(a.num_experts * per_expert for layer in range(a.num_layers) if a.is_moe_layer(layer))
+
+
 def active_param_count(a: ArchConfig) -> int:
     """The parameters one token uses: `param_count` less, in each MoE layer, the routed experts
     beyond its top-k. Everything else counts whole: shared experts, routers, norms, and the

@@ -92,6 +92,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             a.routing.n_shared_experts,
             grouped_routing(a),
             self.dtype,
+            layer_id,
         )
 
     def checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:

@@ -16,12 +16,17 @@ from pipeserve.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeSparseBlock(nn.Module):
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, layer_id: int = -1) -> None:
         super().__init__()
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts, False, dtype)
         self.experts = FusedMoE(
-            arch.num_experts, arch.hidden_size, arch.moe_intermediate_size, dtype
+            arch.num_experts,
+            self.top_k,
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            dtype,
+            layer_id,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +37,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_mlp(self, layer_id: int) -> nn.Module:
         if self.arch.is_moe_layer(layer_id):
-            return Qwen3MoeSparseBlock(self.arch, self.dtype)
+            return Qwen3MoeSparseBlock(self.arch, self.dtype, layer_id)
         return LlamaMLP(self.arch.hidden_size, self.arch.intermediate_size, self.dtype)
 
     def checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:

@@ -23,9 +23,10 @@ from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers import batch_invariant
 from pipeserve.layers.attention import NativeKernels
+from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler
 from pipeserve.model_loader import load_weights
-from pipeserve.models.arch import ArchConfig, param_count
+from pipeserve.models.arch import ArchConfig, param_count, routed_expert_params
 from pipeserve.models.registry import build_model
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.runner.kv_layout import build_kv_pool, kv_bytes_per_token
@@ -58,7 +59,8 @@ def kv_pool_pages(
         spec = p.layer_partition if p.layer_partition not in (None, "auto") else None
         partition = resolve_partition(spec, arch.num_layers, p.pp_size)
     stage_layers_max = max(partition)
-    weights = param_count(arch) * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
+    params = param_count(arch) - routed_expert_params(arch) * (1 - 1 / p.ep_size)
+    weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
     per_token = kv_bytes_per_token(arch, stage_layers_max, p.tp_size, dtype)
     tokens = int((budget - weights) // per_token)
     if tokens < 4 * page:
@@ -115,7 +117,10 @@ class ModelRunner:
             page,
         )
         self.sampler = Sampler(config.model.seed, self.device)
-        self.recorder = Recorder(self.state.pp_rank, self.state.tp_rank)
+        self.recorder = Recorder(self.state.pp_rank, self.state.stage_rank, comm=True)
+        # in layer order: under data-parallel attention a rank without tokens in a step
+        # still joins these layers' expert dispatch and combine
+        self.expert_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         self.native = use_native_kernels(
             config.model.attention_backend, self.device, self.dtype, arch.head_dim
         )
@@ -159,7 +164,10 @@ class ModelRunner:
         start = now()
         if future is not None and self.state.is_first_stage:
             fb.input_ids = future.resolve(fb.input_ids)
-        hidden, residual = self.model(fb, hidden, residual)
+        if batch.slices:
+            hidden, residual = self.model(fb, hidden, residual)
+        else:
+            hidden, residual = self._idle_forward()
         result, tokens = (
             self._sample(batch, fb, hidden) if self.state.is_last_stage else (None, None)
         )
@@ -172,6 +180,15 @@ class ModelRunner:
             result.stage_times = batch.stage_times
         self.recorder.add("forward", start, end, batch)
         return StageOutput(hidden, residual, result)
+
+    def _idle_forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank has no tokens this step (data-parallel attention, another rank has): it
+        runs no attention, only its experts for the tokens the other ranks send it, in the
+        same layer order as they. Hands on zero rows."""
+        for moe in self.expert_layers:
+            moe.join_idle()
+        empty = torch.empty(0, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        return empty, None if self.state.is_last_stage else torch.empty_like(empty)
 
     def profile_prefill(self, points: list[tuple[int, int]], runs: list[Run]) -> list[float]:
         """Seconds of one prompt chunk per (prefix_len, chunk_len) point on this stage's layers

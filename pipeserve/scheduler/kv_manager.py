@@ -62,6 +62,11 @@ class KVManager:
         req.kv_len = req.cached_tokens = len(pages) * self.page_size
         _append_runs(self._runs[req.rid], pages, self.page_size)
 
+    def cached_prefix_tokens(self, tokens: list[int]) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now (a lookup only:
+        nothing is locked, a later match may find less)."""
+        return self.tree.prefix_length(tokens[:-1]) if self.tree is not None else 0
+
     def record_admission(self, req: Req) -> None:
         """Prefix-cache statistics, counted once per admitted request."""
         self.lookup_tokens += len(req.input_ids)

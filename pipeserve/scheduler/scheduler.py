@@ -136,6 +136,13 @@ class Scheduler:
         self._released = []
         return batch
 
+    def empty_batch(self) -> ScheduledBatch:
+        """A batch with no work, for a data-parallel attention rank that sits a step out while
+        its peers run one; it carries the requests released since the last batch."""
+        batch = ScheduledBatch(next(self._batch_ids), [], self._released)
+        self._released = []
+        return batch
+
     def set_chunking(self, sizer: ChunkSizer | None, refit: OnlineRefit | None = None) -> None:
         """Switch the chunk-size policy (fixed, dynamic, dynamic with online refit)."""
         self.prefill.chunk_sizer = sizer

@@ -80,7 +80,7 @@ class EngineLoop:
                     # what one request can hold: the model's context, or the KV pool if
                     # smaller (the HTTP layer's default max_tokens must fit it)
                     "context_len": min(
-                        self.engine.context_len, self.backend.scheduler.kv.capacity_tokens
+                        self.engine.context_len, self.backend.schedulers[0].kv.capacity_tokens
                     ),
                     "vocab_size": self.engine.arch.vocab_size,
                     "model_path": str(self.engine.model_path),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeserve.cli import main
+from pipeserve.timeline import COMM_BYTES
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -82,6 +83,16 @@ def test_bench_compares_layouts_and_writes_trace_and_timeline(model, tmp_path, c
     assert pp2["speedup"] == pytest.approx(base["prefill_s"] / pp2["prefill_s"])
     assert pp2["efficiency"] == pytest.approx(pp2["speedup"] / 2)
     assert pp2["loop"] == "pipeline"
+    # Bytes a rank sends per forward: PP1 moves nothing; PP2's first stage sends one
+    # boundary's activations per micro-batch. Nothing here runs TP or EP.
+    assert [r["ep_size"] for r in layouts] == [1, 1]
+    assert base["comm_bytes_per_forward"] == dict.fromkeys(COMM_BYTES, 0.0)
+    pp2_bytes = pp2["comm_bytes_per_forward"]
+    assert pp2_bytes["pp_boundary"] == pytest.approx(pp2["boundary_bytes"][0]["per_micro_batch"])
+    assert pp2_bytes["tp_all_reduce"] == pp2_bytes["ep_dispatch"] == 0.0
+    assert base["exposed_comm_s"] == dict.fromkeys(COMM_BYTES, 0.0)
+    assert pp2["exposed_comm_s"]["pp_boundary"] > 0.0  # the second stage waits for the first
+    assert pp2["exposed_comm_share_of_forward"]["pp_boundary"] > 0.0
     assert report["same_tokens_across_layouts"] is True
     assert "same tokens across layouts: True" in capsys.readouterr().out
 

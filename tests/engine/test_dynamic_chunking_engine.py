@@ -268,7 +268,7 @@ def test_pp2_online_refit_keeps_tokens(pp2, reference, monkeypatch) -> None:
     monkeypatch.setattr(pp2.backend, "profile_stages", synthetic_prefix(1.0))
     pp2.backend.set_chunk_policy(ChunkPolicy(C, dynamic=True, smooth_factor=1.0, online=True,
                                              min_size=128))
-    refit = pp2.backend.scheduler.refit
+    refit = pp2.backend.schedulers[0].refit
     assert refit is not None
     for _ in range(2):
         out = run(pp2)

@@ -1,6 +1,7 @@
 """WorkerSet's message handling without processes: results that arrive while the scheduler
-collects a profile or a timeline stay queued for `wait_result`, in order, and every wait has
-a deadline."""
+collects a profile or a timeline stay queued for `wait_results`, in order; with several
+reporting ranks (data-parallel attention) each rank's results are paired by micro-batch;
+each attention rank gets its own batch and profile slots; and every wait has a deadline."""
 
 from __future__ import annotations
 
@@ -11,36 +12,63 @@ from typing import Any
 import pytest
 
 from pipeserve.engine import workers as workers_mod
-from pipeserve.engine.workers import WorkerError, WorkerSet
-from pipeserve.scheduler.batch import BatchResult
+from pipeserve.engine.workers import WorkerError, WorkerSet, report_ranks
+from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+from pipeserve.scheduler.data_parallel import BatchGroup
 
-pytestmark = pytest.mark.timeout(30)  # a lost result would make wait_result wait forever
+pytestmark = pytest.mark.timeout(30)  # a lost result would make wait_results wait forever
 
 
 class FakeChannels:
     def __init__(self, inbox: list[tuple[str, int, Any]]) -> None:
         self.inbox = deque(inbox)
-        self.sent: list[Any] = []
+        self.sent: list[Any] = []  # what went to every first-stage rank alike
+        self.sent_each: list[list[Any]] = []  # per-rank messages, one list per send
 
     def send_batch(self, obj: Any, block: bool = True) -> bool:
         self.sent.append(obj)
+        return True
+
+    def send_each(self, objs: list[Any], block: bool = True) -> bool:
+        self.sent_each.append(list(objs))
         return True
 
     def poll(self, timeout_ms: int) -> tuple[str, int, Any] | None:
         return self.inbox.popleft() if self.inbox else None
 
 
-def worker_set(inbox: list[tuple[str, int, Any]], world: int = 2, tp: int = 1) -> WorkerSet:
+def worker_set(
+    inbox: list[tuple[str, int, Any]], pp: int = 2, tp: int = 1, ep: int = 1
+) -> WorkerSet:
     ws = WorkerSet.__new__(WorkerSet)  # no processes: only the message handling under test
-    ws.world_size, ws.tp_size = world, tp
+    ws.world_size, ws.width, ws.pp_size = pp * tp * ep, tp * ep, pp
+    ws.reporters = report_ranks(pp, tp, ep)
+    ws._results = {r: deque() for r in ws.reporters}
     ws.step_timeout_s, ws.heartbeat_timeout_s = 300.0, 1e9
     ws.channels = FakeChannels(inbox)  # type: ignore[assignment]
     ws.local, ws.last_seen, ws._pending, ws.info, ws.closed = {}, {}, deque(), {}, False
     return ws
 
 
-def result(batch_id: int) -> BatchResult:
-    return BatchResult(batch_id, [batch_id], [0.0], [[]])
+def sent(ws: WorkerSet) -> FakeChannels:
+    assert isinstance(ws.channels, FakeChannels)
+    return ws.channels
+
+
+def result(batch_id: int, token: int | None = None) -> BatchResult:
+    return BatchResult(batch_id, [batch_id if token is None else token], [0.0], [[]])
+
+
+def ids(results: list[BatchResult]) -> list[tuple[int, int]]:
+    return [(r.batch_id, r.next_token_ids[0]) for r in results]
+
+
+def test_report_ranks_are_the_last_stage_s_first_rank_or_its_attention_ranks() -> None:
+    assert report_ranks(1, 1, 1) == [0]
+    assert report_ranks(2, 1, 1) == [1]
+    assert report_ranks(2, 2, 1) == [2]  # TP: rank 0 of the last stage reports for all
+    assert report_ranks(1, 1, 2) == [0, 1]
+    assert report_ranks(3, 1, 2) == [4, 5]
 
 
 def test_results_arriving_during_a_profile_are_kept_in_order() -> None:
@@ -53,8 +81,10 @@ def test_results_arriving_during_a_profile_are_kept_in_order() -> None:
             ("profile", 1, (1, [0.3, 0.4])),
         ]
     )
-    assert ws.profile_stages([(0, 64), (64, 64)], [(1, 128)]) == [[0.1, 0.2], [0.3, 0.4]]
-    assert [ws.wait_result().batch_id for _ in range(2)] == [7, 8]
+    points = [(0, 64), (64, 64)]
+    assert ws.profile_stages(points, [[(1, 128)]]) == [[0.1, 0.2], [0.3, 0.4]]
+    assert sent(ws).sent == [("profile", points, [(1, 128)])]  # one rank: a plain send
+    assert [ids(ws.wait_results()) for _ in range(2)] == [[(7, 7)], [(8, 8)]]
 
 
 def test_results_arriving_during_a_timeline_are_kept() -> None:
@@ -66,7 +96,7 @@ def test_results_arriving_during_a_timeline_are_kept() -> None:
         ]
     )
     assert ws.collect_timeline() == []
-    assert ws.wait_result().batch_id == 3
+    assert ids(ws.wait_results()) == [(3, 3)]
 
 
 def test_collecting_has_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,11 +107,57 @@ def test_collecting_has_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(WorkerError, match="the timeline took longer"):
         ws.collect_timeline()  # rank 1 never reports
     assert time.monotonic() - start < 5
-    assert ws.wait_result().batch_id == 5  # kept even though the collection failed
+    assert ids(ws.wait_results()) == [(5, 5)]  # kept even though the collection failed
 
 
 def test_a_step_past_the_watchdog_timeout_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     ws = worker_set([])
     ws.step_timeout_s = 0.05
     with pytest.raises(WorkerError, match="watchdog"):
-        ws.wait_result()
+        ws.wait_results()
+
+
+# -- several attention ranks ------------------------------------------------------------
+
+
+def test_results_of_two_attention_ranks_are_paired_by_micro_batch() -> None:
+    # rank 0 is a micro-batch ahead of rank 1; the last stage (pp 2, ep 2) is ranks 2 and 3
+    ws = worker_set(
+        [
+            ("result", 2, result(1, token=10)),
+            ("result", 2, result(2, token=20)),
+            ("heartbeat", 3, None),
+            ("result", 3, result(1, token=11)),
+            ("result", 3, result(2, token=21)),
+        ],
+        pp=2,
+        ep=2,
+    )
+    assert ids(ws.wait_results()) == [(1, 10), (1, 11)]
+    assert ids(ws.wait_results()) == [(2, 20), (2, 21)]
+
+
+def test_results_in_rank_order_whichever_rank_answers_first() -> None:
+    ws = worker_set(
+        [("result", 1, result(4, token=41)), ("result", 0, result(4, token=40))], pp=1, ep=2
+    )
+    assert ids(ws.wait_results()) == [(4, 40), (4, 41)]
+
+
+def test_a_profile_over_two_attention_ranks_sends_each_its_own_slots() -> None:
+    ws = worker_set([("profile", 0, (0, [0.1])), ("profile", 2, (1, [0.2]))], pp=2, ep=2)
+    points = [(0, 64)]
+    runs = [[(0, 128)], [(512, 128)]]
+    assert ws.profile_stages(points, runs) == [[0.1], [0.2]]
+    assert sent(ws).sent == []
+    assert sent(ws).sent_each == [[("profile", points, runs[0]), ("profile", points, runs[1])]]
+
+
+def test_a_group_sends_each_attention_rank_its_batch() -> None:
+    one, two = ScheduledBatch(3, []), ScheduledBatch(3, [], released=["r"])
+    ws = worker_set([], pp=1, ep=2)
+    ws.send_batch(BatchGroup(3, [one, two]))
+    assert sent(ws).sent_each == [[one, two]] and sent(ws).sent == []
+    ws = worker_set([], pp=1, tp=2)
+    ws.send_batch(BatchGroup(3, [one]))
+    assert sent(ws).sent == [one] and sent(ws).sent_each == []  # TP ranks share one batch

@@ -245,6 +245,75 @@ def test_evict_on_empty_tree() -> None:
     assert tree.evict(5) == 0 and freed == []
 
 
+# -- prefix_length: a lookup that changes nothing -----------------------------------------
+
+
+def shape(tree: RadixCache) -> tuple[object, ...]:
+    """All that a lookup could change: every node (key, pages, parent, locks, recency), the
+    page counters and the eviction heap."""
+    described = sorted(
+        (n.key, n.pages, n.parent.key if n.parent else [], n.lock_ref, n.last_access)
+        for n in nodes(tree)
+    )
+    counts = (tree.num_nodes, tree.evictable_pages, tree.protected_pages, len(tree._heap))
+    return described, counts
+
+
+def four_token_pages() -> RadixCache:
+    """Page size 4: [0..7] with children [8..11] (locked) and [50..53]; and [100..107]."""
+    tree, _ = make_tree(page_size=4)
+    tree.insert(list(range(12)), [10, 11, 12])
+    tree.insert(list(range(8)) + [50, 51, 52, 53], [10, 11, 20])
+    tree.insert(list(range(100, 108)), [30, 31])
+    tree.lock(tree.match_prefix(list(range(12)))[1])
+    return tree
+
+
+LOOKUPS = [  # tokens, the page-aligned length of their cached prefix
+    (list(range(12)), 12),
+    (list(range(14)), 12),  # the tail is shorter than a page
+    (list(range(10)), 8),  # ends inside a page
+    (list(range(4)) + [9] * 8, 4),  # leaves [0..7] after one page (match_prefix splits it)
+    (list(range(6)) + [9] * 6, 4),  # leaves [0..7] inside its second page
+    (list(range(8)) + [50, 51, 52, 53, 54], 12),
+    (list(range(100, 106)), 4),  # ends inside a leaf
+    ([100, 101, 102], 0),  # less than a page
+    ([5, 6, 7, 8], 0),
+    ([], 0),
+]
+
+
+def test_prefix_length_is_page_aligned_and_changes_nothing() -> None:
+    tree = four_token_pages()
+    before = shape(tree)
+    assert [tree.prefix_length(tokens) for tokens, _ in LOOKUPS] == [n for _, n in LOOKUPS]
+    assert shape(tree) == before
+
+
+def test_prefix_length_agrees_with_match_prefix_which_it_leaves_as_it_was() -> None:
+    looked, untouched = four_token_pages(), four_token_pages()
+    lengths = [looked.prefix_length(tokens) for tokens, _ in LOOKUPS]
+    for (tokens, _), n in zip(LOOKUPS, lengths, strict=True):
+        pages = looked.match_prefix(tokens)[0]
+        assert pages == untouched.match_prefix(tokens)[0]
+        assert len(pages) * 4 == n
+    assert shape(looked) == shape(untouched)  # same splits, same recency, same heap
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefix_length_matches_the_reference_model(page_size: int) -> None:
+    model = Model(random.Random(99 + page_size), page_size, num_pages=24)
+    for _ in range(300):
+        model.step()
+        tokens = model.random_tokens()
+        if model.live and model.rng.random() < 0.5:  # often a prefix the tree may hold
+            tokens = model.rng.choice(model.live).tokens + tokens
+        before = shape(model.tree)
+        expected = len(model.expected_match(tokens)) * page_size
+        assert model.tree.prefix_length(tokens) == expected, f"lookup of {tokens}"
+        assert shape(model.tree) == before
+
+
 # -- randomized run against a reference model -------------------------------------------
 
 

@@ -3,7 +3,8 @@
 Every rank runs the same scenarios (fp32, bf16, an explicit placement table, a rank that
 receives nothing, tokens whose experts all sit on one rank, two dispatchers in flight at
 once); the test process rebuilds each rank's expected rows, counts, bytes and combined
-output from the global routing, with loops of its own, and compares."""
+output from the global routing, with loops of its own, and compares. Each half of a
+dispatch and a combine logs one communication span with its layer and bytes."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from pipeserve.moe.dispatcher import (
     LocalDispatcher,
     make_dispatcher,
 )
+from pipeserve.timeline import drain_comm
 
 HIDDEN, TOP_K, EXPERTS_PER_RANK = 6, 3, 3
 ROW_EXTRA_BYTES = TOP_K * (8 + 4)  # long local ids + float32 weights ride with each row
+LAYER = 7
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,17 @@ def dispatcher_for(case: Case, world: int, rank: int) -> Dispatcher:
     return make_dispatcher(ExpertPlacement.from_table(case.table, world), rank)
 
 
+def logged_spans(case: Case, world: int, rank: int) -> dict[str, Any]:
+    """One dispatch and combine of layer 7: the spans it logged and its handles' traffic."""
+    drain_comm()
+    d = make_dispatcher(ExpertPlacement.from_table(case.table, world), rank, layer=LAYER)
+    done = one_dispatch(d, case, rank)
+    spans = [(kind, end >= start, layer, sent, recv)
+             for kind, start, end, layer, sent, recv in drain_comm()]
+    return {"spans": spans, "dispatch_traffic": done["dispatch_traffic"],
+            "combine_traffic": done["combine_traffic"]}
+
+
 def rank_results(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     all_cases, results = cases(world), {}
     for name in ["fp32", "bf16", "table", "last_gets_nothing", "one_rank"]:
@@ -133,6 +147,7 @@ def rank_results(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     a, b = all_cases["tbo_a"], all_cases["tbo_b"]
     results["tbo_a"], results["tbo_b"] = two_in_flight(
         dispatcher_for(a, world, rank), dispatcher_for(b, world, rank), a, b, rank)
+    results["spans"] = logged_spans(all_cases["fp32"], world, rank)
     try:
         AllToAllDispatcher(ExpertPlacement.contiguous(8, world + 1), rank)
         results["wrong_group"] = ""
@@ -276,7 +291,26 @@ def test_group_of_another_size_is_refused(group) -> None:
     assert f"expert-parallel size of {world + 1}" in results[0]["wrong_group"]
 
 
+@multi_process
+def test_each_half_logs_one_span_with_its_layer_and_traffic(group) -> None:
+    """dispatch_launch, dispatch_wait, combine_launch, combine_wait, in that order; a launch
+    carries its handle's bytes sent and received (the wait halves none)."""
+    world, results = group
+    for r in range(world):
+        got = results[r]["spans"]
+        _, _, d_sent, d_recv = got["dispatch_traffic"]
+        _, _, c_sent, c_recv = got["combine_traffic"]
+        assert got["spans"] == [
+            ("dispatch_launch", True, LAYER, d_sent, d_recv),
+            ("dispatch_wait", True, LAYER, 0, 0),
+            ("combine_launch", True, LAYER, c_sent, c_recv),
+            ("combine_wait", True, LAYER, 0, 0),
+        ]
+    assert sum(results[r]["spans"]["dispatch_traffic"][2] for r in range(world)) > 0
+
+
 def test_local_dispatcher_passes_tokens_through() -> None:
+    drain_comm()
     x = torch.randn(4, HIDDEN).to(torch.bfloat16)
     ids, w = torch.tensor([[0, 3, 1]] * 4), torch.rand(4, TOP_K)
     d = LocalDispatcher(4)
@@ -288,6 +322,7 @@ def test_local_dispatcher_passes_tokens_through() -> None:
     case = Case((0,) * 4, [x], [ids], [w])
     torch.testing.assert_close(d.combine(out, got).float(), expected_out(case, 0), rtol=1e-2,
                                atol=1e-5)
+    assert drain_comm() == []  # nothing moved, nothing logged
 
 
 def test_ep_size_one_gets_the_local_dispatcher() -> None:

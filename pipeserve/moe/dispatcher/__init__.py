@@ -32,9 +32,13 @@ __all__ = [
 
 
 def make_dispatcher(
-    placement: ExpertPlacement, rank: int = 0, group: ProcessGroup | None = None
+    placement: ExpertPlacement,
+    rank: int = 0,
+    group: ProcessGroup | None = None,
+    layer: int = -1,
 ) -> Dispatcher:
-    """The dispatcher for this rank of the expert-parallel group; one per micro-batch."""
+    """The dispatcher for this rank of the expert-parallel group; one per micro-batch. `layer`
+    names its MoE layer in the timeline's communication spans."""
     if placement.ep_size == 1:
-        return LocalDispatcher(placement.num_experts)
-    return AllToAllDispatcher(placement, rank, group)
+        return LocalDispatcher(placement.num_experts, layer)
+    return AllToAllDispatcher(placement, rank, group, layer)

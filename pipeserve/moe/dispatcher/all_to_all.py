@@ -3,7 +3,10 @@ sizes: gloo on CPU, NCCL on GPUs; nothing here depends on the device.
 
 Dispatch sends each token once per destination rank (the ranks holding any of its top-k
 experts), with that rank's local expert ids and routing weights; combine sends each row's
-weighted expert output back, and the token's owner sums the rows from all its ranks."""
+weighted expert output back, and the token's owner sums the rows from all its ranks.
+
+Each half logs its span (timeline.record_comm) with the layer id; launches carry the bytes
+of their Traffic."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pipeserve.moe.dispatcher.base import (
     Traffic,
 )
 from pipeserve.moe.dispatcher.placement import ExpertPlacement
+from pipeserve.timeline import now, record_comm
 
 ID_BYTES, WEIGHT_BYTES = 8, 4  # long local ids, float32 weights
 
@@ -42,9 +46,13 @@ class AllToAllDispatcher(Dispatcher):
     the placement's expert-parallel size."""
 
     def __init__(
-        self, placement: ExpertPlacement, rank: int, group: ProcessGroup | None = None
+        self,
+        placement: ExpertPlacement,
+        rank: int,
+        group: ProcessGroup | None = None,
+        layer: int = -1,
     ) -> None:
-        super().__init__(placement, rank)
+        super().__init__(placement, rank, layer)
         self.group = group
         self._check_group()
         self._lookups: dict[torch.device, torch.Tensor] = {}  # immutable once built
@@ -66,21 +74,31 @@ class AllToAllDispatcher(Dispatcher):
         send buffers are gathered; the data transfers are launched without waiting. (Waiting
         for the counts in dispatch_b would leave the whole data transfer to the wait half;
         launching the data from a completion callback would issue collectives from another
-        thread, out of the order all ranks must share.)"""
+        thread, out of the order all ranks must share.)
+
+        Its "dispatch_launch" span is the whole call: the counts wait is exposed, and so is
+        the gathering of the send buffers it overlaps."""
+        start = now()
         to = self._destinations(topk_ids)
         counts = to.sum(dim=1)  # [ep] long, rows per destination rank
         recv_counts = torch.empty_like(counts)
         counts_work = self._all_to_all(recv_counts, counts, None, None)
         out = self._outgoing(hidden, topk_ids, topk_weights.float(), to)
         counts_work.wait()
-        return self._launch_dispatch(out, counts.tolist(), recv_counts.tolist())
+        handle = self._launch_dispatch(out, counts.tolist(), recv_counts.tolist())
+        self._record("dispatch_launch", start, handle.traffic)
+        return handle
 
     def dispatch_b(self, handle: DispatchHandle) -> Dispatched:
+        start = now()
         for work in handle.works:
             work.wait()
+        record_comm("dispatch_wait", start, self.layer)
         return handle.result
 
     def combine_a(self, expert_out: torch.Tensor, dispatched: Dispatched) -> CombineHandle:
+        """Launches without waiting: its "combine_launch" span is not exposed communication."""
+        start = now()
         plan = self._plan_of(expert_out, dispatched)
         sent = sum(plan.send_counts)
         returned = expert_out.new_empty((sent + 1, expert_out.shape[1]))  # [S + 1, H]
@@ -90,11 +108,14 @@ class AllToAllDispatcher(Dispatcher):
         )
         row_bytes = expert_out.shape[1] * expert_out.element_size()
         traffic = self._traffic(plan.recv_counts, plan.send_counts, row_bytes)
+        self._record("combine_launch", start, traffic)
         return CombineHandle((work,), returned, plan, dispatched.hidden.dtype, traffic)
 
     def combine_b(self, handle: CombineHandle) -> torch.Tensor:
+        start = now()
         for work in handle.works:
             work.wait()
+        record_comm("combine_wait", start, self.layer)
         assert handle.plan is not None, "combine handles of this dispatcher carry a plan"
         rows = handle.returned[handle.plan.gather_index]  # [n, slots, H]
         return rows.sum(dim=1, dtype=torch.float32).to(handle.dtype)
@@ -168,6 +189,9 @@ class AllToAllDispatcher(Dispatcher):
         return dist.all_to_all_single(
             output, input, out_splits, in_splits, group=self.group, async_op=True
         )
+
+    def _record(self, kind: str, start: float, traffic: Traffic) -> None:
+        record_comm(kind, start, self.layer, traffic.bytes_sent, traffic.bytes_recv)
 
     def _traffic(self, sent: Sequence[int], recv: Sequence[int], row_bytes: int) -> Traffic:
         rows_out, rows_in = sum(sent) - sent[self.rank], sum(recv) - recv[self.rank]

@@ -84,11 +84,13 @@ class Dispatcher(ABC):
     Launch halves return a handle without waiting for the data; wait halves complete it. An
     instance keeps no buffers between calls, so each micro-batch may own one and several
     launches may be in flight together; every rank must issue the launches of all instances
-    on a group in the same order (a collective's place in that order is its identity)."""
+    on a group in the same order (a collective's place in that order is its identity).
+    `layer` names the MoE layer in the communication spans a dispatcher logs (-1: none)."""
 
-    def __init__(self, placement: ExpertPlacement, rank: int) -> None:
+    def __init__(self, placement: ExpertPlacement, rank: int, layer: int = -1) -> None:
         self.placement = placement
         self.rank = rank
+        self.layer = layer
 
     @property
     def local_experts(self) -> tuple[int, ...]:

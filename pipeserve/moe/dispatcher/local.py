@@ -17,10 +17,10 @@ from pipeserve.moe.dispatcher.placement import ExpertPlacement
 
 class LocalDispatcher(Dispatcher):
     """Dispatch hands the tokens back as they are (local ids are the global ids); combine
-    returns its input."""
+    returns its input. Nothing moves, so no communication spans are logged."""
 
-    def __init__(self, num_experts: int) -> None:
-        super().__init__(ExpertPlacement.contiguous(num_experts, 1), 0)
+    def __init__(self, num_experts: int, layer: int = -1) -> None:
+        super().__init__(ExpertPlacement.contiguous(num_experts, 1), 0, layer)
 
     def dispatch_a(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
