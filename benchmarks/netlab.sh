@@ -18,8 +18,9 @@
 #   --addr1 IP        node 1's address [10.123.0.2]
 #   --prefix N        prefix length of the link's subnet [24]
 #   --port PORT       torch.distributed store port on node 0 (and the next T + 2) [29500]
-#   --layouts LIST    PPxTP layouts run one after another, e.g. 2x1,1x2 (adds --pp-size and
-#                     --tp-size, and a .ppPtpT suffix to --json/--timeline/--trace paths)
+#   --layouts LIST    PPxTP or PPxTPxEP layouts run one after another, e.g. 2x1,1x2,1x1x2
+#                     (adds --pp-size, --tp-size and --ep-size, and a .ppPtpT[epE] suffix to
+#                     --json/--timeline/--trace paths)
 #   --timeout S       give up on node 0 after S seconds per layout [3600]
 #   --grace S         wait this long for node 1 to exit after node 0 is done [60]
 # Environment: PIPESERVE (the command; default: this checkout's .venv, then PATH);
@@ -74,12 +75,13 @@ check_args() {
         case $arg in
             --nnodes*|--node-rank*|--dist-init-addr*)
                 die "$arg is set by this script; leave it out" ;;
-            --pp-size*|--tp-size*)
+            --pp-size*|--tp-size*|--ep-size*)
                 [[ -z $LAYOUTS ]] || die "$arg and --layouts both give the layout; use one" ;;
         esac
     done
     for arg in $LAYOUTS; do
-        [[ $arg =~ ^[0-9]+x[0-9]+$ ]] || die "--layouts: $arg is not PPxTP (e.g. 2x1,1x2)"
+        [[ $arg =~ ^[0-9]+x[0-9]+(x[0-9]+)?$ ]] ||
+            die "--layouts: $arg is not PPxTP or PPxTPxEP (e.g. 2x1,1x2,1x1x2)"
     done
 }
 
@@ -274,16 +276,19 @@ run_layout() {
 }
 
 run_layouts() {
-    local layout pp tp tag json args=() rc=0
+    local layout pp tp ep tag json args=() rc=0
     TMP=$(mktemp -d)
     for layout in $LAYOUTS; do
-        pp=${layout%x*} tp=${layout#*x} tag=pp${pp}tp${tp}
+        IFS=x read -r pp tp ep <<<"$layout"
+        ep=${ep:-1} tag=pp${pp}tp${tp}
+        ((ep == 1)) || tag+=ep${ep}
         mapfile -d '' args < <(tagged_args "$tag" "${BENCH_ARGS[@]}")
         json=$(json_path "${args[@]}")
         [[ -n $json ]] || { json=$TMP/$tag.json; args+=(--json "$json"); }
         JSONS+=("$json")
-        say "layout PP$pp x TP$tp"
-        run_layout "$tag" "${args[@]}" --pp-size "$pp" --tp-size "$tp" || { rc=$?; break; }
+        say "layout PP$pp x TP$tp x EP$ep"
+        run_layout "$tag" "${args[@]}" --pp-size "$pp" --tp-size "$tp" --ep-size "$ep" ||
+            { rc=$?; break; }
     done
     ((rc)) || print_summary
     return "$rc"

@@ -98,16 +98,18 @@ def int_list(text: str) -> list[int]:
         ) from None
 
 
-def layout_list(text: str) -> list[tuple[int, int]]:
+def layout_list(text: str) -> list[tuple[int, ...]]:
+    """PPxTP pairs or PPxTPxEP triples, e.g. 1x1,2x1,1x2,1x1x2."""
     try:
-        pairs = [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
+        sizes = [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
     except ValueError:
-        pairs = []
-    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        sizes = []
+    if not sizes or any(len(s) not in (2, 3) or min(s) < 1 for s in sizes):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of PPxTP pairs such as 1x1,2x1,1x2"
+            f"{text!r} is not a comma-separated list of PPxTP pairs or PPxTPxEP triples such "
+            "as 1x1,2x1,1x2,1x1x2"
         )
-    return [(p[0], p[1]) for p in pairs]
+    return sizes
 
 
 def size_list(text: str) -> list[int]:
@@ -136,8 +138,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from pipeserve.bench.offline import Layout, run_bench
 
     pp_sizes, tp_sizes, ep_sizes = args.pp_size or [1], args.tp_size or [1], args.ep_size or [1]
-    pairs = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
-    sizes = [(pp, tp, ep) for pp, tp in pairs for ep in ep_sizes]
+    given = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
+    sizes: list[tuple[int, int, int]] = []
+    for s in given:  # a PPxTP pair runs with every --ep-size, a PPxTPxEP triple as it is
+        eps = [s[2]] if len(s) == 3 else ep_sizes
+        sizes += [(s[0], s[1], ep) for ep in eps]
     threads = args.threads_per_worker or [None]
     loops = ["plain", "overlap"] if args.compare_loops else [None]
     runs = len(sizes) * len(threads) * len(loops) * args.repeat
@@ -256,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--layouts",
         type=layout_list,
-        help="layouts to compare as PPxTP pairs, e.g. 1x1,2x1,1x2 (instead of the product of "
-        "--pp-size and --tp-size; each pair runs with every --ep-size)",
+        help="layouts to compare as PPxTP pairs or PPxTPxEP triples, e.g. 1x1,1x2,1x1x2 "
+        "(instead of the product of --pp-size and --tp-size; a pair runs with every --ep-size)",
     )
     bench.add_argument(
         "--compare-loops",

@@ -158,5 +158,10 @@ def test_bench_ep_sizes_multiply_the_layouts(monkeypatch) -> None:
         ("PP2 TP1 EP2", 2, 1, 2)]
     got = bench_layouts(monkeypatch, ["--layouts", "1x1,2x1", "--ep-size", "2"])
     assert [n for n, _, _ in got] == ["PP1 TP1 EP2", "PP2 TP1 EP2"]
+    got = bench_layouts(monkeypatch, ["--layouts", "1x1,1x2,1x1x2,2x1x2"])  # EP in triples
+    assert [(f["pp_size"], f["tp_size"], f["ep_size"]) for _, f, _ in got] == [
+        (1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)]
+    with pytest.raises(SystemExit):
+        main(["bench", "--layouts", "1x1x2x2"])
     with pytest.raises(SystemExit):
         main(["bench", "--ep-size", "1,two"])

@@ -100,6 +100,7 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     stats["overlap_schedule"] = engine.backend.stats()["overlap_schedule"]
     stats["chunking"] = dict(engine.backend.chunking)  # with dynamic chunking: profile and fit
     stats["loop"] = engine.backend.stats()["loop"]
+    stats["expert_weight_bytes_per_rank"] = engine.backend.expert_bytes_per_rank()
     return stats
 
 

@@ -454,7 +454,15 @@ def encode_batch_command(obj: ScheduledBatch | str | tuple[Any, ...]) -> bytes:
 
 # --- status: worker -> scheduler ----------------------------------------------------------
 
-READY_FIELDS = ("num_pages", "partition", "stage", "tp_rank", "ep_rank", "tp_all_reduce")
+READY_FIELDS = (
+    "num_pages",
+    "partition",
+    "stage",
+    "tp_rank",
+    "ep_rank",
+    "expert_bytes",
+    "tp_all_reduce",
+)
 
 
 def _encode_ready(info: dict[str, Any]) -> list[Any]:
@@ -464,9 +472,9 @@ def _encode_ready(info: dict[str, Any]) -> list[Any]:
 
 
 def _decode_ready(v: Any) -> dict[str, Any]:
-    pages, partition, stage, tp_rank, ep_rank, all_reduce = _fields(v, 6, "ready")
+    pages, partition, stage, tp_rank, ep_rank, expert_bytes, all_reduce = _fields(v, 7, "ready")
     ranks = (_int(stage), _int(tp_rank), _int(ep_rank))
-    values = (_int(pages), _ints(partition), *ranks, _str(all_reduce))
+    values = (_int(pages), _ints(partition), *ranks, _int(expert_bytes), _str(all_reduce))
     return dict(zip(READY_FIELDS, values, strict=True))
 
 

@@ -89,6 +89,7 @@ def worker_main(args: WorkerArgs) -> None:
                 "stage": state.pp_rank,
                 "tp_rank": state.tp_rank,
                 "ep_rank": state.ep_rank,
+                "expert_bytes": runner.expert_bytes(),
                 "tp_all_reduce": _all_reduce_kind(state),
             },
         )

@@ -111,6 +111,10 @@ class Backend:
     def timeline(self) -> list[Event]:
         raise NotImplementedError
 
+    def expert_bytes_per_rank(self) -> int:
+        """Bytes of routed-expert weights on the rank that holds most."""
+        raise NotImplementedError
+
     def check_health(self) -> None:
         """Raise if the executor can no longer run batches (a worker died)."""
 
@@ -202,6 +206,9 @@ class InProcessBackend(Backend):
     def timeline(self) -> list[Event]:
         return self.cpu.take() + self.runner.recorder.take()
 
+    def expert_bytes_per_rank(self) -> int:
+        return self.runner.expert_bytes()
+
     def profile_stages(self, points: list[Point], runs: list[list[Run]]) -> list[list[float]]:
         return [self.loop.on_device(self.runner.profile_prefill, points, runs[0])]
 
@@ -284,6 +291,9 @@ class WorkerBackend(Backend):
 
     def timeline(self) -> list[Event]:
         return self.cpu.take() + self.workers.collect_timeline()
+
+    def expert_bytes_per_rank(self) -> int:
+        return max(i["expert_bytes"] for i in self.workers.info.values())
 
     def check_health(self) -> None:
         try:

@@ -181,6 +181,10 @@ class ModelRunner:
         self.recorder.add("forward", start, end, batch)
         return StageOutput(hidden, residual, result)
 
+    def expert_bytes(self) -> int:
+        """Bytes of the routed experts' weights this rank holds."""
+        return sum(p.nbytes for m in self.expert_layers for p in m.parameters())
+
     def _idle_forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank has no tokens this step (data-parallel attention, another rank has): it
         runs no attention, only its experts for the tokens the other ranks send it, in the

@@ -61,7 +61,7 @@ STAGE_MESSAGES: list[tuple[MsgType, wire.StageBody]] = [
 ]
 STATUS_MESSAGES: list[tuple[str, int, Any]] = [
     ("ready", 3, {"num_pages": 4096, "partition": [3, 1], "stage": 1, "tp_rank": 1,
-                  "ep_rank": 0, "tp_all_reduce": "shared memory"}),
+                  "ep_rank": 0, "expert_bytes": 1 << 20, "tp_all_reduce": "shared memory"}),
     ("result", 1, RESULT),
     ("heartbeat", 2, None),
     ("error", 0, "Traceback (most recent call last):\n  ...\nValueError: boom"),
