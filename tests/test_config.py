@@ -86,12 +86,14 @@ def test_config_is_frozen() -> None:
          "--dynamic-chunking-profile-max-len 1024 must be at least --chunked-prefill-size 2048"),
         ({"dynamic_chunking_model": "cubic"},
          "--dynamic-chunking-model 'cubic' is not one of prefix-quadratic, quadratic"),
-        ({"tp_size": 0}, "--tp-size and --pp-size must be positive"),
+        ({"tp_size": 0}, "--tp-size, --pp-size and --ep-size must be positive"),
+        ({"ep_size": 0}, "--tp-size, --pp-size and --ep-size must be positive"),
+        ({"ep_size": 2, "tp_size": 2}, "--ep-size 2 with --tp-size 2: under expert parallelism"),
         ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"},
          r"--node-rank 2 must be in \[0, --nnodes 2\)"),
         ({"nnodes": 2, "pp_size": 2}, "--nnodes > 1 needs --dist-init-addr host:port"),
         ({"nnodes": 2, "pp_size": 3, "dist_init_addr": "h:1"},
-         "--tp-size \\* --pp-size = 3 must be divisible by --nnodes 2"),
+         "--tp-size \\* --pp-size \\* --ep-size = 3 must be divisible by --nnodes 2"),
     ],
 )
 def test_invalid_settings_say_what_to_change(flags: dict[str, Any], message: str) -> None:
