@@ -135,7 +135,7 @@ def dynamic_list(text: str) -> list[tuple[int, float]]:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from pipeserve.bench.offline import Layout, run_bench
+    from pipeserve.bench.offline import OVERLAPS, Layout, run_bench
 
     pp_sizes, tp_sizes, ep_sizes = args.pp_size or [1], args.tp_size or [1], args.ep_size or [1]
     given = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
@@ -145,7 +145,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         sizes += [(s[0], s[1], ep) for ep in eps]
     threads = args.threads_per_worker or [None]
     loops = ["plain", "overlap"] if args.compare_loops else [None]
-    runs = len(sizes) * len(threads) * len(loops) * args.repeat
+    overlaps = list(OVERLAPS) if args.compare_overlap else [None]
+    runs = len(sizes) * len(threads) * len(loops) * len(overlaps) * args.repeat
     runs *= 2 if args.compare_worker_process else 1
     if (args.nnodes or 1) > 1 and runs > 1:  # node 1 would start workers for the first only
         sys.exit(
@@ -156,13 +157,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
     args.threads_per_worker = threads[0]
     run_as_worker_node(args)
     layouts = [
-        Layout(pp, tp, ep, spawn, t if len(threads) > 1 else None, loop if pp == 1 else None)
+        Layout(
+            pp,
+            tp,
+            ep,
+            spawn,
+            t if len(threads) > 1 else None,
+            loop if pp == 1 else None,
+            overlap if ep > 1 else None,
+        )
         for pp, tp, ep in sizes
         for t in threads
         for spawn in (False, True)
         for loop in loops
+        for overlap in overlaps
         if (not spawn or (args.compare_worker_process and pp * tp * ep == 1))
         and (loop is None or pp == 1 or loop == loops[0])
+        and (overlap is None or ep > 1 or overlap == overlaps[0])
     ]
     run_bench(
         engine_flags(args),
@@ -268,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-loops",
         action="store_true",
         help="run each one-stage layout with the plain and with the overlap loop",
+    )
+    bench.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="run each expert-parallel layout without MoE overlap, with two-batch overlap, "
+        "single-batch overlap and both",
     )
     bench.add_argument(
         "--compare-worker-process",

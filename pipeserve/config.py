@@ -142,6 +142,27 @@ class ParallelConfig:
         "micro-batches in flight beyond --pp-size (keeps the first stage fed while results "
         "travel back)",
     )
+    enable_two_batch_overlap: bool = _flag(
+        False,
+        "MoE under expert parallelism: run each forward as two micro-batches whose layers "
+        "interleave, one's dispatch/combine hidden behind the other's compute",
+    )
+    tbo_token_distribution_threshold: float = _flag(
+        0.48,
+        "two-batch overlap of a prompt batch: when the most even split between requests "
+        "gives one side less than this share of the tokens, cut a request in two instead",
+    )
+    enable_single_batch_overlap: bool = _flag(
+        False,
+        "MoE under expert parallelism: inside each MoE layer, overlap the dispatch or combine "
+        "with the shared experts or the expert computation",
+    )
+    single_batch_overlap_modes: str = _flag(
+        "combine-down,dispatch-shared",
+        "with --enable-single-batch-overlap: combine-down (experts in blocks, each block's "
+        "combine launched at once), dispatch-shared or combine-shared (the shared experts run "
+        "while the dispatch / the combine is in flight; dispatch-shared wins if both)",
+    )
     threads_per_worker: int | None = _flag(
         None, "torch threads per worker (default: cores/workers)"
     )
@@ -304,6 +325,11 @@ def validate(config: EngineConfig) -> None:
             "--tp-size 1",
         ),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
+        (
+            0 < p.tbo_token_distribution_threshold <= 0.5,
+            f"--tbo-token-distribution-threshold {p.tbo_token_distribution_threshold} must be "
+            "in (0, 0.5]",
+        ),
         (
             p.nnodes > 0 and 0 <= p.node_rank < p.nnodes,
             f"--node-rank {p.node_rank} must be in [0, --nnodes {p.nnodes})",

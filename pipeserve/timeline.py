@@ -49,11 +49,19 @@ class Event:
     nbytes: int = 0
     nbytes_recv: int = 0  # "dispatch_launch"/"combine_launch": bytes from other ranks
     layer: int = -1  # communication spans of a MoE layer: its layer id
+    micro_batch: int = -1  # spans inside an overlapped forward: which micro-batch (0 = A)
 
 
-# (kind, start, end, layer, nbytes, nbytes_recv) per span, in the order they ended
-CommSpan = tuple[str, float, float, int, int, int]
+# (kind, start, end, layer, nbytes, nbytes_recv, micro-batch) per span, in the order they ended
+CommSpan = tuple[str, float, float, int, int, int, int]
 _comm_log: deque[CommSpan] = deque(maxlen=MAX_COMM_SPANS)
+_micro_batch = -1  # the micro-batch an overlapped forward is running now (-1: none)
+
+
+def set_micro_batch(mb: int) -> None:
+    """Tag the spans logged from now on with micro-batch `mb` (-1: none)."""
+    global _micro_batch
+    _micro_batch = mb
 
 
 def record_comm(
@@ -61,7 +69,12 @@ def record_comm(
 ) -> None:
     """Log a communication span of this process from `start` (a `now()`) until now. Called
     per layer per forward, so it builds one tuple and appends it (thread-safe, no lock)."""
-    _comm_log.append((kind, start, now(), layer, nbytes, nbytes_recv))
+    _comm_log.append((kind, start, now(), layer, nbytes, nbytes_recv, _micro_batch))
+
+
+def record_op(name: str, start: float) -> None:
+    """Log an operation of an overlapped forward (kind "op:<name>") from `start` until now."""
+    record_comm(f"op:{name}", start)
 
 
 def drain_comm() -> list[CommSpan]:
@@ -111,9 +124,9 @@ class Recorder:
         return out
 
     def _comm_event(self, span: CommSpan) -> Event:
-        kind, start, end, layer, sent, recv = span
+        kind, start, end, layer, sent, recv, mb = span
         ev = Event(kind, self.stage, self.tp_rank, start, end, nbytes=sent, layer=layer)
-        ev.nbytes_recv = recv
+        ev.nbytes_recv, ev.micro_batch = recv, mb
         return ev
 
 
@@ -318,7 +331,10 @@ def write_trace(events: list[Event], path: str | Path) -> None:
 def _name(e: Event) -> str:
     if e.kind == "forward":
         return _label(e)
-    return e.kind if e.layer < 0 else f"{e.kind} L{e.layer}"
+    name = e.kind if e.layer < 0 else f"{e.kind} L{e.layer}"
+    if e.micro_batch < 0:
+        return name
+    return f"{name} [{'ABCDEFGH'[e.micro_batch] if e.micro_batch < 8 else e.micro_batch}]"
 
 
 def _row_name(e: Event) -> str:

@@ -165,3 +165,12 @@ def test_bench_ep_sizes_multiply_the_layouts(monkeypatch) -> None:
         main(["bench", "--layouts", "1x1x2x2"])
     with pytest.raises(SystemExit):
         main(["bench", "--ep-size", "1,two"])
+
+
+def test_bench_compare_overlap_runs_each_ep_layout_four_ways(monkeypatch) -> None:
+    got = bench_layouts(monkeypatch, ["--layouts", "1x2,1x1x2", "--compare-overlap"])
+    assert [(n, f.get("enable_two_batch_overlap"), f.get("enable_single_batch_overlap"))
+            for n, f, _ in got] == [
+        ("PP1 TP2", None, None),  # no experts moved: one run, the flags as given
+        ("PP1 TP1 EP2 none", False, False), ("PP1 TP1 EP2 tbo", True, False),
+        ("PP1 TP1 EP2 sbo", False, True), ("PP1 TP1 EP2 tbo+sbo", True, True)]

@@ -104,6 +104,9 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     return stats
 
 
+OVERLAPS = ("none", "tbo", "sbo", "tbo+sbo")  # --compare-overlap: MoE overlap settings
+
+
 @dataclass(frozen=True)
 class Layout:
     """One engine configuration a benchmark compares."""
@@ -114,6 +117,7 @@ class Layout:
     spawn_workers: bool = False  # one device in a worker process instead of in-process
     threads: int | None = None  # torch threads per worker (None: the flags' or the default)
     loop: str | None = None  # "overlap" | "plain" forced (None: the device's default)
+    overlap: str | None = None  # MoE overlap forced: one of OVERLAPS (None: the flags')
 
     @property
     def name(self) -> str:
@@ -121,7 +125,8 @@ class Layout:
         threads = f" {self.threads}thr" if self.threads else ""
         loop = f" {self.loop}" if self.loop else ""
         ep = f" EP{self.ep}" if self.ep > 1 else ""
-        return f"PP{self.pp} TP{self.tp}{ep}{worker}{threads}{loop}"
+        overlap = f" {self.overlap}" if self.overlap else ""
+        return f"PP{self.pp} TP{self.tp}{ep}{worker}{threads}{loop}{overlap}"
 
     def flags(self, base: dict[str, Any]) -> dict[str, Any]:
         extra: dict[str, Any] = {"spawn_workers": True} if self.spawn_workers else {}
@@ -129,6 +134,9 @@ class Layout:
             extra["threads_per_worker"] = self.threads
         if self.loop:
             extra[f"{'enable' if self.loop == 'overlap' else 'disable'}_overlap_schedule"] = True
+        if self.overlap:
+            extra["enable_two_batch_overlap"] = self.overlap in ("tbo", "tbo+sbo")
+            extra["enable_single_batch_overlap"] = self.overlap in ("sbo", "tbo+sbo")
         sizes = {"pp_size": self.pp, "tp_size": self.tp, "ep_size": self.ep}
         return {**base, **sizes, **extra}
 
@@ -171,6 +179,9 @@ def run_bench(
         events = stats.pop("events")
         panels.append((layout.name, events))
         row = _layout_row(layout, stats, flops, report["matmul_peak_flops"], runs)
+        parallel = EngineConfig.from_flags(**layout.flags(flags)).parallel
+        row["two_batch_overlap"] = parallel.enable_two_batch_overlap
+        row["single_batch_overlap"] = parallel.enable_single_batch_overlap
         row["bubble_ratio"] = bubble_ratios(events)
         row["boundary_bytes"] = boundary_bytes(events)
         row["stage_overlap"] = stage_overlap(events)
@@ -226,6 +237,8 @@ def _describe(
         "num_prompts": num_prompts,
         "chunked_prefill_size": config.scheduler.chunked_prefill_size,
         "enable_dynamic_chunking": config.scheduler.enable_dynamic_chunking,
+        "two_batch_overlap": config.parallel.enable_two_batch_overlap,
+        "single_batch_overlap": config.parallel.enable_single_batch_overlap,
         "matmul_peak_flops": peak,
     }
 

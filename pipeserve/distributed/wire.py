@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch
+from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch, TwoBatchSplit
 from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.streams import StreamDelta
 from pipeserve.timeline import Event
@@ -294,14 +294,25 @@ def decode_slice(v: Any) -> ReqSlice:
 
 def encode_batch(b: ScheduledBatch) -> list[Any]:
     slices = [encode_slice(s) for s in b.slices]
-    return [b.batch_id, slices, list(b.released), _pack_floats(b.stage_times)]
+    split = b.two_batch
+    tbo = None if split is None else [split.index, split.tokens, split.decode]
+    return [b.batch_id, slices, list(b.released), _pack_floats(b.stage_times), tbo]
 
 
 def decode_batch(v: Any) -> ScheduledBatch:
-    batch_id, slices, released, stage_times = _fields(v, 4, "batch")
+    batch_id, slices, released, stage_times, tbo = _fields(v, 5, "batch")
     return ScheduledBatch(
-        _int(batch_id), _list(decode_slice, slices), _list(_str, released), _floats(stage_times)
+        _int(batch_id),
+        _list(decode_slice, slices),
+        _list(_str, released),
+        _floats(stage_times),
+        _optional(_decode_split, tbo),
     )
+
+
+def _decode_split(v: Any) -> TwoBatchSplit:
+    index, tokens, decode = _fields(v, 3, "two-batch split")
+    return TwoBatchSplit(_int(index), _int(tokens), _bool(decode))
 
 
 def encode_result(r: BatchResult) -> list[Any]:
@@ -342,14 +353,15 @@ def encode_event(e: Event) -> list[Any]:
         e.nbytes,
         e.nbytes_recv,
         e.layer,
+        e.micro_batch,
     ]
 
 
 def decode_event(v: Any) -> Event:
-    kind, stage, tp_rank, start, end, batch_id, rids, chunks, tokens, prefix, *sizes = _fields(
-        v, 13, "timeline event"
+    kind, stage, tp_rank, start, end, batch_id, rids, chunks, tokens, prefix, *more = _fields(
+        v, 14, "timeline event"
     )
-    nbytes, nbytes_recv, layer = sizes
+    nbytes, nbytes_recv, layer, micro_batch = more
     return Event(
         _str(kind),
         _int(stage),
@@ -364,6 +376,7 @@ def decode_event(v: Any) -> Event:
         _int(nbytes),
         _int(nbytes_recv),
         _int(layer),
+        _int(micro_batch),
     )
 
 

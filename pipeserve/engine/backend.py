@@ -254,7 +254,8 @@ class WorkerBackend(Backend):
             )
             for _ in range(p.ep_size)
         ]
-        self.scheduler = DataParallelScheduler(self.schedulers)
+        tbo = p.tbo_token_distribution_threshold if p.enable_two_batch_overlap else None
+        self.scheduler = DataParallelScheduler(self.schedulers, tbo)
         depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(
             self.scheduler, self.workers, depth, SlotRing(ring) if ring else None, self.cpu

@@ -13,12 +13,15 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeserve.batch_overlap.operations import OpFn, Outputs, State, arrange, run_in_order
+from pipeserve.batch_overlap.single_batch import get_single_batch_overlap
+from pipeserve.batch_overlap.strategies import EXPERTS_IN_ORDER, block_plan
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import (
     get_ep_group,
@@ -31,7 +34,7 @@ from pipeserve.layers import batch_invariant
 from pipeserve.layers.activation import silu_and_mul
 from pipeserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
 from pipeserve.model_loader import copy_into
-from pipeserve.moe.dispatcher import LocalDispatcher, make_dispatcher
+from pipeserve.moe.dispatcher import Dispatched, LocalDispatcher, make_dispatcher
 
 if TYPE_CHECKING:
     from pipeserve.model_loader import LazyTensor
@@ -193,10 +196,56 @@ class FusedMoE(nn.Module):
         output is the routing-weighted sum of its experts: the token goes to the ranks holding
         them, they run their share (`run_local`), and the shares come back summed. Under TP,
         over this rank's slice of the intermediate dimension (not yet all-reduced)."""
-        if isinstance(self.dispatcher, LocalDispatcher):  # one rank: no routing of rows
-            return self.run_local(x, weights, expert_ids)
-        got = self.dispatcher.dispatch(x, expert_ids, weights)
-        return self.dispatcher.combine(self.run_local(got.hidden, got.weights, got.local_ids), got)
+        items = arrange(self.operations(), EXPERTS_IN_ORDER)
+        return run_in_order(items, State(), x=x, weights=weights, ids=expert_ids)["routed"]
+
+    def _blocked_experts(self, state: State, got: Dispatched) -> Outputs:
+        """Single-batch overlap, combine-down: the experts in blocks of rows, each block's
+        combine launched as soon as it is computed."""
+
+        def run_rows(rows: torch.Tensor) -> torch.Tensor:
+            return self.run_local(got.hidden[rows], got.weights[rows], got.local_ids[rows])
+
+        blocks = get_single_batch_overlap().down_blocks
+        state["moe_combine"] = self.dispatcher.combine_blocks_a(run_rows, got, blocks)
+        return {}
+
+    def operations(self) -> dict[str, OpFn]:
+        """dispatch_a(x, weights, ids) -> dispatch_b -> experts -> combine_a -> combine_b
+        -> {routed}; the handles wait in the micro-batch's state between the halves."""
+        if get_single_batch_overlap().down_blocks > 1:
+            return {
+                "dispatch_a": self._dispatch_a,
+                "dispatch_b": self._dispatch_b,
+                "experts": self._blocked_experts,  # and each block's combine_a
+                "combine_b": self._combine_b,
+            }
+        return {
+            "dispatch_a": self._dispatch_a,
+            "dispatch_b": self._dispatch_b,
+            "experts": self._experts,
+            "combine_a": self._combine_a,
+            "combine_b": self._combine_b,
+        }
+
+    def _dispatch_a(
+        self, state: State, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **_: Any
+    ) -> Outputs:
+        state["moe_dispatch"] = self.dispatcher.dispatch_a(x, ids, weights)
+        return {}
+
+    def _dispatch_b(self, state: State, **_: Any) -> Outputs:
+        return {"got": self.dispatcher.dispatch_b(state.pop("moe_dispatch"))}
+
+    def _experts(self, state: State, got: Dispatched) -> Outputs:
+        return {"got": got, "out": self.run_local(got.hidden, got.weights, got.local_ids)}
+
+    def _combine_a(self, state: State, got: Dispatched, out: torch.Tensor) -> Outputs:
+        state["moe_combine"] = self.dispatcher.combine_a(out, got)
+        return {}
+
+    def _combine_b(self, state: State, **_: Any) -> Outputs:
+        return {"routed": self.dispatcher.combine_b(state.pop("moe_combine"))}
 
     def join_idle(self) -> None:
         """A step in which this rank has no tokens of its own (data-parallel attention): it
@@ -288,7 +337,49 @@ class SharedExperts(nn.Module):
         return batch_invariant.linear(h, self.down_proj.weight)  # down_proj's unreduced part
 
 
-class DeepseekV3MoE(nn.Module):
+class MoEBlock(nn.Module):
+    """A MoE MLP as operations (see pipeserve/batch_overlap): gate (route the tokens), the
+    experts' dispatch ... combine_b, shared experts where the model has them, output (sum and
+    all-reduce under TP). Its forward runs them in order; two-batch overlap interleaves them
+    with another micro-batch's."""
+
+    experts: FusedMoE
+    shared_experts: SharedExperts | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared_experts = None  # a subclass with shared experts sets them
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> routing weights [tokens, k] and global expert ids."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        items = arrange(self.operations(), block_plan(get_single_batch_overlap()))
+        return run_in_order(items, State(), x=x)["out"]
+
+    def operations(self) -> dict[str, OpFn]:
+        ops = {"gate": self._gate, **self.experts.operations(), "output": self._output}
+        if self.shared_experts is not None:
+            ops["shared_experts"] = self._shared
+        return ops
+
+    def _gate(self, state: State, x: torch.Tensor) -> Outputs:
+        state["moe_input"] = x
+        weights, ids = self.route(x)
+        return {"x": x, "weights": weights, "ids": ids}
+
+    def _shared(self, state: State, **_: Any) -> None:
+        assert self.shared_experts is not None
+        state["moe_shared"] = self.shared_experts.partial(state["moe_input"])
+
+    def _output(self, state: State, routed: torch.Tensor) -> Outputs:
+        del state["moe_input"]
+        shared = state.pop("moe_shared", None)
+        return {"out": tp_all_reduce(routed if shared is None else routed + shared)}
+
+
+class DeepseekV3MoE(MoEBlock):
     """Routed experts chosen by grouped top-k, plus `n_shared_experts` shared experts fused
     into one MLP of width moe_intermediate * n_shared_experts: output = routed + shared.
     Parameter names follow the checkpoint's `mlp.gate`, `mlp.experts`, `mlp.shared_experts`
@@ -312,8 +403,5 @@ class DeepseekV3MoE(nn.Module):
         )
         self.shared_experts = SharedExperts(hidden, moe_intermediate * n_shared_experts, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [tokens, hidden] -> [tokens, hidden]."""
-        weights, ids = self.gate(x)
-        routed = self.experts.partial(x, weights, ids)
-        return tp_all_reduce(routed + self.shared_experts.partial(x))
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(x)

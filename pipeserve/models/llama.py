@@ -8,15 +8,21 @@ the parallel layer classes.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
+from pipeserve.batch_overlap.operations import OpFn, Outputs, State, execute
+from pipeserve.batch_overlap.single_batch import get_single_batch_overlap
+from pipeserve.batch_overlap.strategies import Strategy, forward_stages
 from pipeserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
 from pipeserve.layers.activation import silu_and_mul
 from pipeserve.layers.attention import PagedAttention
 from pipeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pipeserve.layers.layernorm import RMSNorm
 from pipeserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pipeserve.layers.moe import MoEBlock
 from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.forward_batch import ForwardBatch
@@ -74,13 +80,42 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.attention_part(x, residual, rope, fb)
+        return self.mlp(x), residual
+
+    def attention_part(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms and attention: the MLP's input and the residual stream."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.attend(x, rope, fb)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        return self.post_attention_layernorm.add_and_norm(x, residual)
+
+    def operations(self) -> dict[str, OpFn]:
+        """The layer as operations (pipeserve/batch_overlap): a MoE layer offers attention,
+        its MoE block's operations and layer_output, so another micro-batch can run between
+        them; a dense layer is one operation. The micro-batch's state holds `fb` and `rope`."""
+        if not isinstance(self.mlp, MoEBlock):
+            return {"layer": self._whole}
+        return {"attention": self._attention, **self.mlp.operations(), "layer_output": self._out}
+
+    def _whole(self, state: State, hidden: torch.Tensor, residual: torch.Tensor | None) -> Outputs:
+        hidden, residual = self(hidden, residual, state["rope"], state["fb"])
+        return {"hidden": hidden, "residual": residual}
+
+    def _attention(
+        self, state: State, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> Outputs:
+        x, state["layer_residual"] = self.attention_part(
+            hidden, residual, state["rope"], state["fb"]
+        )
+        return {"x": x}
+
+    def _out(self, state: State, out: torch.Tensor) -> Outputs:
+        return {"hidden": out, "residual": state.pop("layer_residual")}
 
     def attend(self, x: torch.Tensor, rope: Rope, fb: ForwardBatch) -> torch.Tensor:
         return self.self_attn(x, rope, fb)
@@ -148,16 +183,44 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """First stage: embeds fb.input_ids. Last stage: returns final-normed hidden states.
         Other stages pass (hidden, residual) on to the next one."""
-        if self.model.embed_tokens is not None:
-            hidden, residual = self.model.embed_tokens(fb.input_ids), None
-        assert hidden is not None
+        hidden, residual = self._embed(fb, hidden, residual)
         rope = self.rotary.cos_sin(fb.positions, self.dtype)
         for i in self.layer_ids:
             hidden, residual = self.model.layers[i](hidden, residual, rope, fb)
-        if self.model.norm is not None:
-            hidden = self.model.norm(hidden if residual is None else hidden + residual)
-            residual = None
+        return self._final_norm(hidden, residual)
+
+    def forward_interleaved(
+        self,
+        fbs: list[ForwardBatch],
+        inputs: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+        strategy: Strategy,
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """`forward` of several micro-batches whose layers' stages interleave (two-batch
+        overlap); `inputs` are each one's (hidden, residual) from the previous stage."""
+        states, carried = [], []
+        for fb, (hidden, residual) in zip(fbs, inputs, strict=True):
+            hidden, residual = self._embed(fb, hidden, residual)
+            states.append(State(fb=fb, rope=self.rotary.cos_sin(fb.positions, self.dtype)))
+            carried.append({"hidden": hidden, "residual": residual})
+        layers = [cast(LlamaDecoderLayer, self.model.layers[i]) for i in self.layer_ids]
+        stages = forward_stages(layers, strategy, get_single_batch_overlap())
+        outs = execute(stages, states, carried, strategy.delta)
+        return [self._final_norm(o["hidden"], o["residual"]) for o in outs]
+
+    def _embed(
+        self, fb: ForwardBatch, hidden: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.model.embed_tokens is not None:
+            return self.model.embed_tokens(fb.input_ids), None
+        assert hidden is not None
         return hidden, residual
+
+    def _final_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.model.norm is None:
+            return hidden, residual
+        return self.model.norm(hidden if residual is None else hidden + residual), None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 logits (last stage only)."""

@@ -9,13 +9,19 @@ import torch
 from torch import nn
 
 from pipeserve.layers.linear import ReplicatedLinear
-from pipeserve.layers.moe import FusedMoE, expert_checkpoint_names, held_experts, select_experts
+from pipeserve.layers.moe import (
+    FusedMoE,
+    MoEBlock,
+    expert_checkpoint_names,
+    held_experts,
+    select_experts,
+)
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.llama import LlamaMLP
 from pipeserve.models.qwen3 import Qwen3ForCausalLM
 
 
-class Qwen3MoeSparseBlock(nn.Module):
+class Qwen3MoeSparseBlock(MoEBlock):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, layer_id: int = -1) -> None:
         super().__init__()
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
@@ -29,9 +35,8 @@ class Qwen3MoeSparseBlock(nn.Module):
             layer_id,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(self.gate(x), self.top_k, self.renormalize)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -9,6 +9,13 @@ from pathlib import Path
 
 import torch
 
+from pipeserve.batch_overlap.single_batch import (
+    OFF,
+    SingleBatchOverlap,
+    set_single_batch_overlap,
+)
+from pipeserve.batch_overlap.strategies import DECODE, PREFILL
+from pipeserve.batch_overlap.two_batch import split_batch
 from pipeserve.config import EngineConfig
 from pipeserve.device import (
     native_decode_kernel,
@@ -103,6 +110,9 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
         self.state = get_parallel_state()
+        p = config.parallel
+        sbo = p.single_batch_overlap_modes if p.enable_single_batch_overlap else None
+        set_single_batch_overlap(OFF if sbo is None else SingleBatchOverlap.from_modes(sbo))
         self.model = build_model(arch, self.dtype, self.device)
         load_weights(self.model, model_path)
         self.model.eval()
@@ -164,7 +174,9 @@ class ModelRunner:
         start = now()
         if future is not None and self.state.is_first_stage:
             fb.input_ids = future.resolve(fb.input_ids)
-        if batch.slices:
+        if batch.two_batch is not None:
+            hidden, residual = self._forward_two_batch(batch, hidden, residual, future)
+        elif batch.slices:
             hidden, residual = self.model(fb, hidden, residual)
         else:
             hidden, residual = self._idle_forward()
@@ -180,6 +192,34 @@ class ModelRunner:
             result.stage_times = batch.stage_times
         self.recorder.add("forward", start, end, batch)
         return StageOutput(hidden, residual, result)
+
+    def _forward_two_batch(
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        future: FutureMap | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch as micro-batches A and B whose layers interleave (two-batch overlap);
+        the rows come back in the batch's order."""
+        split = batch.two_batch
+        assert split is not None
+        parts = split_batch(batch)
+        fbs = [self.prepare(p) for p in parts]
+        if future is not None and self.state.is_first_stage:
+            for fb in fbs:
+                fb.input_ids = future.resolve(fb.input_ids)
+        rows = parts[0].num_tokens
+        inputs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * 2
+        if hidden is not None:
+            inputs = [
+                (hidden[:rows], None if residual is None else residual[:rows]),
+                (hidden[rows:], None if residual is None else residual[rows:]),
+            ]
+        strategy = DECODE if split.decode else PREFILL
+        (h_a, r_a), (h_b, r_b) = self.model.forward_interleaved(fbs, inputs, strategy)
+        both = None if r_a is None or r_b is None else torch.cat([r_a, r_b])
+        return torch.cat([h_a, h_b]), both
 
     def expert_bytes(self) -> int:
         """Bytes of the routed experts' weights this rank holds."""

@@ -51,12 +51,24 @@ class ReqSlice:
         return self.chunk_index < 0
 
 
+@dataclass(frozen=True)
+class TwoBatchSplit:
+    """Two-batch overlap of one forward: micro-batch A is `slices[:index]` plus the first
+    `tokens` tokens of `slices[index]` (0: the split falls between requests), B the rest.
+    `decode`: the decode strategy (else prefill's); every rank of a step runs the same."""
+
+    index: int
+    tokens: int
+    decode: bool
+
+
 @dataclass
 class ScheduledBatch:
     batch_id: int
     slices: list[ReqSlice]
     released: list[str] = field(default_factory=list)  # requests gone since the last batch
     stage_times: list[float] = field(default_factory=list)  # forward seconds, appended per stage
+    two_batch: TwoBatchSplit | None = None  # run as two interleaved micro-batches
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+from pipeserve.batch_overlap.two_batch import plan_split
+from pipeserve.scheduler.batch import BatchResult, ScheduledBatch, TwoBatchSplit
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
 
@@ -47,11 +48,27 @@ def rank_load(s: Scheduler) -> int:
     return queued + s.prefill.remaining_prompt_tokens() + held
 
 
+def plan_two_batch(batches: list[ScheduledBatch], threshold: float) -> None:
+    """Split every rank's batch for two-batch overlap, or none of them: the ranks' MoE layers
+    exchange tokens, so all must run the same micro-batches and the same strategy (decode
+    only when every rank's batch is decode steps)."""
+    splits = [plan_split(b.slices, threshold) for b in batches]
+    if any(s is None for s in splits):
+        return
+    decode = all(s.decode for s in splits if s is not None)
+    for b, s in zip(batches, splits, strict=True):
+        assert s is not None
+        b.two_batch = TwoBatchSplit(s.index, s.tokens, decode)
+
+
 class DataParallelScheduler:
-    def __init__(self, ranks: list[Scheduler]) -> None:
+    def __init__(self, ranks: list[Scheduler], two_batch_threshold: float | None = None) -> None:
+        """`two_batch_threshold`: plan two-batch overlap with this token-distribution
+        threshold (None: off)."""
         if not ranks:
             raise ValueError("data-parallel attention needs at least one scheduler")
         self.ranks = ranks
+        self.two_batch_threshold = two_batch_threshold
         self.owner: dict[str, int] = {}  # request id -> attention rank, while it lives
         self._batch_ids = itertools.count()
 
@@ -106,6 +123,8 @@ class DataParallelScheduler:
         ]
         for b in batches:
             b.batch_id = batch_id
+        if self.two_batch_threshold is not None:
+            plan_two_batch(batches, self.two_batch_threshold)
         return BatchGroup(batch_id, batches)
 
     def assign_future_slots(self, group: BatchGroup, slots: list[int]) -> None:

@@ -134,7 +134,7 @@ def logged_spans(case: Case, world: int, rank: int) -> dict[str, Any]:
     d = make_dispatcher(ExpertPlacement.from_table(case.table, world), rank, layer=LAYER)
     done = one_dispatch(d, case, rank)
     spans = [(kind, end >= start, layer, sent, recv)
-             for kind, start, end, layer, sent, recv in drain_comm()]
+             for kind, start, end, layer, sent, recv, _ in drain_comm()]
     return {"spans": spans, "dispatch_traffic": done["dispatch_traffic"],
             "combine_traffic": done["combine_traffic"]}
 

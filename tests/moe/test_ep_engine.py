@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_cases import Workload
 
 from pipeserve.engine.backend import WorkerBackend
 from pipeserve.engine.engine import Engine
@@ -32,22 +33,11 @@ MODELS = {"qwen3-moe": ("tiny-qwen3-moe", {"num_hidden_layers": 5}),
 VOCAB = 512
 FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 32,
                          "max_running_requests": 8, "max_total_tokens": 4096}
-PROMPT_LENS = [150, 41, 7, 96, 23, 64]
 # the requests of one rank end long before the last one of the other: idle steps
-NEW_TOKENS = [3, 4, 30, 2, 3, 5]
-SAMPLING = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in NEW_TOKENS]
+WORK = Workload((150, 41, 7, 96, 23, 64), (3, 4, 30, 2, 3, 5), seed=11)
+PROMPT_LENS, NEW_TOKENS, SAMPLING = list(WORK.prompt_lens), list(WORK.new_tokens), WORK.sampling
 LAYOUTS = {"ep2": {"ep_size": 2}, "pp2xep2": {"pp_size": 2, "ep_size": 2}}
-
-
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(11)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-def run(engine: Engine) -> list[dict[str, Any]]:
-    out = engine.generate(input_ids=prompts(), sampling_params=SAMPLING, return_logprob=True)
-    assert isinstance(out, list)
-    return out
+prompts, run = WORK.prompts, WORK.run
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +80,7 @@ def test_expert_parallel_layout_matches_one_process(models, reference, model: st
         procs = backend.workers.procs
     assert not any(p.is_alive() for p in procs)
 
-    ref = reference[model]
-    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
-    assert [len(o["output_ids"]) for o in out] == NEW_TOKENS
-    for key in ("prompt_logprobs", "output_logprobs"):
-        for got, want in zip(out, ref, strict=True):
-            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]),
-                                       atol=1e-4, rtol=0)
+    WORK.assert_matches(out, reference[model], atol=1e-4)
     chunks = [o["meta_info"]["chunk_sizes"] for o in out]
     assert [sum(c) for c in chunks] == PROMPT_LENS and max(map(max, chunks)) <= 32
     assert stats["num_running"] == stats["num_waiting"] == 0

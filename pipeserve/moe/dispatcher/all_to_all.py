@@ -10,8 +10,8 @@ of their Traffic."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,41 @@ class AllToAllDispatcher(Dispatcher):
         self._record("combine_launch", start, traffic)
         return CombineHandle((work,), returned, plan, dispatched.hidden.dtype, traffic)
 
+    def combine_blocks_a(
+        self,
+        run_rows: Callable[[torch.Tensor], torch.Tensor],
+        dispatched: Dispatched,
+        blocks: int,
+    ) -> CombineHandle:
+        """Group b holds the b-th share of every source rank's received rows, so each token's
+        owner knows which of its rows come back in which group. The owner lays the returned
+        rows out group-major (group 0 from every rank, then group 1, ...): each group's
+        transfer fills one contiguous range, and the gather index is renumbered to match."""
+        plan = self._plan_of(dispatched.hidden, dispatched)
+        sent = sum(plan.send_counts)
+        hidden_size = dispatched.hidden.shape[1]
+        returned = dispatched.hidden.new_empty((sent + 1, hidden_size))
+        returned[sent].zero_()
+        works, order, at = [], [], 0
+        for b in range(blocks):
+            rows = _block_rows(plan.recv_counts, b, blocks, returned.device)
+            back = [_share(n, b, blocks) for n in plan.recv_counts]  # rows to return to each
+            mine = [_share(n, b, blocks) for n in plan.send_counts]  # rows back from each
+            out = run_rows(rows).to(returned.dtype).contiguous()
+            start = now()
+            works.append(self._all_to_all(returned[at : at + sum(mine)], out, mine, back))
+            row_bytes = hidden_size * returned.element_size()
+            self._record("combine_launch", start, self._traffic(back, mine, row_bytes))
+            order.append(_block_rows(plan.send_counts, b, blocks, returned.device))
+            at += sum(mine)
+        position = torch.empty(sent + 1, dtype=torch.long, device=returned.device)
+        position[torch.cat(order)] = torch.arange(sent, device=returned.device)
+        position[sent] = sent
+        regrouped = replace(plan, gather_index=position[plan.gather_index])
+        row_bytes = hidden_size * returned.element_size()
+        traffic = self._traffic(plan.recv_counts, plan.send_counts, row_bytes)
+        return CombineHandle(tuple(works), returned, regrouped, dispatched.hidden.dtype, traffic)
+
     def combine_b(self, handle: CombineHandle) -> torch.Tensor:
         start = now()
         for work in handle.works:
@@ -196,6 +231,24 @@ class AllToAllDispatcher(Dispatcher):
     def _traffic(self, sent: Sequence[int], recv: Sequence[int], row_bytes: int) -> Traffic:
         rows_out, rows_in = sum(sent) - sent[self.rank], sum(recv) - recv[self.rank]
         return Traffic(rows_out, rows_in, rows_out * row_bytes, rows_in * row_bytes)
+
+
+def _share(n: int, block: int, blocks: int) -> int:
+    """Rows of group `block` among n rows cut into `blocks` near-equal consecutive groups."""
+    return n * (block + 1) // blocks - n * block // blocks
+
+
+def _block_rows(
+    counts: Sequence[int], block: int, blocks: int, device: torch.device
+) -> torch.Tensor:
+    """Indices, in a buffer holding `counts[i]` rows per rank i one rank after another, of
+    group `block`'s rows of every rank, in rank order."""
+    parts, start = [], 0
+    for n in counts:
+        lo = start + n * block // blocks
+        parts.append(torch.arange(lo, lo + _share(n, block, blocks), device=device))
+        start += n
+    return torch.cat(parts)
 
 
 def _gather_index(to: torch.Tensor, sent: int, slots: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ the shared experts under single-batch overlap)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -115,6 +116,19 @@ class Dispatcher(ABC):
     def combine_b(self, handle: CombineHandle) -> torch.Tensor:
         """[n, H] in the dispatched dtype: per original token, in the original order, the sum
         over every rank of what that rank returned for it."""
+
+    def combine_blocks_a(
+        self,
+        run_rows: Callable[[torch.Tensor], torch.Tensor],
+        dispatched: Dispatched,
+        blocks: int,
+    ) -> CombineHandle:
+        """Single-batch overlap of the experts with their combine: compute the expert outputs
+        of the received rows in `blocks` groups (`run_rows(row indices) -> [rows, H]`) and
+        launch each group's return as soon as it is computed, so it travels while the next
+        group is computed. `combine_b` completes it. Here: one group, then `combine_a`."""
+        rows = torch.arange(dispatched.hidden.shape[0], device=dispatched.hidden.device)
+        return self.combine_a(run_rows(rows), dispatched)
 
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

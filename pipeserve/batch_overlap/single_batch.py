@@ -1,0 +1,60 @@
+"""Single-batch overlap: inside one MoE layer, a transfer in flight while the rank computes.
+
+Modes (`--single-batch-overlap-modes`, comma-separated):
+- `combine-down`: the experts run in blocks of received rows and each block's combine is
+  launched as soon as the block is computed (`Dispatcher.combine_blocks_a`), so the return of
+  one block travels while the next is computed;
+- `dispatch-shared`: the shared experts run while the dispatch is in flight;
+- `combine-shared`: the shared experts run while the combine is in flight.
+The shared experts run once, so the two shared modes exclude each other; given both,
+dispatch-shared is used. Without single-batch overlap each transfer is waited for before the
+next computation. On a CPU the launched collective runs on gloo's own threads while this
+thread computes; on CUDA the same launch/wait halves sit on the communication stream.
+
+The setting is process-wide, like the parallel state: the model runner sets it once, MoE
+layers read it when they order their operations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("combine-down", "dispatch-shared", "combine-shared")
+DEFAULT_MODES = "combine-down,dispatch-shared"
+DOWN_BLOCKS = 4  # combine-down: groups of received rows per MoE layer
+
+
+@dataclass(frozen=True)
+class SingleBatchOverlap:
+    down_blocks: int = 1  # > 1: combine-down with this many blocks
+    shared_after: str | None = None  # "dispatch_a" | "combine_a": where the shared experts run
+
+    @classmethod
+    def from_modes(cls, text: str) -> SingleBatchOverlap:
+        modes = [m.strip() for m in text.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in MODES]
+        if unknown or not modes:
+            raise ValueError(
+                f"--single-batch-overlap-modes {text!r}: give one or more of {', '.join(MODES)}"
+            )
+        shared = (
+            "dispatch_a"
+            if "dispatch-shared" in modes
+            else "combine_a"
+            if "combine-shared" in modes
+            else None
+        )
+        return cls(DOWN_BLOCKS if "combine-down" in modes else 1, shared)
+
+
+OFF = SingleBatchOverlap()
+_setting = OFF
+
+
+def set_single_batch_overlap(setting: SingleBatchOverlap) -> None:
+    global _setting
+    _setting = setting
+
+
+def get_single_batch_overlap() -> SingleBatchOverlap:
+    return _setting
