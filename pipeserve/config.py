@@ -163,6 +163,11 @@ class ParallelConfig:
         "combine launched at once), dispatch-shared or combine-shared (the shared experts run "
         "while the dispatch / the combine is in flight; dispatch-shared wins if both)",
     )
+    single_batch_overlap_min_tokens: int = _flag(
+        256,
+        "combine-down runs in blocks only in steps where some attention rank has at least "
+        "this many tokens (smaller steps: one block)",
+    )
     threads_per_worker: int | None = _flag(
         None, "torch threads per worker (default: cores/workers)"
     )

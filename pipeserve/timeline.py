@@ -409,3 +409,66 @@ def _draw_panel(ax: Any, title: str, fwd: list[Event]) -> None:
     ratios = bubble_ratios(fwd)
     ax.set_title(f"{title} — bubble ratio per stage: " + ", ".join(f"{r:.2f}" for r in ratios))
     ax.set_xlabel("seconds")
+
+
+WAIT_KINDS = ("dispatch_launch", "dispatch_wait", "combine_wait", "tp_all_reduce")
+COMM_OPS = ("op:dispatch_a", "op:dispatch_b", "op:combine_a", "op:combine_b")
+
+
+def overlapped_forward(events: list[Event]) -> Event | None:
+    """The longest forward of the first stage's rank 0 in which two micro-batches ran."""
+    ops = [e for e in events if e.kind.startswith("op:") and e.micro_batch >= 1]
+    found = [
+        f
+        for f in forward_events(events)
+        if f.stage == 0 and any(f.start <= o.start <= f.end and o.stage == 0 for o in ops)
+    ]
+    return max(found, key=lambda f: f.end - f.start, default=None)
+
+
+def draw_overlap(panels: list[tuple[str, list[Event]]], path: str | Path) -> bool:
+    """Inside one overlapped forward per run (the longest): a row per micro-batch with its
+    operations (compute) and one with its waits for communication (dispatch launch and wait,
+    combine wait), so hidden transfers show as one micro-batch computing while the other
+    waits. False if no run has an overlapped forward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [(t, ev, f) for t, ev in panels if (f := overlapped_forward(ev)) is not None]
+    if not shown:
+        return False
+    fig, axes = plt.subplots(len(shown), 1, figsize=(14, 2.6 * len(shown)), squeeze=False)
+    for ax, (title, events, fwd) in zip(axes[:, 0], shown, strict=True):
+        _draw_overlap_panel(ax, title, events, fwd)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _draw_overlap_panel(ax: Any, title: str, events: list[Event], fwd: Event) -> None:
+    inside = [
+        e
+        for e in events
+        if e.stage == fwd.stage and e.tp_rank == fwd.tp_rank and fwd.start <= e.start <= fwd.end
+    ]
+    rows = ["A compute", "A waits", "B compute", "B waits"]
+    for e in inside:
+        if e.micro_batch not in (0, 1) or not (e.kind.startswith("op:") or e.kind in WAIT_KINDS):
+            continue
+        if e.kind in COMM_OPS:  # mostly waiting: shown by their dispatch/combine spans
+            continue
+        compute = e.kind.startswith("op:")
+        y = 2 * e.micro_batch + (0 if compute else 1)
+        color = ("tab:blue", "tab:orange")[e.micro_batch] if compute else "tab:red"
+        ax.barh(y, e.end - e.start, left=e.start - fwd.start, height=0.8, color=color)
+    waits = sum(e.end - e.start for e in inside if e.kind in WAIT_KINDS and e.micro_batch >= 0)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds into the forward")
+    ax.set_title(
+        f"{title} — one forward ({fwd.end - fwd.start:.3f} s, batch {fwd.batch_id}), "
+        f"{waits:.3f} s waited on communication"
+    )

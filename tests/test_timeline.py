@@ -126,3 +126,21 @@ def test_trace_names_and_args_carry_the_layer(tmp_path) -> None:
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     wait = next(t for t in trace if t.get("cat") == "combine_wait")
     assert wait["name"] == "combine_wait L12" and wait["args"]["layer"] == 12
+
+
+def test_the_overlap_chart_shows_the_longest_forward_with_two_micro_batches(tmp_path) -> None:
+    def ev(kind: str, start: float, end: float, mb: int = -1, stage: int = 0) -> Event:
+        e = Event(kind, stage, 0, start, end, batch_id=1 if kind == "forward" else -1)
+        e.micro_batch = mb
+        return e
+
+    plain = ev("forward", 0.0, 5.0)  # longer, but one micro-batch only
+    split = ev("forward", 10.0, 12.0)
+    events = [plain, ev("op:attention", 1.0, 2.0), split,
+              ev("op:attention", 10.0, 10.5, 0), ev("dispatch_wait", 10.5, 11.0, 0),
+              ev("op:attention", 10.5, 11.0, 1), ev("op:output", 11.0, 11.9, 1)]
+    assert timeline.overlapped_forward(events) is split
+    assert timeline.overlapped_forward([plain, ev("op:attention", 1.0, 2.0, 0)]) is None
+    path = tmp_path / "overlap.png"
+    assert timeline.draw_overlap([("tbo", events)], path) and path.stat().st_size > 0
+    assert not timeline.draw_overlap([("plain", [plain])], tmp_path / "none.png")

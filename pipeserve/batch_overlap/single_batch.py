@@ -3,7 +3,10 @@
 Modes (`--single-batch-overlap-modes`, comma-separated):
 - `combine-down`: the experts run in blocks of received rows and each block's combine is
   launched as soon as the block is computed (`Dispatcher.combine_blocks_a`), so the return of
-  one block travels while the next is computed;
+  one block travels while the next is computed. Every rank must run as many blocks, so the
+  scheduler decides per step (`combine_down_blocks`: blocks only for steps with at least
+  `--single-batch-overlap-min-tokens` tokens on some rank; small decode steps would pay a
+  transfer's latency per block) and the batch carries the count;
 - `dispatch-shared`: the shared experts run while the dispatch is in flight;
 - `combine-shared`: the shared experts run while the combine is in flight.
 The shared experts run once, so the two shared modes exclude each other; given both,
@@ -18,6 +21,10 @@ layers read it when they order their operations.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeserve.config import ParallelConfig
 
 MODES = ("combine-down", "dispatch-shared", "combine-shared")
 DEFAULT_MODES = "combine-down,dispatch-shared"
@@ -46,9 +53,32 @@ class SingleBatchOverlap:
         )
         return cls(DOWN_BLOCKS if "combine-down" in modes else 1, shared)
 
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig) -> SingleBatchOverlap:
+        if not parallel.enable_single_batch_overlap:
+            return OFF
+        return cls.from_modes(parallel.single_batch_overlap_modes)
+
 
 OFF = SingleBatchOverlap()
 _setting = OFF
+_step_blocks = 1  # combine-down blocks of the forward running now (the scheduler decides)
+
+
+def combine_down_blocks(down_blocks: int, min_tokens: int, batch_tokens: list[int]) -> int:
+    """The combine-down blocks of one step, the same on every rank: `down_blocks` when some
+    rank's batch has at least `min_tokens` tokens, else 1 (a few rows per block would add a
+    transfer's latency per block and hide nothing)."""
+    return down_blocks if max(batch_tokens, default=0) >= min_tokens else 1
+
+
+def set_step_blocks(blocks: int) -> None:
+    global _step_blocks
+    _step_blocks = blocks
+
+
+def get_step_blocks() -> int:
+    return _step_blocks
 
 
 def set_single_batch_overlap(setting: SingleBatchOverlap) -> None:

@@ -29,6 +29,7 @@ from pipeserve.timeline import (
     boundary_bytes,
     bubble_ratios,
     comm_bytes_per_forward,
+    draw_overlap,
     draw_timeline,
     exposed_comm_s,
     exposed_comm_share,
@@ -311,6 +312,9 @@ def _save(
     if timeline_path:
         draw_timeline(panels, timeline_path)
         print(f"saved {timeline_path}")
+        overlap = Path(timeline_path).with_suffix(".overlap.png")
+        if draw_overlap(panels, overlap):  # micro-batches of two-batch overlap, inside a forward
+            print(f"saved {overlap}")
 
 
 def _offset_stage(events: list[Event], layout: int) -> list[Event]:

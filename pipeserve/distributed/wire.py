@@ -296,17 +296,25 @@ def encode_batch(b: ScheduledBatch) -> list[Any]:
     slices = [encode_slice(s) for s in b.slices]
     split = b.two_batch
     tbo = None if split is None else [split.index, split.tokens, split.decode]
-    return [b.batch_id, slices, list(b.released), _pack_floats(b.stage_times), tbo]
+    return [
+        b.batch_id,
+        slices,
+        list(b.released),
+        _pack_floats(b.stage_times),
+        tbo,
+        b.combine_blocks,
+    ]
 
 
 def decode_batch(v: Any) -> ScheduledBatch:
-    batch_id, slices, released, stage_times, tbo = _fields(v, 5, "batch")
+    batch_id, slices, released, stage_times, tbo, blocks = _fields(v, 6, "batch")
     return ScheduledBatch(
         _int(batch_id),
         _list(decode_slice, slices),
         _list(_str, released),
         _floats(stage_times),
         _optional(_decode_split, tbo),
+        _int(blocks),
     )
 
 

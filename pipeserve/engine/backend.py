@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve import envs
+from pipeserve.batch_overlap.single_batch import SingleBatchOverlap
 from pipeserve.config import EngineConfig
 from pipeserve.device import ComputeStream, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
@@ -255,7 +256,9 @@ class WorkerBackend(Backend):
             for _ in range(p.ep_size)
         ]
         tbo = p.tbo_token_distribution_threshold if p.enable_two_batch_overlap else None
-        self.scheduler = DataParallelScheduler(self.schedulers, tbo)
+        sbo = SingleBatchOverlap.from_config(p)
+        combine_down = (sbo.down_blocks, p.single_batch_overlap_min_tokens)
+        self.scheduler = DataParallelScheduler(self.schedulers, tbo, combine_down)
         depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(
             self.scheduler, self.workers, depth, SlotRing(ring) if ring else None, self.cpu

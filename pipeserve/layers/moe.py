@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeserve.batch_overlap.operations import OpFn, Outputs, State, arrange, run_in_order
-from pipeserve.batch_overlap.single_batch import get_single_batch_overlap
+from pipeserve.batch_overlap.single_batch import get_single_batch_overlap, get_step_blocks
 from pipeserve.batch_overlap.strategies import EXPERTS_IN_ORDER, block_plan
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import (
@@ -206,14 +206,14 @@ class FusedMoE(nn.Module):
         def run_rows(rows: torch.Tensor) -> torch.Tensor:
             return self.run_local(got.hidden[rows], got.weights[rows], got.local_ids[rows])
 
-        blocks = get_single_batch_overlap().down_blocks
+        blocks = get_step_blocks()
         state["moe_combine"] = self.dispatcher.combine_blocks_a(run_rows, got, blocks)
         return {}
 
     def operations(self) -> dict[str, OpFn]:
         """dispatch_a(x, weights, ids) -> dispatch_b -> experts -> combine_a -> combine_b
         -> {routed}; the handles wait in the micro-batch's state between the halves."""
-        if get_single_batch_overlap().down_blocks > 1:
+        if get_step_blocks() > 1:
             return {
                 "dispatch_a": self._dispatch_a,
                 "dispatch_b": self._dispatch_b,

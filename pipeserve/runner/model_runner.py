@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from pipeserve.batch_overlap.single_batch import (
-    OFF,
     SingleBatchOverlap,
     set_single_batch_overlap,
+    set_step_blocks,
 )
 from pipeserve.batch_overlap.strategies import DECODE, PREFILL
 from pipeserve.batch_overlap.two_batch import split_batch
@@ -110,9 +110,7 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
         self.state = get_parallel_state()
-        p = config.parallel
-        sbo = p.single_batch_overlap_modes if p.enable_single_batch_overlap else None
-        set_single_batch_overlap(OFF if sbo is None else SingleBatchOverlap.from_modes(sbo))
+        set_single_batch_overlap(SingleBatchOverlap.from_config(config.parallel))
         self.model = build_model(arch, self.dtype, self.device)
         load_weights(self.model, model_path)
         self.model.eval()
@@ -174,6 +172,7 @@ class ModelRunner:
         start = now()
         if future is not None and self.state.is_first_stage:
             fb.input_ids = future.resolve(fb.input_ids)
+        set_step_blocks(batch.combine_blocks)
         if batch.two_batch is not None:
             hidden, residual = self._forward_two_batch(batch, hidden, residual, future)
         elif batch.slices:

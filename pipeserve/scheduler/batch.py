@@ -69,6 +69,7 @@ class ScheduledBatch:
     released: list[str] = field(default_factory=list)  # requests gone since the last batch
     stage_times: list[float] = field(default_factory=list)  # forward seconds, appended per stage
     two_batch: TwoBatchSplit | None = None  # run as two interleaved micro-batches
+    combine_blocks: int = 1  # single-batch overlap: the experts' combine in this many blocks
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from pipeserve.batch_overlap.single_batch import combine_down_blocks
 from pipeserve.batch_overlap.two_batch import plan_split
 from pipeserve.scheduler.batch import BatchResult, ScheduledBatch, TwoBatchSplit
 from pipeserve.scheduler.request import Req
@@ -62,13 +63,20 @@ def plan_two_batch(batches: list[ScheduledBatch], threshold: float) -> None:
 
 
 class DataParallelScheduler:
-    def __init__(self, ranks: list[Scheduler], two_batch_threshold: float | None = None) -> None:
+    def __init__(
+        self,
+        ranks: list[Scheduler],
+        two_batch_threshold: float | None = None,
+        combine_down: tuple[int, int] = (1, 0),
+    ) -> None:
         """`two_batch_threshold`: plan two-batch overlap with this token-distribution
-        threshold (None: off)."""
+        threshold (None: off). `combine_down`: (blocks, min tokens) of single-batch overlap's
+        combine-down mode (blocks 1: off)."""
         if not ranks:
             raise ValueError("data-parallel attention needs at least one scheduler")
         self.ranks = ranks
         self.two_batch_threshold = two_batch_threshold
+        self.combine_down = combine_down
         self.owner: dict[str, int] = {}  # request id -> attention rank, while it lives
         self._batch_ids = itertools.count()
 
@@ -125,6 +133,9 @@ class DataParallelScheduler:
             b.batch_id = batch_id
         if self.two_batch_threshold is not None:
             plan_two_batch(batches, self.two_batch_threshold)
+        blocks = combine_down_blocks(*self.combine_down, [b.num_tokens for b in batches])
+        for b in batches:
+            b.combine_blocks = blocks
         return BatchGroup(batch_id, batches)
 
     def assign_future_slots(self, group: BatchGroup, slots: list[int]) -> None:

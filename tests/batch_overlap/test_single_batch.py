@@ -59,3 +59,12 @@ def test_shared_experts_run_right_after_the_launch_they_overlap(strategy, modes:
     assert names.index("shared_experts") < names.index(wait)
     # the stage structure is the strategy's
     assert plan.count(YIELD) == strategy.plan.count(YIELD)
+
+
+def test_combine_down_blocks_only_in_steps_with_enough_tokens() -> None:
+    from pipeserve.batch_overlap.single_batch import combine_down_blocks
+
+    assert combine_down_blocks(4, 256, [300, 0]) == 4  # one rank's batch is enough
+    assert combine_down_blocks(4, 256, [200, 255]) == 1
+    assert combine_down_blocks(4, 256, []) == 1
+    assert combine_down_blocks(1, 0, [1000]) == 1  # combine-down off

@@ -126,7 +126,8 @@ def test_single_batch_overlap_matches_one_process(models, reference, model: str,
                                                   modes: str | None, two_batch: bool,
                                                   beside: str | None) -> None:
     sbo = {} if modes is None else {"enable_single_batch_overlap": True,
-                                    "single_batch_overlap_modes": modes}
+                                    "single_batch_overlap_modes": modes,
+                                    "single_batch_overlap_min_tokens": 1}  # blocks every step
     with Engine(str(models[model]), **FLAGS, ep_size=2, enable_two_batch_overlap=two_batch,
                 **sbo) as engine:
         out = run(engine)

@@ -254,3 +254,14 @@ def test_abort_goes_to_the_owning_rank_and_frees_its_pages() -> None:
     assert kv.allocator.num_free + kv.tree.evictable_pages == kv.allocator.capacity  # type: ignore[union-attr]
     assert rank_load(dp.ranks[1]) == 0
     assert list(dp.ranks[0].reqs) == ["a"] and rank_load(dp.ranks[0]) > 0
+
+
+def test_every_rank_gets_the_same_combine_blocks() -> None:
+    """Single-batch overlap's combine-down: the block count is one decision for the step (each
+    block is a collective every rank must join), from the largest rank batch."""
+    for prompt, blocks in ((30, 4), (10, 1)):
+        dp = make_dp()
+        dp.combine_down = (4, 20)
+        add(dp, "r", range(prompt))
+        group = dp.schedule()
+        assert group is not None and [b.combine_blocks for b in group.batches] == [blocks] * 2
