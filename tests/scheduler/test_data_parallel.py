@@ -265,3 +265,12 @@ def test_every_rank_gets_the_same_combine_blocks() -> None:
         add(dp, "r", range(prompt))
         group = dp.schedule()
         assert group is not None and [b.combine_blocks for b in group.batches] == [blocks] * 2
+
+
+def test_no_combine_blocks_in_a_step_that_two_batch_overlap_splits() -> None:
+    dp = make_dp()
+    dp.combine_down, dp.two_batch_threshold = (4, 20), 0.48
+    assert [add(dp, "a", range(30)), add(dp, "b", range(100, 130))] == [0, 1]
+    group = dp.schedule()
+    assert group is not None and all(b.two_batch is not None for b in group.batches)
+    assert [b.combine_blocks for b in group.batches] == [1, 1]
