@@ -184,11 +184,6 @@ class FusedMoE(nn.Module):
             )
         return self._local_index[expert]
 
-    def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
-    ) -> torch.Tensor:
-        return tp_all_reduce(self.partial(x, weights, expert_ids))
-
     def partial(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
@@ -213,20 +208,17 @@ class FusedMoE(nn.Module):
     def operations(self) -> dict[str, OpFn]:
         """dispatch_a(x, weights, ids) -> dispatch_b -> experts -> combine_a -> combine_b
         -> {routed}; the handles wait in the micro-batch's state between the halves."""
-        if get_step_blocks() > 1:
-            return {
-                "dispatch_a": self._dispatch_a,
-                "dispatch_b": self._dispatch_b,
-                "experts": self._blocked_experts,  # and each block's combine_a
-                "combine_b": self._combine_b,
-            }
-        return {
+        ops: dict[str, OpFn] = {
             "dispatch_a": self._dispatch_a,
             "dispatch_b": self._dispatch_b,
             "experts": self._experts,
             "combine_a": self._combine_a,
             "combine_b": self._combine_b,
         }
+        if get_step_blocks() > 1:  # each block's combine_a is launched by the experts step
+            del ops["combine_a"]
+            ops["experts"] = self._blocked_experts
+        return ops
 
     def _dispatch_a(
         self, state: State, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **_: Any

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeserve.config import SchedulerConfig
-from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
+from pipeserve.scheduler.batch import BatchResult, ReqSlice, ScheduledBatch
 from pipeserve.scheduler.decode import DecodeManager
 from pipeserve.scheduler.dynamic_chunking import OnlineRefit
 from pipeserve.scheduler.kv_manager import KVManager
@@ -130,16 +130,15 @@ class Scheduler:
         if not slices or self.config.enable_mixed_chunk:
             left = self.max_batch_reqs - len(slices)
             slices += self.decode.schedule(left, max_inflight)
-        if not slices:
-            return None
-        batch = ScheduledBatch(next(self._batch_ids), slices, self._released)
-        self._released = []
-        return batch
+        return self._new_batch(slices) if slices else None
 
     def empty_batch(self) -> ScheduledBatch:
         """A batch with no work, for a data-parallel attention rank that sits a step out while
         its peers run one; it carries the requests released since the last batch."""
-        batch = ScheduledBatch(next(self._batch_ids), [], self._released)
+        return self._new_batch([])
+
+    def _new_batch(self, slices: list[ReqSlice]) -> ScheduledBatch:
+        batch = ScheduledBatch(next(self._batch_ids), slices, self._released)
         self._released = []
         return batch
 

@@ -5,6 +5,7 @@ run (tokens identical, logprobs within a tolerance)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,15 @@ class Workload:
         out = engine.generate(input_ids=self.prompts(), sampling_params=self.sampling,
                               return_logprob=True)
         assert isinstance(out, list)
+        return out
+
+    def references(self, models: dict[str, Path], flags: dict[str, Any]
+                   ) -> dict[str, list[dict[str, Any]]]:
+        """Each model's outputs from one in-process engine (the oracle of the layouts)."""
+        out = {}
+        for name, path in models.items():
+            with Engine(str(path), **flags) as engine:
+                out[name] = self.run(engine)
         return out
 
     def assert_matches(self, got: list[dict[str, Any]], want: list[dict[str, Any]],

@@ -47,11 +47,7 @@ def models(model_dir) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference(models: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
-    out = {}
-    for name, path in models.items():
-        with Engine(str(path), **FLAGS) as engine:
-            out[name] = run(engine)
-    return out
+    return WORK.references(models, FLAGS)
 
 
 def first_stage_forwards(events: list[Event]) -> dict[int, list[Event]]:

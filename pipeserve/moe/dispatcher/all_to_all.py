@@ -100,11 +100,9 @@ class AllToAllDispatcher(Dispatcher):
         """Launches without waiting: its "combine_launch" span is not exposed communication."""
         start = now()
         plan = self._plan_of(expert_out, dispatched)
-        sent = sum(plan.send_counts)
-        returned = expert_out.new_empty((sent + 1, expert_out.shape[1]))  # [S + 1, H]
-        returned[sent].zero_()
+        returned = self._return_buffer(plan, expert_out)
         work = self._all_to_all(
-            returned[:sent], expert_out.contiguous(), plan.send_counts, plan.recv_counts
+            returned[:-1], expert_out.contiguous(), plan.send_counts, plan.recv_counts
         )
         row_bytes = expert_out.shape[1] * expert_out.element_size()
         traffic = self._traffic(plan.recv_counts, plan.send_counts, row_bytes)
@@ -122,10 +120,8 @@ class AllToAllDispatcher(Dispatcher):
         rows out group-major (group 0 from every rank, then group 1, ...): each group's
         transfer fills one contiguous range, and the gather index is renumbered to match."""
         plan = self._plan_of(dispatched.hidden, dispatched)
-        sent = sum(plan.send_counts)
-        hidden_size = dispatched.hidden.shape[1]
-        returned = dispatched.hidden.new_empty((sent + 1, hidden_size))
-        returned[sent].zero_()
+        returned = self._return_buffer(plan, dispatched.hidden)
+        sent, row_bytes = returned.shape[0] - 1, returned.shape[1] * returned.element_size()
         works, order, at = [], [], 0
         for b in range(blocks):
             rows = _block_rows(plan.recv_counts, b, blocks, returned.device)
@@ -134,7 +130,6 @@ class AllToAllDispatcher(Dispatcher):
             out = run_rows(rows).to(returned.dtype).contiguous()
             start = now()
             works.append(self._all_to_all(returned[at : at + sum(mine)], out, mine, back))
-            row_bytes = hidden_size * returned.element_size()
             self._record("combine_launch", start, self._traffic(back, mine, row_bytes))
             order.append(_block_rows(plan.send_counts, b, blocks, returned.device))
             at += sum(mine)
@@ -142,9 +137,17 @@ class AllToAllDispatcher(Dispatcher):
         position[torch.cat(order)] = torch.arange(sent, device=returned.device)
         position[sent] = sent
         regrouped = replace(plan, gather_index=position[plan.gather_index])
-        row_bytes = hidden_size * returned.element_size()
         traffic = self._traffic(plan.recv_counts, plan.send_counts, row_bytes)
         return CombineHandle(tuple(works), returned, regrouped, dispatched.hidden.dtype, traffic)
+
+    @staticmethod
+    def _return_buffer(plan: CombinePlan, like: torch.Tensor) -> torch.Tensor:
+        """[S + 1, H] in `like`'s dtype: the rows coming back, then the all-zero row the
+        gather index pads with."""
+        sent = sum(plan.send_counts)
+        returned = like.new_empty((sent + 1, like.shape[1]))
+        returned[sent].zero_()
+        return returned
 
     def combine_b(self, handle: CombineHandle) -> torch.Tensor:
         start = now()
