@@ -152,6 +152,12 @@ class ParallelConfig:
         "two-batch overlap of a prompt batch: when the most even split between requests "
         "gives one side less than this share of the tokens, cut a request in two instead",
     )
+    two_batch_overlap_min_tokens: int = _flag(
+        512,
+        "two-batch overlap splits only steps where some attention rank has at least this "
+        "many tokens (each half reads every weight again: small steps, such as decode steps "
+        "of a few dozen requests, measured slower split; 0: split every step that can be)",
+    )
     enable_single_batch_overlap: bool = _flag(
         False,
         "MoE under expert parallelism: inside each MoE layer, overlap the dispatch or combine "
@@ -167,6 +173,11 @@ class ParallelConfig:
         256,
         "combine-down runs in blocks only in steps where some attention rank has at least "
         "this many tokens (smaller steps: one block)",
+    )
+    moe_comm_max_sms: int | None = _flag(
+        None,
+        "on NCCL: the most SMs the expert-parallel dispatch/combine kernels may take, the "
+        "rest left to the compute they overlap (default: NCCL's choice; no effect on gloo)",
     )
     threads_per_worker: int | None = _flag(
         None, "torch threads per worker (default: cores/workers)"
@@ -330,6 +341,15 @@ def validate(config: EngineConfig) -> None:
             "--tp-size 1",
         ),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
+        (p.two_batch_overlap_min_tokens >= 0, "--two-batch-overlap-min-tokens must be >= 0"),
+        (
+            p.moe_comm_max_sms is None or p.moe_comm_max_sms >= 1,
+            f"--moe-comm-max-sms {p.moe_comm_max_sms} must be at least 1",
+        ),
+        (
+            p.single_batch_overlap_min_tokens >= 0,
+            "--single-batch-overlap-min-tokens must be >= 0",
+        ),
         (
             0 < p.tbo_token_distribution_threshold <= 0.5,
             f"--tbo-token-distribution-threshold {p.tbo_token_distribution_threshold} must be "

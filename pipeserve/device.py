@@ -39,6 +39,26 @@ def dist_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def comm_group_options(backend: str, max_sms: int | None) -> Any:
+    """Options for the expert-parallel group, whose transfers single-batch and two-batch
+    overlap run beside compute. Their launches are asynchronous on both backends: NCCL runs
+    them on the group's own stream (the alternate stream; waiting on the handle makes the
+    compute stream wait on its event), gloo on the group's own threads while the main thread
+    computes. On NCCL `max_sms` caps the SMs (CTAs) its kernels take, leaving the rest to
+    compute: the communication/compute split. None: the backend's defaults (on gloo there is
+    nothing to split: compute and transfers share the cores)."""
+    if max_sms is not None and max_sms < 1:
+        raise ValueError(f"--moe-comm-max-sms {max_sms} must be at least 1")
+    if max_sms is None or backend != "nccl":
+        return None
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = max_sms
+    options.config.min_ctas = min(options.config.min_ctas, max_sms)
+    return options
+
+
 def set_threads(num_threads: int) -> None:
     torch.set_num_threads(max(1, num_threads))
 

@@ -10,6 +10,7 @@ forward and exposed (waited) seconds per kind.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -273,6 +274,18 @@ def exposed_comm_share(events: list[Event]) -> dict[str, float]:
     waits happen inside forwards, a pipeline stage's waits between them)."""
     forward_s = forward_s_per_rank(events)
     return {k: s / forward_s if forward_s else 0.0 for k, s in exposed_comm_s(events).items()}
+
+
+def split_forward_share(events: list[Event]) -> float:
+    """Of the forwards of each rank, the share that ran as two micro-batches (an operation of
+    micro-batch B inside), the mean over ranks."""
+    shares = []
+    for rank in _forwards(events):
+        forwards = [e for e in events if e.kind == "forward" and (e.stage, e.tp_rank) == rank]
+        b_ops = [e.start for e in events if e.micro_batch == 1 and (e.stage, e.tp_rank) == rank]
+        split = sum(any(f.start <= t <= f.end for t in b_ops) for f in forwards)
+        shares.append(split / len(forwards) if forwards else 0.0)
+    return statistics.fmean(shares) if shares else 0.0
 
 
 CPU_KINDS = ("schedule", "prepare", "process")

@@ -18,6 +18,7 @@ from pipeserve.timeline import (
     exposed_comm_s,
     exposed_comm_share,
     record_comm,
+    split_forward_share,
     write_trace,
 )
 
@@ -118,6 +119,22 @@ def test_exposed_time_counts_waits_and_the_blocking_launch() -> None:
     assert exposed_comm_s(events) == pytest.approx(want)
     assert exposed_comm_share(events) == pytest.approx({k: v / 2.0 for k, v in want.items()})
     assert exposed_comm_share([]) == dict.fromkeys(timeline.COMM_WAITS, 0.0)
+
+
+def test_split_forward_share_counts_forwards_with_micro_batch_b_inside() -> None:
+    """Rank (0, 0): 1 of 2 forwards ran B's operations; rank (0, 1): 2 of 2. A's operations
+    alone and B's outside any forward do not count."""
+    def op(rank: int, at: float, micro_batch: int) -> Event:
+        return Event("op:experts", 0, rank, at, at + 0.1, micro_batch=micro_batch)
+
+    events = [
+        Event("forward", 0, 0, 0.0, 1.0), Event("forward", 0, 0, 2.0, 3.0),
+        Event("forward", 0, 1, 0.0, 1.0), Event("forward", 0, 1, 2.0, 3.0),
+        op(0, 0.5, 1), op(0, 2.5, 0), op(0, 1.5, 1),
+        op(1, 0.2, 1), op(1, 2.2, 1),
+    ]
+    assert split_forward_share(events) == pytest.approx((0.5 + 1.0) / 2)
+    assert split_forward_share([]) == 0.0
 
 
 def test_trace_names_and_args_carry_the_layer(tmp_path) -> None:

@@ -35,6 +35,7 @@ from pipeserve.timeline import (
     exposed_comm_share,
     forward_events,
     hidden_cpu_time,
+    split_forward_share,
     stage_overlap,
     write_trace,
 )
@@ -182,7 +183,10 @@ def run_bench(
         row = _layout_row(layout, stats, flops, report["matmul_peak_flops"], runs)
         parallel = EngineConfig.from_flags(**layout.flags(flags)).parallel
         row["two_batch_overlap"] = parallel.enable_two_batch_overlap
+        row["two_batch_overlap_min_tokens"] = parallel.two_batch_overlap_min_tokens
+        row["split_forward_share"] = split_forward_share(events)
         row["single_batch_overlap"] = parallel.enable_single_batch_overlap
+        row["single_batch_overlap_min_tokens"] = parallel.single_batch_overlap_min_tokens
         row["bubble_ratio"] = bubble_ratios(events)
         row["boundary_bytes"] = boundary_bytes(events)
         row["stage_overlap"] = stage_overlap(events)

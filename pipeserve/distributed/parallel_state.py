@@ -39,6 +39,9 @@ class ParallelState:
     ep_rank: int = 0
     ep_size: int = 1
     ep_group: Any = None
+    # the same ranks as ep_group, for the dispatch counts exchange only (it must not queue
+    # behind another micro-batch's transfers); None: ep_group
+    ep_counts_group: Any = None
 
     def __post_init__(self) -> None:
         if self.ep_size > 1 and self.tp_size > 1:
@@ -129,6 +132,11 @@ def get_ep_group() -> Any:
     return _state.ep_group
 
 
+def get_ep_counts_group() -> Any:
+    """The group of the dispatch counts exchange; None: the expert-parallel group."""
+    return _state.ep_counts_group
+
+
 def get_expert_placement(num_experts: int) -> ExpertPlacement:
     """Which ep rank holds each routed expert: a contiguous block per rank."""
     from pipeserve.moe.dispatcher.placement import ExpertPlacement
@@ -189,13 +197,15 @@ def init_parallel_groups(
     timeout_s: float,
     ranks_per_node: int | None = None,
     ep_size: int = 1,
+    comm_options: Any = None,
 ) -> ParallelState:
-    """Join the process group and create every TP, EP and stage-link group (all ranks create
-    all groups, in the same order). A stage has `tp_size * ep_size` ranks (one of the two is
-    1); rank layout: pp_rank * width + rank within the stage, and a stage link joins the
-    ranks of the same place in adjacent stages. A TP group whose ranks share a machine (of
-    `ranks_per_node` consecutive ranks) all-reduces through shared memory on CPUs. With every
-    rank on this machine, gloo listens on loopback only."""
+    """Join the process group and create every TP, EP (with its counts group) and stage-link
+    group (all ranks create all groups, in the same order). A stage has `tp_size * ep_size`
+    ranks (one of the two is 1); rank layout: pp_rank * width + rank within the stage, and a
+    stage link joins the ranks of the same place in adjacent stages. A TP group whose ranks
+    share a machine (of `ranks_per_node` consecutive ranks) all-reduces through shared memory
+    on CPUs. With every rank on this machine, gloo listens on loopback only. `comm_options`:
+    process-group options of the expert-parallel data groups (device.comm_group_options)."""
     import datetime
 
     import torch.distributed as dist
@@ -214,15 +224,18 @@ def init_parallel_groups(
     )
     pp_rank, local = divmod(rank, width)
     tp_rank, ep_rank = (local, 0) if tp_size > 1 else (0, local)
-    tp_group, tp_ranks, gather_group, ep_group = None, tuple[int, ...]((rank,)), None, None
+    tp_group, tp_ranks, gather_group = None, tuple[int, ...]((rank,)), None
+    ep_group, counts_group = None, None
     for stage in range(pp_size):
         ranks = [stage * width + t for t in range(width)]
-        group = dist.new_group(ranks) if width > 1 else None
+        options = comm_options if ep_size > 1 else None
+        group = dist.new_group(ranks, pg_options=options) if width > 1 else None
         gather = dist.new_group(ranks) if tp_size > 1 and stage > 0 else None
+        counts = dist.new_group(ranks) if ep_size > 1 else None
         if stage == pp_rank and tp_size > 1:
             tp_group, tp_ranks, gather_group = group, tuple(ranks), gather
         if stage == pp_rank and ep_size > 1:
-            ep_group = group
+            ep_group, counts_group = group, counts
     links: dict[tuple[int, int], Any] = {}
     for stage in range(pp_size - 1):
         for t in range(width):
@@ -252,6 +265,7 @@ def init_parallel_groups(
         ep_rank=ep_rank,
         ep_size=ep_size,
         ep_group=ep_group,
+        ep_counts_group=counts_group,
     )
     set_parallel_state(state)
     return state

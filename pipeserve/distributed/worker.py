@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 
 from pipeserve.config import EngineConfig
-from pipeserve.device import ComputeStream, dist_backend, resolve_device, resolve_dtype, set_threads
+from pipeserve.device import (
+    ComputeStream,
+    comm_group_options,
+    dist_backend,
+    resolve_device,
+    resolve_dtype,
+    set_threads,
+)
 from pipeserve.distributed import p2p
 from pipeserve.distributed.channels import Endpoints, WorkerChannels
 from pipeserve.distributed.parallel_state import (
@@ -76,6 +83,7 @@ def worker_main(args: WorkerArgs) -> None:
             INIT_TIMEOUT_S,
             ranks_per_node=p.world_size // p.nnodes,
             ep_size=p.ep_size,
+            comm_options=comm_group_options(dist_backend(device), p.moe_comm_max_sms),
         )
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)

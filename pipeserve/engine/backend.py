@@ -258,7 +258,9 @@ class WorkerBackend(Backend):
         tbo = p.tbo_token_distribution_threshold if p.enable_two_batch_overlap else None
         sbo = SingleBatchOverlap.from_config(p)
         combine_down = (sbo.down_blocks, p.single_batch_overlap_min_tokens)
-        self.scheduler = DataParallelScheduler(self.schedulers, tbo, combine_down)
+        self.scheduler = DataParallelScheduler(
+            self.schedulers, tbo, combine_down, p.two_batch_overlap_min_tokens
+        )
         depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(
             self.scheduler, self.workers, depth, SlotRing(ring) if ring else None, self.cpu

@@ -24,6 +24,7 @@ from pipeserve.batch_overlap.single_batch import get_single_batch_overlap, get_s
 from pipeserve.batch_overlap.strategies import EXPERTS_IN_ORDER, block_plan
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import (
+    get_ep_counts_group,
     get_ep_group,
     get_ep_rank,
     get_expert_placement,
@@ -159,7 +160,9 @@ class FusedMoE(nn.Module):
         placement, rank = get_expert_placement(num_experts), get_ep_rank()
         self.experts = placement.experts_on(rank)  # global ids, in local order
         self._local_index = {e: i for i, e in enumerate(self.experts)}
-        self.dispatcher = make_dispatcher(placement, rank, get_ep_group(), layer=self.layer_id)
+        self.dispatcher = make_dispatcher(
+            placement, rank, get_ep_group(), self.layer_id, get_ep_counts_group()
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None

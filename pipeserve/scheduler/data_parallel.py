@@ -49,10 +49,14 @@ def rank_load(s: Scheduler) -> int:
     return queued + s.prefill.remaining_prompt_tokens() + held
 
 
-def plan_two_batch(batches: list[ScheduledBatch], threshold: float) -> None:
+def plan_two_batch(batches: list[ScheduledBatch], threshold: float, min_tokens: int = 0) -> None:
     """Split every rank's batch for two-batch overlap, or none of them: the ranks' MoE layers
     exchange tokens, so all must run the same micro-batches and the same strategy (decode
-    only when every rank's batch is decode steps)."""
+    only when every rank's batch is decode steps). No split unless some rank's batch has at
+    least `min_tokens` tokens: each micro-batch reads every weight again, which a small step
+    (a decode step of a few dozen requests) pays for with little communication to hide."""
+    if max((b.num_tokens for b in batches), default=0) < min_tokens:
+        return
     splits = [plan_split(b.slices, threshold) for b in batches]
     if any(s is None for s in splits):
         return
@@ -68,14 +72,17 @@ class DataParallelScheduler:
         ranks: list[Scheduler],
         two_batch_threshold: float | None = None,
         combine_down: tuple[int, int] = (1, 0),
+        two_batch_min_tokens: int = 0,
     ) -> None:
         """`two_batch_threshold`: plan two-batch overlap with this token-distribution
-        threshold (None: off). `combine_down`: (blocks, min tokens) of single-batch overlap's
+        threshold (None: off), in steps where some rank has `two_batch_min_tokens` tokens or
+        more. `combine_down`: (blocks, min tokens) of single-batch overlap's
         combine-down mode (blocks 1: off)."""
         if not ranks:
             raise ValueError("data-parallel attention needs at least one scheduler")
         self.ranks = ranks
         self.two_batch_threshold = two_batch_threshold
+        self.two_batch_min_tokens = two_batch_min_tokens
         self.combine_down = combine_down
         self.owner: dict[str, int] = {}  # request id -> attention rank, while it lives
         self._batch_ids = itertools.count()
@@ -132,7 +139,7 @@ class DataParallelScheduler:
         for b in batches:
             b.batch_id = batch_id
         if self.two_batch_threshold is not None:
-            plan_two_batch(batches, self.two_batch_threshold)
+            plan_two_batch(batches, self.two_batch_threshold, self.two_batch_min_tokens)
         # two-batch overlap already hides the combine: blocks would only add transfers
         # (measured across a 1 Gbit/s link: TBO + blocks 1.18x, TBO alone 1.39x)
         split = any(b.two_batch is not None for b in batches)

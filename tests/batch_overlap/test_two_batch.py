@@ -296,3 +296,14 @@ def test_all_prefill_ranks_each_get_their_own_split() -> None:
         TwoBatchSplit(1, 0, False),
         TwoBatchSplit(0, 3, False),
     ]
+
+
+@pytest.mark.parametrize(("min_tokens", "split"), [(0, True), (20, True), (21, False)])
+def test_steps_split_only_when_some_rank_has_min_tokens(min_tokens: int, split: bool) -> None:
+    """The busiest rank (20 tokens) decides for all: the 4-token decode rank splits with it."""
+    batches = [
+        ScheduledBatch(0, [decode(f"d{i}") for i in range(4)]),
+        ScheduledBatch(0, prefills(10, 10)),
+    ]
+    plan_two_batch(batches, T, min_tokens)
+    assert [b.two_batch is not None for b in batches] == [split, split]

@@ -27,6 +27,11 @@ from pipeserve.timeline import drain_comm
 
 HIDDEN, TOP_K, EXPERTS_PER_RANK = 6, 3, 3
 ROW_EXTRA_BYTES = TOP_K * (8 + 4)  # long local ids + float32 weights ride with each row
+
+
+def dispatch_row_bytes(elem: int) -> int:
+    """One packed dispatch row: ids and weights, the hidden state, padded to 8 bytes."""
+    return -(-(ROW_EXTRA_BYTES + HIDDEN * elem) // 8) * 8
 LAYER = 7
 
 
@@ -97,8 +102,9 @@ def record(dispatched: Any, dispatch_traffic: Any, combine_traffic: Any,
            out: torch.Tensor) -> dict[str, Any]:
     plan = dispatched.plan
     return {
-        "hidden": dispatched.hidden, "local_ids": dispatched.local_ids,
-        "weights": dispatched.weights, "send_counts": list(plan.send_counts),
+        # the three share one received buffer (dispatch packs them into one transfer)
+        "hidden": dispatched.hidden.clone(), "local_ids": dispatched.local_ids.clone(),
+        "weights": dispatched.weights.clone(), "send_counts": list(plan.send_counts),
         "recv_counts": list(plan.recv_counts), "out": out,
         "dispatch_traffic": dataclasses.astuple(dispatch_traffic),
         "combine_traffic": dataclasses.astuple(combine_traffic),
@@ -139,6 +145,28 @@ def logged_spans(case: Case, world: int, rank: int) -> dict[str, Any]:
             "combine_traffic": done["combine_traffic"]}
 
 
+def on_counts_group(case: Case, world: int, rank: int) -> dict[str, Any]:
+    """One dispatch and combine with a separate counts group; which group each transfer used
+    (True: the counts group) and the dtype and size it moved."""
+    import torch.distributed as dist
+
+    counts_group = dist.new_group(list(range(world)))
+    d = make_dispatcher(ExpertPlacement.from_table(case.table, world), rank,
+                        counts_group=counts_group)
+    calls, launch = [], dist.all_to_all_single
+
+    def spy(output, input, *args, group=None, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((group is counts_group, str(input.dtype), input.numel()))
+        return launch(output, input, *args, group=group, **kwargs)
+
+    dist.all_to_all_single = spy
+    try:
+        done = one_dispatch(d, case, rank)
+    finally:
+        dist.all_to_all_single = launch
+    return {"calls": calls, "out": done["out"]}
+
+
 def rank_results(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     all_cases, results = cases(world), {}
     for name in ["fp32", "bf16", "table", "last_gets_nothing", "one_rank"]:
@@ -148,6 +176,7 @@ def rank_results(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     results["tbo_a"], results["tbo_b"] = two_in_flight(
         dispatcher_for(a, world, rank), dispatcher_for(b, world, rank), a, b, rank)
     results["spans"] = logged_spans(all_cases["fp32"], world, rank)
+    results["counts_group"] = on_counts_group(all_cases["fp32"], world, rank)
     try:
         AllToAllDispatcher(ExpertPlacement.contiguous(8, world + 1), rank)
         results["wrong_group"] = ""
@@ -254,11 +283,26 @@ def test_traffic_counts_each_token_once_per_other_rank(group, name: str) -> None
         out_rows = sum(expected_counts(case, r, d) for d in range(world) if d != r)
         in_rows = sum(expected_counts(case, s, r) for s in range(world) if s != r)
         row = HIDDEN * elem
-        dispatch_row = row + ROW_EXTRA_BYTES
+        dispatch_row = dispatch_row_bytes(elem)
         assert results[r][name]["dispatch_traffic"] == (
             out_rows, in_rows, out_rows * dispatch_row, in_rows * dispatch_row)
         assert results[r][name]["combine_traffic"] == (in_rows, out_rows, in_rows * row,
                                                        out_rows * row)
+
+
+@multi_process
+def test_counts_go_on_their_own_group_and_data_in_one_transfer(group) -> None:
+    """Dispatch: the counts (ep longs) on the counts group, then one packed transfer of bytes
+    on the data group; combine: one transfer of hidden rows on the data group. The result is
+    the same as with one group."""
+    world, results = group
+    for r in range(world):
+        got = results[r]["counts_group"]
+        calls = got["calls"]
+        assert [c[:2] for c in calls] == [
+            (True, "torch.int64"), (False, "torch.uint8"), (False, "torch.float32")]
+        assert calls[0][2] == world
+        torch.testing.assert_close(got["out"], results[r]["fp32"]["out"], rtol=0, atol=0)
 
 
 @multi_process
@@ -268,7 +312,7 @@ def test_token_with_all_experts_on_one_rank_is_sent_once(group) -> None:
     for r in range(world):
         n = case.hidden[r].shape[0]
         rows, _, sent, _ = results[r]["one_rank"]["dispatch_traffic"]
-        assert (rows, sent) == (n, n * (HIDDEN * 4 + ROW_EXTRA_BYTES))
+        assert (rows, sent) == (n, n * dispatch_row_bytes(4))
         assert results[(r + 1) % world]["one_rank"]["recv_counts"][r] == n
 
 

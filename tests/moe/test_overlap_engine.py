@@ -23,7 +23,9 @@ FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 32,
                          "max_running_requests": 16, "max_total_tokens": 4096}
 WORK = Workload((90, 41, 7, 64, 23, 50), (3, 9, 14, 2, 6, 11), seed=3)
 CASES = [("qwen3-moe", {"ep_size": 2}), ("deepseek-v3", {"ep_size": 2}),
-         ("qwen3-moe", {"ep_size": 2, "pp_size": 2})]
+         ("qwen3-moe", {"ep_size": 2, "pp_size": 2}),
+         # prompt chunks have up to 32 tokens a rank, decode steps at most 6 requests
+         ("qwen3-moe", {"ep_size": 2, "two_batch_overlap_min_tokens": 16})]
 
 
 run = WORK.run
@@ -62,7 +64,8 @@ def interleaved_forwards(events: list[Event]) -> list[Event]:
                               for m, f in CASES])
 def test_two_batch_overlap_matches_one_process(models, reference, model: str,
                                                layout: dict[str, Any]) -> None:
-    with Engine(str(models[model]), **FLAGS, **layout, enable_two_batch_overlap=True) as engine:
+    flags = {"two_batch_overlap_min_tokens": 0, **layout}  # 0: split every step that can be
+    with Engine(str(models[model]), **FLAGS, **flags, enable_two_batch_overlap=True) as engine:
         out = run(engine)
         events = engine.backend.timeline()
         stats = engine.backend.stats()
@@ -73,7 +76,16 @@ def test_two_batch_overlap_matches_one_process(models, reference, model: str,
     # step, so there a decode step rarely has two requests on both ranks)
     interleaved = interleaved_forwards(events)
     assert any(min(e.chunks) >= 0 for e in interleaved)
-    assert "pp_size" in layout or any(max(e.chunks) < 0 for e in interleaved)
+    min_tokens = flags["two_batch_overlap_min_tokens"]
+    if min_tokens > 0:  # a step splits only if some rank's batch has min_tokens tokens
+        step_tokens: dict[int, int] = {}
+        for e in events:
+            if e.kind == "forward" and e.stage == 0:
+                step_tokens[e.batch_id] = max(step_tokens.get(e.batch_id, 0), sum(e.tokens))
+        assert {step_tokens[e.batch_id] >= min_tokens for e in interleaved} == {True}
+        assert min(step_tokens.values()) < min_tokens  # some steps were small: the rule ran
+    else:
+        assert "pp_size" in layout or any(max(e.chunks) < 0 for e in interleaved)
     assert {e.micro_batch for e in events if e.kind.startswith("op:")} >= {0, 1}
 
 
@@ -125,7 +137,7 @@ def test_single_batch_overlap_matches_one_process(models, reference, model: str,
                                     "single_batch_overlap_modes": modes,
                                     "single_batch_overlap_min_tokens": 1}  # blocks every step
     with Engine(str(models[model]), **FLAGS, ep_size=2, enable_two_batch_overlap=two_batch,
-                **sbo) as engine:
+                two_batch_overlap_min_tokens=0, **sbo) as engine:
         out = run(engine)
         events = engine.backend.timeline()
     assert_same(out, reference[model])

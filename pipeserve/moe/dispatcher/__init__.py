@@ -36,9 +36,11 @@ def make_dispatcher(
     rank: int = 0,
     group: ProcessGroup | None = None,
     layer: int = -1,
+    counts_group: ProcessGroup | None = None,
 ) -> Dispatcher:
-    """The dispatcher for this rank of the expert-parallel group; one per micro-batch. `layer`
-    names its MoE layer in the timeline's communication spans."""
+    """The dispatcher for this rank of the expert-parallel group. `layer` names its MoE layer
+    in the timeline's communication spans; `counts_group` carries the counts exchange (None:
+    `group`)."""
     if placement.ep_size == 1:
         return LocalDispatcher(placement.num_experts, layer)
-    return AllToAllDispatcher(placement, rank, group, layer)
+    return AllToAllDispatcher(placement, rank, group, layer, counts_group)

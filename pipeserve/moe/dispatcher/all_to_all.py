@@ -32,18 +32,43 @@ ID_BYTES, WEIGHT_BYTES = 8, 4  # long local ids, float32 weights
 
 
 @dataclass(frozen=True)
-class _Outgoing:
-    """One row per (destination rank, token) pair, ordered by rank, then token."""
+class _Rows:
+    """Dispatch moves one byte row per (destination rank, token): the token's local expert ids
+    (long), then its routing weights (float32), then its hidden state, padded to 8 bytes so
+    each part is an aligned view. One transfer carries all three."""
 
-    hidden: torch.Tensor  # [S, H]
-    local_ids: torch.Tensor  # [S, k] long, -1 where the slot's expert is on another rank
-    weights: torch.Tensor  # [S, k] float32, 0 where local_ids is -1
-    gather_index: torch.Tensor  # [n, min(k, ep)], see CombinePlan
+    k: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    @property
+    def hidden_at(self) -> int:
+        size = self.dtype.itemsize
+        return -(-self.k * (ID_BYTES + WEIGHT_BYTES) // size) * size
+
+    @property
+    def nbytes(self) -> int:
+        end = self.hidden_at + self.hidden_size * self.dtype.itemsize
+        align = max(ID_BYTES, self.dtype.itemsize)
+        return -(-end // align) * align
+
+    def empty(self, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.empty((rows, self.nbytes), dtype=torch.uint8, device=device)
+
+    def views(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(local ids [R, k] long, weights [R, k] float32, hidden [R, H]) sharing `packed`."""
+        k, at = self.k, self.hidden_at
+        ids = packed[:, : k * ID_BYTES].view(torch.long)
+        weights = packed[:, k * ID_BYTES : k * (ID_BYTES + WEIGHT_BYTES)].view(torch.float32)
+        end = at + self.hidden_size * self.dtype.itemsize
+        return ids, weights, packed[:, at:end].view(self.dtype)
 
 
 class AllToAllDispatcher(Dispatcher):
     """`rank` is this process's rank in `group` (None: the default group), whose size must be
-    the placement's expert-parallel size."""
+    the placement's expert-parallel size. `counts_group` (None: `group`) has the same ranks
+    and carries only the counts exchange, so that exchange does not queue behind data
+    transfers still in flight on `group` (another micro-batch's, under two-batch overlap)."""
 
     def __init__(
         self,
@@ -51,14 +76,17 @@ class AllToAllDispatcher(Dispatcher):
         rank: int,
         group: ProcessGroup | None = None,
         layer: int = -1,
+        counts_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(placement, rank, layer)
         self.group = group
-        self._check_group()
+        self.counts_group = group if counts_group is None else counts_group
+        self._check_group(self.group)
+        self._check_group(self.counts_group)
         self._lookups: dict[torch.device, torch.Tensor] = {}  # immutable once built
 
-    def _check_group(self) -> None:
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+    def _check_group(self, group: ProcessGroup | None) -> None:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
         if (size, rank) != (self.placement.ep_size, self.rank):
             raise ValueError(
                 f"the dispatcher was given rank {self.rank} of an expert-parallel size of "
@@ -69,23 +97,29 @@ class AllToAllDispatcher(Dispatcher):
     def dispatch_a(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchHandle:
-        """Blocks on the counts exchange only (ep_size integers): the data transfers need
-        their receive sizes when launched. That exchange is launched first and runs while the
-        send buffers are gathered; the data transfers are launched without waiting. (Waiting
-        for the counts in dispatch_b would leave the whole data transfer to the wait half;
-        launching the data from a completion callback would issue collectives from another
-        thread, out of the order all ranks must share.)
+        """Blocks on the counts exchange only (ep_size integers, on `counts_group`): the data
+        transfer needs its receive sizes when launched. That exchange is launched first and
+        runs while the send rows are packed; the data transfer (one, of packed rows) is
+        launched without waiting. (Waiting for the counts in dispatch_b would leave the whole
+        data transfer to the wait half; launching the data from a completion callback would
+        issue collectives from another thread, out of the order all ranks must share.)
 
         Its "dispatch_launch" span is the whole call: the counts wait is exposed, and so is
-        the gathering of the send buffers it overlaps."""
+        the packing it overlaps."""
         start = now()
         to = self._destinations(topk_ids)
         counts = to.sum(dim=1)  # [ep] long, rows per destination rank
         recv_counts = torch.empty_like(counts)
-        counts_work = self._all_to_all(recv_counts, counts, None, None)
-        out = self._outgoing(hidden, topk_ids, topk_weights.float(), to)
+        counts_work = self._all_to_all(recv_counts, counts, None, None, self.counts_group)
+        layout = _Rows(topk_ids.shape[1], hidden.shape[1], hidden.dtype)
+        packed, gather_index = self._outgoing(hidden, topk_ids, topk_weights.float(), to, layout)
         counts_work.wait()
-        handle = self._launch_dispatch(out, counts.tolist(), recv_counts.tolist())
+        send, recv = counts.tolist(), recv_counts.tolist()
+        received = layout.empty(sum(recv), hidden.device)
+        work = self._all_to_all(received, packed, recv, send)
+        ids, weights, rows = layout.views(received)
+        result = Dispatched(rows, ids, weights, CombinePlan(tuple(send), tuple(recv), gather_index))
+        handle = DispatchHandle((work,), result, self._traffic(send, recv, layout.nbytes))
         self._record("dispatch_launch", start, handle.traffic)
         return handle
 
@@ -171,36 +205,27 @@ class AllToAllDispatcher(Dispatcher):
         return to.scatter_(1, dest, True).t()
 
     def _outgoing(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor, to: torch.Tensor
-    ) -> _Outgoing:
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        weights: torch.Tensor,
+        to: torch.Tensor,
+        layout: _Rows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed send rows, by destination rank then token, and the combine's gather
+        index ([n, min(k, ep)], see CombinePlan). A slot whose expert is on another rank
+        carries local id -1 and weight 0."""
         rank, token = to.nonzero(as_tuple=True)  # [S] each, by rank then token
         lookup = self._lookup(topk_ids.device)
         ids = topk_ids[token]  # [S, k]
         here = lookup[0][ids] == rank[:, None]
-        local_ids = torch.where(here, lookup[1][ids], -1)
-        local_weights = torch.where(here, weights[token], 0.0)
+        packed = layout.empty(token.numel(), hidden.device)
+        local_ids, local_weights, rows = layout.views(packed)
+        local_ids.copy_(torch.where(here, lookup[1][ids], -1))
+        local_weights.copy_(torch.where(here, weights[token], 0.0))
+        torch.index_select(hidden, 0, token, out=rows)
         slots = min(topk_ids.shape[1], self.placement.ep_size)
-        index = _gather_index(to, token.numel(), slots)
-        return _Outgoing(hidden[token], local_ids, local_weights, index)
-
-    def _launch_dispatch(self, out: _Outgoing, send: list[int], recv: list[int]) -> DispatchHandle:
-        rows, (hidden_size, k) = sum(recv), (out.hidden.shape[1], out.local_ids.shape[1])
-        result = Dispatched(
-            out.hidden.new_empty((rows, hidden_size)),
-            out.local_ids.new_empty((rows, k)),
-            out.weights.new_empty((rows, k)),
-            CombinePlan(tuple(send), tuple(recv), out.gather_index),
-        )
-        works = tuple(
-            self._all_to_all(mine, theirs, recv, send)
-            for mine, theirs in zip(
-                (result.hidden, result.local_ids, result.weights),
-                (out.hidden, out.local_ids, out.weights),
-                strict=True,
-            )
-        )
-        row_bytes = hidden_size * out.hidden.element_size() + k * (ID_BYTES + WEIGHT_BYTES)
-        return DispatchHandle(works, result, self._traffic(send, recv, row_bytes))
+        return packed, _gather_index(to, token.numel(), slots)
 
     def _plan_of(self, expert_out: torch.Tensor, dispatched: Dispatched) -> CombinePlan:
         if dispatched.plan is None:
@@ -220,12 +245,18 @@ class AllToAllDispatcher(Dispatcher):
         input: torch.Tensor,
         output_splits: Sequence[int] | None,
         input_splits: Sequence[int] | None,
+        group: ProcessGroup | None = None,
     ) -> Work:
-        """Launch; None splits: equal parts."""
+        """Launch on `group` (None: the data group); None splits: equal parts."""
         out_splits = None if output_splits is None else list(output_splits)
         in_splits = None if input_splits is None else list(input_splits)
         return dist.all_to_all_single(
-            output, input, out_splits, in_splits, group=self.group, async_op=True
+            output,
+            input,
+            out_splits,
+            in_splits,
+            group=self.group if group is None else group,
+            async_op=True,
         )
 
     def _record(self, kind: str, start: float, traffic: Traffic) -> None:
