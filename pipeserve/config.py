@@ -153,10 +153,10 @@ class ParallelConfig:
         "gives one side less than this share of the tokens, cut a request in two instead",
     )
     two_batch_overlap_min_tokens: int = _flag(
-        512,
+        1024,
         "two-batch overlap splits only steps where some attention rank has at least this "
-        "many tokens (each half reads every weight again: small steps, such as decode steps "
-        "of a few dozen requests, measured slower split; 0: split every step that can be)",
+        "many tokens (each half reads every weight again: decode steps of a few dozen "
+        "requests and 512-token chunks measured slower split; 0: split every step that can be)",
     )
     enable_single_batch_overlap: bool = _flag(
         False,
