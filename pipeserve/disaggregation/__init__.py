@@ -1,0 +1,2 @@
+"""Disaggregated serving: roles that run on separate workers (afd/: attention and routed
+experts on separate workers)."""
