@@ -137,6 +137,23 @@ class ParallelConfig:
     pp_layer_partition: str | None = _flag(
         None, "layers per stage, e.g. '15,15,15,16' or 'auto' (env PIPESERVE_PP_LAYER_PARTITION)"
     )
+    afd_attention_size: int = _flag(
+        0,
+        "attention-FFN disaggregation: this many attention workers, each with its own requests "
+        "and KV cache, running embedding, attention, router, shared experts and LM head "
+        "(0: off; needs --afd-ffn-size)",
+    )
+    afd_ffn_size: int = _flag(
+        0, "attention-FFN disaggregation: this many FFN workers holding the routed experts"
+    )
+    afd_ffn_nodes: int = _flag(
+        1, "attention-FFN disaggregation: the FFN workers form this many nodes of equal size"
+    )
+    afd_dispatch_mode: str = _flag(
+        "direct-rank",
+        "attention-FFN disaggregation: 'direct-rank' (a token goes once to each FFN worker "
+        "holding one of its experts) or 'direct' (once per selected expert)",
+    )
     pp_async_batch_depth: int = _flag(
         1,
         "micro-batches in flight beyond --pp-size (keeps the first stage fed while results "
@@ -212,8 +229,20 @@ class ParallelConfig:
 
     @property
     def stage_width(self) -> int:
-        """Ranks per pipeline stage: its TP ranks, or under EP its attention ranks."""
+        """Ranks per pipeline stage: its TP ranks, under EP its attention ranks, under AFD its
+        attention workers and then its FFN workers."""
+        if self.afd_enabled:
+            return self.afd_attention_size + self.afd_ffn_size
         return self.tp_size * self.ep_size
+
+    @property
+    def afd_enabled(self) -> bool:
+        return self.afd_attention_size > 0 or self.afd_ffn_size > 0
+
+    @property
+    def attention_ranks(self) -> int:
+        """Data-parallel attention ranks per stage, each with its own scheduler."""
+        return self.afd_attention_size if self.afd_enabled else self.ep_size
 
     @property
     def uses_workers(self) -> bool:
@@ -341,6 +370,7 @@ def validate(config: EngineConfig) -> None:
             "--tp-size 1",
         ),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
+        *_afd_checks(p),
         (p.two_batch_overlap_min_tokens >= 0, "--two-batch-overlap-min-tokens must be >= 0"),
         (
             p.moe_comm_max_sms is None or p.moe_comm_max_sms >= 1,
@@ -370,8 +400,7 @@ def validate(config: EngineConfig) -> None:
         (config.server.max_request_bytes > 0, "--max-request-bytes must be positive"),
         (
             p.world_size % p.nnodes == 0,
-            f"--tp-size * --pp-size * --ep-size = {p.world_size} must be divisible by "
-            f"--nnodes {p.nnodes}",
+            f"{_world_words(p)} = {p.world_size} must be divisible by --nnodes {p.nnodes}",
         ),
     ]
     for ok, message in checks:
@@ -399,5 +428,48 @@ def _dynamic_chunking_checks(s: SchedulerConfig) -> list[tuple[bool, str]]:
             s.dynamic_chunking_model == "quadratic" or s.dynamic_chunking_profile_max_len >= size,
             f"--dynamic-chunking-profile-max-len {s.dynamic_chunking_profile_max_len} must be at "
             f"least --chunked-prefill-size {size} (the profile times chunks of up to C tokens)",
+        ),
+    ]
+
+
+AFD_DISPATCH_MODES = ("direct-rank", "direct")
+
+
+def _world_words(p: ParallelConfig) -> str:
+    if p.afd_enabled:
+        return "--afd-attention-size + --afd-ffn-size"
+    return "--tp-size * --pp-size * --ep-size"
+
+
+def _afd_checks(p: ParallelConfig) -> list[tuple[bool, str]]:
+    if not p.afd_enabled:
+        return []
+    na, nf, nodes = p.afd_attention_size, p.afd_ffn_size, p.afd_ffn_nodes
+    return [
+        (
+            na > 0 and nf > 0,
+            f"--afd-attention-size {na} and --afd-ffn-size {nf}: attention-FFN disaggregation "
+            "needs at least one worker of each kind",
+        ),
+        (
+            (p.pp_size, p.tp_size, p.ep_size) == (1, 1, 1),
+            f"attention-FFN disaggregation runs with --pp-size 1 --tp-size 1 --ep-size 1 (the "
+            f"FFN workers are the expert parallelism), not {p.pp_size}, {p.tp_size}, "
+            f"{p.ep_size}",
+        ),
+        (
+            nodes > 0 and nf % nodes == 0,
+            f"--afd-ffn-nodes {nodes} does not divide --afd-ffn-size {nf}: every FFN node "
+            "needs the same number of workers",
+        ),
+        (
+            p.afd_dispatch_mode in AFD_DISPATCH_MODES,
+            f"--afd-dispatch-mode {p.afd_dispatch_mode!r} is not one of "
+            f"{', '.join(AFD_DISPATCH_MODES)}",
+        ),
+        (
+            not (p.enable_two_batch_overlap or p.enable_single_batch_overlap),
+            "two-batch and single-batch overlap apply to expert parallelism (--ep-size), not to "
+            "attention-FFN disaggregation; drop them or the --afd-* flags",
         ),
     ]

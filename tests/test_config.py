@@ -94,6 +94,17 @@ def test_config_is_frozen() -> None:
         ({"nnodes": 2, "pp_size": 2}, "--nnodes > 1 needs --dist-init-addr host:port"),
         ({"nnodes": 2, "pp_size": 3, "dist_init_addr": "h:1"},
          "--tp-size \\* --pp-size \\* --ep-size = 3 must be divisible by --nnodes 2"),
+        ({"afd_attention_size": 2}, "--afd-attention-size 2 and --afd-ffn-size 0"),
+        ({"afd_attention_size": 1, "afd_ffn_size": 1, "ep_size": 2},
+         "attention-FFN disaggregation runs with --pp-size 1 --tp-size 1 --ep-size 1"),
+        ({"afd_attention_size": 1, "afd_ffn_size": 3, "afd_ffn_nodes": 2},
+         "--afd-ffn-nodes 2 does not divide --afd-ffn-size 3"),
+        ({"afd_attention_size": 1, "afd_ffn_size": 1, "afd_dispatch_mode": "two-stage"},
+         "--afd-dispatch-mode 'two-stage' is not one of direct-rank, direct"),
+        ({"afd_attention_size": 1, "afd_ffn_size": 1, "enable_two_batch_overlap": True},
+         "two-batch and single-batch overlap apply to expert parallelism"),
+        ({"afd_attention_size": 1, "afd_ffn_size": 2, "nnodes": 2, "dist_init_addr": "h:1"},
+         "--afd-attention-size \\+ --afd-ffn-size = 3 must be divisible by --nnodes 2"),
     ],
 )
 def test_invalid_settings_say_what_to_change(flags: dict[str, Any], message: str) -> None:
@@ -104,6 +115,12 @@ def test_invalid_settings_say_what_to_change(flags: dict[str, Any], message: str
 def test_valid_multi_node_layout() -> None:
     config = EngineConfig.from_flags(nnodes=2, node_rank=1, pp_size=4, dist_init_addr="h:1")
     assert config.parallel.world_size == 4
+
+
+def test_afd_layout_counts_both_kinds_of_worker() -> None:
+    p = EngineConfig.from_flags(afd_attention_size=3, afd_ffn_size=2).parallel
+    assert (p.world_size, p.stage_width, p.attention_ranks) == (5, 5, 3)
+    assert EngineConfig.from_flags(ep_size=2).parallel.attention_ranks == 2
 
 
 # -- environment defaults ---------------------------------------------------------------

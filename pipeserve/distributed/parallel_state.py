@@ -23,6 +23,24 @@ SHM_SLOT_BYTES = 16 << 20  # a tensor larger than this is all-reduced in slices
 
 
 @dataclass(frozen=True)
+class AfdState:
+    """Attention-FFN disaggregation: ranks 0..attention_size-1 are attention (A) workers, the
+    next ffn_size ranks FFN (F) workers, in ffn_nodes nodes of equal size."""
+
+    attention_size: int
+    ffn_size: int
+    ffn_nodes: int
+    dispatch_mode: str
+    rank: int  # this rank's index among the workers of its role
+    is_attention: bool
+    group: Any = None  # every A and F rank: the point-to-point rows between them
+
+    def global_rank(self, ffn: int) -> int:
+        """The global rank of F worker `ffn`."""
+        return self.attention_size + ffn
+
+
+@dataclass(frozen=True)
 class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
@@ -42,6 +60,7 @@ class ParallelState:
     # the same ranks as ep_group, for the dispatch counts exchange only (it must not queue
     # behind another micro-batch's transfers); None: ep_group
     ep_counts_group: Any = None
+    afd: AfdState | None = None  # attention-FFN disaggregation; None: off
 
     def __post_init__(self) -> None:
         if self.ep_size > 1 and self.tp_size > 1:
@@ -58,12 +77,17 @@ class ParallelState:
 
     @property
     def stage_width(self) -> int:
-        """Ranks per pipeline stage: its TP ranks, or under EP its attention ranks."""
+        """Ranks per pipeline stage: its TP ranks, under EP its attention ranks, under AFD its
+        attention and then its FFN workers."""
+        if self.afd is not None:
+            return self.afd.attention_size + self.afd.ffn_size
         return self.tp_size * self.ep_size
 
     @property
     def stage_rank(self) -> int:
-        """This rank's place within its stage (its TP rank, or under EP its ep rank)."""
+        """This rank's place within its stage (its TP rank, under EP its ep rank)."""
+        if self.afd is not None:
+            return self.afd.rank + (0 if self.afd.is_attention else self.afd.attention_size)
         return self.tp_rank if self.tp_size > 1 else self.ep_rank
 
     @property
@@ -138,10 +162,27 @@ def get_ep_counts_group() -> Any:
 
 
 def get_expert_placement(num_experts: int) -> ExpertPlacement:
-    """Which ep rank holds each routed expert: a contiguous block per rank."""
+    """Which ep rank (under AFD: which FFN worker) holds each routed expert: a contiguous
+    block per rank."""
     from pipeserve.moe.dispatcher.placement import ExpertPlacement
 
-    return ExpertPlacement.contiguous(num_experts, _state.ep_size)
+    size = _state.afd.ffn_size if _state.afd is not None else _state.ep_size
+    return ExpertPlacement.contiguous(num_experts, size)
+
+
+def get_held_experts(num_experts: int) -> tuple[int, ...]:
+    """Global ids of the routed experts this rank holds: its ep rank's block, under AFD an
+    FFN worker's block and none on an attention worker."""
+    afd = _state.afd
+    if afd is not None and afd.is_attention:
+        return ()
+    rank = afd.rank if afd is not None else _state.ep_rank
+    return get_expert_placement(num_experts).experts_on(rank)
+
+
+def get_afd() -> AfdState | None:
+    """Attention-FFN disaggregation's roles and group; None: off."""
+    return _state.afd
 
 
 def is_first_stage() -> bool:
@@ -206,22 +247,12 @@ def init_parallel_groups(
     share a machine (of `ranks_per_node` consecutive ranks) all-reduces through shared memory
     on CPUs. With every rank on this machine, gloo listens on loopback only. `comm_options`:
     process-group options of the expert-parallel data groups (device.comm_group_options)."""
-    import datetime
-
     import torch.distributed as dist
 
     global _links
     width = tp_size * ep_size
     world = width * pp_size
-    if _one_machine(tuple(range(world)), ranks_per_node or world):
-        _gloo_on_loopback()
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    _join(rank, world, backend, init_method, timeout_s, ranks_per_node)
     pp_rank, local = divmod(rank, width)
     tp_rank, ep_rank = (local, 0) if tp_size > 1 else (0, local)
     tp_group, tp_ranks, gather_group = None, tuple[int, ...]((rank,)), None
@@ -269,6 +300,58 @@ def init_parallel_groups(
     )
     set_parallel_state(state)
     return state
+
+
+def init_afd_groups(
+    rank: int,
+    attention_size: int,
+    ffn_size: int,
+    ffn_nodes: int,
+    dispatch_mode: str,
+    backend: str,
+    init_method: str,
+    timeout_s: float,
+    ranks_per_node: int | None = None,
+) -> ParallelState:
+    """Join the process group as an attention worker (ranks 0..attention_size-1) or an FFN
+    worker (the next ffn_size ranks) of attention-FFN disaggregation, with the group of all
+    of them that carries the rows between the two kinds."""
+    import torch.distributed as dist
+
+    world = attention_size + ffn_size
+    _join(rank, world, backend, init_method, timeout_s, ranks_per_node)
+    group = dist.new_group(list(range(world)))
+    is_attention = rank < attention_size
+    role_rank = rank if is_attention else rank - attention_size
+    afd = AfdState(
+        attention_size, ffn_size, ffn_nodes, dispatch_mode, role_rank, is_attention, group
+    )
+    state = ParallelState(afd=afd)
+    set_parallel_state(state)
+    return state
+
+
+def _join(
+    rank: int,
+    world: int,
+    backend: str,
+    init_method: str,
+    timeout_s: float,
+    ranks_per_node: int | None,
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if _one_machine(tuple(range(world)), ranks_per_node or world):
+        _gloo_on_loopback()
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def _one_machine(ranks: tuple[int, ...], ranks_per_node: int) -> bool:

@@ -29,11 +29,13 @@ from pipeserve.device import (
     resolve_dtype,
     set_threads,
 )
+from pipeserve.disaggregation.afd.ffn_worker import FfnRunner
 from pipeserve.distributed import p2p
 from pipeserve.distributed.channels import Endpoints, WorkerChannels
 from pipeserve.distributed.parallel_state import (
     ParallelState,
     get_stage_links,
+    init_afd_groups,
     init_parallel_groups,
     set_stage_partition,
 )
@@ -74,21 +76,15 @@ def worker_main(args: WorkerArgs) -> None:
         )
         arch = ArchConfig.load(args.model_path)
         device = resolve_device(config.model.device)
-        init_parallel_groups(
-            args.rank,
-            p.tp_size,
-            p.pp_size,
-            dist_backend(device),
-            args.init_method,
-            INIT_TIMEOUT_S,
-            ranks_per_node=p.world_size // p.nnodes,
-            ep_size=p.ep_size,
-            comm_options=comm_group_options(dist_backend(device), p.moe_comm_max_sms),
-        )
+        _init_groups(args, config, device)
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
         num_pages = _agree_on_pages(config, arch, args.local_workers, partition)
-        runner = ModelRunner(config, arch, args.model_path, num_pages)
+        runner: ModelRunner | FfnRunner
+        if state.afd is not None and not state.afd.is_attention:
+            runner = FfnRunner(config, arch, args.model_path)
+        else:
+            runner = ModelRunner(config, arch, args.model_path, num_pages)
         channels.send_status(
             "ready",
             {
@@ -109,6 +105,35 @@ def worker_main(args: WorkerArgs) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _init_groups(args: WorkerArgs, config: EngineConfig, device: torch.device) -> None:
+    p, backend = config.parallel, dist_backend(device)
+    per_node = p.world_size // p.nnodes
+    if p.afd_enabled:
+        init_afd_groups(
+            args.rank,
+            p.afd_attention_size,
+            p.afd_ffn_size,
+            p.afd_ffn_nodes,
+            p.afd_dispatch_mode,
+            backend,
+            args.init_method,
+            INIT_TIMEOUT_S,
+            ranks_per_node=per_node,
+        )
+        return
+    init_parallel_groups(
+        args.rank,
+        p.tp_size,
+        p.pp_size,
+        backend,
+        args.init_method,
+        INIT_TIMEOUT_S,
+        ranks_per_node=per_node,
+        ep_size=p.ep_size,
+        comm_options=comm_group_options(backend, p.moe_comm_max_sms),
+    )
 
 
 def _all_reduce_kind(state: ParallelState) -> str:
@@ -168,7 +193,11 @@ def broadcast_text(text: str, device: torch.device) -> str:
 
 class StageWorker:
     def __init__(
-        self, runner: ModelRunner, state: ParallelState, channels: WorkerChannels, args: WorkerArgs
+        self,
+        runner: ModelRunner | FfnRunner,
+        state: ParallelState,
+        channels: WorkerChannels,
+        args: WorkerArgs,
     ) -> None:
         self.runner, self.state, self.channels = runner, state, channels
         self.links = get_stage_links()
@@ -178,7 +207,9 @@ class StageWorker:
         self.future = FutureMap(args.future_ring, self.device) if args.future_ring else None
         self.inbox: queue.Queue[p2p.StageMessage | BaseException] = queue.Queue()
         # the last stage reports results: one TP rank for all, or every attention rank its own
-        self.reports = state.is_last_stage and state.tp_rank == 0
+        # (an FFN worker of attention-FFN disaggregation has none)
+        ffn = state.afd is not None and not state.afd.is_attention
+        self.reports = state.is_last_stage and state.tp_rank == 0 and not ffn
         threading.Thread(target=self._receive, daemon=True).start()
 
     def run(self) -> None:

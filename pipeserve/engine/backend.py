@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeserve import envs
 from pipeserve.batch_overlap.single_batch import SingleBatchOverlap
-from pipeserve.config import EngineConfig
+from pipeserve.config import EngineConfig, ParallelConfig
 from pipeserve.device import ComputeStream, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.chunking import ChunkPolicy, setup_chunking
@@ -246,14 +246,14 @@ class WorkerBackend(Backend):
             log.info("TP all-reduce: %s", ", ".join(kinds))
         # --max-running-requests is split over the attention ranks, and a rank's share over
         # the micro-batch slots of the pipeline
-        per_rank = max(s.max_running_requests // p.ep_size, 1)
+        per_rank = max(s.max_running_requests // p.attention_ranks, 1)
         rank_config = replace(config, scheduler=replace(s, max_running_requests=per_rank))
         per_batch = max(per_rank // p.pp_size, 1)
         self.schedulers = [
             build_scheduler(
                 rank_config, arch, tokenizer, num_pages, context_len, max_batch_reqs=per_batch
             )
-            for _ in range(p.ep_size)
+            for _ in range(p.attention_ranks)
         ]
         tbo = p.tbo_token_distribution_threshold if p.enable_two_batch_overlap else None
         sbo = SingleBatchOverlap.from_config(p)
@@ -270,10 +270,7 @@ class WorkerBackend(Backend):
             self.loop.name,
             p.world_size,
             depth,
-            f"; {p.ep_size} data-parallel attention ranks per stage, each with its own "
-            "requests and KV cache, the routed experts split over them"
-            if p.ep_size > 1
-            else "",
+            _data_parallel_words(p),
             "; the pipeline itself is the CPU/device overlap (the overlap loop is not "
             "combined with PP)"
             if p.pp_size > 1
@@ -318,6 +315,22 @@ class WorkerBackend(Backend):
         return self.workers.profile_stages(points, runs)
 
 
+def _data_parallel_words(p: ParallelConfig) -> str:
+    if p.afd_enabled:
+        return (
+            f"; attention-FFN disaggregation: {p.afd_attention_size} attention worker(s), each "
+            f"with its own requests and KV cache, and {p.afd_ffn_size} FFN worker(s) in "
+            f"{p.afd_ffn_nodes} node(s) holding the routed experts ({p.afd_dispatch_mode} "
+            "dispatch)"
+        )
+    if p.ep_size > 1:
+        return (
+            f"; {p.ep_size} data-parallel attention ranks per stage, each with its own "
+            "requests and KV cache, the routed experts split over them"
+        )
+    return ""
+
+
 def source_digest(root: Path) -> str:
     """A digest of the Python and C++ sources under `root` (names and contents)."""
     digest = hashlib.sha256()
@@ -348,6 +361,12 @@ def profile_key(
         "threads": threads,
         "tp": config.parallel.tp_size,
         "ep": config.parallel.ep_size,
+        "afd": [
+            config.parallel.afd_attention_size,
+            config.parallel.afd_ffn_size,
+            config.parallel.afd_ffn_nodes,
+            config.parallel.afd_dispatch_mode,
+        ],
         "partition": partition,
         "page_size": config.cache.page_size,
     }

@@ -15,7 +15,7 @@ from pipeserve.distributed.launcher import (
     rendezvous,
     start_workers,
 )
-from pipeserve.scheduler.batch import BatchResult, Run
+from pipeserve.scheduler.batch import BatchResult, Run, ScheduledBatch
 from pipeserve.scheduler.data_parallel import BatchGroup
 from pipeserve.timeline import Event
 
@@ -33,9 +33,12 @@ class WorkerError(RuntimeError):
         self.details = details  # e.g. the worker's traceback (for logs, not for clients)
 
 
-def report_ranks(pp_size: int, tp_size: int, ep_size: int) -> list[int]:
-    """Global ranks that report results: the last stage's first TP rank, or under expert
-    parallelism each of its attention ranks."""
+def report_ranks(pp_size: int, tp_size: int, ep_size: int, afd_attention: int = 0) -> list[int]:
+    """Global ranks that report results: the last stage's first TP rank, under expert
+    parallelism each of its attention ranks, under attention-FFN disaggregation each
+    attention worker (ranks 0..afd_attention-1)."""
+    if afd_attention:
+        return list(range(afd_attention))
     last = (pp_size - 1) * tp_size * ep_size
     return [last + e for e in range(ep_size)]
 
@@ -44,7 +47,8 @@ class WorkerSet:
     def __init__(self, config: EngineConfig, model_path: str, future_ring: int) -> None:
         p = config.parallel
         self.world_size, self.width, self.pp_size = p.world_size, p.stage_width, p.pp_size
-        self.reporters = report_ranks(p.pp_size, p.tp_size, p.ep_size)
+        self.reporters = report_ranks(p.pp_size, p.tp_size, p.ep_size, p.afd_attention_size)
+        self.ffn_ranks = p.afd_ffn_size  # AFD: FFN workers after the attention workers
         self.step_timeout_s = config.server.watchdog_timeout
         self.heartbeat_timeout_s = p.heartbeat_timeout
         rdzv = rendezvous(config)
@@ -85,6 +89,10 @@ class WorkerSet:
             raise WorkerError("the first pipeline stage is not taking batches")
 
     def _send_per_rank(self, objs: list[Any]) -> bool:
+        """`objs`: one per attention rank. An FFN worker of attention-FFN disaggregation gets
+        the same with no work: an empty batch of the step (it serves the MoE layers of the
+        attention workers' forward), a profile request without KV slots."""
+        objs = objs + [_without_work(objs[0])] * self.ffn_ranks
         if len(objs) == 1:
             return self.channels.send_batch(objs[0])
         return self.channels.send_each(objs)
@@ -190,3 +198,10 @@ class WorkerSet:
                 proc.kill()
                 proc.join(timeout=5)
         self.channels.close()
+
+
+def _without_work(obj: Any) -> Any:
+    if isinstance(obj, ScheduledBatch):
+        return ScheduledBatch(obj.batch_id, [])
+    kind, points, _runs = obj  # ("profile", points, runs)
+    return (kind, points, [])

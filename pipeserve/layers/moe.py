@@ -6,7 +6,9 @@ over sigmoid scores (`select_experts_grouped`) and adds shared experts that ever
 split, and a block's output is all-reduced once, in its forward. Under expert parallelism
 (ep size > 1, TP size 1) each rank holds whole experts, its block of the placement, and
 `FusedMoE` sends the tokens to the ranks holding their experts and the outputs back (its
-dispatcher); routers and shared experts are replicated and run on the rank's own tokens."""
+dispatcher); routers and shared experts are replicated and run on the rank's own tokens.
+Under attention-FFN disaggregation an attention worker's `FusedMoE` holds no experts and
+sends every token to the FFN workers (moe/dispatcher/afd.py)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ from pipeserve.batch_overlap.single_batch import get_single_batch_overlap, get_s
 from pipeserve.batch_overlap.strategies import EXPERTS_IN_ORDER, block_plan
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import (
+    get_afd,
     get_ep_counts_group,
     get_ep_group,
     get_ep_rank,
     get_expert_placement,
+    get_held_experts,
     get_tp_rank,
     get_tp_size,
 )
@@ -35,7 +39,8 @@ from pipeserve.layers import batch_invariant
 from pipeserve.layers.activation import silu_and_mul
 from pipeserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
 from pipeserve.model_loader import copy_into
-from pipeserve.moe.dispatcher import Dispatched, LocalDispatcher, make_dispatcher
+from pipeserve.moe.dispatcher import Dispatched, Dispatcher, LocalDispatcher, make_dispatcher
+from pipeserve.moe.dispatcher.afd import AfdDispatcher
 
 if TYPE_CHECKING:
     from pipeserve.model_loader import LazyTensor
@@ -156,13 +161,21 @@ class FusedMoE(nn.Module):
 
     def _init_placement(self, num_experts: int) -> None:
         """The experts held here and the layer's dispatcher (it keeps no state between calls,
-        so one serves every forward)."""
-        placement, rank = get_expert_placement(num_experts), get_ep_rank()
-        self.experts = placement.experts_on(rank)  # global ids, in local order
+        so one serves every forward). Under attention-FFN disaggregation an attention worker
+        holds none and dispatches to the FFN workers; an FFN worker's layers are run by its
+        FFN runner, not through a dispatcher."""
+        placement, afd = get_expert_placement(num_experts), get_afd()
+        self.experts = get_held_experts(num_experts)  # global ids, in local order
         self._local_index = {e: i for i, e in enumerate(self.experts)}
-        self.dispatcher = make_dispatcher(
-            placement, rank, get_ep_group(), self.layer_id, get_ep_counts_group()
-        )
+        self.dispatcher: Dispatcher
+        if afd is not None and afd.is_attention:
+            self.dispatcher = AfdDispatcher(placement, afd, self.layer_id)
+        elif afd is not None:
+            self.dispatcher = LocalDispatcher(num_experts, self.layer_id)
+        else:
+            self.dispatcher = make_dispatcher(
+                placement, get_ep_rank(), get_ep_group(), self.layer_id, get_ep_counts_group()
+            )
 
     def weight_loader(
         self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None
@@ -276,8 +289,8 @@ class FusedMoE(nn.Module):
 
 
 def held_experts(num_experts: int) -> tuple[int, ...]:
-    """Global ids of the routed experts this expert-parallel rank holds (all at ep size 1)."""
-    return get_expert_placement(num_experts).experts_on(get_ep_rank())
+    """Global ids of the routed experts this rank holds (all at ep size 1)."""
+    return get_held_experts(num_experts)
 
 
 def expert_checkpoint_names(

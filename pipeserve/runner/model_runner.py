@@ -66,7 +66,8 @@ def kv_pool_pages(
         spec = p.layer_partition if p.layer_partition not in (None, "auto") else None
         partition = resolve_partition(spec, arch.num_layers, p.pp_size)
     stage_layers_max = max(partition)
-    params = param_count(arch) - routed_expert_params(arch) * (1 - 1 / p.ep_size)
+    elsewhere = 1.0 if p.afd_enabled else 1 - 1 / p.ep_size  # routed experts on other ranks
+    params = param_count(arch) - routed_expert_params(arch) * elsewhere
     weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
     per_token = kv_bytes_per_token(arch, stage_layers_max, p.tp_size, dtype)
     tokens = int((budget - weights) // per_token)

@@ -43,6 +43,7 @@ def worker_set(
     ws = WorkerSet.__new__(WorkerSet)  # no processes: only the message handling under test
     ws.world_size, ws.width, ws.pp_size = pp * tp * ep, tp * ep, pp
     ws.reporters = report_ranks(pp, tp, ep)
+    ws.ffn_ranks = 0
     ws._results = {r: deque() for r in ws.reporters}
     ws.step_timeout_s, ws.heartbeat_timeout_s = 300.0, 1e9
     ws.channels = FakeChannels(inbox)  # type: ignore[assignment]
@@ -161,3 +162,24 @@ def test_a_group_sends_each_attention_rank_its_batch() -> None:
     ws = worker_set([], pp=1, tp=2)
     ws.send_batch(BatchGroup(3, [one]))
     assert sent(ws).sent == [one] and sent(ws).sent_each == []  # TP ranks share one batch
+
+
+def test_afd_ffn_workers_get_the_step_without_work() -> None:
+    """Attention-FFN disaggregation, 2 attention + 2 FFN workers: the attention workers get
+    their batches, each FFN worker an empty batch of the same step and a profile request
+    without KV slots; only the attention workers report results."""
+    assert report_ranks(1, 1, 1, afd_attention=2) == [0, 1]
+    ws = worker_set([], pp=1, ep=2)
+    ws.ffn_ranks = 2
+    one = ScheduledBatch(7, [], released=["r"])
+    two = ScheduledBatch(7, [], combine_blocks=1)
+    ws.send_batch(BatchGroup(7, [one, two]))
+    (batches,) = sent(ws).sent_each
+    assert batches[:2] == [one, two]
+    assert [(b.batch_id, b.slices, b.released) for b in batches[2:]] == [(7, [], [])] * 2
+    ws.ffn_ranks, ws.pp_size = 2, 1
+    ws.channels = FakeChannels([("profile", 0, (0, [0.1]))])  # type: ignore[assignment]
+    points, runs = [(0, 16)], [[(0, 128)], [(512, 128)]]
+    assert ws.profile_stages(points, runs) == [[0.1]]
+    assert sent(ws).sent_each == [[("profile", points, runs[0]), ("profile", points, runs[1]),
+                                   ("profile", points, []), ("profile", points, [])]]

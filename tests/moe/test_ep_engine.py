@@ -8,19 +8,15 @@ that some experts receive none. Faults: an abort on one rank, and a killed rank.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from engine_cases import Workload
+from engine_cases import Workload, kill_during_prefill
 
 from pipeserve.engine.backend import WorkerBackend
 from pipeserve.engine.engine import Engine
-from pipeserve.engine.workers import WorkerError
 from pipeserve.models.arch import ArchConfig, routed_expert_params
 from pipeserve.scheduler.data_parallel import DataParallelScheduler
 from pipeserve.scheduler.request import Req, SamplingParams
@@ -139,21 +135,4 @@ def test_a_killed_expert_rank_fails_the_engine_and_leaves_no_process(models) -> 
     """Rank 1 dies while rank 0 prefills a long prompt (rank 1 idle, both inside every MoE
     layer's all-to-all): the scheduler raises within a bounded time and no worker is left."""
     with Engine(str(models["qwen3-moe"]), **FLAGS, ep_size=2) as engine:
-        backend = engine.backend
-        assert isinstance(backend, WorkerBackend)
-        procs = list(backend.workers.procs)
-        sp = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
-        req = Req("victim", torch.randint(0, VOCAB, (2000,)).tolist(), sp)
-        req.arrival_time = time.perf_counter()
-        backend.submit(req)
-        for _ in range(3):
-            backend.step()
-        assert req.num_chunks > 0 and not req.finished
-        assert procs[1].pid is not None
-        os.kill(procs[1].pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(WorkerError, match=r"worker rank [01] "):
-            while time.monotonic() - start < 30:
-                backend.step()
-        assert not any(p.is_alive() for p in procs)
-        assert backend.workers.closed
+        kill_during_prefill(engine, 1, VOCAB)

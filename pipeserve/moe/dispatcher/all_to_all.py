@@ -32,7 +32,7 @@ ID_BYTES, WEIGHT_BYTES = 8, 4  # long local ids, float32 weights
 
 
 @dataclass(frozen=True)
-class _Rows:
+class RowLayout:
     """Dispatch moves one byte row per (destination rank, token): the token's local expert ids
     (long), then its routing weights (float32), then its hidden state, padded to 8 bytes so
     each part is an aligned view. One transfer carries all three."""
@@ -54,6 +54,15 @@ class _Rows:
 
     def empty(self, rows: int, device: torch.device) -> torch.Tensor:
         return torch.empty((rows, self.nbytes), dtype=torch.uint8, device=device)
+
+    def pack(self, ids: torch.Tensor, weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, nbytes] rows of ids [R, k] (long), weights [R, k] and hidden [R, H]."""
+        packed = self.empty(hidden.shape[0], hidden.device)
+        dst_ids, dst_weights, dst_hidden = self.views(packed)
+        dst_ids.copy_(ids)
+        dst_weights.copy_(weights)
+        dst_hidden.copy_(hidden)
+        return packed
 
     def views(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(local ids [R, k] long, weights [R, k] float32, hidden [R, H]) sharing `packed`."""
@@ -111,7 +120,7 @@ class AllToAllDispatcher(Dispatcher):
         counts = to.sum(dim=1)  # [ep] long, rows per destination rank
         recv_counts = torch.empty_like(counts)
         counts_work = self._all_to_all(recv_counts, counts, None, None, self.counts_group)
-        layout = _Rows(topk_ids.shape[1], hidden.shape[1], hidden.dtype)
+        layout = RowLayout(topk_ids.shape[1], hidden.shape[1], hidden.dtype)
         packed, gather_index = self._outgoing(hidden, topk_ids, topk_weights.float(), to, layout)
         counts_work.wait()
         send, recv = counts.tolist(), recv_counts.tolist()
@@ -210,7 +219,7 @@ class AllToAllDispatcher(Dispatcher):
         topk_ids: torch.Tensor,
         weights: torch.Tensor,
         to: torch.Tensor,
-        layout: _Rows,
+        layout: RowLayout,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed send rows, by destination rank then token, and the combine's gather
         index ([n, min(k, ep)], see CombinePlan). A slot whose expert is on another rank

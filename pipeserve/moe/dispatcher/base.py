@@ -55,6 +55,9 @@ class Dispatched:
     local_ids: torch.Tensor  # [R, k] long: this rank's local expert index; -1: expert elsewhere
     weights: torch.Tensor  # [R, k] float32 routing weights; 0 where local_ids is -1
     plan: CombinePlan | None  # None when nothing moved (expert-parallel size 1)
+    # a combine already under way: under attention-FFN disaggregation the experts run on the
+    # FFN workers, whose partial sums are awaited from the dispatch on (this rank gets no rows)
+    pending: CombineHandle | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,146 @@
+"""The FFN worker of attention-FFN disaggregation: it holds its block of every MoE layer's
+routed experts and nothing else (no attention, no KV cache, no requests). Each step the
+scheduler sends it an empty batch; it then serves every MoE layer in order: every attention
+worker's row count, then their rows, its experts on all of them, one partial sum back per
+row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed import Work
+
+from pipeserve.config import EngineConfig
+from pipeserve.device import resolve_device, resolve_dtype, synchronize
+from pipeserve.disaggregation.afd.transport import receive_rows, send_partials
+from pipeserve.distributed.parallel_state import AfdState, get_afd, get_parallel_state
+from pipeserve.layers.moe import FusedMoE, expert_checkpoint_names, held_experts
+from pipeserve.model_loader import load_weights
+from pipeserve.models.arch import ArchConfig
+from pipeserve.moe.dispatcher.all_to_all import RowLayout
+from pipeserve.runner.model_runner import StageOutput
+from pipeserve.scheduler.batch import ScheduledBatch
+from pipeserve.timeline import Recorder, now, record_comm
+
+
+class _Layer(nn.Module):
+    """Named like a decoder layer's MoE block, so checkpoint names line up."""
+
+    def __init__(self, experts: FusedMoE) -> None:
+        super().__init__()
+        self.mlp = nn.Module()
+        self.mlp.experts = experts
+
+
+class FfnModel(nn.Module):
+    """Every MoE layer's routed experts held here (`model.layers.<i>.mlp.experts`)."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        if arch.num_experts == 0:
+            raise ValueError(
+                "attention-FFN disaggregation needs a mixture-of-experts model; this one has "
+                "no routed experts"
+            )
+        self.arch = arch
+        # in layer order: the order the attention workers dispatch in
+        self.moe_layers = [
+            self._experts(arch, dtype, i) for i in range(arch.num_layers) if arch.is_moe_layer(i)
+        ]
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({str(m.layer_id): _Layer(m) for m in self.moe_layers})
+
+    @staticmethod
+    def _experts(arch: ArchConfig, dtype: torch.dtype, layer: int) -> FusedMoE:
+        return FusedMoE(
+            arch.num_experts,
+            arch.num_experts_per_tok,
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            dtype,
+            layer,
+        )
+
+    def checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:
+        n = self.arch.num_experts
+        names = expert_checkpoint_names(param_name, n, held_experts(n))
+        if names is None:
+            raise ValueError(f"an FFN worker holds routed experts only, not {param_name}")
+        return names
+
+
+class FfnRunner:
+    """What a stage worker runs on an FFN worker: the model runner's interface, serving each
+    step's MoE layers for the attention workers."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: str | Path) -> None:
+        afd = get_afd()
+        assert afd is not None and not afd.is_attention, "an FFN runner runs on an FFN worker"
+        self.afd: AfdState = afd
+        self.arch = arch
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
+        self.state = get_parallel_state()
+        with torch.device(self.device):
+            self.model = FfnModel(arch, self.dtype)
+        load_weights(self.model, model_path)
+        self.model.eval()
+        self.slots = 1 if afd.dispatch_mode == "direct" else arch.num_experts_per_tok
+        self.recorder = Recorder(self.state.pp_rank, self.state.stage_rank, comm=True)
+
+    def prepare(self, batch: ScheduledBatch) -> None:
+        return None
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        batch: ScheduledBatch,
+        fb: object = None,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        future: object = None,
+    ) -> StageOutput:
+        """One step: every MoE layer, in order, for every attention worker."""
+        start = now()
+        pending: list[Work] = []
+        sent: list[torch.Tensor] = []  # what the sends read until they are done
+        for moe in self.model.moe_layers:
+            works, partials = self._serve(moe)
+            pending += works
+            sent.append(partials)
+        for work in pending:
+            work.wait()
+        synchronize(self.device)
+        end = now()
+        batch.stage_times.append(end - start)
+        self.recorder.add("forward", start, end, batch)
+        empty = torch.empty(0, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        return StageOutput(empty, None, None)
+
+    def _serve(self, moe: FusedMoE) -> tuple[list[Work], torch.Tensor]:
+        """One MoE layer: receive, compute, send back (the sends complete in the background)."""
+        layout = RowLayout(self.slots, self.arch.hidden_size, self.dtype)
+        waited = now()
+        packed, counts = receive_rows(self.afd, layout, self.device)
+        record_comm("dispatch_wait", waited, moe.layer_id)
+        ids, weights, rows = layout.views(packed)
+        partials = moe.run_local(rows, weights, ids)
+        launched = now()
+        works = send_partials(self.afd, partials, counts)
+        record_comm("combine_launch", launched, moe.layer_id, partials.nbytes, 0)
+        return works, partials
+
+    def profile_prefill(self, points: list[tuple[int, int]], runs: object) -> list[float]:
+        """The attention workers time one forward per point: serve a step for each."""
+        times = []
+        for _ in points:
+            batch = ScheduledBatch(-1, [])
+            self.execute(batch)
+            times.append(batch.stage_times[-1])
+        self.recorder.take()
+        return times
+
+    def expert_bytes(self) -> int:
+        return sum(p.nbytes for m in self.model.moe_layers for p in m.parameters())
