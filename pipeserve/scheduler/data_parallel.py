@@ -136,8 +136,8 @@ class DataParallelScheduler:
         batches = [
             s.empty_batch() if b is None else b for s, b in zip(self.ranks, found, strict=True)
         ]
-        for b in batches:
-            b.batch_id = batch_id
+        for s, b in zip(self.ranks, batches, strict=True):
+            s.renumber(b, batch_id)
         if self.two_batch_threshold is not None:
             plan_two_batch(batches, self.two_batch_threshold, self.two_batch_min_tokens)
         # two-batch overlap already hides the combine: blocks would only add transfers

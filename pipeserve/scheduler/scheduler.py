@@ -73,6 +73,9 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._stop_watches: dict[str, StopStringWatch] = {}  # requests with stop strings
         self._released: list[str] = []
+        # batch id -> the requests its slices were made for: a result goes to those objects,
+        # not to whatever request holds their id by then (an id reused after an abort)
+        self._batch_reqs: dict[int, list[Req]] = {}
         self._batch_ids = itertools.count()
 
     # -- requests -----------------------------------------------------------------------
@@ -140,7 +143,16 @@ class Scheduler:
     def _new_batch(self, slices: list[ReqSlice]) -> ScheduledBatch:
         batch = ScheduledBatch(next(self._batch_ids), slices, self._released)
         self._released = []
+        if slices:
+            self._batch_reqs[batch.batch_id] = [self.reqs[s.rid] for s in slices]
         return batch
+
+    def renumber(self, batch: ScheduledBatch, batch_id: int) -> None:
+        """Give one of this scheduler's batches another id (a micro-batch id shared with other
+        schedulers) before it is launched."""
+        if batch.batch_id in self._batch_reqs:
+            self._batch_reqs[batch_id] = self._batch_reqs.pop(batch.batch_id)
+        batch.batch_id = batch_id
 
     def set_chunking(self, sizer: ChunkSizer | None, refit: OnlineRefit | None = None) -> None:
         """Switch the chunk-size policy (fixed, dynamic, dynamic with online refit)."""
@@ -170,11 +182,12 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         tops = result.top_logprobs or [[] for _ in result.next_token_ids]
         samples = iter(zip(result.next_token_ids, result.output_logprobs, tops, strict=True))
-        for s, prompt_lps in zip(batch.slices, result.prompt_logprobs, strict=True):
+        owners = self._batch_reqs.pop(batch.batch_id, None)
+        for i, (s, prompt_lps) in enumerate(zip(batch.slices, result.prompt_logprobs, strict=True)):
             token, logprob, top = next(samples) if s.sample else (None, None, None)
             req = self.reqs.get(s.rid)
-            if req is None:  # finished or aborted while this batch was in flight
-                continue
+            if req is None or (owners is not None and req is not owners[i]):
+                continue  # finished or aborted while this batch was in flight
             req.inflight -= 1
             if s.future_slot and req.future_slot == s.future_slot:
                 req.future_slot = 0

@@ -223,6 +223,22 @@ def test_a_finished_request_is_forgotten_and_its_id_can_be_reused() -> None:
     assert "x" in dp.owner
 
 
+def test_an_id_reused_while_its_aborted_batch_is_in_flight_gets_only_its_own_tokens() -> None:
+    """One rank: "x" is aborted with its batch in flight (renumbered to the group's id) and
+    a new "x" arrives on the same rank: the old batch's token is not folded into it."""
+    dp = make_dp(ranks=1)
+    add(dp, "x", range(0, 8), max_new=4)
+    group = dp.schedule()
+    assert group is not None
+    dp.abort("x")
+    add(dp, "x", range(100, 108), max_new=4)
+    assert dp.process_result(group, results_for(group)) == []
+    new = dp.ranks[0].reqs["x"]
+    assert new.output_ids == [] and new.inflight == 0
+    updates = run_until_idle(dp)
+    assert [t for u in updates for t in u.new_token_ids] == [TOKEN] * 4
+
+
 def test_a_live_request_id_cannot_be_added_twice() -> None:
     dp = make_dp()
     assert add(dp, "x", range(0, 8)) == 0

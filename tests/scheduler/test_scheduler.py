@@ -381,6 +381,38 @@ def test_result_of_an_aborted_request_is_ignored() -> None:
     h.assert_all_pages_back()
 
 
+def test_a_reused_id_does_not_take_the_aborted_request_s_result() -> None:
+    """"a" is aborted while its batch is in flight and a new "a" arrives before the result:
+    the old batch's token is not folded into the new request, which gets only its own."""
+    h = Harness()
+    old = h.add("a", [1, 2], max_new_tokens=4)
+    batch = h.sched.schedule()
+    assert batch is not None
+    result = h.executor.run(batch, {"a": old})
+    h.abort("a")
+    new = h.add("a", [20, 21, 22], max_new_tokens=2)
+    assert h.sched.process_result(batch, result) == []
+    assert new.output_ids == [] and new.inflight == 0
+    h.updates.clear()
+    h.run()
+    assert h.outputs("a") == [23, 24] and new.output_ids == [23, 24]
+    h.assert_all_pages_back()
+
+
+def test_a_renumbered_batch_keeps_its_requests() -> None:
+    """A batch given a shared micro-batch id (data-parallel attention) still knows which
+    request objects it was made for: the reused id gets nothing from it."""
+    h = Harness()
+    old = h.add("a", [1, 2], max_new_tokens=4)
+    batch = h.sched.schedule()
+    assert batch is not None
+    h.sched.renumber(batch, 42)
+    result = h.executor.run(batch, {"a": old})
+    h.abort("a")
+    h.add("a", [20, 21, 22], max_new_tokens=2)
+    assert batch.batch_id == 42 and h.sched.process_result(batch, result) == []
+
+
 def test_abort_unknown_request() -> None:
     assert Harness().sched.abort("nobody") is None
 
