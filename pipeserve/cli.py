@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import sys
 from typing import Any
 
@@ -99,16 +100,27 @@ def int_list(text: str) -> list[int]:
 
 
 def layout_list(text: str) -> list[tuple[int, ...]]:
-    """PPxTP pairs or PPxTPxEP triples, e.g. 1x1,2x1,1x2,1x1x2."""
+    """PPxTP pairs, PPxTPxEP triples or attention-FFN disaggregation's aAfF (A attention and
+    F FFN workers, read as (1, 1, 1, A, F)), e.g. 1x1,2x1,1x2,1x1x2,a1f1."""
     try:
-        sizes = [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
+        sizes = [_layout_sizes(item) for item in text.split(",")]
     except ValueError:
         sizes = []
-    if not sizes or any(len(s) not in (2, 3) or min(s) < 1 for s in sizes):
+    if not sizes or any(len(s) not in (2, 3, 5) or min(s) < 1 for s in sizes):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of PPxTP pairs or PPxTPxEP triples such "
-            "as 1x1,2x1,1x2,1x1x2"
+            f"{text!r} is not a comma-separated list of PPxTP pairs, PPxTPxEP triples or aAfF "
+            "(attention and FFN workers) such as 1x1,2x1,1x2,1x1x2,a1f1"
         )
+    return sizes
+
+
+def _layout_sizes(item: str) -> tuple[int, ...]:
+    afd = re.fullmatch(r"a(\d+)f(\d+)", item)
+    if afd:
+        return (1, 1, 1, int(afd[1]), int(afd[2]))
+    sizes = tuple(int(x) for x in item.split("x"))
+    if len(sizes) not in (2, 3):
+        raise ValueError(item)
     return sizes
 
 
@@ -139,10 +151,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     pp_sizes, tp_sizes, ep_sizes = args.pp_size or [1], args.tp_size or [1], args.ep_size or [1]
     given = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
-    sizes: list[tuple[int, int, int]] = []
-    for s in given:  # a PPxTP pair runs with every --ep-size, a PPxTPxEP triple as it is
-        eps = [s[2]] if len(s) == 3 else ep_sizes
-        sizes += [(s[0], s[1], ep) for ep in eps]
+    sizes: list[tuple[int, ...]] = []
+    for s in given:  # a PPxTP pair runs with every --ep-size, a triple or aAfF as it is
+        eps = [s[2]] if len(s) >= 3 else ep_sizes
+        afd = tuple(s[3:]) or (0, 0)
+        sizes += [(s[0], s[1], ep, *afd) for ep in eps]
     threads = args.threads_per_worker or [None]
     loops = ["plain", "overlap"] if args.compare_loops else [None]
     overlaps = list(OVERLAPS) if args.compare_overlap else [None]
@@ -153,7 +166,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
             f"--nnodes {args.nnodes} runs one layout per command, once, but these flags ask for "
             f"{runs} runs: run bench once per layout (benchmarks/netlab.sh --layouts does)"
         )
-    args.pp_size, args.tp_size, args.ep_size = sizes[0]
+    args.pp_size, args.tp_size, args.ep_size, a, f = sizes[0]
+    if a and (args.nnodes or 1) > 1:  # a worker node starts the (only) layout's workers
+        args.afd_attention_size, args.afd_ffn_size = a, f
     args.threads_per_worker = threads[0]
     run_as_worker_node(args)
     layouts = [
@@ -165,13 +180,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
             t if len(threads) > 1 else None,
             loop if pp == 1 else None,
             overlap if ep > 1 else None,
+            (a, f),
         )
-        for pp, tp, ep in sizes
+        for pp, tp, ep, a, f in sizes
         for t in threads
         for spawn in (False, True)
         for loop in loops
         for overlap in overlaps
-        if (not spawn or (args.compare_worker_process and pp * tp * ep == 1))
+        if (not spawn or (args.compare_worker_process and pp * tp * ep == 1 and not a))
         and (loop is None or pp == 1 or loop == loops[0])
         and (overlap is None or ep > 1 or overlap == overlaps[0])
     ]

@@ -288,6 +288,30 @@ def split_forward_share(events: list[Event]) -> float:
     return statistics.fmean(shares) if shares else 0.0
 
 
+def afd_bytes_per_step(events: list[Event], attention_size: int) -> float:
+    """Attention-FFN disaggregation: bytes the attention workers (ranks below
+    `attention_size`) sent to and got back from the FFN workers, per step. Every such byte
+    crosses between nodes (the two kinds never share one)."""
+    mine = [e for e in events if e.tp_rank < attention_size]
+    sent = sum(e.nbytes for e in mine if e.kind == "dispatch_launch")
+    back = sum(e.nbytes_recv for e in mine if e.kind == "combine_wait")
+    steps = sum(1 for e in events if e.kind == "forward" and e.tp_rank == 0)
+    return (sent + back) / steps if steps else 0.0
+
+
+def afd_idle_shares(events: list[Event], attention_size: int) -> dict[int, float]:
+    """Per worker (global rank), the share of its forward time spent waiting for the other
+    kind: an attention worker for its partial sums, an FFN worker for its rows."""
+    shares = {}
+    for rank in sorted({e.tp_rank for e in events if e.kind == "forward"}):
+        waits = "combine_wait" if rank < attention_size else "dispatch_wait"
+        mine = [e for e in events if e.tp_rank == rank]
+        busy = sum(e.end - e.start for e in mine if e.kind == "forward")
+        waited = sum(e.end - e.start for e in mine if e.kind == waits)
+        shares[rank] = waited / busy if busy else 0.0
+    return shares
+
+
 CPU_KINDS = ("schedule", "prepare", "process")
 
 

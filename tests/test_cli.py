@@ -164,6 +164,17 @@ def test_bench_ep_sizes_multiply_the_layouts(monkeypatch) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--layouts", "1x1x2x2"])
     with pytest.raises(SystemExit):
+        main(["bench", "--layouts", "1x1x1x1x1"])
+
+
+def test_bench_afd_layouts_beside_ep(monkeypatch) -> None:
+    got = bench_layouts(monkeypatch, ["--layouts", "1x1x2,a1f1,a2f2", "--compare-worker-process"])
+    assert [(n, f.get("afd_attention_size"), f.get("afd_ffn_size"), f["ep_size"])
+            for n, f, _ in got] == [
+        ("PP1 TP1 EP2", None, None, 2), ("AFD 1A+1F", 1, 1, 1), ("AFD 2A+2F", 2, 2, 1)]
+    with pytest.raises(SystemExit):
+        main(["bench", "--layouts", "a1f0"])
+    with pytest.raises(SystemExit):
         main(["bench", "--ep-size", "1,two"])
 
 

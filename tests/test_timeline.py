@@ -13,6 +13,8 @@ from pipeserve import timeline
 from pipeserve.timeline import (
     Event,
     Recorder,
+    afd_bytes_per_step,
+    afd_idle_shares,
     comm_bytes_per_forward,
     drain_comm,
     exposed_comm_s,
@@ -135,6 +137,25 @@ def test_split_forward_share_counts_forwards_with_micro_batch_b_inside() -> None
     ]
     assert split_forward_share(events) == pytest.approx((0.5 + 1.0) / 2)
     assert split_forward_share([]) == 0.0
+
+
+def test_afd_bytes_per_step_and_idle_shares() -> None:
+    """Two attention workers (ranks 0, 1) and one FFN worker (rank 2), two steps: bytes are
+    what the attention workers sent and got back, per step; an attention worker idles in
+    combine waits, the FFN worker in dispatch waits (its combine launches do not count)."""
+    def span(kind: str, rank: int, start: float, end: float, sent: int = 0,
+             back: int = 0) -> Event:
+        return Event(kind, 0, rank, start, end, nbytes=sent, nbytes_recv=back)
+
+    events = [span("forward", r, t, t + 1.0) for r in (0, 1, 2) for t in (0.0, 2.0)] + [
+        span("dispatch_launch", 0, 0.1, 0.1, sent=100), span("combine_wait", 0, 0.2, 0.6, back=50),
+        span("dispatch_launch", 1, 0.1, 0.1, sent=30), span("combine_wait", 1, 2.2, 2.3, back=20),
+        span("dispatch_wait", 2, 0.0, 0.5), span("dispatch_wait", 2, 2.0, 2.25),
+        span("combine_launch", 2, 0.6, 0.9, sent=70),
+    ]
+    assert afd_bytes_per_step(events, 2) == pytest.approx((100 + 50 + 30 + 20) / 2)
+    assert afd_idle_shares(events, 2) == pytest.approx({0: 0.4 / 2, 1: 0.1 / 2, 2: 0.75 / 2})
+    assert afd_bytes_per_step([], 2) == 0.0 and afd_idle_shares([], 2) == {}
 
 
 def test_trace_names_and_args_carry_the_layer(tmp_path) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from pipeserve.bench.flops import prefill_flops
 from pipeserve.bench.peak import matmul_peak_flops
-from pipeserve.config import EngineConfig
+from pipeserve.config import EngineConfig, ParallelConfig
 from pipeserve.device import resolve_device, resolve_dtype, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
@@ -26,6 +26,8 @@ from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.timeline import (
     COMM_BYTES,
     Event,
+    afd_bytes_per_step,
+    afd_idle_shares,
     boundary_bytes,
     bubble_ratios,
     comm_bytes_per_forward,
@@ -120,9 +122,12 @@ class Layout:
     threads: int | None = None  # torch threads per worker (None: the flags' or the default)
     loop: str | None = None  # "overlap" | "plain" forced (None: the device's default)
     overlap: str | None = None  # MoE overlap forced: one of OVERLAPS (None: the flags')
+    afd: tuple[int, int] = (0, 0)  # attention-FFN disaggregation: (attention, FFN) workers
 
     @property
     def name(self) -> str:
+        if self.afd[0]:
+            return f"AFD {self.afd[0]}A+{self.afd[1]}F"
         worker = " worker" if self.spawn_workers else ""
         threads = f" {self.threads}thr" if self.threads else ""
         loop = f" {self.loop}" if self.loop else ""
@@ -140,11 +145,13 @@ class Layout:
             extra["enable_two_batch_overlap"] = self.overlap in ("tbo", "tbo+sbo")
             extra["enable_single_batch_overlap"] = self.overlap in ("sbo", "tbo+sbo")
         sizes = {"pp_size": self.pp, "tp_size": self.tp, "ep_size": self.ep}
+        if self.afd[0]:
+            extra["afd_attention_size"], extra["afd_ffn_size"] = self.afd
         return {**base, **sizes, **extra}
 
     @property
     def devices(self) -> int:
-        return self.pp * self.tp * self.ep
+        return sum(self.afd) if self.afd[0] else self.pp * self.tp * self.ep
 
 
 def run_bench(
@@ -194,6 +201,7 @@ def run_bench(
         row["comm_bytes_per_forward"] = comm_bytes_per_forward(events)
         row["exposed_comm_s"] = exposed_comm_s(events)
         row["exposed_comm_share_of_forward"] = exposed_comm_share(events)
+        row["afd"] = _afd_row(parallel, events)
         runs.append(row)
     report["repeat"] = repeat
     report.update({k: v for k, v in runs[0].items() if k not in ("output_ids", "events")})
@@ -258,12 +266,13 @@ def _layout_row(
     devices = layout.devices
     base = earlier[0] if earlier else None
     speedup = base["prefill_s"] / stats["prefill_s"] if base else 1.0
-    base_devices = base["pp_size"] * base["tp_size"] * base["ep_size"] if base else devices
+    base_devices = base["devices"] if base else devices
     return {
         "layout": layout.name,
         "pp_size": layout.pp,
         "tp_size": layout.tp,
         "ep_size": layout.ep,
+        "devices": devices,
         "spawn_workers": layout.spawn_workers,
         **stats,
         "prefill_flops": flops,
@@ -271,6 +280,21 @@ def _layout_row(
         "prefill_flops_share_of_peak": flops / stats["prefill_s"] / (peak * devices),
         "speedup": speedup,
         "efficiency": speedup / (devices / base_devices),
+    }
+
+
+def _afd_row(p: ParallelConfig, events: list[Event]) -> dict[str, Any] | None:
+    """Attention-FFN disaggregation's settings and what the run measured (None: off)."""
+    if not p.afd_enabled:
+        return None
+    return {
+        "attention_size": p.afd_attention_size,
+        "ffn_size": p.afd_ffn_size,
+        "ffn_nodes": p.afd_ffn_nodes,
+        "dispatch_mode": p.afd_dispatch_mode,
+        "micro_batches": 1,
+        "bytes_between_nodes_per_step": afd_bytes_per_step(events, p.afd_attention_size),
+        "idle_share": afd_idle_shares(events, p.afd_attention_size),
     }
 
 

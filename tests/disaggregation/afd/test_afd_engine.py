@@ -16,6 +16,7 @@ from engine_cases import Workload, kill_during_prefill
 
 from pipeserve.engine.engine import Engine
 from pipeserve.models.arch import ArchConfig, routed_expert_params
+from pipeserve.timeline import afd_bytes_per_step, afd_idle_shares
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,6 +53,7 @@ def test_afd_matches_one_process(models, reference, model: str, layout: dict[str
         out = WORK.run(engine)
         stats = engine.backend.stats()
         info = engine.backend.workers.info
+        events = engine.backend.timeline()
     WORK.assert_matches(out, reference[model], atol=1e-4)
     assert stats["kv_pages_free"] + stats["kv_pages_evictable"] == stats["kv_pages_total"]
     # the FFN workers hold every routed expert between them, the attention workers none
@@ -61,6 +63,9 @@ def test_afd_matches_one_process(models, reference, model: str, layout: dict[str
     held = [info[r]["expert_bytes"] for r in range(na + nf)]
     assert held[:na] == [0] * na
     assert sum(held[na:]) == per_expert * arch.num_experts
+    # every worker ran the steps; rows went out and partial sums came back
+    assert set(afd_idle_shares(events, na)) == set(range(na + nf))
+    assert afd_bytes_per_step(events, na) > 0
 
 
 def test_a_killed_ffn_worker_fails_the_engine_and_leaves_no_process(models) -> None:
