@@ -149,6 +149,12 @@ class ParallelConfig:
     afd_ffn_nodes: int = _flag(
         1, "attention-FFN disaggregation: the FFN workers form this many nodes of equal size"
     )
+    afd_micro_batches: int = _flag(
+        1,
+        "attention-FFN disaggregation: each step runs as this many micro-batches whose layers "
+        "interleave (3: three-batch overlap), so the FFN workers compute one while the "
+        "attention workers compute the next",
+    )
     afd_dispatch_mode: str = _flag(
         "direct-rank",
         "attention-FFN disaggregation: 'direct-rank' (a token goes once to each FFN worker "
@@ -462,6 +468,7 @@ def _afd_checks(p: ParallelConfig) -> list[tuple[bool, str]]:
             f"--afd-ffn-nodes {nodes} does not divide --afd-ffn-size {nf}: every FFN node "
             "needs the same number of workers",
         ),
+        (p.afd_micro_batches >= 1, f"--afd-micro-batches {p.afd_micro_batches} must be >= 1"),
         (
             p.afd_dispatch_mode in AFD_DISPATCH_MODES,
             f"--afd-dispatch-mode {p.afd_dispatch_mode!r} is not one of "

@@ -70,6 +70,20 @@ DECODE = Strategy(
 )  # fmt: skip
 
 
+AFD_ATTENTION = Strategy(
+    "afd attention",
+    (
+        "attention", "gate", "dispatch_a", YIELD,
+        "dispatch_b", "experts", "combine_a", "shared_experts", "combine_b", "output",
+        "layer_output",
+    ),
+    0,
+)  # fmt: skip
+# Attention-FFN disaggregation, attention side: one stage per MoE layer, from the shared
+# experts of one layer (the experts ran on the FFN workers meanwhile) to the dispatch of the
+# next; dispatch_b, experts and combine_a have no rows here.
+
+
 def layer_plan(strategy: Strategy, sbo: SingleBatchOverlap = OFF) -> Plan:
     """The strategy's plan, with the shared experts moved right after the launch they
     overlap when single-batch overlap says so (same stage: they run while it is in flight)."""

@@ -292,7 +292,7 @@ def _afd_row(p: ParallelConfig, events: list[Event]) -> dict[str, Any] | None:
         "ffn_size": p.afd_ffn_size,
         "ffn_nodes": p.afd_ffn_nodes,
         "dispatch_mode": p.afd_dispatch_mode,
-        "micro_batches": 1,
+        "micro_batches": p.afd_micro_batches,
         "bytes_between_nodes_per_step": afd_bytes_per_step(events, p.afd_attention_size),
         "idle_share": afd_idle_shares(events, p.afd_attention_size),
     }

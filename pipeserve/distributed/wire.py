@@ -303,11 +303,12 @@ def encode_batch(b: ScheduledBatch) -> list[Any]:
         _pack_floats(b.stage_times),
         tbo,
         b.combine_blocks,
+        _pack_ints(b.micro_batches),
     ]
 
 
 def decode_batch(v: Any) -> ScheduledBatch:
-    batch_id, slices, released, stage_times, tbo, blocks = _fields(v, 6, "batch")
+    batch_id, slices, released, stage_times, tbo, blocks, micro = _fields(v, 7, "batch")
     return ScheduledBatch(
         _int(batch_id),
         _list(decode_slice, slices),
@@ -315,6 +316,7 @@ def decode_batch(v: Any) -> ScheduledBatch:
         _floats(stage_times),
         _optional(_decode_split, tbo),
         _int(blocks),
+        _ints(micro),
     )
 
 

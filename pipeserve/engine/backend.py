@@ -259,7 +259,11 @@ class WorkerBackend(Backend):
         sbo = SingleBatchOverlap.from_config(p)
         combine_down = (sbo.down_blocks, p.single_batch_overlap_min_tokens)
         self.scheduler = DataParallelScheduler(
-            self.schedulers, tbo, combine_down, p.two_batch_overlap_min_tokens
+            self.schedulers,
+            tbo,
+            combine_down,
+            p.two_batch_overlap_min_tokens,
+            p.afd_micro_batches if p.afd_enabled else 1,
         )
         depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
         self.loop = PipelineLoop(
@@ -321,7 +325,7 @@ def _data_parallel_words(p: ParallelConfig) -> str:
             f"; attention-FFN disaggregation: {p.afd_attention_size} attention worker(s), each "
             f"with its own requests and KV cache, and {p.afd_ffn_size} FFN worker(s) in "
             f"{p.afd_ffn_nodes} node(s) holding the routed experts ({p.afd_dispatch_mode} "
-            "dispatch)"
+            f"dispatch, {p.afd_micro_batches} micro-batch(es) per step)"
         )
     if p.ep_size > 1:
         return (
@@ -366,6 +370,7 @@ def profile_key(
             config.parallel.afd_ffn_size,
             config.parallel.afd_ffn_nodes,
             config.parallel.afd_dispatch_mode,
+            config.parallel.afd_micro_batches,
         ],
         "partition": partition,
         "page_size": config.cache.page_size,

@@ -201,7 +201,7 @@ class WorkerSet:
 
 
 def _without_work(obj: Any) -> Any:
-    if isinstance(obj, ScheduledBatch):
-        return ScheduledBatch(obj.batch_id, [])
+    if isinstance(obj, ScheduledBatch):  # as many micro-batches as the attention workers
+        return ScheduledBatch(obj.batch_id, [], micro_batches=[0] * len(obj.micro_batches))
     kind, points, _runs = obj  # ("profile", points, runs)
     return (kind, points, [])

@@ -230,7 +230,7 @@ class PagedAttention(nn.Module):
                 out[rows] = blockwise_prefill(q[rows], k[rows], v[rows], cached, self.scale)
             else:
                 out[rows] = self._fused(q[rows], k[rows], v[rows], cached)
-        return out.view(q.shape[0], -1)
+        return out.flatten(1)  # [tokens, heads * head_dim], also for no tokens
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan

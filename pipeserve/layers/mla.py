@@ -177,7 +177,7 @@ class MLAttention(nn.Module):
                 keep = None if chosen is None else selection_mask(chosen, seg.slots.shape[0])
                 kv = seg.read(cache)
                 out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, keep, native)
-        return self.o_proj(out.view(x.shape[0], -1))
+        return self.o_proj(out.flatten(1))  # [tokens, heads * v_head_dim]
 
     def absorbs(self, mode: Mode, seg: LatentSegment, native: bool = False) -> bool:
         """Whether a segment attends in latent space; "auto" takes the cheaper form (see

@@ -14,7 +14,7 @@ from pipeserve.batch_overlap.single_batch import (
     set_single_batch_overlap,
     set_step_blocks,
 )
-from pipeserve.batch_overlap.strategies import DECODE, PREFILL
+from pipeserve.batch_overlap.strategies import AFD_ATTENTION, DECODE, PREFILL
 from pipeserve.batch_overlap.two_batch import split_batch
 from pipeserve.config import EngineConfig
 from pipeserve.device import (
@@ -25,6 +25,7 @@ from pipeserve.device import (
     synchronize,
     total_memory,
 )
+from pipeserve.disaggregation.afd.micro_batches import split_micro_batches
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
@@ -176,6 +177,8 @@ class ModelRunner:
         set_step_blocks(batch.combine_blocks)
         if batch.two_batch is not None:
             hidden, residual = self._forward_two_batch(batch, hidden, residual, future)
+        elif batch.micro_batches:
+            hidden, residual = self._forward_micro_batches(batch, future)
         elif batch.slices:
             hidden, residual = self.model(fb, hidden, residual)
         else:
@@ -220,6 +223,19 @@ class ModelRunner:
         (h_a, r_a), (h_b, r_b) = self.model.forward_interleaved(fbs, inputs, strategy)
         both = None if r_a is None or r_b is None else torch.cat([r_a, r_b])
         return torch.cat([h_a, h_b]), both
+
+    def _forward_micro_batches(
+        self, batch: ScheduledBatch, future: FutureMap | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention-FFN disaggregation: the batch as its micro-batches (some may be empty),
+        their layers interleaved; the rows come back in the batch's order."""
+        fbs = [self.prepare(part) for part in split_micro_batches(batch)]
+        if future is not None:
+            for fb in fbs:
+                fb.input_ids = future.resolve(fb.input_ids)
+        inputs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(fbs)
+        outs = self.model.forward_interleaved(fbs, inputs, AFD_ATTENTION)
+        return torch.cat([h for h, _ in outs]), None
 
     def expert_bytes(self) -> int:
         """Bytes of the routed experts' weights this rank holds."""

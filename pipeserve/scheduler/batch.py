@@ -70,6 +70,9 @@ class ScheduledBatch:
     stage_times: list[float] = field(default_factory=list)  # forward seconds, appended per stage
     two_batch: TwoBatchSplit | None = None  # run as two interleaved micro-batches
     combine_blocks: int = 1  # single-batch overlap: the experts' combine in this many blocks
+    # attention-FFN disaggregation: slices per micro-batch, in order (some may be 0; every
+    # rank runs as many); empty: one batch
+    micro_batches: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

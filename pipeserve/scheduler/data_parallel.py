@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from pipeserve.batch_overlap.single_batch import combine_down_blocks
 from pipeserve.batch_overlap.two_batch import plan_split
+from pipeserve.disaggregation.afd.micro_batches import micro_batch_sizes
 from pipeserve.scheduler.batch import BatchResult, ScheduledBatch, TwoBatchSplit
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
@@ -73,16 +74,19 @@ class DataParallelScheduler:
         two_batch_threshold: float | None = None,
         combine_down: tuple[int, int] = (1, 0),
         two_batch_min_tokens: int = 0,
+        micro_batches: int = 1,
     ) -> None:
         """`two_batch_threshold`: plan two-batch overlap with this token-distribution
         threshold (None: off), in steps where some rank has `two_batch_min_tokens` tokens or
-        more. `combine_down`: (blocks, min tokens) of single-batch overlap's
+        more. `micro_batches`: attention-FFN disaggregation runs every rank's batch as this
+        many micro-batches. `combine_down`: (blocks, min tokens) of single-batch overlap's
         combine-down mode (blocks 1: off)."""
         if not ranks:
             raise ValueError("data-parallel attention needs at least one scheduler")
         self.ranks = ranks
         self.two_batch_threshold = two_batch_threshold
         self.two_batch_min_tokens = two_batch_min_tokens
+        self.micro_batches = micro_batches  # attention-FFN disaggregation's, per step
         self.combine_down = combine_down
         self.owner: dict[str, int] = {}  # request id -> attention rank, while it lives
         self._batch_ids = itertools.count()
@@ -147,6 +151,8 @@ class DataParallelScheduler:
         blocks = combine_down_blocks(*self.combine_down, tokens)
         for b in batches:
             b.combine_blocks = blocks
+            if self.micro_batches > 1:
+                b.micro_batches = micro_batch_sizes(b.slices, self.micro_batches)
         return BatchGroup(batch_id, batches)
 
     def assign_future_slots(self, group: BatchGroup, slots: list[int]) -> None:

@@ -36,6 +36,7 @@ BATCH = ScheduledBatch(
     ],
     released=["old-1", "old-2"],
     stage_times=[0.012, 0.0131],
+    micro_batches=[2, 0, 1],
 )
 RESULT = BatchResult(
     batch_id=41,

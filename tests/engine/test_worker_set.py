@@ -171,12 +171,13 @@ def test_afd_ffn_workers_get_the_step_without_work() -> None:
     assert report_ranks(1, 1, 1, afd_attention=2) == [0, 1]
     ws = worker_set([], pp=1, ep=2)
     ws.ffn_ranks = 2
-    one = ScheduledBatch(7, [], released=["r"])
-    two = ScheduledBatch(7, [], combine_blocks=1)
+    one = ScheduledBatch(7, [], released=["r"], micro_batches=[0, 0, 0])
+    two = ScheduledBatch(7, [], micro_batches=[0, 0, 0])
     ws.send_batch(BatchGroup(7, [one, two]))
     (batches,) = sent(ws).sent_each
     assert batches[:2] == [one, two]
-    assert [(b.batch_id, b.slices, b.released) for b in batches[2:]] == [(7, [], [])] * 2
+    assert [(b.batch_id, b.slices, b.released, b.micro_batches) for b in batches[2:]] == [
+        (7, [], [], [0, 0, 0])] * 2  # as many micro-batches as the attention workers run
     ws.ffn_ranks, ws.pp_size = 2, 1
     ws.channels = FakeChannels([("profile", 0, (0, [0.1]))])  # type: ignore[assignment]
     points, runs = [(0, 16)], [[(0, 128)], [(512, 128)]]

@@ -6,6 +6,8 @@ row."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
 
 import torch
@@ -102,14 +104,28 @@ class FfnRunner:
         residual: torch.Tensor | None = None,
         future: object = None,
     ) -> StageOutput:
-        """One step: every MoE layer, in order, for every attention worker."""
+        """One step: every MoE layer in order, each for the step's micro-batches in order,
+        for every attention worker (the order they dispatch in). A thread receives the rows
+        (counts first, then the rows) in that order while this one runs the experts on what
+        has arrived and sends the partial sums back: the next micro-batch's rows travel
+        while this one's experts compute."""
         start = now()
+        order = [m for m in self.model.moe_layers for _ in range(max(1, len(batch.micro_batches)))]
+        arrived: queue.Queue[tuple[torch.Tensor, list[int]] | BaseException] = queue.Queue()
+        receiver = threading.Thread(target=self._receive, args=(len(order), arrived), daemon=True)
+        receiver.start()
         pending: list[Work] = []
         sent: list[torch.Tensor] = []  # what the sends read until they are done
-        for moe in self.model.moe_layers:
-            works, partials = self._serve(moe)
+        for moe in order:
+            waited = now()
+            got = arrived.get()
+            if isinstance(got, BaseException):
+                raise got
+            record_comm("dispatch_wait", waited, moe.layer_id)
+            works, partials = self._serve(moe, *got)
             pending += works
             sent.append(partials)
+        receiver.join()
         for work in pending:
             work.wait()
         synchronize(self.device)
@@ -119,12 +135,22 @@ class FfnRunner:
         empty = torch.empty(0, self.arch.hidden_size, dtype=self.dtype, device=self.device)
         return StageOutput(empty, None, None)
 
-    def _serve(self, moe: FusedMoE) -> tuple[list[Work], torch.Tensor]:
-        """One MoE layer: receive, compute, send back (the sends complete in the background)."""
+    def _receive(
+        self, count: int, arrived: queue.Queue[tuple[torch.Tensor, list[int]] | BaseException]
+    ) -> None:
         layout = RowLayout(self.slots, self.arch.hidden_size, self.dtype)
-        waited = now()
-        packed, counts = receive_rows(self.afd, layout, self.device)
-        record_comm("dispatch_wait", waited, moe.layer_id)
+        try:
+            for _ in range(count):
+                arrived.put(receive_rows(self.afd, layout, self.device))
+        except BaseException as exc:  # surfaces in the step
+            arrived.put(exc)
+
+    def _serve(
+        self, moe: FusedMoE, packed: torch.Tensor, counts: list[int]
+    ) -> tuple[list[Work], torch.Tensor]:
+        """One MoE layer's micro-batch: the experts on the rows that came, the partial sums
+        back (the sends complete in the background)."""
+        layout = RowLayout(self.slots, self.arch.hidden_size, self.dtype)
         ids, weights, rows = layout.views(packed)
         partials = moe.run_local(rows, weights, ids)
         launched = now()

@@ -16,7 +16,7 @@ from engine_cases import Workload, kill_during_prefill
 
 from pipeserve.engine.engine import Engine
 from pipeserve.models.arch import ArchConfig, routed_expert_params
-from pipeserve.timeline import afd_bytes_per_step, afd_idle_shares
+from pipeserve.timeline import Event, afd_bytes_per_step, afd_idle_shares
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,6 +31,11 @@ CASES = [
     ("qwen3-moe", {"afd_attention_size": 2, "afd_ffn_size": 2, "afd_ffn_nodes": 2}),
     ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 1,
                      "afd_dispatch_mode": "direct"}),
+    # micro-batches: some empty (6 requests over 2 workers, 3 micro-batches; lone chunks)
+    ("qwen3-moe", {"afd_attention_size": 1, "afd_ffn_size": 1, "afd_micro_batches": 2}),
+    ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 2, "afd_micro_batches": 3}),
+    ("qwen3-moe", {"afd_attention_size": 2, "afd_ffn_size": 1, "afd_micro_batches": 3,
+                   "afd_dispatch_mode": "direct"}),
 ]
 
 
@@ -47,7 +52,7 @@ def reference(models: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
 @pytest.mark.parametrize(("model", "layout"), CASES,
                          ids=[f"{m}-a{f['afd_attention_size']}f{f['afd_ffn_size']}"
                               f"-{f.get('afd_dispatch_mode', 'direct-rank')}"
-                              for m, f in CASES])
+                              f"-mb{f.get('afd_micro_batches', 1)}" for m, f in CASES])
 def test_afd_matches_one_process(models, reference, model: str, layout: dict[str, Any]) -> None:
     with Engine(str(models[model]), **FLAGS, **layout) as engine:
         out = WORK.run(engine)
@@ -66,6 +71,34 @@ def test_afd_matches_one_process(models, reference, model: str, layout: dict[str
     # every worker ran the steps; rows went out and partial sums came back
     assert set(afd_idle_shares(events, na)) == set(range(na + nf))
     assert afd_bytes_per_step(events, na) > 0
+    n = layout.get("afd_micro_batches", 1)
+    moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+    assert served_per_step(events, na) == {n * moe_layers}  # every FFN worker, every step
+    if n > 1:  # the last micro-batch starts a layer before the first one's next layer
+        assert interleaved_forwards(events, n)
+
+
+def served_per_step(events: list[Event], first_ffn: int) -> set[int]:
+    """Per forward of an FFN worker: how many (layer, micro-batch) rows it waited for."""
+    counts = set()
+    for fwd in (e for e in events if e.kind == "forward" and e.tp_rank >= first_ffn):
+        counts.add(sum(1 for e in events if e.kind == "dispatch_wait"
+                       and e.tp_rank == fwd.tp_rank and fwd.start <= e.start <= fwd.end))
+    return counts
+
+
+def interleaved_forwards(events: list[Event], n: int) -> list[Event]:
+    """Forwards of attention worker 0 in which micro-batch n-1 ran an operation before
+    micro-batch 0's last one."""
+    ops = [e for e in events if e.kind.startswith("op:") and e.tp_rank == 0]
+    found = []
+    for fwd in (e for e in events if e.kind == "forward" and e.tp_rank == 0):
+        inside = [e for e in ops if fwd.start <= e.start and e.end <= fwd.end]
+        first_last = max((e.end for e in inside if e.micro_batch == 0), default=None)
+        last_first = min((e.start for e in inside if e.micro_batch == n - 1), default=None)
+        if first_last is not None and last_first is not None and last_first < first_last:
+            found.append(fwd)
+    return found
 
 
 def test_a_killed_ffn_worker_fails_the_engine_and_leaves_no_process(models) -> None:
