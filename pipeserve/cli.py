@@ -152,9 +152,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     pp_sizes, tp_sizes, ep_sizes = args.pp_size or [1], args.tp_size or [1], args.ep_size or [1]
     given = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
     sizes: list[tuple[int, ...]] = []
+    flags_afd = (args.afd_attention_size or 0, args.afd_ffn_size or 0)
     for s in given:  # a PPxTP pair runs with every --ep-size, a triple or aAfF as it is
         eps = [s[2]] if len(s) >= 3 else ep_sizes
-        afd = tuple(s[3:]) or (0, 0)
+        afd = tuple(s[3:]) or (flags_afd if not args.layouts else (0, 0))
         sizes += [(s[0], s[1], ep, *afd) for ep in eps]
     threads = args.threads_per_worker or [None]
     loops = ["plain", "overlap"] if args.compare_loops else [None]

@@ -452,6 +452,22 @@ WAIT_KINDS = ("dispatch_launch", "dispatch_wait", "combine_wait", "tp_all_reduce
 COMM_OPS = ("op:dispatch_a", "op:dispatch_b", "op:combine_a", "op:combine_b")
 
 
+def _ffn_waits(events: list[Event], fwd: Event) -> list[Event]:
+    """The dispatch waits, inside `fwd`'s window, of the first rank that waits for rows but
+    runs no operations of its own (an FFN worker of attention-FFN disaggregation)."""
+    with_ops = {e.tp_rank for e in events if e.kind.startswith("op:")}
+    waiting = sorted(
+        {e.tp_rank for e in events if e.kind == "dispatch_wait" and e.tp_rank not in with_ops}
+    )
+    if not waiting:
+        return []
+    return [
+        e
+        for e in events
+        if e.kind == "dispatch_wait" and e.tp_rank == waiting[0] and fwd.start <= e.start <= fwd.end
+    ]
+
+
 def overlapped_forward(events: list[Event]) -> Event | None:
     """The longest forward of the first stage's rank 0 in which two micro-batches ran."""
     ops = [e for e in events if e.kind.startswith("op:") and e.micro_batch >= 1]
@@ -486,21 +502,38 @@ def draw_overlap(panels: list[tuple[str, list[Event]]], path: str | Path) -> boo
 
 
 def _draw_overlap_panel(ax: Any, title: str, events: list[Event], fwd: Event) -> None:
+    """A row of compute and one of waits per micro-batch (A, B, C, ...); under attention-FFN
+    disaggregation also a row of the first FFN worker's waits for rows (it computes between
+    them)."""
     inside = [
         e
         for e in events
         if e.stage == fwd.stage and e.tp_rank == fwd.tp_rank and fwd.start <= e.start <= fwd.end
     ]
-    rows = ["A compute", "A waits", "B compute", "B waits"]
+    count = 1 + max((e.micro_batch for e in inside), default=0)
+    letters = [chr(ord("A") + m) for m in range(count)]
+    rows = [f"{x} {what}" for x in letters for what in ("compute", "waits")]
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:purple")
     for e in inside:
-        if e.micro_batch not in (0, 1) or not (e.kind.startswith("op:") or e.kind in WAIT_KINDS):
+        if e.micro_batch < 0 or not (e.kind.startswith("op:") or e.kind in WAIT_KINDS):
             continue
         if e.kind in COMM_OPS:  # mostly waiting: shown by their dispatch/combine spans
             continue
         compute = e.kind.startswith("op:")
         y = 2 * e.micro_batch + (0 if compute else 1)
-        color = ("tab:blue", "tab:orange")[e.micro_batch] if compute else "tab:red"
+        color = colors[e.micro_batch % len(colors)] if compute else "tab:red"
         ax.barh(y, e.end - e.start, left=e.start - fwd.start, height=0.8, color=color)
+    ffn = _ffn_waits(events, fwd)
+    if ffn:
+        rows.append("FFN waits")
+        for e in ffn:
+            ax.barh(
+                len(rows) - 1,
+                e.end - e.start,
+                left=e.start - fwd.start,
+                height=0.8,
+                color="tab:gray",
+            )
     waits = sum(e.end - e.start for e in inside if e.kind in WAIT_KINDS and e.micro_batch >= 0)
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()

@@ -174,6 +174,9 @@ def test_bench_afd_layouts_beside_ep(monkeypatch) -> None:
         ("PP1 TP1 EP2", None, None, 2), ("AFD 1A+1F", 1, 1, 1), ("AFD 2A+2F", 2, 2, 1)]
     with pytest.raises(SystemExit):
         main(["bench", "--layouts", "a1f0"])
+    got = bench_layouts(monkeypatch, ["--afd-attention-size", "2", "--afd-ffn-size", "1"])
+    assert [(n, f["afd_attention_size"], f["afd_ffn_size"]) for n, f, _ in got] == [
+        ("AFD 2A+1F", 2, 1)]  # the flags' AFD layout, named as such
     with pytest.raises(SystemExit):
         main(["bench", "--ep-size", "1,two"])
 

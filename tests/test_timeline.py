@@ -139,6 +139,15 @@ def test_split_forward_share_counts_forwards_with_micro_batch_b_inside() -> None
     assert split_forward_share([]) == 0.0
 
 
+def test_the_overlap_chart_draws_three_micro_batches_and_the_ffn_worker(tmp_path) -> None:
+    fwd = Event("forward", 0, 0, 0.0, 1.0)
+    ops = [Event("op:attention", 0, 0, 0.1 * m, 0.1 * m + 0.05, micro_batch=m) for m in range(3)]
+    ffn = [Event("forward", 0, 1, 0.0, 1.0), Event("dispatch_wait", 0, 1, 0.0, 0.2)]
+    assert timeline._ffn_waits([fwd, *ops, *ffn], fwd) == [ffn[1]]
+    path = tmp_path / "afd.png"
+    assert timeline.draw_overlap([("3bo", [fwd, *ops, *ffn])], path) and path.stat().st_size
+
+
 def test_afd_bytes_per_step_and_idle_shares() -> None:
     """Two attention workers (ranks 0, 1) and one FFN worker (rank 2), two steps: bytes are
     what the attention workers sent and got back, per step; an attention worker idles in

@@ -101,10 +101,14 @@ def interleaved_forwards(events: list[Event], n: int) -> list[Event]:
     return found
 
 
-def test_a_killed_ffn_worker_fails_the_engine_and_leaves_no_process(models) -> None:
-    """The FFN worker dies while the attention worker prefills a long prompt (inside a MoE
-    layer's transfers, or between steps): the scheduler raises within a bounded time, naming
-    the dead worker, and no worker is left."""
-    with Engine(str(models["qwen3-moe"]), **FLAGS, afd_attention_size=1,
-                afd_ffn_size=1) as engine:
-        kill_during_prefill(engine, 1, 512)
+@pytest.mark.parametrize(("victim", "micro_batches"), [(1, 1), (0, 3)],
+                         ids=["ffn-worker", "attention-worker-3bo"])
+def test_a_killed_worker_fails_the_engine_and_leaves_no_process(models, victim: int,
+                                                                micro_batches: int) -> None:
+    """The FFN worker (or, under three micro-batches, the attention worker) dies while a long
+    prompt is prefilled (inside a MoE layer's transfers, or between steps): the scheduler
+    raises within a bounded time, naming a worker, and no worker is left (the survivor is
+    not left waiting for rows or partial sums)."""
+    with Engine(str(models["qwen3-moe"]), **FLAGS, afd_attention_size=1, afd_ffn_size=1,
+                afd_micro_batches=micro_batches) as engine:
+        kill_during_prefill(engine, victim, 512)
