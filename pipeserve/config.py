@@ -158,7 +158,8 @@ class ParallelConfig:
     afd_dispatch_mode: str = _flag(
         "direct-rank",
         "attention-FFN disaggregation: 'direct-rank' (a token goes once to each FFN worker "
-        "holding one of its experts) or 'direct' (once per selected expert)",
+        "holding one of its experts), 'direct' (once per selected expert) or 'two-stage' "
+        "(once per FFN node, forwarded inside the node to the workers holding its experts)",
     )
     pp_async_batch_depth: int = _flag(
         1,
@@ -438,7 +439,7 @@ def _dynamic_chunking_checks(s: SchedulerConfig) -> list[tuple[bool, str]]:
     ]
 
 
-AFD_DISPATCH_MODES = ("direct-rank", "direct")
+AFD_DISPATCH_MODES = ("direct-rank", "direct", "two-stage")
 
 
 def _world_words(p: ParallelConfig) -> str:

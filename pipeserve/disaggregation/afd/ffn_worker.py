@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,13 @@ from torch.distributed import Work
 from pipeserve.config import EngineConfig
 from pipeserve.device import resolve_device, resolve_dtype, synchronize
 from pipeserve.disaggregation.afd.transport import receive_rows, send_partials
-from pipeserve.distributed.parallel_state import AfdState, get_afd, get_parallel_state
+from pipeserve.disaggregation.afd.two_stage import TwoStage
+from pipeserve.distributed.parallel_state import (
+    AfdState,
+    get_afd,
+    get_expert_placement,
+    get_parallel_state,
+)
 from pipeserve.layers.moe import FusedMoE, expert_checkpoint_names, held_experts
 from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig
@@ -90,6 +97,11 @@ class FfnRunner:
         load_weights(self.model, model_path)
         self.model.eval()
         self.slots = 1 if afd.dispatch_mode == "direct" else arch.num_experts_per_tok
+        self.layout = RowLayout(self.slots, arch.hidden_size, self.dtype)
+        self.two_stage = None
+        if afd.dispatch_mode == "two-stage":
+            placement = get_expert_placement(arch.num_experts)
+            self.two_stage = TwoStage(afd, placement, self.layout, self.device)
         self.recorder = Recorder(self.state.pp_rank, self.state.stage_rank, comm=True)
 
     def prepare(self, batch: ScheduledBatch) -> None:
@@ -111,7 +123,7 @@ class FfnRunner:
         while this one's experts compute."""
         start = now()
         order = [m for m in self.model.moe_layers for _ in range(max(1, len(batch.micro_batches)))]
-        arrived: queue.Queue[tuple[torch.Tensor, list[int]] | BaseException] = queue.Queue()
+        arrived: queue.Queue[Any] = queue.Queue()
         receiver = threading.Thread(target=self._receive, args=(len(order), arrived), daemon=True)
         receiver.start()
         pending: list[Work] = []
@@ -122,9 +134,12 @@ class FfnRunner:
             if isinstance(got, BaseException):
                 raise got
             record_comm("dispatch_wait", waited, moe.layer_id)
-            works, partials = self._serve(moe, *got)
+            if self.two_stage is not None:
+                works, keep = self.two_stage.serve(moe.run_local, got)
+            else:
+                works, keep = self._serve(moe, *got)
             pending += works
-            sent.append(partials)
+            sent += keep
         receiver.join()
         for work in pending:
             work.wait()
@@ -135,28 +150,29 @@ class FfnRunner:
         empty = torch.empty(0, self.arch.hidden_size, dtype=self.dtype, device=self.device)
         return StageOutput(empty, None, None)
 
-    def _receive(
-        self, count: int, arrived: queue.Queue[tuple[torch.Tensor, list[int]] | BaseException]
-    ) -> None:
-        layout = RowLayout(self.slots, self.arch.hidden_size, self.dtype)
+    def _receive(self, count: int, arrived: queue.Queue[Any]) -> None:
+        """The receiver thread: each (layer, micro-batch)'s rows in order (two-stage: stage 1,
+        forwarded inside the node source by source as they come)."""
         try:
             for _ in range(count):
-                arrived.put(receive_rows(self.afd, layout, self.device))
+                if self.two_stage is not None:
+                    arrived.put(self.two_stage.receive())
+                else:
+                    arrived.put(receive_rows(self.afd, self.layout, self.device))
         except BaseException as exc:  # surfaces in the step
             arrived.put(exc)
 
     def _serve(
         self, moe: FusedMoE, packed: torch.Tensor, counts: list[int]
-    ) -> tuple[list[Work], torch.Tensor]:
+    ) -> tuple[list[Work], list[torch.Tensor]]:
         """One MoE layer's micro-batch: the experts on the rows that came, the partial sums
         back (the sends complete in the background)."""
-        layout = RowLayout(self.slots, self.arch.hidden_size, self.dtype)
-        ids, weights, rows = layout.views(packed)
+        ids, weights, rows = self.layout.views(packed)
         partials = moe.run_local(rows, weights, ids)
         launched = now()
         works = send_partials(self.afd, partials, counts)
         record_comm("combine_launch", launched, moe.layer_id, partials.nbytes, 0)
-        return works, partials
+        return works, [partials]
 
     def profile_prefill(self, points: list[tuple[int, int]], runs: object) -> list[float]:
         """The attention workers time one forward per point: serve a step for each."""

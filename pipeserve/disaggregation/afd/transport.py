@@ -49,11 +49,11 @@ def post_rows(
     works, start = [], 0
     for f, n in enumerate(counts):
         peer = afd.global_rank(f)
-        works.append(_isend(sizes[f : f + 1], peer, group=afd.group, tag=COUNT_TAG))
+        works.append(isend(sizes[f : f + 1], peer, group=afd.group, tag=COUNT_TAG))
         if n:
             part = slice(start, start + n)
-            works.append(_isend(packed[part], peer, group=afd.group, tag=ROWS_TAG))
-            works.append(_irecv(returned[part], peer, group=afd.group, tag=PARTIAL_TAG))
+            works.append(isend(packed[part], peer, group=afd.group, tag=ROWS_TAG))
+            works.append(irecv(returned[part], peer, group=afd.group, tag=PARTIAL_TAG))
         start += n
     return Posted(works, returned, [sizes, packed])
 
@@ -65,7 +65,7 @@ def receive_rows(
     per source)."""
     sizes = torch.empty(afd.attention_size, dtype=torch.long, device=device)
     for work in [
-        _irecv(sizes[a : a + 1], a, group=afd.group, tag=COUNT_TAG)
+        irecv(sizes[a : a + 1], a, group=afd.group, tag=COUNT_TAG)
         for a in range(afd.attention_size)
     ]:
         work.wait()
@@ -74,7 +74,7 @@ def receive_rows(
     works, start = [], 0
     for a, n in enumerate(counts):
         if n:
-            works.append(_irecv(packed[start : start + n], a, group=afd.group, tag=ROWS_TAG))
+            works.append(irecv(packed[start : start + n], a, group=afd.group, tag=ROWS_TAG))
         start += n
     for work in works:
         work.wait()
@@ -86,18 +86,18 @@ def send_partials(afd: AfdState, partials: torch.Tensor, counts: Sequence[int]) 
     works, start = [], 0
     for a, n in enumerate(counts):
         if n:
-            works.append(_isend(partials[start : start + n], a, group=afd.group, tag=PARTIAL_TAG))
+            works.append(isend(partials[start : start + n], a, group=afd.group, tag=PARTIAL_TAG))
         start += n
     return works
 
 
-def _isend(tensor: torch.Tensor, peer: int, group: object, tag: int) -> Work:
+def isend(tensor: torch.Tensor, peer: int, group: object, tag: int) -> Work:
     work = dist.isend(tensor, peer, group=group, tag=tag)  # type: ignore[arg-type]
     assert work is not None, "both ends of an AFD transfer are in the AFD group"
     return work
 
 
-def _irecv(tensor: torch.Tensor, peer: int, group: object, tag: int) -> Work:
+def irecv(tensor: torch.Tensor, peer: int, group: object, tag: int) -> Work:
     work = dist.irecv(tensor, peer, group=group, tag=tag)  # type: ignore[arg-type]
     assert work is not None, "both ends of an AFD transfer are in the AFD group"
     return work

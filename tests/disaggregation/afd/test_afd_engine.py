@@ -2,7 +2,11 @@
 and KV cache, FFN workers holding the routed experts and nothing else. `Engine(path,
 afd_attention_size=A, afd_ffn_size=F)` gives the greedy tokens of one in-process engine and
 its logprobs within 1e-4 (float32), on Qwen3-MoE and DeepSeek-V3, with 1 A + 1 F, 1 A + 2 F,
-2 A + 2 F (two FFN nodes of one) and 2 A + 1 F, in direct-rank and direct dispatch. Requests
+2 A + 2 F (two FFN nodes of one) and 2 A + 1 F, in direct-rank and direct dispatch, and in
+two-stage dispatch with 1 A + 2 F (one node of two) and 2 A + 4 F (two nodes of two): a
+stage-1 row carries global expert ids that only the two-stage FFN side reads right, and the
+experts of the worker that is not an attention worker's peer are reached only by forwarding,
+so the tokens match only if both stages work. Requests
 of different lengths start and finish at different steps, so an attention worker runs steps
 with no tokens of its own while the other decodes. A killed FFN worker fails the engine."""
 
@@ -36,6 +40,10 @@ CASES = [
     ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 2, "afd_micro_batches": 3}),
     ("qwen3-moe", {"afd_attention_size": 2, "afd_ffn_size": 1, "afd_micro_batches": 3,
                    "afd_dispatch_mode": "direct"}),
+    # two-stage: one copy per FFN node, forwarded inside it
+    ("qwen3-moe", {"afd_attention_size": 1, "afd_ffn_size": 2, "afd_dispatch_mode": "two-stage"}),
+    ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 4, "afd_ffn_nodes": 2,
+                     "afd_dispatch_mode": "two-stage", "afd_micro_batches": 2}),
 ]
 
 
