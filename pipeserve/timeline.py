@@ -299,6 +299,14 @@ def afd_bytes_per_step(events: list[Event], attention_size: int) -> float:
     return (sent + back) / steps if steps else 0.0
 
 
+def afd_in_node_bytes_per_step(events: list[Event]) -> float:
+    """Attention-FFN disaggregation, two-stage dispatch: bytes the FFN workers sent each
+    other inside their nodes (forwarded rows and the partial sums back), per step."""
+    sent = sum(e.nbytes for e in events if e.kind == "afd_in_node")
+    steps = sum(1 for e in events if e.kind == "forward" and e.tp_rank == 0)
+    return sent / steps if steps else 0.0
+
+
 def afd_idle_shares(events: list[Event], attention_size: int) -> dict[int, float]:
     """Per worker (global rank), the share of its forward time spent waiting for the other
     kind: an attention worker for its partial sums, an FFN worker for its rows."""

@@ -15,6 +15,7 @@ from pipeserve.timeline import (
     Recorder,
     afd_bytes_per_step,
     afd_idle_shares,
+    afd_in_node_bytes_per_step,
     comm_bytes_per_forward,
     drain_comm,
     exposed_comm_s,
@@ -165,6 +166,9 @@ def test_afd_bytes_per_step_and_idle_shares() -> None:
     assert afd_bytes_per_step(events, 2) == pytest.approx((100 + 50 + 30 + 20) / 2)
     assert afd_idle_shares(events, 2) == pytest.approx({0: 0.4 / 2, 1: 0.1 / 2, 2: 0.75 / 2})
     assert afd_bytes_per_step([], 2) == 0.0 and afd_idle_shares([], 2) == {}
+    in_node = [span("afd_in_node", 2, 0.3, 0.3, sent=64), span("afd_in_node", 3, 0.4, 0.4, sent=16)]
+    assert afd_in_node_bytes_per_step(events + in_node) == pytest.approx(80 / 2)
+    assert afd_in_node_bytes_per_step(events) == 0.0
 
 
 def test_trace_names_and_args_carry_the_layer(tmp_path) -> None:

@@ -28,6 +28,7 @@ from pipeserve.timeline import (
     Event,
     afd_bytes_per_step,
     afd_idle_shares,
+    afd_in_node_bytes_per_step,
     boundary_bytes,
     bubble_ratios,
     comm_bytes_per_forward,
@@ -294,6 +295,7 @@ def _afd_row(p: ParallelConfig, events: list[Event]) -> dict[str, Any] | None:
         "dispatch_mode": p.afd_dispatch_mode,
         "micro_batches": p.afd_micro_batches,
         "bytes_between_nodes_per_step": afd_bytes_per_step(events, p.afd_attention_size),
+        "bytes_inside_node_per_step": afd_in_node_bytes_per_step(events),
         "idle_share": afd_idle_shares(events, p.afd_attention_size),
     }
 

@@ -31,8 +31,10 @@ from pipeserve.disaggregation.afd.transport import (
 from pipeserve.distributed.parallel_state import AfdState
 from pipeserve.moe.dispatcher.all_to_all import RowLayout
 from pipeserve.moe.dispatcher.placement import ExpertPlacement
+from pipeserve.timeline import now, record_comm
 
 FWD_COUNT_TAG, FWD_ROWS_TAG, FWD_PARTIAL_TAG = 3, 4, 5
+FORWARD_KIND = "afd_in_node"  # trace spans of rows and partial sums sent inside the node
 
 
 @dataclass
@@ -76,6 +78,7 @@ class TwoStage:
         return arrived
 
     def _forward(self, packed: torch.Tensor, arrived: Arrived) -> None:
+        start, sent = now(), 0
         ids, weights, hidden = self.layout.views(packed)
         plan = plan_forward(ids, weights, self.afd.rank, self.topology, self.placement)
         arrived.plans.append(plan)
@@ -91,6 +94,8 @@ class TwoStage:
             if rows.shape[0]:
                 arrived.works.append(isend(rows, peer, self.afd.group, FWD_ROWS_TAG))
                 arrived.keep.append(rows)
+                sent += rows.nbytes
+        record_comm(FORWARD_KIND, start, -1, sent, 0)
 
     def serve(self, run: Experts, arrived: Arrived) -> tuple[list[Work], list[torch.Tensor]]:
         """Stage 2 on this worker and the combine inside the node; returns the sends of the
@@ -104,12 +109,14 @@ class TwoStage:
         sizes = [b.shape[0] for b in blocks]
         pieces = list(torch.split(partials, sizes)) if sizes else []
         own, works = pieces[: len(arrived.own)], []
-        at = len(arrived.own)
+        at, start, back = len(arrived.own), now(), 0
         for j in peers:  # the partial sums of what each peer forwarded, back to it
             for piece in pieces[at : at + len(got[j])]:
                 if piece.shape[0]:
                     works.append(isend(piece, self.node[j], self.afd.group, FWD_PARTIAL_TAG))
+                    back += piece.nbytes
             at += len(got[j])
+        record_comm(FORWARD_KIND, start, -1, back, 0)
         keep = [partials]
         for a, plan in enumerate(arrived.plans):
             returned = self._returned(plan, own[a], peers, partials)

@@ -20,7 +20,12 @@ from engine_cases import Workload, kill_during_prefill
 
 from pipeserve.engine.engine import Engine
 from pipeserve.models.arch import ArchConfig, routed_expert_params
-from pipeserve.timeline import Event, afd_bytes_per_step, afd_idle_shares
+from pipeserve.timeline import (
+    Event,
+    afd_bytes_per_step,
+    afd_idle_shares,
+    afd_in_node_bytes_per_step,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -79,6 +84,9 @@ def test_afd_matches_one_process(models, reference, model: str, layout: dict[str
     # every worker ran the steps; rows went out and partial sums came back
     assert set(afd_idle_shares(events, na)) == set(range(na + nf))
     assert afd_bytes_per_step(events, na) > 0
+    # rows and partial sums move inside an FFN node only under two-stage dispatch
+    two_stage = layout.get("afd_dispatch_mode") == "two-stage"
+    assert (afd_in_node_bytes_per_step(events) > 0) == two_stage
     n = layout.get("afd_micro_batches", 1)
     moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
     assert served_per_step(events, na) == {n * moe_layers}  # every FFN worker, every step

@@ -4,8 +4,12 @@ every attention rank (idle ones too) the same number."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from pipeserve.batch_overlap.operations import State, execute
+from pipeserve.batch_overlap.strategies import AFD_ATTENTION, forward_stages
 from pipeserve.config import SchedulerConfig
 from pipeserve.disaggregation.afd.micro_batches import micro_batch_sizes, split_micro_batches
 from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
@@ -55,3 +59,47 @@ def test_every_rank_gets_the_same_number_of_micro_batches() -> None:
     group = dp.schedule()
     assert group is not None
     assert [b.micro_batches for b in group.batches] == [[0, 0, 1], [0, 0, 0]]
+
+
+# -- the attention side's grid and the FFN side's order -------------------------------------
+
+
+class FakeLayer:
+    """A MoE decoder layer's operations (or a dense layer's one) that log what they do."""
+
+    def __init__(self, layer: int, moe: bool, log: list[tuple[str, int, int]]) -> None:
+        self.layer, self.moe, self.log = layer, moe, log
+
+    def operations(self) -> dict[str, Any]:
+        if not self.moe:
+            return {"layer": self._op("layer")}
+        names = ("attention", "gate", "dispatch_a", "dispatch_b", "experts", "combine_a",
+                 "shared_experts", "combine_b", "output", "layer_output")
+        return {n: self._op(n) for n in names}
+
+    def _op(self, name: str) -> Any:
+        def op(state: State, **_: Any) -> dict[str, Any]:
+            self.log.append((name, self.layer, state["mb"]))
+            return {}
+        return op
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_attention_grid_dispatches_in_the_ffn_workers_order(n: int) -> None:
+    """One dense layer, then three MoE layers: each MoE layer is one stage boundary; the
+    attention side dispatches layer by layer, micro-batch by micro-batch (the order an FFN
+    worker serves in), and waits for a micro-batch's partial sums only after the other
+    micro-batches dispatched that layer (their attention runs while the FFN computes)."""
+    log: list[tuple[str, int, int]] = []
+    layers = [FakeLayer(0, False, log)] + [FakeLayer(i, True, log) for i in (1, 2, 3)]
+    stages = forward_stages(layers, AFD_ATTENTION)
+    assert len(stages) == 4  # three markers: one per MoE layer
+    execute(stages, [State(mb=m) for m in range(n)], [{} for _ in range(n)], AFD_ATTENTION.delta)
+    dispatched = [(layer, mb) for name, layer, mb in log if name == "dispatch_a"]
+    assert dispatched == [(layer, mb) for layer in (1, 2, 3) for mb in range(n)]
+    for layer in (1, 2, 3):
+        waits = [i for i, e in enumerate(log) if e[:2] == ("combine_b", layer)]
+        last_dispatch = max(i for i, e in enumerate(log) if e[:2] == ("dispatch_a", layer))
+        assert min(waits) > last_dispatch
+        # the shared experts run right before the wait (the routed ones are elsewhere)
+        assert all(log[i - 1][0] == "shared_experts" for i in waits)
