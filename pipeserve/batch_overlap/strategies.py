@@ -82,6 +82,14 @@ AFD_ATTENTION = Strategy(
 # Attention-FFN disaggregation, attention side: one stage per MoE layer, from the shared
 # experts of one layer (the experts ran on the FFN workers meanwhile) to the dispatch of the
 # next; dispatch_b, experts and combine_a have no rows here.
+AFD_FFN_DELAY: Plan = ("delay", YIELD)
+AFD_FFN_LAYER: Plan = ("receive", "experts", "send", YIELD)
+# Attention-FFN disaggregation, FFN side: a delay stage (the attention workers run their
+# first layers), then a stage per MoE layer: take the micro-batch's rows, run the experts,
+# send the partial sums back. Run stage-major like the attention side, the FFN worker serves
+# (layer, micro-batch) in the order the attention workers dispatch; with point-to-point
+# transfers (matched per pair, in order) no nop stage is needed to align collectives, and
+# its receiver thread takes the next micro-batch's rows before this one's are sent back.
 
 
 def layer_plan(strategy: Strategy, sbo: SingleBatchOverlap = OFF) -> Plan:

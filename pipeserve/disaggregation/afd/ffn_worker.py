@@ -15,6 +15,15 @@ import torch
 from torch import nn
 from torch.distributed import Work
 
+from pipeserve.batch_overlap.operations import (
+    OpFn,
+    Outputs,
+    State,
+    arrange,
+    execute,
+    split_stages,
+)
+from pipeserve.batch_overlap.strategies import AFD_FFN_DELAY, AFD_FFN_LAYER
 from pipeserve.config import EngineConfig
 from pipeserve.device import resolve_device, resolve_dtype, synchronize
 from pipeserve.disaggregation.afd.transport import receive_rows, send_partials
@@ -122,24 +131,20 @@ class FfnRunner:
         has arrived and sends the partial sums back: the next micro-batch's rows travel
         while this one's experts compute."""
         start = now()
-        order = [m for m in self.model.moe_layers for _ in range(max(1, len(batch.micro_batches)))]
+        layers, count = self.model.moe_layers, max(1, len(batch.micro_batches))
         arrived: queue.Queue[Any] = queue.Queue()
-        receiver = threading.Thread(target=self._receive, args=(len(order), arrived), daemon=True)
+        receiver = threading.Thread(
+            target=self._receive, args=(len(layers) * count, arrived), daemon=True
+        )
         receiver.start()
         pending: list[Work] = []
         sent: list[torch.Tensor] = []  # what the sends read until they are done
-        for moe in order:
-            waited = now()
-            got = arrived.get()
-            if isinstance(got, BaseException):
-                raise got
-            record_comm("dispatch_wait", waited, moe.layer_id)
-            if self.two_stage is not None:
-                works, keep = self.two_stage.serve(moe.run_local, got)
-            else:
-                works, keep = self._serve(moe, *got)
-            pending += works
-            sent += keep
+        items = arrange({"delay": _nothing}, AFD_FFN_DELAY)
+        for moe in layers:
+            ops = self._operations(moe, arrived, pending, sent)
+            items += arrange(ops, AFD_FFN_LAYER)
+        states = [State() for _ in range(count)]
+        execute(split_stages(items), states, [{} for _ in range(count)], delta=0)
         receiver.join()
         for work in pending:
             work.wait()
@@ -149,6 +154,39 @@ class FfnRunner:
         self.recorder.add("forward", start, end, batch)
         empty = torch.empty(0, self.arch.hidden_size, dtype=self.dtype, device=self.device)
         return StageOutput(empty, None, None)
+
+    def _operations(
+        self, moe: FusedMoE, arrived: queue.Queue[Any], pending: list[Work], sent: list[Any]
+    ) -> dict[str, OpFn]:
+        """One MoE layer's operations for a micro-batch: its rows (as the receiver thread
+        took them), the experts on them, the partial sums back."""
+
+        def receive(state: State, **_: Any) -> Outputs:
+            waited = now()
+            got = arrived.get()
+            if isinstance(got, BaseException):
+                raise got
+            record_comm("dispatch_wait", waited, moe.layer_id)
+            return {"got": got}
+
+        def experts(state: State, got: Any) -> Outputs:
+            if self.two_stage is not None:
+                partials, works, keep = self.two_stage.serve(moe.run_local, got)
+                pending.extend(works)
+                sent.extend(keep)
+                return {"partials": partials, "counts": got.counts}
+            packed, counts = got
+            ids, weights, rows = self.layout.views(packed)
+            return {"partials": moe.run_local(rows, weights, ids), "counts": counts}
+
+        def send(state: State, partials: torch.Tensor, counts: list[int]) -> Outputs:
+            launched = now()
+            pending.extend(send_partials(self.afd, partials, counts))
+            sent.append(partials)
+            record_comm("combine_launch", launched, moe.layer_id, partials.nbytes, 0)
+            return {}
+
+        return {"receive": receive, "experts": experts, "send": send}
 
     def _receive(self, count: int, arrived: queue.Queue[Any]) -> None:
         """The receiver thread: each (layer, micro-batch)'s rows in order (two-stage: stage 1,
@@ -162,18 +200,6 @@ class FfnRunner:
         except BaseException as exc:  # surfaces in the step
             arrived.put(exc)
 
-    def _serve(
-        self, moe: FusedMoE, packed: torch.Tensor, counts: list[int]
-    ) -> tuple[list[Work], list[torch.Tensor]]:
-        """One MoE layer's micro-batch: the experts on the rows that came, the partial sums
-        back (the sends complete in the background)."""
-        ids, weights, rows = self.layout.views(packed)
-        partials = moe.run_local(rows, weights, ids)
-        launched = now()
-        works = send_partials(self.afd, partials, counts)
-        record_comm("combine_launch", launched, moe.layer_id, partials.nbytes, 0)
-        return works, [partials]
-
     def profile_prefill(self, points: list[tuple[int, int]], runs: object) -> list[float]:
         """The attention workers time one forward per point: serve a step for each."""
         times = []
@@ -186,3 +212,8 @@ class FfnRunner:
 
     def expert_bytes(self) -> int:
         return sum(p.nbytes for m in self.model.moe_layers for p in m.parameters())
+
+
+def _nothing(state: State, **inputs: Any) -> None:
+    """The delay stage: nothing to do while the attention workers run their first layers."""
+    return None

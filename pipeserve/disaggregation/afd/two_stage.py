@@ -22,7 +22,6 @@ from pipeserve.disaggregation.afd.routing import (
 )
 from pipeserve.disaggregation.afd.transport import (
     COUNT_TAG,
-    PARTIAL_TAG,
     ROWS_TAG,
     Experts,
     irecv,
@@ -97,9 +96,12 @@ class TwoStage:
                 sent += rows.nbytes
         record_comm(FORWARD_KIND, start, -1, sent, 0)
 
-    def serve(self, run: Experts, arrived: Arrived) -> tuple[list[Work], list[torch.Tensor]]:
-        """Stage 2 on this worker and the combine inside the node; returns the sends of the
-        partial sums (to node peers and attention workers) and what they read."""
+    def serve(
+        self, run: Experts, arrived: Arrived
+    ) -> tuple[torch.Tensor, list[Work], list[torch.Tensor]]:
+        """Stage 2 on this worker and the combine inside the node: the partial sums of the
+        stage-1 rows ([rows of every attention worker, in order, H]) for the attention
+        workers, the sends to the node peers still in flight and what they read."""
         peers = [j for j in range(len(self.node)) if j != self.local]
         got = {j: self._receive_forwarded(j) for j in peers}  # per peer: per source rows
         blocks = [*arrived.own, *(rows for j in peers for rows in got[j])]
@@ -117,16 +119,14 @@ class TwoStage:
                     back += piece.nbytes
             at += len(got[j])
         record_comm(FORWARD_KIND, start, -1, back, 0)
-        keep = [partials]
-        for a, plan in enumerate(arrived.plans):
-            returned = self._returned(plan, own[a], peers, partials)
-            stage_one = combine_in_node(plan, returned)
-            keep.append(stage_one)
-            if stage_one.shape[0]:
-                works.append(isend(stage_one, a, self.afd.group, PARTIAL_TAG))
+        stage_one = [
+            combine_in_node(plan, self._returned(plan, own[a], peers, partials))
+            for a, plan in enumerate(arrived.plans)
+        ]
         for work in arrived.works:
             work.wait()
-        return works, keep
+        empty = partials.new_empty((0, partials.shape[1]))
+        return torch.cat(stage_one) if stage_one else empty, works, [partials]
 
     def _receive_forwarded(self, j: int) -> list[torch.Tensor]:
         """Per attention worker, in order: the rows node peer j forwarded to this worker."""

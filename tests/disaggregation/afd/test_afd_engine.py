@@ -90,6 +90,9 @@ def test_afd_matches_one_process(models, reference, model: str, layout: dict[str
     n = layout.get("afd_micro_batches", 1)
     moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
     assert served_per_step(events, na) == {n * moe_layers}  # every FFN worker, every step
+    # the FFN side runs its operations per micro-batch too (they show in the trace)
+    ffn_ops = {e.micro_batch for e in events if e.kind == "op:experts" and e.tp_rank >= na}
+    assert ffn_ops == set(range(n))
     if n > 1:  # the last micro-batch starts a layer before the first one's next layer
         assert interleaved_forwards(events, n)
 
