@@ -307,6 +307,18 @@ def afd_in_node_bytes_per_step(events: list[Event]) -> float:
     return sent / steps if steps else 0.0
 
 
+def micro_batch_seconds(events: list[Event], count: int) -> list[float]:
+    """Per micro-batch, the seconds its operations took per forward of rank 0 (the first
+    stage's first rank), the mean over forwards."""
+    forwards = sum(1 for e in events if e.kind == "forward" and (e.stage, e.tp_rank) == (0, 0))
+    spent = [0.0] * count
+    for e in events:
+        first = (e.stage, e.tp_rank) == (0, 0)
+        if first and e.kind.startswith("op:") and 0 <= e.micro_batch < count:
+            spent[e.micro_batch] += e.end - e.start
+    return [s / forwards if forwards else 0.0 for s in spent]
+
+
 def afd_idle_shares(events: list[Event], attention_size: int) -> dict[int, float]:
     """Per worker (global rank), the share of its forward time spent waiting for the other
     kind: an attention worker for its partial sums, an FFN worker for its rows."""

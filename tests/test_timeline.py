@@ -169,6 +169,10 @@ def test_afd_bytes_per_step_and_idle_shares() -> None:
     in_node = [span("afd_in_node", 2, 0.3, 0.3, sent=64), span("afd_in_node", 3, 0.4, 0.4, sent=16)]
     assert afd_in_node_bytes_per_step(events + in_node) == pytest.approx(80 / 2)
     assert afd_in_node_bytes_per_step(events) == 0.0
+    ops = [Event("op:attention", 0, 0, 0.1, 0.4, micro_batch=0),
+           Event("op:attention", 0, 0, 0.5, 0.6, micro_batch=1),
+           Event("op:experts", 0, 2, 0.5, 0.9, micro_batch=1)]  # another rank: not counted
+    assert timeline.micro_batch_seconds(events + ops, 2) == pytest.approx([0.3 / 2, 0.1 / 2])
 
 
 def test_trace_names_and_args_carry_the_layer(tmp_path) -> None:

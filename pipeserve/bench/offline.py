@@ -38,6 +38,7 @@ from pipeserve.timeline import (
     exposed_comm_share,
     forward_events,
     hidden_cpu_time,
+    micro_batch_seconds,
     split_forward_share,
     stage_overlap,
     write_trace,
@@ -202,7 +203,7 @@ def run_bench(
         row["comm_bytes_per_forward"] = comm_bytes_per_forward(events)
         row["exposed_comm_s"] = exposed_comm_s(events)
         row["exposed_comm_share_of_forward"] = exposed_comm_share(events)
-        row["afd"] = _afd_row(parallel, events)
+        row["afd"] = _afd_row(parallel, events, row, num_prompts)
         runs.append(row)
     report["repeat"] = repeat
     report.update({k: v for k, v in runs[0].items() if k not in ("output_ids", "events")})
@@ -284,11 +285,18 @@ def _layout_row(
     }
 
 
-def _afd_row(p: ParallelConfig, events: list[Event]) -> dict[str, Any] | None:
-    """Attention-FFN disaggregation's settings and what the run measured (None: off)."""
+def _afd_row(
+    p: ParallelConfig, events: list[Event], row: dict[str, Any], num_prompts: int
+) -> dict[str, Any] | None:
+    """Attention-FFN disaggregation's settings and what the run measured (None: off). TPOT:
+    every request decodes in every decode step here, so it is requests over tokens/s."""
     if not p.afd_enabled:
         return None
+    out_rate = row["output_throughput_tok_s"]
     return {
+        "decode_tok_s_per_worker": out_rate / row["devices"],
+        "tpot_s": num_prompts / out_rate if out_rate else 0.0,
+        "micro_batch_s": micro_batch_seconds(events, p.afd_micro_batches),
         "attention_size": p.afd_attention_size,
         "ffn_size": p.afd_ffn_size,
         "ffn_nodes": p.afd_ffn_nodes,
