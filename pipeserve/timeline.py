@@ -295,28 +295,30 @@ def afd_bytes_per_step(events: list[Event], attention_size: int) -> float:
     mine = [e for e in events if e.tp_rank < attention_size]
     sent = sum(e.nbytes for e in mine if e.kind == "dispatch_launch")
     back = sum(e.nbytes_recv for e in mine if e.kind == "combine_wait")
-    steps = sum(1 for e in events if e.kind == "forward" and e.tp_rank == 0)
-    return (sent + back) / steps if steps else 0.0
+    return _per_step(sent + back, events)
+
+
+def _per_step(total: float, events: list[Event]) -> float:
+    """`total` per forward of the first stage's first rank (one per step)."""
+    steps = _forwards(events)[0, 0]
+    return total / steps if steps else 0.0
 
 
 def afd_in_node_bytes_per_step(events: list[Event]) -> float:
     """Attention-FFN disaggregation, two-stage dispatch: bytes the FFN workers sent each
     other inside their nodes (forwarded rows and the partial sums back), per step."""
-    sent = sum(e.nbytes for e in events if e.kind == "afd_in_node")
-    steps = sum(1 for e in events if e.kind == "forward" and e.tp_rank == 0)
-    return sent / steps if steps else 0.0
+    return _per_step(sum(e.nbytes for e in events if e.kind == "afd_in_node"), events)
 
 
 def micro_batch_seconds(events: list[Event], count: int) -> list[float]:
     """Per micro-batch, the seconds its operations took per forward of rank 0 (the first
     stage's first rank), the mean over forwards."""
-    forwards = sum(1 for e in events if e.kind == "forward" and (e.stage, e.tp_rank) == (0, 0))
     spent = [0.0] * count
     for e in events:
         first = (e.stage, e.tp_rank) == (0, 0)
         if first and e.kind.startswith("op:") and 0 <= e.micro_batch < count:
             spent[e.micro_batch] += e.end - e.start
-    return [s / forwards if forwards else 0.0 for s in spent]
+    return [_per_step(s, events) for s in spent]
 
 
 def afd_idle_shares(events: list[Event], attention_size: int) -> dict[int, float]:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 # One torch thread per engine/worker in tests: the suite runs on small shared machines where
 # several OpenMP threads per process make tiny ops wait on descheduled threads. Inherited by
@@ -28,6 +29,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
         return made[key]
 
     return get
+
+
+# For the MoE engine test modules (expert parallelism, batch overlap, attention-FFN
+# disaggregation), which define MODELS ({name: (preset, config overrides)}), FLAGS (the
+# reference run's engine flags) and WORK (an engine_cases.Workload).
+@pytest.fixture(scope="module")
+def models(request: pytest.FixtureRequest, model_dir) -> dict[str, Path]:
+    """The module's MODELS as checkpoints."""
+    presets = request.module.MODELS.items()
+    return {name: model_dir(preset, **over) for name, (preset, over) in presets}
+
+
+@pytest.fixture(scope="module")
+def reference(request: pytest.FixtureRequest, models: dict[str, Path]) -> dict[str, Any]:
+    """Each model's WORK outputs from one in-process engine with the module's FLAGS."""
+    return request.module.WORK.references(models, request.module.FLAGS)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

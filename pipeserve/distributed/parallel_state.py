@@ -91,6 +91,11 @@ class ParallelState:
         return self.tp_rank if self.tp_size > 1 else self.ep_rank
 
     @property
+    def is_ffn_worker(self) -> bool:
+        """An FFN worker of attention-FFN disaggregation (experts only, no requests)."""
+        return self.afd is not None and not self.afd.is_attention
+
+    @property
     def global_rank(self) -> int:
         """Global rank layout: `pp_rank * stage_width + stage_rank`."""
         return self.pp_rank * self.stage_width + self.stage_rank

@@ -81,7 +81,7 @@ def worker_main(args: WorkerArgs) -> None:
         state = set_stage_partition(partition)
         num_pages = _agree_on_pages(config, arch, args.local_workers, partition)
         runner: ModelRunner | FfnRunner
-        if state.afd is not None and not state.afd.is_attention:
+        if state.is_ffn_worker:
             runner = FfnRunner(config, arch, args.model_path)
         else:
             runner = ModelRunner(config, arch, args.model_path, num_pages)
@@ -208,8 +208,7 @@ class StageWorker:
         self.inbox: queue.Queue[p2p.StageMessage | BaseException] = queue.Queue()
         # the last stage reports results: one TP rank for all, or every attention rank its own
         # (an FFN worker of attention-FFN disaggregation has none)
-        ffn = state.afd is not None and not state.afd.is_attention
-        self.reports = state.is_last_stage and state.tp_rank == 0 and not ffn
+        self.reports = state.is_last_stage and state.tp_rank == 0 and not state.is_ffn_worker
         threading.Thread(target=self._receive, daemon=True).start()
 
     def run(self) -> None:

@@ -92,7 +92,8 @@ class WorkerSet:
         """`objs`: one per attention rank. An FFN worker of attention-FFN disaggregation gets
         the same with no work: an empty batch of the step (it serves the MoE layers of the
         attention workers' forward), a profile request without KV slots."""
-        objs = objs + [_without_work(objs[0])] * self.ffn_ranks
+        if self.ffn_ranks:
+            objs = objs + [_without_work(objs[0])] * self.ffn_ranks
         if len(objs) == 1:
             return self.channels.send_batch(objs[0])
         return self.channels.send_each(objs)

@@ -4,6 +4,7 @@ the last stage compute logits, sample, and gather logprobs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from pipeserve.batch_overlap.single_batch import (
     set_single_batch_overlap,
     set_step_blocks,
 )
-from pipeserve.batch_overlap.strategies import AFD_ATTENTION, DECODE, PREFILL
+from pipeserve.batch_overlap.strategies import AFD_ATTENTION, DECODE, PREFILL, Strategy
 from pipeserve.batch_overlap.two_batch import split_batch
 from pipeserve.config import EngineConfig
 from pipeserve.device import (
@@ -178,7 +179,8 @@ class ModelRunner:
         if batch.two_batch is not None:
             hidden, residual = self._forward_two_batch(batch, hidden, residual, future)
         elif batch.micro_batches:
-            hidden, residual = self._forward_micro_batches(batch, future)
+            parts = split_micro_batches(batch)  # attention-FFN disaggregation
+            hidden, residual = self._forward_parts(parts, AFD_ATTENTION, hidden, residual, future)
         elif batch.slices:
             hidden, residual = self.model(fb, hidden, residual)
         else:
@@ -203,39 +205,33 @@ class ModelRunner:
         residual: torch.Tensor | None,
         future: FutureMap | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The batch as micro-batches A and B whose layers interleave (two-batch overlap);
-        the rows come back in the batch's order."""
-        split = batch.two_batch
-        assert split is not None
-        parts = split_batch(batch)
+        """The batch as micro-batches A and B whose layers interleave (two-batch overlap)."""
+        assert batch.two_batch is not None
+        strategy = DECODE if batch.two_batch.decode else PREFILL
+        return self._forward_parts(split_batch(batch), strategy, hidden, residual, future)
+
+    def _forward_parts(
+        self,
+        parts: Sequence[ScheduledBatch],
+        strategy: Strategy,
+        hidden: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        future: FutureMap | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch's parts (micro-batches, some may be empty) run with their layers
+        interleaved under `strategy`; the rows come back in the batch's order."""
         fbs = [self.prepare(p) for p in parts]
         if future is not None and self.state.is_first_stage:
             for fb in fbs:
                 fb.input_ids = future.resolve(fb.input_ids)
-        rows = parts[0].num_tokens
-        inputs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * 2
-        if hidden is not None:
-            inputs = [
-                (hidden[:rows], None if residual is None else residual[:rows]),
-                (hidden[rows:], None if residual is None else residual[rows:]),
-            ]
-        strategy = DECODE if split.decode else PREFILL
-        (h_a, r_a), (h_b, r_b) = self.model.forward_interleaved(fbs, inputs, strategy)
-        both = None if r_a is None or r_b is None else torch.cat([r_a, r_b])
-        return torch.cat([h_a, h_b]), both
-
-    def _forward_micro_batches(
-        self, batch: ScheduledBatch, future: FutureMap | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention-FFN disaggregation: the batch as its micro-batches (some may be empty),
-        their layers interleaved; the rows come back in the batch's order."""
-        fbs = [self.prepare(part) for part in split_micro_batches(batch)]
-        if future is not None:
-            for fb in fbs:
-                fb.input_ids = future.resolve(fb.input_ids)
-        inputs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(fbs)
-        outs = self.model.forward_interleaved(fbs, inputs, AFD_ATTENTION)
-        return torch.cat([h for h, _ in outs]), None
+        sizes = [p.num_tokens for p in parts]
+        hiddens = [None] * len(parts) if hidden is None else hidden.split(sizes)
+        residuals = [None] * len(parts) if residual is None else residual.split(sizes)
+        inputs = list(zip(hiddens, residuals, strict=True))
+        outs = self.model.forward_interleaved(fbs, inputs, strategy)
+        rest = [r for _, r in outs]
+        both = None if any(r is None for r in rest) else torch.cat(rest)  # type: ignore[arg-type]
+        return torch.cat([h for h, _ in outs]), both
 
     def expert_bytes(self) -> int:
         """Bytes of the routed experts' weights this rank holds."""

@@ -9,7 +9,6 @@ that some experts receive none. Faults: an abort on one rank, and a killed rank.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,16 +33,6 @@ WORK = Workload((150, 41, 7, 96, 23, 64), (3, 4, 30, 2, 3, 5), seed=11)
 PROMPT_LENS, NEW_TOKENS, SAMPLING = list(WORK.prompt_lens), list(WORK.new_tokens), WORK.sampling
 LAYOUTS = {"ep2": {"ep_size": 2}, "pp2xep2": {"pp_size": 2, "ep_size": 2}}
 prompts, run = WORK.prompts, WORK.run
-
-
-@pytest.fixture(scope="module")
-def models(model_dir) -> dict[str, Path]:
-    return {name: model_dir(preset, **over) for name, (preset, over) in MODELS.items()}
-
-
-@pytest.fixture(scope="module")
-def reference(models: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
-    return WORK.references(models, FLAGS)
 
 
 def first_stage_forwards(events: list[Event]) -> dict[int, list[Event]]:

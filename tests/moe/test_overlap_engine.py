@@ -6,7 +6,6 @@ micro-batches interleaved inside a forward (a serial A-then-B run fails the test
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,16 +28,6 @@ CASES = [("qwen3-moe", {"ep_size": 2}), ("deepseek-v3", {"ep_size": 2}),
 
 
 run = WORK.run
-
-
-@pytest.fixture(scope="module")
-def models(model_dir) -> dict[str, Path]:
-    return {name: model_dir(preset, **over) for name, (preset, over) in MODELS.items()}
-
-
-@pytest.fixture(scope="module")
-def reference(models: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
-    return WORK.references(models, FLAGS)
 
 
 def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:

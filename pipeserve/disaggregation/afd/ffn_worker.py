@@ -138,10 +138,9 @@ class FfnRunner:
         )
         receiver.start()
         pending: list[Work] = []
-        sent: list[torch.Tensor] = []  # what the sends read until they are done
         items = arrange({"delay": _nothing}, AFD_FFN_DELAY)
         for moe in layers:
-            ops = self._operations(moe, arrived, pending, sent)
+            ops = self._operations(moe, arrived, pending)
             items += arrange(ops, AFD_FFN_LAYER)
         states = [State() for _ in range(count)]
         execute(split_stages(items), states, [{} for _ in range(count)], delta=0)
@@ -156,7 +155,7 @@ class FfnRunner:
         return StageOutput(empty, None, None)
 
     def _operations(
-        self, moe: FusedMoE, arrived: queue.Queue[Any], pending: list[Work], sent: list[Any]
+        self, moe: FusedMoE, arrived: queue.Queue[Any], pending: list[Work]
     ) -> dict[str, OpFn]:
         """One MoE layer's operations for a micro-batch: its rows (as the receiver thread
         took them), the experts on them, the partial sums back."""
@@ -171,9 +170,8 @@ class FfnRunner:
 
         def experts(state: State, got: Any) -> Outputs:
             if self.two_stage is not None:
-                partials, works, keep = self.two_stage.serve(moe.run_local, got)
+                partials, works = self.two_stage.serve(moe.run_local, got)
                 pending.extend(works)
-                sent.extend(keep)
                 return {"partials": partials, "counts": got.counts}
             packed, counts = got
             ids, weights, rows = self.layout.views(packed)
@@ -182,7 +180,6 @@ class FfnRunner:
         def send(state: State, partials: torch.Tensor, counts: list[int]) -> Outputs:
             launched = now()
             pending.extend(send_partials(self.afd, partials, counts))
-            sent.append(partials)
             record_comm("combine_launch", launched, moe.layer_id, partials.nbytes, 0)
             return {}
 

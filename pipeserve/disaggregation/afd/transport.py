@@ -2,12 +2,13 @@
 to point over the AFD group. Per MoE layer and step each A worker sends every F worker a row
 count, then its packed rows (when it has any); the F worker answers with one partial sum per
 row. Every pair's messages of a kind travel in the order both sides issue them (one tag per
-kind), so A and F only have to agree on the order of layers."""
+kind), so A and F only have to agree on the order of layers. A work holds the tensor it
+sends or fills until it is done (c10d's works keep their tensors), so callers keep only
+the works."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,26 +23,13 @@ COUNT_TAG, ROWS_TAG, PARTIAL_TAG = 0, 1, 2
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
-class Posted:
-    """An A worker's sends and the receives of the partial sums; `returned` [R + 1, H] holds
-    them, in send order, once every work is done (the last row stays zero: padding)."""
-
-    works: list[Work]
-    returned: torch.Tensor
-    keep: list[torch.Tensor]  # buffers the transfers read until they are done
-
-    def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
-        return self.returned
-
-
 def post_rows(
     afd: AfdState, packed: torch.Tensor, counts: Sequence[int], like: torch.Tensor
-) -> Posted:
+) -> tuple[list[Work], torch.Tensor]:
     """A side: send each F worker its count and `counts[f]` rows of `packed` (grouped by F
-    worker), and post the receives of their partial sums (rows like `like`'s)."""
+    worker), and post the receives of their partial sums (rows like `like`'s). Returns the
+    works and the [R + 1, H] buffer the partial sums land in, in send order, once every
+    work is done (the last row stays zero: padding)."""
     rows = packed.shape[0]
     returned = like.new_empty((rows + 1, like.shape[1]))
     returned[rows].zero_()
@@ -55,7 +43,7 @@ def post_rows(
             works.append(isend(packed[part], peer, group=afd.group, tag=ROWS_TAG))
             works.append(irecv(returned[part], peer, group=afd.group, tag=PARTIAL_TAG))
         start += n
-    return Posted(works, returned, [sizes, packed])
+    return works, returned
 
 
 def receive_rows(

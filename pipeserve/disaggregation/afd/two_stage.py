@@ -44,7 +44,6 @@ class Arrived:
     counts: list[int]  # stage-1 rows per attention worker
     own: list[torch.Tensor]  # per attention worker: this worker's own copies, packed
     works: list[Work] = field(default_factory=list)  # forwards in flight
-    keep: list[torch.Tensor] = field(default_factory=list)  # what they read
 
 
 class TwoStage:
@@ -82,7 +81,6 @@ class TwoStage:
         plan = plan_forward(ids, weights, self.afd.rank, self.topology, self.placement)
         arrived.plans.append(plan)
         sizes = torch.tensor(plan.counts, dtype=torch.long, device=self.device)
-        arrived.keep.append(sizes)
         for j, peer in enumerate(self.node):
             part = plan.rows_to(j)
             rows = self.layout.pack(plan.ids[part], plan.weights[part], hidden[plan.row[part]])
@@ -92,16 +90,13 @@ class TwoStage:
             arrived.works.append(isend(sizes[j : j + 1], peer, self.afd.group, FWD_COUNT_TAG))
             if rows.shape[0]:
                 arrived.works.append(isend(rows, peer, self.afd.group, FWD_ROWS_TAG))
-                arrived.keep.append(rows)
                 sent += rows.nbytes
         record_comm(FORWARD_KIND, start, -1, sent, 0)
 
-    def serve(
-        self, run: Experts, arrived: Arrived
-    ) -> tuple[torch.Tensor, list[Work], list[torch.Tensor]]:
+    def serve(self, run: Experts, arrived: Arrived) -> tuple[torch.Tensor, list[Work]]:
         """Stage 2 on this worker and the combine inside the node: the partial sums of the
         stage-1 rows ([rows of every attention worker, in order, H]) for the attention
-        workers, the sends to the node peers still in flight and what they read."""
+        workers, and the sends to the node peers still in flight."""
         peers = [j for j in range(len(self.node)) if j != self.local]
         got = {j: self._receive_forwarded(j) for j in peers}  # per peer: per source rows
         blocks = [*arrived.own, *(rows for j in peers for rows in got[j])]
@@ -126,7 +121,7 @@ class TwoStage:
         for work in arrived.works:
             work.wait()
         empty = partials.new_empty((0, partials.shape[1]))
-        return torch.cat(stage_one) if stage_one else empty, works, [partials]
+        return torch.cat(stage_one) if stage_one else empty, works
 
     def _receive_forwarded(self, j: int) -> list[torch.Tensor]:
         """Per attention worker, in order: the rows node peer j forwarded to this worker."""

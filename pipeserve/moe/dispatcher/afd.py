@@ -19,6 +19,8 @@ from pipeserve.moe.dispatcher.base import (
     Dispatcher,
     DispatchHandle,
     Traffic,
+    gather_index,
+    sum_returned,
 )
 from pipeserve.moe.dispatcher.placement import ExpertPlacement
 from pipeserve.timeline import now, record_comm
@@ -47,13 +49,13 @@ class AfdDispatcher(Dispatcher):
         )
         layout = RowLayout(plan.ids.shape[1], hidden.shape[1], hidden.dtype)
         packed = layout.pack(plan.ids, plan.weights, hidden[plan.token])
-        posted = post_rows(self.afd, packed, plan.counts, hidden)
+        works, returned = post_rows(self.afd, packed, plan.counts, hidden)
         rows = packed.shape[0]
         sent = Traffic(rows, 0, rows * layout.nbytes, 0)
         back = Traffic(0, rows, 0, rows * hidden.shape[1] * hidden.element_size())
-        index = _gather_index(plan.token, plan.num_tokens, topk_ids.shape[1])
+        index = gather_index(plan.token, plan.num_tokens, topk_ids.shape[1])
         combine = CombinePlan(plan.counts, (), index)
-        pending = CombineHandle(tuple(posted.works), posted.returned, combine, hidden.dtype, back)
+        pending = CombineHandle(tuple(works), returned, combine, hidden.dtype, back)
         nothing = hidden.new_empty((0, hidden.shape[1]))
         no_slots = topk_ids.new_empty((0, topk_ids.shape[1]))
         result = Dispatched(nothing, no_slots, no_slots.float(), None, pending)
@@ -73,21 +75,4 @@ class AfdDispatcher(Dispatcher):
         for work in handle.works:
             work.wait()
         record_comm("combine_wait", start, self.layer, 0, handle.traffic.bytes_recv)
-        assert handle.plan is not None, "this dispatcher's combine handles carry a plan"
-        rows = handle.returned[handle.plan.gather_index]  # [n, slots, H]
-        return rows.sum(dim=1, dtype=torch.float32).to(handle.dtype)
-
-
-def _gather_index(token: torch.Tensor, num_tokens: int, slots: int) -> torch.Tensor:
-    """[n, slots]: per token, the positions of its rows (row r belongs to token[r]), in
-    ascending order, padded with R (the zero row after the R rows)."""
-    rows = token.shape[0]
-    index = torch.full((num_tokens, slots), rows, dtype=torch.long, device=token.device)
-    if rows == 0:
-        return index
-    order = token.argsort(stable=True)  # rows grouped by token, ascending within one
-    per_token = torch.bincount(token, minlength=num_tokens)
-    first = torch.cumsum(per_token, 0) - per_token
-    slot = torch.arange(rows, device=token.device) - first[token[order]]
-    index[token[order], slot] = order
-    return index
+        return sum_returned(handle)

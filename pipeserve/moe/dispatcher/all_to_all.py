@@ -24,6 +24,8 @@ from pipeserve.moe.dispatcher.base import (
     Dispatcher,
     DispatchHandle,
     Traffic,
+    gather_index,
+    sum_returned,
 )
 from pipeserve.moe.dispatcher.placement import ExpertPlacement
 from pipeserve.timeline import now, record_comm
@@ -121,13 +123,13 @@ class AllToAllDispatcher(Dispatcher):
         recv_counts = torch.empty_like(counts)
         counts_work = self._all_to_all(recv_counts, counts, None, None, self.counts_group)
         layout = RowLayout(topk_ids.shape[1], hidden.shape[1], hidden.dtype)
-        packed, gather_index = self._outgoing(hidden, topk_ids, topk_weights.float(), to, layout)
+        packed, index = self._outgoing(hidden, topk_ids, topk_weights.float(), to, layout)
         counts_work.wait()
         send, recv = counts.tolist(), recv_counts.tolist()
         received = layout.empty(sum(recv), hidden.device)
         work = self._all_to_all(received, packed, recv, send)
         ids, weights, rows = layout.views(received)
-        result = Dispatched(rows, ids, weights, CombinePlan(tuple(send), tuple(recv), gather_index))
+        result = Dispatched(rows, ids, weights, CombinePlan(tuple(send), tuple(recv), index))
         handle = DispatchHandle((work,), result, self._traffic(send, recv, layout.nbytes))
         self._record("dispatch_launch", start, handle.traffic)
         return handle
@@ -197,9 +199,7 @@ class AllToAllDispatcher(Dispatcher):
         for work in handle.works:
             work.wait()
         record_comm("combine_wait", start, self.layer)
-        assert handle.plan is not None, "combine handles of this dispatcher carry a plan"
-        rows = handle.returned[handle.plan.gather_index]  # [n, slots, H]
-        return rows.sum(dim=1, dtype=torch.float32).to(handle.dtype)
+        return sum_returned(handle)
 
     def _lookup(self, device: torch.device) -> torch.Tensor:
         if device not in self._lookups:
@@ -234,7 +234,7 @@ class AllToAllDispatcher(Dispatcher):
         local_weights.copy_(torch.where(here, weights[token], 0.0))
         torch.index_select(hidden, 0, token, out=rows)
         slots = min(topk_ids.shape[1], self.placement.ep_size)
-        return packed, _gather_index(to, token.numel(), slots)
+        return packed, gather_index(token, topk_ids.shape[0], slots)
 
     def _plan_of(self, expert_out: torch.Tensor, dispatched: Dispatched) -> CombinePlan:
         if dispatched.plan is None:
@@ -292,11 +292,3 @@ def _block_rows(
         parts.append(torch.arange(lo, lo + _share(n, block, blocks), device=device))
         start += n
     return torch.cat(parts)
-
-
-def _gather_index(to: torch.Tensor, sent: int, slots: int) -> torch.Tensor:
-    """[n, slots]: per token, the positions of its rows in send order, ascending (so in rank
-    order); a token sent to fewer ranks is padded with S, the zero row after the S rows."""
-    pos = torch.full(to.shape, sent, dtype=torch.long, device=to.device)  # [ep, n]
-    pos[to] = torch.arange(sent, device=to.device)  # row-major: the order of nonzero()
-    return pos.t().sort(dim=1).values[:, :slots].contiguous()

@@ -140,3 +140,26 @@ class Dispatcher(ABC):
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         return self.combine_b(self.combine_a(expert_out, dispatched))
+
+
+def gather_index(token: torch.Tensor, num_tokens: int, slots: int) -> torch.Tensor:
+    """[num_tokens, slots] long: per token, the positions of its rows (row r belongs to token
+    `token[r]`), ascending, padded with R (the index of the zero row after the R rows)."""
+    rows = token.shape[0]
+    index = torch.full((num_tokens, slots), rows, dtype=torch.long, device=token.device)
+    if rows == 0:
+        return index
+    order = token.argsort(stable=True)  # rows grouped by token, ascending within one
+    per_token = torch.bincount(token, minlength=num_tokens)
+    first = torch.cumsum(per_token, 0) - per_token
+    slot = torch.arange(rows, device=token.device) - first[token[order]]
+    index[token[order], slot] = order
+    return index
+
+
+def sum_returned(handle: CombineHandle) -> torch.Tensor:
+    """A completed combine with a plan: per token, the sum (in float32) of the rows that came
+    back for it, in the dispatched dtype."""
+    assert handle.plan is not None, "combine handles with rows to sum carry a plan"
+    rows = handle.returned[handle.plan.gather_index]  # [n, slots, H]
+    return rows.sum(dim=1, dtype=torch.float32).to(handle.dtype)

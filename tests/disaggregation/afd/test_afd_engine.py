@@ -12,7 +12,6 @@ with no tokens of its own while the other decodes. A killed FFN worker fails the
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,16 +49,6 @@ CASES = [
     ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 4, "afd_ffn_nodes": 2,
                      "afd_dispatch_mode": "two-stage", "afd_micro_batches": 2}),
 ]
-
-
-@pytest.fixture(scope="module")
-def models(model_dir) -> dict[str, Path]:
-    return {name: model_dir(preset, **over) for name, (preset, over) in MODELS.items()}
-
-
-@pytest.fixture(scope="module")
-def reference(models: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
-    return WORK.references(models, FLAGS)
 
 
 @pytest.mark.parametrize(("model", "layout"), CASES,
