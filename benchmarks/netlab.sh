@@ -9,6 +9,8 @@
 #   benchmarks/netlab.sh --rate 1gbit -- --pp-size 2 --input-len 8192 --json out.json
 #   benchmarks/netlab.sh --layouts 2x1,1x2 -- --input-len 8192 --json out.json
 #       (one run per PPxTP layout: out.pp2tp1.json, out.pp1tp2.json, then a summary)
+#   benchmarks/netlab.sh --layouts 2x1,pp2cp2 -- --input-len 8192 --json out.json
+#       (PP2, then PP2 with two context-parallel ranks per stage: out.pp2tp1cp2.json)
 #
 # Options (defaults in brackets):
 #   --rate RATE       tbf rate each way, tc units [1gbit]
@@ -18,9 +20,10 @@
 #   --addr1 IP        node 1's address [10.123.0.2]
 #   --prefix N        prefix length of the link's subnet [24]
 #   --port PORT       torch.distributed store port on node 0 (and the next T + 2) [29500]
-#   --layouts LIST    PPxTP or PPxTPxEP layouts run one after another, e.g. 2x1,1x2,1x1x2
-#                     (adds --pp-size, --tp-size and --ep-size, and a .ppPtpT[epE] suffix to
-#                     --json/--timeline/--trace paths)
+#   --layouts LIST    PPxTP, PPxTPxEP or named ppPtpTepEcpC layouts (each named part
+#                     optional, in this order, a left-out one 1) run one after another, e.g.
+#                     2x1,1x2,1x1x2,cp2,pp2cp2 (adds --pp-size, --tp-size, --ep-size and
+#                     --cp-size, and a .ppPtpT[epE][cpC] suffix to --json/--timeline/--trace)
 #   --timeout S       give up on node 0 after S seconds per layout [3600]
 #   --grace S         wait this long for node 1 to exit after node 0 is done [60]
 # Environment: PIPESERVE (the command; default: this checkout's .venv, then PATH);
@@ -75,14 +78,32 @@ check_args() {
         case $arg in
             --nnodes*|--node-rank*|--dist-init-addr*)
                 die "$arg is set by this script; leave it out" ;;
-            --pp-size*|--tp-size*|--ep-size*)
+            --pp-size*|--tp-size*|--ep-size*|--cp-size*)
                 [[ -z $LAYOUTS ]] || die "$arg and --layouts both give the layout; use one" ;;
         esac
     done
+    local pp tp ep cp
     for arg in $LAYOUTS; do
-        [[ $arg =~ ^[0-9]+x[0-9]+(x[0-9]+)?$ ]] ||
-            die "--layouts: $arg is not PPxTP or PPxTPxEP (e.g. 2x1,1x2,1x1x2)"
+        layout_sizes "$arg" >/dev/null ||
+            die "--layouts: $arg is not PPxTP, PPxTPxEP or ppPtpTepEcpC (e.g. 2x1,1x1x2,pp2cp2)"
+        read -r pp tp ep cp < <(layout_sizes "$arg")
+        ((cp == 1 || (tp == 1 && ep == 1))) ||
+            die "--layouts: $arg: context parallelism above 1 needs TP 1 and EP 1"
     done
+}
+
+# "PP TP EP CP" of a --layouts item: PPxTP, PPxTPxEP or named ppPtpTepEcpC (parts optional,
+# in this order, a left-out size 1); fails on anything else.
+layout_sizes() {
+    local re='^(pp([0-9]+))?(tp([0-9]+))?(ep([0-9]+))?(cp([0-9]+))?$' pp tp ep
+    if [[ $1 =~ ^([0-9]+)x([0-9]+)(x([0-9]+))?$ ]]; then
+        echo "${BASH_REMATCH[1]} ${BASH_REMATCH[2]} ${BASH_REMATCH[4]:-1} 1"
+    elif [[ -n $1 && $1 =~ $re ]]; then
+        pp=${BASH_REMATCH[2]:-1} tp=${BASH_REMATCH[4]:-1} ep=${BASH_REMATCH[6]:-1}
+        echo "$pp $tp $ep ${BASH_REMATCH[8]:-1}"
+    else
+        return 1
+    fi
 }
 
 check_system() {
@@ -276,19 +297,20 @@ run_layout() {
 }
 
 run_layouts() {
-    local layout pp tp ep tag json args=() rc=0
+    local layout pp tp ep cp tag json args=() rc=0
     TMP=$(mktemp -d)
     for layout in $LAYOUTS; do
-        IFS=x read -r pp tp ep <<<"$layout"
-        ep=${ep:-1} tag=pp${pp}tp${tp}
+        read -r pp tp ep cp < <(layout_sizes "$layout")
+        tag=pp${pp}tp${tp}
         ((ep == 1)) || tag+=ep${ep}
+        ((cp == 1)) || tag+=cp${cp}
         mapfile -d '' args < <(tagged_args "$tag" "${BENCH_ARGS[@]}")
         json=$(json_path "${args[@]}")
         [[ -n $json ]] || { json=$TMP/$tag.json; args+=(--json "$json"); }
         JSONS+=("$json")
-        say "layout PP$pp x TP$tp x EP$ep"
-        run_layout "$tag" "${args[@]}" --pp-size "$pp" --tp-size "$tp" --ep-size "$ep" ||
-            { rc=$?; break; }
+        say "layout PP$pp x TP$tp x EP$ep x CP$cp"
+        run_layout "$tag" "${args[@]}" --pp-size "$pp" --tp-size "$tp" --ep-size "$ep" \
+            --cp-size "$cp" || { rc=$?; break; }
     done
     ((rc)) || print_summary
     return "$rc"
@@ -296,14 +318,14 @@ run_layouts() {
 
 print_summary() {
     local i row
-    printf '%-10s%11s%11s%11s%14s%14s\n' layout "TTFT mean" "prefill s" "in tok/s" \
+    printf '%-14s%11s%11s%11s%14s%14s\n' layout "TTFT mean" "prefill s" "in tok/s" \
         "bytes 0->1" "bytes 1->0"
     for i in "${!JSONS[@]}"; do
         read -ra row <<<"${SUMMARY[$i]}"
         python3 - "${JSONS[$i]}" "${row[@]}" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"{sys.argv[2]:<10}{r['ttft_mean_s']:>11.3f}{r['prefill_s']:>11.3f}"
+print(f"{sys.argv[2]:<14}{r['ttft_mean_s']:>11.3f}{r['prefill_s']:>11.3f}"
       f"{r['input_throughput_tok_s']:>11.1f}{int(sys.argv[3]):>14}{int(sys.argv[4]):>14}")
 EOF
     done

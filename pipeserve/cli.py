@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeserve.config import AREA_TYPES
 
@@ -99,29 +99,80 @@ def int_list(text: str) -> list[int]:
         ) from None
 
 
-def layout_list(text: str) -> list[tuple[int, ...]]:
-    """PPxTP pairs, PPxTPxEP triples or attention-FFN disaggregation's aAfF (A attention and
-    F FFN workers, read as (1, 1, 1, A, F)), e.g. 1x1,2x1,1x2,1x1x2,a1f1."""
+class LayoutSpec(NamedTuple):
+    """One --layouts item. ep/cp None: the item leaves the size out, so it runs with every
+    --ep-size/--cp-size (a PPxTP pair leaves out both, a PPxTPxEP triple CP)."""
+
+    pp: int
+    tp: int
+    ep: int | None = None
+    cp: int | None = None
+    afd: tuple[int, int] = (0, 0)  # attention-FFN disaggregation: (attention, FFN) workers
+
+
+LAYOUT_FORMS = (
+    "PPxTP pairs, PPxTPxEP triples, named sizes ppPtpTepEcpC (each part optional, in this "
+    "order) or aAfF (attention and FFN workers)"
+)
+
+
+def layout_list(text: str) -> list[LayoutSpec]:
+    """PPxTP pairs, PPxTPxEP triples, named sizes such as cp2, pp2cp2, pp1tp2ep1 (the parts
+    pp, tp, ep, cp in this order, each optional: a left-out PP or TP is 1, a left-out EP or
+    CP runs with every --ep-size/--cp-size as in a pair) or attention-FFN disaggregation's
+    aAfF (A attention and F FFN workers), e.g. 1x1,2x1,1x2,1x1x2,cp2,pp2cp2,a1f1."""
     try:
-        sizes = [_layout_sizes(item) for item in text.split(",")]
+        specs = [_layout_spec(item) for item in text.split(",")]
     except ValueError:
-        sizes = []
-    if not sizes or any(len(s) not in (2, 3, 5) or min(s) < 1 for s in sizes):
+        specs = []
+    if not specs:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of PPxTP pairs, PPxTPxEP triples or aAfF "
-            "(attention and FFN workers) such as 1x1,2x1,1x2,1x1x2,a1f1"
+            f"{text!r} is not a comma-separated list of {LAYOUT_FORMS} such as "
+            "1x1,2x1,1x2,1x1x2,cp2,pp2cp2,a1f1"
         )
-    return sizes
+    written = [(s.pp, s.tp, s.ep or 1, s.cp or 1, s.afd) for s in specs]
+    bad = [_size_words(*size) for size in written if not _combines(*size)]
+    if bad:  # an error as written (a product with --ep-size/--cp-size skips these instead)
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {', '.join(bad)} do not combine: context parallelism above 1 needs "
+            "tp 1 and ep 1"
+        )
+    return specs
 
 
-def _layout_sizes(item: str) -> tuple[int, ...]:
+_NAMED_LAYOUT = re.compile(r"(?:pp(\d+))?(?:tp(\d+))?(?:ep(\d+))?(?:cp(\d+))?")
+
+
+def _layout_spec(item: str) -> LayoutSpec:
     afd = re.fullmatch(r"a(\d+)f(\d+)", item)
+    named = _NAMED_LAYOUT.fullmatch(item)
     if afd:
-        return (1, 1, 1, int(afd[1]), int(afd[2]))
-    sizes = tuple(int(x) for x in item.split("x"))
-    if len(sizes) not in (2, 3):
+        spec = LayoutSpec(1, 1, 1, 1, (int(afd[1]), int(afd[2])))
+        sizes: tuple[int, ...] = spec.afd
+    elif named and item:
+        pp, tp, ep, cp = (int(g) if g else None for g in named.groups())
+        spec = LayoutSpec(pp or 1, tp or 1, ep, cp)
+        sizes = tuple(x for x in (pp, tp, ep, cp) if x is not None)
+    else:
+        sizes = tuple(int(x) for x in item.split("x"))
+        if len(sizes) not in (2, 3):
+            raise ValueError(item)
+        spec = LayoutSpec(sizes[0], sizes[1], sizes[2] if len(sizes) == 3 else None)
+    if min(sizes) < 1:
         raise ValueError(item)
-    return sizes
+    return spec
+
+
+def _combines(pp: int, tp: int, ep: int, cp: int, afd: tuple[int, int]) -> bool:
+    """Whether the engine builds these sizes together: a CP rank runs whole (no TP or EP
+    inside it) and CP does not combine with AFD (config validation says so too)."""
+    return cp == 1 or (tp == 1 and ep == 1 and not afd[0])
+
+
+def _size_words(pp: int, tp: int, ep: int, cp: int, afd: tuple[int, int]) -> str:
+    if afd[0]:
+        return f"a{afd[0]}f{afd[1]} with CP{cp}"
+    return f"PP{pp} TP{tp} EP{ep} CP{cp}"
 
 
 def size_list(text: str) -> list[int]:
@@ -149,14 +200,26 @@ def dynamic_list(text: str) -> list[tuple[int, float]]:
 def cmd_bench(args: argparse.Namespace) -> None:
     from pipeserve.bench.offline import OVERLAPS, Layout, run_bench
 
-    pp_sizes, tp_sizes, ep_sizes = args.pp_size or [1], args.tp_size or [1], args.ep_size or [1]
-    given = args.layouts or [(pp, tp) for pp in pp_sizes for tp in tp_sizes]
-    sizes: list[tuple[int, ...]] = []
+    pp_sizes, tp_sizes = args.pp_size or [1], args.tp_size or [1]
+    ep_sizes, cp_sizes = args.ep_size or [1], args.cp_size or [1]
     flags_afd = (args.afd_attention_size or 0, args.afd_ffn_size or 0)
-    for s in given:  # a PPxTP pair runs with every --ep-size, a triple or aAfF as it is
-        eps = [s[2]] if len(s) >= 3 else ep_sizes
-        afd = tuple(s[3:]) or (flags_afd if not args.layouts else (0, 0))
-        sizes += [(s[0], s[1], ep, *afd) for ep in eps]
+    given = args.layouts or [
+        LayoutSpec(pp, tp, afd=flags_afd) for pp in pp_sizes for tp in tp_sizes
+    ]
+    # an item runs with every --ep-size and --cp-size it leaves out; of these products only
+    # the combinations the engine builds (CP above 1 only with TP 1, EP 1 and no AFD)
+    product = [
+        (s.pp, s.tp, ep, cp, s.afd)
+        for s in given
+        for ep in ([s.ep] if s.ep else ep_sizes)
+        for cp in ([s.cp] if s.cp else cp_sizes)
+    ]
+    sizes = [size for size in product if _combines(*size)]
+    if not sizes:
+        sys.exit(
+            f"no layout to run: {', '.join(_size_words(*size) for size in product)} do not "
+            "combine (context parallelism above 1 needs TP 1, EP 1 and no AFD)"
+        )
     threads = args.threads_per_worker or [None]
     loops = ["plain", "overlap"] if args.compare_loops else [None]
     overlaps = list(OVERLAPS) if args.compare_overlap else [None]
@@ -167,7 +230,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             f"--nnodes {args.nnodes} runs one layout per command, once, but these flags ask for "
             f"{runs} runs: run bench once per layout (benchmarks/netlab.sh --layouts does)"
         )
-    args.pp_size, args.tp_size, args.ep_size, a, f = sizes[0]
+    args.pp_size, args.tp_size, args.ep_size, args.cp_size, (a, f) = sizes[0]
     if a and (args.nnodes or 1) > 1:  # a worker node starts the (only) layout's workers
         args.afd_attention_size, args.afd_ffn_size = a, f
     args.threads_per_worker = threads[0]
@@ -177,18 +240,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
             pp,
             tp,
             ep,
-            spawn,
-            t if len(threads) > 1 else None,
-            loop if pp == 1 else None,
-            overlap if ep > 1 else None,
-            (a, f),
+            cp=cp,
+            spawn_workers=spawn,
+            threads=t if len(threads) > 1 else None,
+            loop=loop if pp == 1 else None,
+            overlap=overlap if ep > 1 else None,
+            afd=afd,
         )
-        for pp, tp, ep, a, f in sizes
+        for pp, tp, ep, cp, afd in sizes
         for t in threads
         for spawn in (False, True)
         for loop in loops
         for overlap in overlaps
-        if (not spawn or (args.compare_worker_process and pp * tp * ep == 1 and not a))
+        if (not spawn or (args.compare_worker_process and pp * tp * ep * cp == 1 and not afd[0]))
         and (loop is None or pp == 1 or loop == loops[0])
         and (overlap is None or ep > 1 or overlap == overlaps[0])
     ]
@@ -289,8 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--layouts",
         type=layout_list,
-        help="layouts to compare as PPxTP pairs or PPxTPxEP triples, e.g. 1x1,1x2,1x1x2 "
-        "(instead of the product of --pp-size and --tp-size; a pair runs with every --ep-size)",
+        help="layouts to compare instead of the product of --pp-size and --tp-size: PPxTP "
+        "pairs (each runs with every --ep-size and --cp-size), PPxTPxEP triples (with every "
+        "--cp-size), named sizes ppPtpTepEcpC, each part optional but in this order (a left-out "
+        "pp or tp is 1, a left-out ep or cp runs with every --ep-size or --cp-size: pp2tp1 is "
+        "2x1, cp2 is PP1 TP1 CP2) or aAfF (A attention and F FFN workers), e.g. "
+        "1x1,1x2,1x1x2,cp2,pp2cp2,a1f1",
     )
     bench.add_argument(
         "--compare-loops",
@@ -310,8 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(bench)
     for action in bench._actions:  # to compare: --pp-size 1,2 --ep-size 1,2 --threads... 1,2
-        if action.dest in ("pp_size", "tp_size", "ep_size", "threads_per_worker"):
+        if action.dest in ("pp_size", "tp_size", "ep_size", "cp_size", "threads_per_worker"):
             action.type = int_list
+        if action.dest == "cp_size":
+            action.help = (
+                f"{action.help}; bench: a list such as 1,2 runs every layout with each size, "
+                "skipping the combinations the engine does not build (CP above 1 with TP or EP "
+                "above 1, or with AFD)"
+            )
     bench.set_defaults(func=cmd_bench)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -134,6 +134,21 @@ class ParallelConfig:
         "attention, its own KV cache and requests (data-parallel attention), the routed "
         "experts split over them (needs --tp-size 1)",
     )
+    cp_size: int = _flag(
+        1,
+        "context parallel size: each pipeline stage has this many ranks; a prompt chunk's "
+        "tokens are split over them (zig-zag: rank r computes blocks r and 2N-1-r of 2N) and "
+        "each rank keeps every N-th KV page of a request, so the KV capacity grows N-fold "
+        "(--max-total-tokens is per rank); needs --tp-size 1 --ep-size 1",
+    )
+    cp_prefix_mode: str = _flag(
+        "auto",
+        "context parallelism: how a later chunk's queries (and a decode step) attend to the "
+        "prefix the CP ranks hold between them: 'merge' (every rank attends all the "
+        "chunk's queries to its own pages, partial results merged by log-sum-exp), "
+        "'regather' (the prefix KV all-gathered per layer), 'auto' (whichever moves fewer "
+        "bytes; decode steps merge)",
+    )
     pp_layer_partition: str | None = _flag(
         None, "layers per stage, e.g. '15,15,15,16' or 'auto' (env PIPESERVE_PP_LAYER_PARTITION)"
     )
@@ -236,11 +251,11 @@ class ParallelConfig:
 
     @property
     def stage_width(self) -> int:
-        """Ranks per pipeline stage: its TP ranks, under EP its attention ranks, under AFD its
-        attention workers and then its FFN workers."""
+        """Ranks per pipeline stage: its TP ranks, under EP its attention ranks, under CP its
+        context-parallel ranks, under AFD its attention workers and then its FFN workers."""
         if self.afd_enabled:
             return self.afd_attention_size + self.afd_ffn_size
-        return self.tp_size * self.ep_size
+        return self.tp_size * self.ep_size * self.cp_size
 
     @property
     def afd_enabled(self) -> bool:
@@ -378,6 +393,7 @@ def validate(config: EngineConfig) -> None:
         ),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
         *_afd_checks(p),
+        *_cp_checks(p),
         (p.two_batch_overlap_min_tokens >= 0, "--two-batch-overlap-min-tokens must be >= 0"),
         (
             p.moe_comm_max_sms is None or p.moe_comm_max_sms >= 1,
@@ -445,7 +461,35 @@ AFD_DISPATCH_MODES = ("direct-rank", "direct", "two-stage")
 def _world_words(p: ParallelConfig) -> str:
     if p.afd_enabled:
         return "--afd-attention-size + --afd-ffn-size"
-    return "--tp-size * --pp-size * --ep-size"
+    return "--tp-size * --pp-size * --ep-size * --cp-size"
+
+
+CP_PREFIX_MODES = ("auto", "merge", "regather")
+
+
+def _cp_checks(p: ParallelConfig) -> list[tuple[bool, str]]:
+    return [
+        (p.cp_size > 0, f"--cp-size {p.cp_size} must be positive"),
+        (
+            p.cp_prefix_mode in CP_PREFIX_MODES,
+            f"--cp-prefix-mode {p.cp_prefix_mode!r} is not one of {', '.join(CP_PREFIX_MODES)}",
+        ),
+        (
+            p.cp_size == 1 or (p.tp_size, p.ep_size) == (1, 1),
+            f"--cp-size {p.cp_size} with --tp-size {p.tp_size} --ep-size {p.ep_size}: each "
+            "context-parallel rank runs whole (TP or EP inside a CP rank is not built yet); "
+            "use --tp-size 1 --ep-size 1",
+        ),
+        (
+            p.cp_size == 1 or not p.afd_enabled,
+            "context parallelism and attention-FFN disaggregation do not combine yet; drop "
+            "--cp-size or the --afd-* flags",
+        ),
+        (
+            p.cp_size == 1 or not (p.enable_two_batch_overlap or p.enable_single_batch_overlap),
+            "two-batch and single-batch overlap apply to expert parallelism, not to --cp-size",
+        ),
+    ]
 
 
 def _afd_checks(p: ParallelConfig) -> list[tuple[bool, str]]:

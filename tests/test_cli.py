@@ -188,3 +188,69 @@ def test_bench_compare_overlap_runs_each_ep_layout_four_ways(monkeypatch) -> Non
         ("PP1 TP2", None, None),  # no experts moved: one run, the flags as given
         ("PP1 TP1 EP2 none", False, False), ("PP1 TP1 EP2 tbo", True, False),
         ("PP1 TP1 EP2 sbo", False, True), ("PP1 TP1 EP2 tbo+sbo", True, True)]
+
+
+def test_bench_cp_sizes_multiply_the_valid_layouts(monkeypatch) -> None:
+    got = bench_layouts(monkeypatch, ["--cp-size", "1,2"])
+    assert [(n, f["pp_size"], f["tp_size"], f["ep_size"], f["cp_size"]) for n, f, _ in got] == [
+        ("PP1 TP1", 1, 1, 1, 1), ("PP1 TP1 CP2", 1, 1, 1, 2)]
+    # CP above 1 only with TP 1 and EP 1 (what the engine builds): the rest is skipped
+    got = bench_layouts(monkeypatch, ["--pp-size", "1,2", "--tp-size", "1,2", "--cp-size", "1,2"])
+    assert [n for n, _, _ in got] == [
+        "PP1 TP1", "PP1 TP1 CP2", "PP1 TP2", "PP2 TP1", "PP2 TP1 CP2", "PP2 TP2"]
+    got = bench_layouts(monkeypatch, ["--ep-size", "1,2", "--cp-size", "1,2"])
+    assert [(n, f["ep_size"], f["cp_size"]) for n, f, _ in got] == [
+        ("PP1 TP1", 1, 1), ("PP1 TP1 CP2", 1, 2), ("PP1 TP1 EP2", 2, 1)]
+    got = bench_layouts(monkeypatch, ["--afd-attention-size", "1", "--afd-ffn-size", "1",
+                                      "--cp-size", "1,2"])
+    assert [(n, f["cp_size"]) for n, f, _ in got] == [("AFD 1A+1F", 1)]
+    # one-device layouts only get a worker-process twin: CP2 has two devices
+    got = bench_layouts(monkeypatch, ["--cp-size", "1,2", "--compare-worker-process"])
+    assert [n for n, _, _ in got] == ["PP1 TP1", "PP1 TP1 worker", "PP1 TP1 CP2"]
+    with pytest.raises(SystemExit, match="no layout to run: PP1 TP2 EP1 CP2 do not combine"):
+        main(["bench", "--tp-size", "2", "--cp-size", "2"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--cp-size", "1,two"])
+
+
+def test_bench_cp_layouts(monkeypatch) -> None:
+    got = bench_layouts(monkeypatch, ["--layouts", "cp2,pp2cp2"])
+    assert [(n, f["pp_size"], f["tp_size"], f["ep_size"], f["cp_size"]) for n, f, _ in got] == [
+        ("PP1 TP1 CP2", 1, 1, 1, 2), ("PP2 TP1 CP2", 2, 1, 1, 2)]
+    # named sizes: pp2tp1 is the pair 2x1; a pair or a left-out cp runs with every --cp-size,
+    # a triple too (its EP2 with CP2 skipped); a named cp is as written
+    got = bench_layouts(monkeypatch, ["--layouts", "1x1,pp2tp1,1x1x2,pp2cp2,tp2ep1",
+                                      "--cp-size", "1,2"])
+    assert [n for n, _, _ in got] == [
+        "PP1 TP1", "PP1 TP1 CP2", "PP2 TP1", "PP2 TP1 CP2", "PP1 TP1 EP2", "PP2 TP1 CP2",
+        "PP1 TP2"]
+    got = bench_layouts(monkeypatch, ["--layouts", "cp2,pp2", "--ep-size", "1,2"])
+    assert [(n, f["ep_size"], f["cp_size"]) for n, f, _ in got] == [
+        ("PP1 TP1 CP2", 1, 2), ("PP2 TP1", 1, 1), ("PP2 TP1 EP2", 2, 1)]
+    got = bench_layouts(monkeypatch, ["--layouts", "pp1tp1ep2,cp1"])
+    assert [(n, f["cp_size"]) for n, f, _ in got] == [("PP1 TP1 EP2", 1), ("PP1 TP1", 1)]
+    for bad in ("tp2cp2", "ep2cp2", "cp0", "cpp2", "cp2pp2", "pp", "1x1,,cp2"):
+        with pytest.raises(SystemExit):
+            main(["bench", "--layouts", bad])
+
+
+def test_bench_worker_node_gets_the_cp_layout(monkeypatch) -> None:
+    """`--nnodes 2 --node-rank 1` (what benchmarks/netlab.sh --layouts runs on node 1):
+    the worker node starts the one layout's workers, CP size included."""
+    from pipeserve.distributed import launcher
+    from pipeserve.engine import engine
+
+    started = []
+    monkeypatch.setattr(launcher, "run_worker_node", lambda config, path: started.append(config))
+    monkeypatch.setattr(engine, "resolve_model_path", lambda path: Path("model"))
+    node = ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:29500"]
+    with pytest.raises(SystemExit):
+        main(["bench", *node, "--layouts", "pp2cp2"])
+    p = started[0].parallel
+    assert (p.pp_size, p.tp_size, p.ep_size, p.cp_size, p.world_size) == (2, 1, 1, 2, 4)
+    with pytest.raises(SystemExit):
+        main(["bench", *node, "--pp-size", "2", "--cp-size", "2"])
+    assert started[1].parallel.cp_size == 2
+    with pytest.raises(SystemExit, match="runs one layout per command"):
+        main(["bench", *node, "--cp-size", "1,2"])
+    assert len(started) == 2

@@ -1,8 +1,8 @@
 """`pipeserve bench`: prefill/decode timing on identical random prompts, the achieved prefill
 FLOP/s against this machine's matmul peak, per-stage bubble ratios and communication (bytes
 per forward, seconds waited) from the timeline, and ratios taken in the same run: between
-parallel layouts (`--pp-size 1,2 --ep-size 1,2`) and against Hugging Face transformers
-(`--baseline hf`)."""
+parallel layouts (`--pp-size 1,2 --ep-size 1,2 --cp-size 1,2`) and against Hugging Face
+transformers (`--baseline hf`)."""
 
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ class Layout:
     pp: int
     tp: int
     ep: int = 1
+    cp: int = 1  # context-parallel ranks per stage
     spawn_workers: bool = False  # one device in a worker process instead of in-process
     threads: int | None = None  # torch threads per worker (None: the flags' or the default)
     loop: str | None = None  # "overlap" | "plain" forced (None: the device's default)
@@ -134,8 +135,9 @@ class Layout:
         threads = f" {self.threads}thr" if self.threads else ""
         loop = f" {self.loop}" if self.loop else ""
         ep = f" EP{self.ep}" if self.ep > 1 else ""
+        cp = f" CP{self.cp}" if self.cp > 1 else ""
         overlap = f" {self.overlap}" if self.overlap else ""
-        return f"PP{self.pp} TP{self.tp}{ep}{worker}{threads}{loop}{overlap}"
+        return f"PP{self.pp} TP{self.tp}{ep}{cp}{worker}{threads}{loop}{overlap}"
 
     def flags(self, base: dict[str, Any]) -> dict[str, Any]:
         extra: dict[str, Any] = {"spawn_workers": True} if self.spawn_workers else {}
@@ -146,14 +148,14 @@ class Layout:
         if self.overlap:
             extra["enable_two_batch_overlap"] = self.overlap in ("tbo", "tbo+sbo")
             extra["enable_single_batch_overlap"] = self.overlap in ("sbo", "tbo+sbo")
-        sizes = {"pp_size": self.pp, "tp_size": self.tp, "ep_size": self.ep}
+        sizes = {"pp_size": self.pp, "tp_size": self.tp, "ep_size": self.ep, "cp_size": self.cp}
         if self.afd[0]:
             extra["afd_attention_size"], extra["afd_ffn_size"] = self.afd
         return {**base, **sizes, **extra}
 
     @property
     def devices(self) -> int:
-        return sum(self.afd) if self.afd[0] else self.pp * self.tp * self.ep
+        return sum(self.afd) if self.afd[0] else self.pp * self.tp * self.ep * self.cp
 
 
 def run_bench(
@@ -274,6 +276,7 @@ def _layout_row(
         "pp_size": layout.pp,
         "tp_size": layout.tp,
         "ep_size": layout.ep,
+        "cp_size": layout.cp,
         "devices": devices,
         "spawn_workers": layout.spawn_workers,
         **stats,

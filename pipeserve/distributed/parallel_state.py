@@ -61,6 +61,11 @@ class ParallelState:
     # behind another micro-batch's transfers); None: ep_group
     ep_counts_group: Any = None
     afd: AfdState | None = None  # attention-FFN disaggregation; None: off
+    # Context parallelism: a prompt chunk's tokens are split over the cp_size ranks of
+    # cp_group, which exchange KV per layer (pipeserve/context_parallel); needs tp = ep = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: Any = None
 
     def __post_init__(self) -> None:
         if self.ep_size > 1 and self.tp_size > 1:
@@ -77,17 +82,20 @@ class ParallelState:
 
     @property
     def stage_width(self) -> int:
-        """Ranks per pipeline stage: its TP ranks, under EP its attention ranks, under AFD its
-        attention and then its FFN workers."""
+        """Ranks per pipeline stage: its TP ranks, under EP its attention ranks, under CP its
+        context-parallel ranks, under AFD its attention and then its FFN workers."""
         if self.afd is not None:
             return self.afd.attention_size + self.afd.ffn_size
-        return self.tp_size * self.ep_size
+        return self.tp_size * self.ep_size * self.cp_size
 
     @property
     def stage_rank(self) -> int:
-        """This rank's place within its stage (its TP rank, under EP its ep rank)."""
+        """This rank's place within its stage (its TP rank, under EP its ep rank, under CP its
+        cp rank)."""
         if self.afd is not None:
             return self.afd.rank + (0 if self.afd.is_attention else self.afd.attention_size)
+        if self.cp_size > 1:
+            return self.cp_rank
         return self.tp_rank if self.tp_size > 1 else self.ep_rank
 
     @property
@@ -185,6 +193,11 @@ def get_held_experts(num_experts: int) -> tuple[int, ...]:
     return get_expert_placement(num_experts).experts_on(rank)
 
 
+def get_cp() -> tuple[int, int, Any]:
+    """Context parallelism: (cp rank, cp size, cp group)."""
+    return _state.cp_rank, _state.cp_size, _state.cp_group
+
+
 def get_afd() -> AfdState | None:
     """Attention-FFN disaggregation's roles and group; None: off."""
     return _state.afd
@@ -244,24 +257,28 @@ def init_parallel_groups(
     ranks_per_node: int | None = None,
     ep_size: int = 1,
     comm_options: Any = None,
+    cp_size: int = 1,
 ) -> ParallelState:
-    """Join the process group and create every TP, EP (with its counts group) and stage-link
-    group (all ranks create all groups, in the same order). A stage has `tp_size * ep_size`
-    ranks (one of the two is 1); rank layout: pp_rank * width + rank within the stage, and a
-    stage link joins the ranks of the same place in adjacent stages. A TP group whose ranks
-    share a machine (of `ranks_per_node` consecutive ranks) all-reduces through shared memory
-    on CPUs. With every rank on this machine, gloo listens on loopback only. `comm_options`:
-    process-group options of the expert-parallel data groups (device.comm_group_options)."""
+    """Join the process group and create every TP, EP (with its counts group), CP and
+    stage-link group (all ranks create all groups, in the same order). A stage has
+    `tp_size * ep_size * cp_size` ranks (at most one of them above 1); rank layout:
+    pp_rank * width + rank within the stage, and a stage link joins the ranks of the same
+    place in adjacent stages. A TP group whose ranks share a machine (of `ranks_per_node`
+    consecutive ranks) all-reduces through shared memory on CPUs. With every rank on this
+    machine, gloo listens on loopback only. `comm_options`: process-group options of the
+    expert-parallel data groups (device.comm_group_options)."""
     import torch.distributed as dist
 
     global _links
-    width = tp_size * ep_size
+    width = tp_size * ep_size * cp_size
     world = width * pp_size
     _join(rank, world, backend, init_method, timeout_s, ranks_per_node)
     pp_rank, local = divmod(rank, width)
-    tp_rank, ep_rank = (local, 0) if tp_size > 1 else (0, local)
+    tp_rank = local if tp_size > 1 else 0
+    ep_rank = local if ep_size > 1 else 0
+    cp_rank = local if cp_size > 1 else 0
     tp_group, tp_ranks, gather_group = None, tuple[int, ...]((rank,)), None
-    ep_group, counts_group = None, None
+    ep_group, counts_group, cp_group = None, None, None
     for stage in range(pp_size):
         ranks = [stage * width + t for t in range(width)]
         options = comm_options if ep_size > 1 else None
@@ -272,6 +289,8 @@ def init_parallel_groups(
             tp_group, tp_ranks, gather_group = group, tuple(ranks), gather
         if stage == pp_rank and ep_size > 1:
             ep_group, counts_group = group, counts
+        if stage == pp_rank and cp_size > 1:
+            cp_group = group
     links: dict[tuple[int, int], Any] = {}
     for stage in range(pp_size - 1):
         for t in range(width):
@@ -302,6 +321,9 @@ def init_parallel_groups(
         ep_size=ep_size,
         ep_group=ep_group,
         ep_counts_group=counts_group,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        cp_group=cp_group,
     )
     set_parallel_state(state)
     return state

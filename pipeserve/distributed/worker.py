@@ -133,6 +133,7 @@ def _init_groups(args: WorkerArgs, config: EngineConfig, device: torch.device) -
         ranks_per_node=per_node,
         ep_size=p.ep_size,
         comm_options=comm_group_options(backend, p.moe_comm_max_sms),
+        cp_size=p.cp_size,
     )
 
 
@@ -206,9 +207,11 @@ class StageWorker:
         self.stream = ComputeStream(self.device, args.threads)
         self.future = FutureMap(args.future_ring, self.device) if args.future_ring else None
         self.inbox: queue.Queue[p2p.StageMessage | BaseException] = queue.Queue()
-        # the last stage reports results: one TP rank for all, or every attention rank its own
-        # (an FFN worker of attention-FFN disaggregation has none)
-        self.reports = state.is_last_stage and state.tp_rank == 0 and not state.is_ffn_worker
+        # the last stage reports results: one TP (or CP) rank for all, or every attention rank
+        # its own (an FFN worker of attention-FFN disaggregation has none)
+        self.reports = (
+            state.is_last_stage and state.tp_rank == state.cp_rank == 0 and not state.is_ffn_worker
+        )
         threading.Thread(target=self._receive, daemon=True).start()
 
     def run(self) -> None:

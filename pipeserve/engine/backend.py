@@ -14,6 +14,7 @@ from typing import Any
 from pipeserve import envs
 from pipeserve.batch_overlap.single_batch import SingleBatchOverlap
 from pipeserve.config import EngineConfig, ParallelConfig
+from pipeserve.context_parallel.layout import global_pages
 from pipeserve.device import ComputeStream, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.chunking import ChunkPolicy, setup_chunking
@@ -234,7 +235,8 @@ class WorkerBackend(Backend):
         except BaseException:
             self.workers.shutdown()
             raise
-        num_pages = info[0]["num_pages"]
+        num_pages = info[0]["num_pages"]  # per rank; under CP the ranks' pages are striped
+        num_pages = global_pages(num_pages, p.cp_size) if p.cp_size > 1 else num_pages
         self.partition = info[0]["partition"]
         log.info(
             "pipeline layer partition: %s%s",

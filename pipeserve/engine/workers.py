@@ -33,13 +33,15 @@ class WorkerError(RuntimeError):
         self.details = details  # e.g. the worker's traceback (for logs, not for clients)
 
 
-def report_ranks(pp_size: int, tp_size: int, ep_size: int, afd_attention: int = 0) -> list[int]:
-    """Global ranks that report results: the last stage's first TP rank, under expert
+def report_ranks(
+    pp_size: int, tp_size: int, ep_size: int, afd_attention: int = 0, cp_size: int = 1
+) -> list[int]:
+    """Global ranks that report results: the last stage's first TP (or CP) rank, under expert
     parallelism each of its attention ranks, under attention-FFN disaggregation each
     attention worker (ranks 0..afd_attention-1)."""
     if afd_attention:
         return list(range(afd_attention))
-    last = (pp_size - 1) * tp_size * ep_size
+    last = (pp_size - 1) * tp_size * ep_size * cp_size
     return [last + e for e in range(ep_size)]
 
 
@@ -47,7 +49,9 @@ class WorkerSet:
     def __init__(self, config: EngineConfig, model_path: str, future_ring: int) -> None:
         p = config.parallel
         self.world_size, self.width, self.pp_size = p.world_size, p.stage_width, p.pp_size
-        self.reporters = report_ranks(p.pp_size, p.tp_size, p.ep_size, p.afd_attention_size)
+        self.reporters = report_ranks(
+            p.pp_size, p.tp_size, p.ep_size, p.afd_attention_size, p.cp_size
+        )
         self.ffn_ranks = p.afd_ffn_size  # AFD: FFN workers after the attention workers
         self.step_timeout_s = config.server.watchdog_timeout
         self.heartbeat_timeout_s = p.heartbeat_timeout

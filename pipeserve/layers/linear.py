@@ -112,6 +112,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden, out, bias, dtype)
         self.total_kv_heads = num_kv_heads
 
+    def project(self, x: torch.Tensor, start: int, end: int | None) -> torch.Tensor:
+        """Output features [start, end) only (e.g. K and V before Q)."""
+        bias = self.bias[start:end] if self.bias is not None else None
+        return batch_invariant.linear(x, self.weight[start:end], bias)
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

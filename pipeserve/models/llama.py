@@ -53,19 +53,40 @@ class LlamaAttention(nn.Module):
         self.split = [heads * d, kv_heads * d, kv_heads * d]
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k  # Llama has none; Qwen3 normalises each head
+    def norm_q(self, q: torch.Tensor) -> torch.Tensor:
+        return q  # Llama has no q/k norm; Qwen3 normalises each head
+
+    def norm_k(self, k: torch.Tensor) -> torch.Tensor:
+        return k
 
     def forward(self, x: torch.Tensor, rope: Rope, fb: ForwardBatch) -> torch.Tensor:
+        if fb.cp is not None:
+            return self._forward_context_parallel(x, rope, fb)
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(n, self.heads, self.head_dim)  # [tokens, heads, d]
         k = k.view(n, self.kv_heads, self.head_dim)
-        q, k = self.qk_norm(q, k)
+        q, k = self.norm_q(q), self.norm_k(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         v = v.view(n, self.kv_heads, self.head_dim)
         o = self.attn(q, k, v, fb.kv_pool, fb.out_slots, fb.attn)
         return self.o_proj(o)
+
+    def _forward_context_parallel(
+        self, x: torch.Tensor, rope: Rope, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """Context parallelism: the keys and values first, so their exchange with the other
+        CP ranks runs while the query projection computes."""
+        assert fb.cp is not None
+        n, q_size = x.shape[0], self.qkv_proj.q_size
+        k, v = self.qkv_proj.project(x, q_size, None).split(self.split[1:], dim=-1)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        k = apply_rotary(self.norm_k(k), *rope)
+        exchange = fb.cp.launch(self.attn.layer_id, k, v, fb.kv_pool)
+        q = self.qkv_proj.project(x, 0, q_size).view(n, self.heads, self.head_dim)
+        q = apply_rotary(self.norm_q(q), *rope)
+        return self.o_proj(fb.cp.attend(self.attn, q, exchange, fb.kv_pool))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -15,8 +15,11 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+    def norm_q(self, q: torch.Tensor) -> torch.Tensor:
+        return self.q_norm(q)
+
+    def norm_k(self, k: torch.Tensor) -> torch.Tensor:
+        return self.k_norm(k)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

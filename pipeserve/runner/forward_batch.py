@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeserve.context_parallel.attention import CpContext, CpPlan
 from pipeserve.layers.attention import (
     TORCH_KERNELS,
     AttentionPlan,
@@ -32,6 +33,9 @@ class ForwardBatch:
     # latent (MLA) pools: each request's rows and the slots of all its positions
     latent_segments: list[LatentSegment] = field(default_factory=list)
     native: NativeKernels = TORCH_KERNELS  # which steps may run the compiled CPU kernels
+    # context parallelism: this rank's share of the batch (its rows are only some of the
+    # batch's; sample and logprob rows index the batch's rows, gathered after the last layer)
+    cp: CpPlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +48,7 @@ class ForwardBatch:
         pool: KVPool,
         device: torch.device,
         native: NativeKernels = TORCH_KERNELS,
+        cp: CpContext | None = None,
     ) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
@@ -69,6 +74,10 @@ class ForwardBatch:
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
+        cp_plan = None
+        if cp is not None:  # this rank's rows; its attention reads the cache through the plan
+            cp_plan, ids, positions = CpPlan.build(batch, cp, device)
+            slots, segments = [], []
         if pool.latents:  # MLA reads the cache through latent segments, not a plan
             attn = AttentionPlan([], None)
             latent = [latent_segment(*seg, device) for seg in segments]
@@ -87,6 +96,7 @@ class ForwardBatch:
             tensor(future_slots),
             latent,
             native,
+            cp_plan,
         )
 
 

@@ -18,6 +18,8 @@ from pipeserve.batch_overlap.single_batch import (
 from pipeserve.batch_overlap.strategies import AFD_ATTENTION, DECODE, PREFILL, Strategy
 from pipeserve.batch_overlap.two_batch import split_batch
 from pipeserve.config import EngineConfig
+from pipeserve.context_parallel.attention import CpContext
+from pipeserve.context_parallel.layout import PageStriping, runs_of
 from pipeserve.device import (
     native_decode_kernel,
     native_prefill_kernel,
@@ -137,6 +139,33 @@ class ModelRunner:
         )
         if config.model.enable_deterministic_inference:
             self._init_deterministic()
+        self.cp = self._context_parallel() if self.state.cp_size > 1 else None
+
+    def _context_parallel(self) -> CpContext:
+        """This rank's context-parallel share of every batch (see pipeserve/context_parallel)."""
+        a, state = self.arch, self.state
+        if a.mla is not None:
+            raise ValueError(
+                f"--cp-size {state.cp_size}: context parallelism for multi-head latent attention "
+                f"({a.architecture}) is not built yet; it runs GQA/MHA models (Llama, Qwen)"
+            )
+        if self.native.deterministic:
+            raise ValueError(
+                "--enable-deterministic-inference with --cp-size: context parallelism merges "
+                "partial attention results, which the batch-invariant kernels do not cover"
+            )
+        return CpContext(
+            state.cp_size,
+            state.cp_rank,
+            state.cp_group,
+            PageStriping(state.cp_size, state.cp_rank, self.config.cache.page_size),
+            self.config.parallel.cp_prefix_mode,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            self.dtype.itemsize,
+            native_prefill=self.native.prefill,
+        )
 
     def _init_deterministic(self) -> None:
         """Batch-invariant execution (see pipeserve/layers/batch_invariant.py): the native
@@ -159,7 +188,7 @@ class ModelRunner:
         )
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        return ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native)
+        return ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native, self.cp)
 
     @torch.inference_mode()
     def execute(
@@ -183,6 +212,8 @@ class ModelRunner:
             hidden, residual = self._forward_parts(parts, AFD_ATTENTION, hidden, residual, future)
         elif batch.slices:
             hidden, residual = self.model(fb, hidden, residual)
+            if fb.cp is not None and self.state.is_last_stage:
+                hidden = fb.cp.gather_hidden(hidden)  # the batch's rows, in batch order
         else:
             hidden, residual = self._idle_forward()
         result, tokens = (
@@ -270,6 +301,9 @@ class ModelRunner:
     def _zero_slots(self, runs: list[Run]) -> None:
         """Lent slots may hold anything (never written memory: NaNs, denormals, which some
         CPUs compute slowly); zeros keep the profile's timings honest."""
+        if self.cp is not None:  # the slots of this rank's pages
+            num = sum(n for _, n in runs)
+            runs = runs_of(self.cp.striping.owned(runs, 0, num, torch.device("cpu"))[1])
         for start, n in runs:
             self.kv_pool.zero_slots(start, n)
 

@@ -1,7 +1,8 @@
-"""Communication in `pipeserve bench`: layouts with an expert-parallel size (names, engine
-flags, devices in the efficiency), the per-layout report line, and the bytes a TP2 engine's
-all-reduces log: the ring rule, 2 (T - 1) / T of the [rows, hidden] tensor per rank per call,
-one call per layer's attention output, one per MLP output and one for the embedding."""
+"""Communication in `pipeserve bench`: layouts with an expert- or context-parallel size
+(names, engine flags, devices in the efficiency), the per-layout report line, and the bytes a
+TP2 engine's all-reduces log: the ring rule, 2 (T - 1) / T of the [rows, hidden] tensor per
+rank per call, one call per layer's attention output, one per MLP output and one for the
+embedding."""
 
 from __future__ import annotations
 
@@ -30,6 +31,24 @@ def test_efficiency_counts_expert_parallel_ranks_as_devices() -> None:
     assert (ep2["layout"], ep2["ep_size"], base["ep_size"]) == ("PP1 TP1 EP2", 2, 1)
     assert ep2["speedup"] == pytest.approx(1.25) and ep2["efficiency"] == pytest.approx(0.625)
     assert ep2["prefill_flops_share_of_peak"] == pytest.approx(8.0 / 1.6 / 2)
+
+
+def test_layout_names_flags_and_devices_with_cp() -> None:
+    cp = Layout(2, 1, cp=2, spawn_workers=True, threads=1)
+    assert cp.name == "PP2 TP1 CP2 worker 1thr" and cp.devices == 4
+    flags = cp.flags({"cp_size": 1, "cp_prefix_mode": "merge"})
+    assert (flags["pp_size"], flags["tp_size"], flags["ep_size"], flags["cp_size"]) == (2, 1, 1, 2)
+    assert flags["cp_prefix_mode"] == "merge"  # the other flags as given
+    assert Layout(1, 1).flags({"cp_size": 2})["cp_size"] == 1  # each layout sets its own
+
+
+def test_efficiency_counts_context_parallel_ranks_as_devices() -> None:
+    base = _layout_row(Layout(1, 1), {"prefill_s": 2.0}, 8.0, 1.0, [])
+    cp2 = _layout_row(Layout(1, 1, cp=2), {"prefill_s": 1.6}, 8.0, 1.0, [base])
+    assert (base["cp_size"], cp2["cp_size"], cp2["devices"]) == (1, 2, 2)
+    assert cp2["layout"] == "PP1 TP1 CP2"
+    assert cp2["speedup"] == pytest.approx(1.25) and cp2["efficiency"] == pytest.approx(0.625)
+    assert cp2["prefill_flops_share_of_peak"] == pytest.approx(8.0 / 1.6 / 2)
 
 
 def test_report_line_names_every_kind() -> None:

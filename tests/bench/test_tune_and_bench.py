@@ -1,6 +1,7 @@
 """`pipeserve tune` and `pipeserve bench` with several layouts, end to end on a tiny model
-(in-process through `pipeserve.cli.main`; the PP2 layouts run real worker processes): the
-files they promise exist and hold what they say. No assertion is about speed."""
+(in-process through `pipeserve.cli.main`; the PP2 and CP2 layouts run real worker
+processes): the files they promise exist and hold what they say. No assertion is about
+speed."""
 
 from __future__ import annotations
 
@@ -133,3 +134,20 @@ def test_tune_named_trials_in_interleaved_rounds(model, tmp_path, monkeypatch) -
         assert ratio["to_best_fixed"] == pytest.approx(t["ttft_s"] / best)
         assert ratio["to_same_fixed"] == pytest.approx(t["ttft_s"] / fixed[256])
     assert trials[3]["chunk_sizes"] == [256] * (INPUT_LEN // 256)  # s = 0: fixed chunks
+
+
+def test_bench_compares_a_context_parallel_layout(model, tmp_path) -> None:
+    """`--layouts 1x1,cp2`: the CP2 row counts its two ranks and gives the same tokens."""
+    out_json = tmp_path / "cp.json"
+    main(["bench", "--model", str(model), "--layouts", "1x1,cp2", "--input-len", "128",
+          "--output-len", "3", "--num-prompts", "1", "--dtype", "float32",
+          "--chunked-prefill-size", "64", "--json", str(out_json)])
+    report = json.loads(out_json.read_text())
+    base, cp2 = report["layouts"]
+    assert [(r["layout"], r["pp_size"], r["cp_size"], r["devices"]) for r in (base, cp2)] == [
+        ("PP1 TP1", 1, 1, 1), ("PP1 TP1 CP2", 1, 2, 2)]
+    assert report["cp_size"] == 1  # the top level repeats the first layout's row
+    assert cp2["speedup"] == pytest.approx(base["prefill_s"] / cp2["prefill_s"])
+    assert cp2["efficiency"] == pytest.approx(cp2["speedup"] / 2)
+    assert cp2["chunk_sizes"] == [[64, 64]]
+    assert report["same_tokens_across_layouts"] is True

@@ -70,6 +70,7 @@ def test_report_ranks_are_the_last_stage_s_first_rank_or_its_attention_ranks() -
     assert report_ranks(2, 2, 1) == [2]  # TP: rank 0 of the last stage reports for all
     assert report_ranks(1, 1, 2) == [0, 1]
     assert report_ranks(3, 1, 2) == [4, 5]
+    assert report_ranks(2, 1, 1, cp_size=2) == [2]  # CP: rank 0 of the last stage reports
 
 
 def test_results_arriving_during_a_profile_are_kept_in_order() -> None:

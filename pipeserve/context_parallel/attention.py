@@ -1,0 +1,603 @@
+"""Attention under context parallelism: what one CP rank computes of a batch, and the per-layer
+exchanges that make its result equal to the unsplit model's.
+
+A prompt chunk's tokens are split zig-zag over the N ranks (pipeserve/context_parallel/zigzag);
+a decode step runs on every rank alike (one token: replicating it is cheaper than moving it).
+The KV pages are striped over the ranks (pipeserve/context_parallel/layout). Per layer:
+
+1. Exchange A, launched before the query projection so the two overlap: one all-gather of
+   every rank's share of the batch's chunk K/V, plus, for segments that re-gather their
+   prefix, the prefix K/V of the pages it holds. Afterwards every rank has each chunk's K/V
+   whole and writes the positions of the pages it holds to its pool.
+2. A chunk's queries attend to the chunk causally (every rank has it) and to the prefix,
+   which the ranks hold between them, in one of two ways:
+   - regather: the prefix came whole with exchange A; plain causal attention over
+     [prefix | chunk] (the compiled CPU kernel where it runs).
+   - merge (decode context parallelism): exchange B all-gathers the chunk's queries; every
+     rank attends all of them to the prefix positions it holds, and exchange C (one
+     all-to-all) returns each query's partial result and log-sum-exp to the rank computing
+     it, which merges them with its own chunk part. A decode step does the same without
+     exchange B (its query is on every rank already): it costs one all-to-all of a few
+     floats per head, against a re-gather of its whole prefix.
+   `--cp-prefix-mode auto` picks per segment whichever moves fewer bytes: re-gathering costs
+   the prefix's K/V, merging the chunk's queries plus float32 partials; decode steps merge.
+3. On the last pipeline stage the ranks' hidden rows are all-gathered back into batch order
+   (`gather_hidden`), so sampling and prompt logprobs run as without CP, on every rank.
+
+Every rank builds the same plan from the same batch (the counts of every rank's rows are
+known everywhere), so the collectives always match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pipeserve.context_parallel.layout import PageStriping
+from pipeserve.context_parallel.zigzag import rank_blocks
+from pipeserve.device import attention_with_lse, prefers_blockwise_attention
+from pipeserve.layers.attention import (
+    BLOCKWISE_MIN_TOKENS,
+    KVPart,
+    blockwise_prefill,
+    merge_partials,
+)
+from pipeserve.scheduler.batch import ScheduledBatch
+
+if TYPE_CHECKING:
+    from pipeserve.layers.attention import PagedAttention
+    from pipeserve.mem_cache.kv_pool import KVPool
+
+PREFIX_MODES = ("auto", "merge", "regather")
+
+
+@dataclass(frozen=True)
+class CpContext:
+    """What a model runner knows about its CP rank (fixed for its life)."""
+
+    size: int
+    rank: int
+    group: Any
+    striping: PageStriping
+    prefix_mode: str = "auto"
+    q_heads: int = 1
+    kv_heads: int = 1
+    head_dim: int = 1
+    itemsize: int = 2
+    native_prefill: bool = False  # the compiled CPU prefill kernel runs here
+
+    def merges(self, decode: bool, prefix: int, length: int) -> bool:
+        """Whether a segment reads its prefix by merging partial results (else re-gather)."""
+        if prefix == 0:
+            return False
+        if self.prefix_mode != "auto":
+            return self.prefix_mode == "merge"
+        if decode:
+            return True
+        return self.regather_bytes(prefix) > self.merge_bytes(length)
+
+    def regather_bytes(self, prefix: int) -> int:
+        return prefix * 2 * self.kv_heads * self.head_dim * self.itemsize
+
+    def merge_bytes(self, length: int) -> int:
+        heads, d = self.q_heads, self.head_dim
+        return length * heads * d * self.itemsize + length * heads * (d + 1) * 4
+
+
+@dataclass
+class Segment:
+    """One request's share of the forward on this rank."""
+
+    decode: bool
+    prefix: int  # positions already cached
+    length: int  # positions computed now (1 for a decode step)
+    rows: torch.Tensor  # this rank's rows of the forward, in chunk order
+    blocks: list[tuple[int, int]]  # chunk-relative blocks of those rows (decode: [(0, 1)])
+    merge: bool
+    chunk_index: torch.Tensor | None = None  # prompt: [length] rows of exchange A, chunk order
+    prefix_index: torch.Tensor | None = None  # regather: [prefix] rows of exchange A
+    own_slots: torch.Tensor | None = None  # merge: local slots of the positions held here
+    q_index: torch.Tensor | None = None  # merge prompt: [length] rows of exchange B
+    send_rows: list[torch.Tensor] = field(default_factory=list)  # merge prompt: per rank
+    recv_offset: int = 0  # merge: first row of this segment in each source's block of C
+
+
+@dataclass
+class Exchange:
+    """Exchange A of one layer in flight."""
+
+    work: Any
+    out: torch.Tensor  # [N * rows, 2, kv_heads, d]
+    k: torch.Tensor  # this rank's fresh K/V rows (decode steps read their own)
+    v: torch.Tensor
+
+
+class CpPlan:
+    """A batch as one CP rank runs it (built once, used by every layer)."""
+
+    def __init__(self, ctx: CpContext, device: torch.device) -> None:
+        self.ctx, self.device = ctx, device
+        self.segments: list[Segment] = []
+        self.a_rows = 0  # rows per rank in exchange A
+        self.a_chunk_rows = torch.empty(0, dtype=torch.long)  # local rows sent in A
+        self.a_prefix_slots = torch.empty(0, dtype=torch.long)  # local slots sent in A
+        self.write_src = torch.empty(0, dtype=torch.long)  # rows of A written to the pool
+        self.write_slots = torch.empty(0, dtype=torch.long)
+        self.decode_write_rows = torch.empty(0, dtype=torch.long)  # local rows (decode)
+        self.decode_write_slots = torch.empty(0, dtype=torch.long)
+        self.b_rows = 0  # rows per rank in exchange B
+        self.b_local = torch.empty(0, dtype=torch.long)  # local rows sent in B
+        self.c_send: list[int] = []  # rows sent to each rank in exchange C
+        self.c_recv = 0  # rows received from each rank
+        self.hidden_rows = 0  # rows per rank when gathering the hidden states
+        self.hidden_index = torch.empty(0, dtype=torch.long)  # batch order -> gathered rows
+
+    # ---- building ------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls, batch: ScheduledBatch, ctx: CpContext, device: torch.device
+    ) -> tuple[CpPlan, list[int], list[int]]:
+        """The plan, and this rank's input ids and positions (its rows, in batch order)."""
+        plan = cls(ctx, device)
+        n_ranks, me = ctx.size, ctx.rank
+        ids: list[int] = []
+        positions: list[int] = []
+        # per rank: rows of the forward, rows of A (chunk part), rows of B, rows of C to me
+        fwd_off = [0] * n_ranks
+        a_chunk = [0] * n_ranks
+        b_off = [0] * n_ranks
+        c_mine = 0
+        spans: list[list[tuple[int, int]]] = []  # per slice: each rank's forward rows
+        chunk_pos_ranks: list[list[torch.Tensor]] = []  # per slice: each rank's chunk positions
+        for s in batch.slices:
+            n, c = s.num_tokens, s.prefix_len
+            if s.is_decode:
+                blocks_per = [[(0, n)]] * n_ranks
+            else:
+                blocks_per = [rank_blocks(n, n_ranks, r) for r in range(n_ranks)]
+            pos_per = [_positions(b) for b in blocks_per]
+            span = []
+            for r in range(n_ranks):
+                span.append((fwd_off[r], fwd_off[r] + len(pos_per[r])))
+                fwd_off[r] += len(pos_per[r])
+            spans.append(span)
+            chunk_pos_ranks.append([torch.tensor(p, dtype=torch.long) for p in pos_per])
+            mine = pos_per[me]
+            ids.extend(s.input_ids[i] for i in mine)
+            positions.extend(c + i for i in mine)
+            merge = ctx.merges(s.is_decode, c, n)
+            seg = Segment(
+                s.is_decode,
+                c,
+                n,
+                torch.arange(*span[me], device=device),
+                blocks_per[me] if not s.is_decode else [(0, 1)],
+                merge,
+            )
+            if not s.is_decode:
+                seg.chunk_index = _concat_index(chunk_pos_ranks[-1], a_chunk, n, device)
+                for r in range(n_ranks):
+                    a_chunk[r] += len(pos_per[r])
+                if merge:
+                    seg.q_index = _concat_index(chunk_pos_ranks[-1], b_off, n, device)
+                    for r in range(n_ranks):
+                        b_off[r] += len(pos_per[r])
+            plan.segments.append(seg)
+        # exchange A: after every rank's chunk rows, the prefix rows of regather segments
+        a_used = list(a_chunk)
+        written = plan._chunk_writes(batch, chunk_pos_ranks)
+        prefix_slots: list[torch.Tensor] = []
+        for s, seg in zip(batch.slices, plan.segments, strict=True):
+            if seg.prefix and not seg.merge:
+                seg.prefix_index, mine_slots = plan._prefix_rows(s, written, a_used)
+                prefix_slots.append(mine_slots)
+        plan.a_rows = max(a_used) if a_used else 0
+        for seg in plan.segments:  # rows of rank r start at r * a_rows
+            for name in ("chunk_index", "prefix_index"):
+                index = getattr(seg, name)
+                if index is not None:
+                    setattr(seg, name, _rebase(index, plan.a_rows))
+        plan.a_chunk_rows = torch.cat(
+            [seg.rows for seg in plan.segments if not seg.decode] or [_empty(device)]
+        )
+        plan.a_prefix_slots = torch.cat(prefix_slots) if prefix_slots else _empty(device)
+        plan._finish_writes(batch, written)
+        # exchange B and C (merge segments)
+        plan.b_rows = max(b_off) if b_off else 0
+        c_send = [0] * n_ranks
+        for i, (s, seg) in enumerate(zip(batch.slices, plan.segments, strict=True)):
+            if not seg.merge:
+                continue
+            _, seg.own_slots = ctx.striping.owned(
+                s.kv_runs, 0, seg.prefix + (1 if seg.decode else 0), device
+            )
+            seg.recv_offset = c_mine
+            if seg.decode:
+                c_mine += 1
+                c_send = [x + 1 for x in c_send]
+                continue
+            assert seg.q_index is not None
+            seg.q_index = _rebase(seg.q_index, plan.b_rows)
+            seg.send_rows = [p.to(device) for p in chunk_pos_ranks[i]]
+            for r in range(n_ranks):
+                c_send[r] += len(seg.send_rows[r])
+            c_mine += len(seg.rows)
+        plan.b_local = torch.cat(
+            [seg.rows for seg in plan.segments if seg.merge and not seg.decode] or [_empty(device)]
+        )
+        plan.c_send, plan.c_recv = c_send, c_mine
+        plan._hidden_index(batch, spans, chunk_pos_ranks, fwd_off)
+        return plan, ids, positions
+
+    def _chunk_writes(
+        self, batch: ScheduledBatch, chunk_pos: list[list[torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global slots, rows of exchange A before rebasing as (rank, row) pairs flattened
+        with a_rows unknown: kept as rank and row) of every chunk position of the batch."""
+        striping = self.ctx.striping
+        slots, ranks, rows = [], [], []
+        offsets = [0] * self.ctx.size
+        for s, seg, per_rank in zip(batch.slices, self.segments, chunk_pos, strict=True):
+            if seg.decode:
+                continue
+            all_slots = striping.slots_of(s.kv_runs, seg.prefix + seg.length, torch.device("cpu"))
+            for r, pos in enumerate(per_rank):
+                slots.append(all_slots[seg.prefix + pos])
+                ranks.append(torch.full_like(pos, r))
+                rows.append(offsets[r] + torch.arange(len(pos)))
+                offsets[r] += len(pos)
+        if not slots:
+            return _empty(torch.device("cpu")), _empty(torch.device("cpu")).view(0, 2)
+        pairs = torch.stack((torch.cat(ranks), torch.cat(rows)), 1)
+        return torch.cat(slots), pairs
+
+    def _prefix_rows(
+        self,
+        s: Any,
+        written: tuple[torch.Tensor, torch.Tensor],
+        a_used: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A regather segment's prefix: where each position lies in exchange A, as (rank,
+        row) pairs [prefix, 2], and the local slots this rank sends for it. A position whose
+        KV this very batch computes (another request's chunk, just cached) is read from that
+        chunk's rows; the others from the rank holding their page."""
+        striping, cpu = self.ctx.striping, torch.device("cpu")
+        c = s.prefix_len
+        slots = striping.slots_of(s.kv_runs, c, cpu)
+        owners = striping.owners(slots)
+        pairs = torch.empty(c, 2, dtype=torch.long)
+        fresh = torch.zeros(c, dtype=torch.bool)
+        w_slots, w_pairs = written
+        if w_slots.numel():
+            order = torch.argsort(w_slots)
+            sorted_slots = w_slots[order]
+            at = torch.searchsorted(sorted_slots, slots).clamp(max=len(sorted_slots) - 1)
+            fresh = sorted_slots[at] == slots
+            pairs[fresh] = w_pairs[order[at[fresh]]]
+        mine = torch.empty(0, dtype=torch.long)
+        for r in range(self.ctx.size):
+            held = (owners == r) & ~fresh
+            count = int(held.sum())
+            pairs[held, 0] = r
+            pairs[held, 1] = a_used[r] + torch.arange(count)
+            a_used[r] += count
+            if r == self.ctx.rank:
+                mine = striping.local_slots(slots[held])
+        return pairs.to(self.device), mine.to(self.device)
+
+    def _finish_writes(self, batch: ScheduledBatch, written: tuple[torch.Tensor, torch.Tensor]):
+        """Which rows this rank writes to its pool: chunk positions (from exchange A) and
+        decode tokens (its own rows) whose pages it holds."""
+        striping, me = self.ctx.striping, self.ctx.rank
+        w_slots, w_pairs = written
+        if w_slots.numel():
+            held = striping.owners(w_slots) == me
+            self.write_src = _rebase(w_pairs[held].to(self.device), self.a_rows)
+            self.write_slots = striping.local_slots(w_slots[held]).to(self.device)
+        rows, slots = [], []
+        for s, seg in zip(batch.slices, self.segments, strict=True):
+            if not seg.decode:
+                continue
+            slot = striping.slots_of(s.kv_runs, seg.prefix + 1, torch.device("cpu"))[-1:]
+            if int(striping.owners(slot)) == me:
+                rows.append(seg.rows)
+                slots.append(striping.local_slots(slot).to(self.device))
+        if rows:
+            self.decode_write_rows, self.decode_write_slots = torch.cat(rows), torch.cat(slots)
+
+    def _hidden_index(
+        self,
+        batch: ScheduledBatch,
+        spans: list[list[tuple[int, int]]],
+        chunk_pos: list[list[torch.Tensor]],
+        rows_per_rank: list[int],
+    ) -> None:
+        """Where each row of the batch (in batch order) lies among the ranks' gathered rows."""
+        self.hidden_rows = max(rows_per_rank) if rows_per_rank else 0
+        parts = []
+        for s, span, per_rank in zip(batch.slices, spans, chunk_pos, strict=True):
+            if s.is_decode:  # the same on every rank: this rank's copy
+                start = self.ctx.rank * self.hidden_rows + span[self.ctx.rank][0]
+                parts.append(torch.arange(start, start + 1))
+                continue
+            offsets = [span[r][0] for r in range(self.ctx.size)]
+            parts.append(_concat_index(per_rank, offsets, s.num_tokens, torch.device("cpu")))
+            parts[-1] = _rebase(parts[-1], self.hidden_rows)
+        self.hidden_index = torch.cat(parts).to(self.device) if parts else _empty(self.device)
+
+    # ---- per layer -------------------------------------------------------------------
+
+    def launch(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, pool: KVPool) -> Exchange:
+        """Start exchange A of a layer (k/v: this rank's fresh rows [rows, kv_heads, d])."""
+        if self.a_rows == 0:
+            return Exchange(None, k.new_empty(0, 2, *k.shape[1:]), k, v)
+        kc, vc = pool.buffers(layer_id)
+        send = k.new_zeros(self.a_rows, 2, *k.shape[1:])
+        n = self.a_chunk_rows.numel()
+        send[:n, 0], send[:n, 1] = k[self.a_chunk_rows], v[self.a_chunk_rows]
+        m = self.a_prefix_slots.numel()
+        if m:
+            send[n : n + m, 0] = kc[:, self.a_prefix_slots].transpose(0, 1)
+            send[n : n + m, 1] = vc[:, self.a_prefix_slots].transpose(0, 1)
+        out = send.new_empty(self.ctx.size * self.a_rows, *send.shape[1:])
+        work = dist.all_gather_single(out, send, group=self.ctx.group, async_op=True)
+        return Exchange(work, out, k, v)
+
+    def attend(
+        self, attn: PagedAttention, q: torch.Tensor, exchange: Exchange, pool: KVPool
+    ) -> torch.Tensor:
+        """This rank's attention output [rows, heads * d] for its query rows q [rows, h, d]."""
+        if exchange.work is not None:
+            exchange.work.wait()
+        kc, vc = pool.buffers(attn.layer_id)
+        gathered = exchange.out
+        if self.write_slots.numel():
+            kc[:, self.write_slots] = gathered[self.write_src, 0].transpose(0, 1)
+            vc[:, self.write_slots] = gathered[self.write_src, 1].transpose(0, 1)
+        if self.decode_write_slots.numel():
+            rows = self.decode_write_rows
+            kc[:, self.decode_write_slots] = exchange.k[rows].transpose(0, 1)
+            vc[:, self.decode_write_slots] = exchange.v[rows].transpose(0, 1)
+        out = torch.empty_like(q)
+        partials = self._merge_partials(attn, q, kc, vc, gathered)
+        for seg in self.segments:
+            if seg.merge:
+                out[seg.rows] = self._merged(attn, q, gathered, seg, partials)
+            else:
+                out[seg.rows] = self._whole(attn, q, exchange, gathered, seg)
+        return out.flatten(1)
+
+    def _whole(
+        self,
+        attn: PagedAttention,
+        q: torch.Tensor,
+        exchange: Exchange,
+        gathered: torch.Tensor,
+        seg: Segment,
+    ) -> torch.Tensor:
+        """A segment whose keys are all here: [prefix from A | chunk from A (or, for a decode
+        step, its own row)], attended causally."""
+        parts = []
+        if seg.prefix_index is not None:
+            parts.append(gathered[seg.prefix_index])
+        if seg.decode:
+            parts.append(torch.stack((exchange.k[seg.rows], exchange.v[seg.rows]), 1))
+        else:
+            assert seg.chunk_index is not None
+            parts.append(gathered[seg.chunk_index])
+        kv = torch.cat(parts) if len(parts) > 1 else parts[0]  # [prefix + length, 2, hk, d]
+        keys = kv[:, 0].transpose(0, 1).contiguous()  # [hk, positions, d]
+        values = kv[:, 1].transpose(0, 1).contiguous()
+        c, outs, start = seg.prefix, [], 0
+        for s, e in seg.blocks:
+            if e == s:
+                continue
+            rows = q[seg.rows[start : start + e - s]]
+            start += e - s
+            outs.append(_causal(attn, rows, keys, values, c + s, c + e, self.ctx.native_prefill))
+        return torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
+
+    def _merge_partials(
+        self,
+        attn: PagedAttention,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        gathered: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Exchanges B and C: every merge segment's queries attended to the positions held
+        here, returned to the ranks that compute them. [N * c_recv, heads, d + 1] float32:
+        from each rank, for this rank's merge rows, the output and log-sum-exp."""
+        if not any(seg.merge for seg in self.segments):
+            return None
+        group, size = self.ctx.group, self.ctx.size
+        heads, d = q.shape[1], q.shape[2]
+        all_q = None
+        if self.b_rows:
+            send = q.new_zeros(self.b_rows, heads, d)
+            send[: self.b_local.numel()] = q[self.b_local]
+            all_q = send.new_empty(size * self.b_rows, heads, d)
+            dist.all_gather_single(all_q, send, group=group)
+        blocks: list[list[torch.Tensor]] = [[] for _ in range(size)]  # in segment order
+        for seg in self.segments:
+            if not seg.merge:
+                continue
+            assert seg.own_slots is not None
+            keys, values = kc[:, seg.own_slots], vc[:, seg.own_slots]
+            if seg.decode:  # every rank merges the step: the same rows to all
+                part = _partial(attn, q[seg.rows], keys, values)
+                for block in blocks:
+                    block.append(part)
+                continue
+            assert all_q is not None and seg.q_index is not None
+            part = _partial(attn, all_q[seg.q_index], keys, values)  # [length, heads, d + 1]
+            for r in range(size):
+                blocks[r].append(part[seg.send_rows[r]])
+        width = (heads, d + 1)
+        nothing = q.new_empty(0, *width, dtype=torch.float32)
+        send_c = torch.cat([torch.cat(b) if b else nothing for b in blocks])
+        recv = send_c.new_empty(size * self.c_recv, *width)
+        dist.all_to_all_single(
+            recv,
+            send_c,
+            output_split_sizes=[self.c_recv] * size,
+            input_split_sizes=self.c_send,
+            group=group,
+        )
+        return recv
+
+    def _merged(
+        self,
+        attn: PagedAttention,
+        q: torch.Tensor,
+        gathered: torch.Tensor,
+        seg: Segment,
+        partials: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A merge segment's output for this rank's rows: the other ranks' (and this rank's)
+        partial results over the prefix, merged with the chunk part computed here."""
+        assert partials is not None
+        n = len(seg.rows)
+        parts = []
+        for r in range(self.ctx.size):
+            start = r * self.c_recv + seg.recv_offset
+            block = partials[start : start + n]
+            parts.append((block[..., :-1], block[..., -1]))
+        if not seg.decode:
+            assert seg.chunk_index is not None
+            chunk = gathered[seg.chunk_index]
+            keys = chunk[:, 0].transpose(0, 1)
+            values = chunk[:, 1].transpose(0, 1)
+            outs, lses, start = [], [], 0
+            for s, e in seg.blocks:
+                rows = q[seg.rows[start : start + e - s]]
+                start += e - s
+                if e == s:
+                    continue
+                o, lse = _chunk_partial(attn, rows, keys[:, :e], values[:, :e], s)
+                outs.append(o)
+                lses.append(lse)
+            parts.append((torch.cat(outs), torch.cat(lses)))
+        return merge_partials(parts).to(q.dtype)
+
+    # ---- after the last layer --------------------------------------------------------
+
+    def gather_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [rows, hidden] -> the batch's rows in batch order (every rank)."""
+        send = hidden.new_zeros(self.hidden_rows, hidden.shape[1])
+        send[: hidden.shape[0]] = hidden
+        out = send.new_empty(self.ctx.size * self.hidden_rows, hidden.shape[1])
+        dist.all_gather_single(out, send, group=self.ctx.group)
+        return out[self.hidden_index]
+
+
+def _positions(blocks: list[tuple[int, int]]) -> list[int]:
+    return [i for s, e in blocks for i in range(s, e)]
+
+
+def _empty(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.long, device=device)
+
+
+def _concat_index(
+    per_rank: list[torch.Tensor], offsets: list[int], length: int, device: torch.device
+) -> torch.Tensor:
+    """[length, 2] (rank, row) of each chunk position, rank r's positions being rows
+    offsets[r], offsets[r] + 1, ... of its block."""
+    out = torch.empty(length, 2, dtype=torch.long)
+    for r, pos in enumerate(per_rank):
+        out[pos, 0] = r
+        out[pos, 1] = offsets[r] + torch.arange(len(pos))
+    return out.to(device)
+
+
+def _rebase(pairs: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rank, row) pairs -> flat rows of a gathered [N * rows] tensor."""
+    return pairs[:, 0] * rows + pairs[:, 1]
+
+
+def _fold(attn: PagedAttention, q: torch.Tensor) -> torch.Tensor:
+    """q [n, heads, d] -> [1, kv_heads, group * n, d]: a KV head's query heads in a row."""
+    n, d = q.shape[0], q.shape[2]
+    return q.transpose(0, 1).reshape(1, attn.num_kv_heads, attn.group * n, d)
+
+
+def _unfold(
+    attn: PagedAttention, o: torch.Tensor, lse: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of _fold for an output [1, kv_heads, group * n, d] and its lse."""
+    d = o.shape[-1]
+    return (
+        o.reshape(attn.num_heads, n, d).transpose(0, 1),
+        lse.reshape(attn.num_heads, n).transpose(0, 1),
+    )
+
+
+def _partial(
+    attn: PagedAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """Queries [n, heads, d] over keys [kv_heads, m, d] (no mask) -> [n, heads, d + 1]
+    float32: output and log-sum-exp (zeros and -inf over no keys)."""
+    n, heads, d = q.shape
+    out = torch.zeros(n, heads, d + 1, dtype=torch.float32, device=q.device)
+    if keys.shape[1] == 0 or n == 0:
+        out[..., -1] = float("-inf")
+        return out
+    o, lse = attention_with_lse(_fold(attn, q), keys[None], values[None], False, attn.scale)
+    o, lse = _unfold(attn, o, lse, n)
+    out[..., :-1], out[..., -1] = o, lse
+    return out
+
+
+def _chunk_partial(
+    attn: PagedAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries of chunk positions [start, start + n) over chunk keys [0, start + n) (keys
+    [kv_heads, start + n, d]), causally: (output [n, heads, d], lse [n, heads])."""
+    n = q.shape[0]
+    group = attn.group
+    parts = []
+    if start:
+        o, lse = attention_with_lse(
+            _fold(attn, q), keys[None, :, :start], values[None, :, :start], False, attn.scale
+        )
+        parts.append(_unfold(attn, o, lse, n))
+    q_heads = q.transpose(0, 1)[None]  # [1, heads, n, d]: causal needs one row per query
+    kr = keys[:, start:].repeat_interleave(group, dim=0)[None]
+    vr = values[:, start:].repeat_interleave(group, dim=0)[None]
+    o, lse = attention_with_lse(q_heads, kr, vr, True, attn.scale)
+    parts.append((o[0].transpose(0, 1), lse[0].transpose(0, 1)))
+    if len(parts) == 1:
+        return parts[0]
+    lse_all = torch.stack([lse for _, lse in parts])
+    total = torch.logsumexp(lse_all, dim=0)
+    return merge_partials(parts), total
+
+
+def _causal(
+    attn: PagedAttention,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    first: int,
+    end: int,
+    native: bool,
+) -> torch.Tensor:
+    """Queries of positions [first, end) over keys [0, end) of [kv_heads, positions, d]."""
+    if native:
+        from pipeserve.device import native_prefill_kernel
+
+        kernel = native_prefill_kernel()
+        assert kernel is not None
+        runs = torch.tensor([[0, end]], dtype=torch.long)
+        return kernel(q, keys, values, runs, first, attn.scale)
+    cached: list[KVPart] = [(keys[:, :first], values[:, :first])] if first else []
+    k_self = keys[:, first:end].transpose(0, 1)
+    v_self = values[:, first:end].transpose(0, 1)
+    if prefers_blockwise_attention(q.device) and q.shape[0] >= BLOCKWISE_MIN_TOKENS:
+        return blockwise_prefill(q, k_self, v_self, cached, attn.scale)
+    return attn._fused(q, k_self, v_self, cached)

@@ -1,0 +1,108 @@
+"""Context parallelism through the engine: `Engine(path, cp_size=N)` gives the greedy tokens of
+one in-process engine and its prompt and output logprobs within 1e-4 (float32), on Llama,
+Qwen3 (per-head q/k norm) and Qwen3-MoE, for CP2 with the prefix read by merging partial
+results and by re-gathering it, CP3, and PP2 x CP2. The prompts are chunked (32-token chunks:
+up to ten chunks per prompt, so later chunks attend to a prefix spread over the ranks), their
+lengths are not multiples of 2N, and requests of different lengths decode side by side with
+prompts being prefilled. Radix hits: KV cached under one split (a chunk cut at other places,
+by another request) is read by a later request, also in the batch that computes it. A killed
+CP rank fails the engine without hanging it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from engine_cases import Workload, kill_during_prefill
+
+from pipeserve.engine.engine import Engine
+
+pytestmark = pytest.mark.timeout(240)
+
+MODELS = {"llama": ("tiny-llama", {"num_hidden_layers": 3}),
+          "qwen3": ("tiny-qwen3", {"num_hidden_layers": 2}),
+          "qwen3-moe": ("tiny-qwen3-moe", {"num_hidden_layers": 2})}
+FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 32,
+                         "max_running_requests": 8, "max_total_tokens": 4096, "page_size": 16}
+WORK = Workload((301, 37, 5, 129, 64), (4, 6, 20, 3, 5), seed=3)
+CASES = [
+    ("llama", {"cp_size": 2}),
+    ("llama", {"cp_size": 2, "cp_prefix_mode": "merge"}),
+    ("llama", {"cp_size": 2, "cp_prefix_mode": "regather"}),
+    ("qwen3", {"cp_size": 2, "cp_prefix_mode": "merge"}),
+    ("qwen3", {"cp_size": 2, "cp_prefix_mode": "regather"}),
+    ("qwen3-moe", {"cp_size": 2}),
+    ("llama", {"cp_size": 3, "cp_prefix_mode": "merge"}),
+    ("llama", {"cp_size": 2, "pp_size": 2}),
+]
+
+
+def _id(model: str, flags: dict[str, Any]) -> str:
+    return f"{model}-pp{flags.get('pp_size', 1)}cp{flags['cp_size']}-" + flags.get(
+        "cp_prefix_mode", "auto")
+
+
+@pytest.mark.parametrize(("model", "layout"), CASES, ids=[_id(*c) for c in CASES])
+def test_cp_matches_one_process(models, reference, model: str, layout: dict[str, Any]) -> None:
+    with Engine(str(models[model]), **FLAGS, **layout) as engine:
+        out = WORK.run(engine)
+    WORK.assert_matches(out, reference[model], atol=1e-4)
+
+
+def _shared_prefix_prompts() -> tuple[list[int], list[list[int]], list[list[int]]]:
+    gen = torch.Generator().manual_seed(5)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, 512, (n,), generator=gen).tolist()
+
+    first = tokens(200)
+    later = [first + tokens(50), first[:150] + tokens(9)]  # hits on KV cut in other chunks
+    # two requests sharing 11 pages: the second is admitted into the batch of the first's
+    # last chunk, which computes page 10 (positions 160-175), and reads it in that batch
+    fresh = tokens(176)
+    together = [fresh + tokens(5), fresh + tokens(40)]
+    return first, later, together
+
+
+def _run_shared(engine: Engine) -> list[list[int]]:
+    sp = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    first, later, together = _shared_prefix_prompts()
+    outs = [engine.generate(input_ids=first, sampling_params=sp)]
+    for batch in (later, together):
+        res = engine.generate(input_ids=batch, sampling_params=sp)
+        assert isinstance(res, list)
+        outs += res
+    return [o["output_ids"] for o in outs]  # type: ignore[index]
+
+
+@pytest.fixture(scope="module")
+def shared_reference(models) -> list[list[int]]:
+    with Engine(str(models["llama"]), **FLAGS) as engine:
+        return _run_shared(engine)
+
+
+@pytest.mark.parametrize("mode", ["merge", "regather"])
+def test_cp_radix_hits(models, shared_reference, mode: str) -> None:
+    """Prefix-cache hits under CP2 give the one-process tokens (prompt logprobs are off here:
+    asking for them disables the prefix cache)."""
+    with Engine(str(models["llama"]), **FLAGS, cp_size=2, cp_prefix_mode=mode) as engine:
+        got = _run_shared(engine)
+        hits = engine.backend.stats()["prefix_hit_tokens"]
+    assert got == shared_reference
+    assert hits >= 192 + 144 + 176  # every later request read cached pages
+
+
+def test_cp_kv_capacity_grows(models) -> None:
+    """Each CP rank holds every N-th page: the scheduler can hand out N times the pages of
+    one pool."""
+    stats = {}
+    for cp in (1, 2):
+        with Engine(str(models["llama"]), **FLAGS, cp_size=cp, spawn_workers=True) as engine:
+            stats[cp] = engine.backend.stats()["kv_pages_total"]
+    assert stats[2] == 2 * stats[1]
+
+
+def test_cp_killed_rank_fails_engine(models) -> None:
+    with Engine(str(models["llama"]), **FLAGS, cp_size=2) as engine:
+        kill_during_prefill(engine, victim=1, vocab=512)
