@@ -149,6 +149,23 @@ class ParallelConfig:
         "'regather' (the prefix KV all-gathered per layer), 'auto' (whichever moves fewer "
         "bytes; decode steps merge)",
     )
+    disable_cp_kv_overlap: bool = _flag(
+        False,
+        "context parallelism: wait for each layer's K/V exchange as soon as it is launched "
+        "instead of running it during the query projection (measures what the overlap hides)",
+    )
+    shard_linear_layers: str = _flag(
+        "",
+        "context parallelism: these projections of every decoder layer (comma-separated module "
+        "names, e.g. 'qkv_proj,o_proj') live whole on CP rank (layer mod N) only and are broadcast "
+        "to the others just before use, then freed ('': every rank holds every weight; no "
+        "effect with --cp-size 1)",
+    )
+    shard_linear_warm_layers: int = _flag(
+        1,
+        "shard linear: every CP rank keeps the first K layers' projections; when layer l starts "
+        "the owner of layer l + K broadcasts it (the prefetch distance)",
+    )
     pp_layer_partition: str | None = _flag(
         None, "layers per stage, e.g. '15,15,15,16' or 'auto' (env PIPESERVE_PP_LAYER_PARTITION)"
     )
@@ -488,6 +505,10 @@ def _cp_checks(p: ParallelConfig) -> list[tuple[bool, str]]:
         (
             p.cp_size == 1 or not (p.enable_two_batch_overlap or p.enable_single_batch_overlap),
             "two-batch and single-batch overlap apply to expert parallelism, not to --cp-size",
+        ),
+        (
+            p.shard_linear_warm_layers >= 0,
+            f"--shard-linear-warm-layers {p.shard_linear_warm_layers} must be >= 0",
         ),
     ]
 

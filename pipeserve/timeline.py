@@ -34,7 +34,12 @@ MAX_COMM_SPANS = 100_000
 @dataclass
 class Event:
     # "forward", "recv_wait", "send" (posted), "send_wait"; communication spans (record_comm):
-    # "dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait", "tp_all_reduce"
+    # "dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait", "tp_all_reduce";
+    # context parallelism: "cp_kv_launch", "cp_kv_wait", "cp_kv_exchange" (launch to the end
+    # of its wait), "cp_merge" (query gather, partials all-to-all), "cp_hidden_gather";
+    # shard linear: "shard_linear_launch", "shard_linear_wait"; "weights" (after each
+    # forward: nbytes = the most weight bytes the rank held so far, nbytes_recv = shard
+    # linear's expected peak)
     kind: str
     stage: int
     tp_rank: int
@@ -98,8 +103,10 @@ class Recorder:
         end: float,
         batch: ScheduledBatch | None = None,
         nbytes: int = 0,
+        nbytes_recv: int = 0,
     ) -> None:
         ev = Event(kind, self.stage, self.tp_rank, start, end, nbytes=nbytes)
+        ev.nbytes_recv = nbytes_recv
         if batch is not None:
             ev.batch_id = batch.batch_id
             ev.rids = [s.rid for s in batch.slices]
@@ -216,12 +223,20 @@ COMM_BYTES = {
     "pp_boundary": "send",
     "ep_dispatch": "dispatch_launch",
     "ep_combine": "combine_launch",
+    "cp_kv": "cp_kv_launch",
+    "cp_merge": "cp_merge",
+    "cp_hidden": "cp_hidden_gather",
+    "shard_linear": "shard_linear_launch",
 }
 COMM_WAITS = {
     "tp_all_reduce": ("tp_all_reduce",),
     "pp_boundary": ("recv_wait", "send_wait"),
     "ep_dispatch": ("dispatch_launch", "dispatch_wait"),
     "ep_combine": ("combine_wait",),
+    "cp_kv": ("cp_kv_wait",),
+    "cp_merge": ("cp_merge",),
+    "cp_hidden": ("cp_hidden_gather",),
+    "shard_linear": ("shard_linear_wait",),
 }
 
 Rank = tuple[int, int]  # (stage, rank within the stage)
@@ -274,6 +289,34 @@ def exposed_comm_share(events: list[Event]) -> dict[str, float]:
     waits happen inside forwards, a pipeline stage's waits between them)."""
     forward_s = forward_s_per_rank(events)
     return {k: s / forward_s if forward_s else 0.0 for k, s in exposed_comm_s(events).items()}
+
+
+def cp_kv_per_layer(events: list[Event]) -> dict[int, dict[str, float]]:
+    """Context parallelism's per-layer K/V exchange, per forward of a rank (the mean over
+    ranks and forwards): seconds from its launch to the end of its wait (`span_s`), seconds
+    waited (`exposed_s`: what the query projection did not hide) and the hidden share."""
+    forwards = sum(_forwards(events).values())
+    out: dict[int, dict[str, float]] = {}
+    for layer in sorted({e.layer for e in events if e.kind == "cp_kv_exchange"}):
+        span = sum(
+            e.end - e.start for e in events if e.kind == "cp_kv_exchange" and e.layer == layer
+        )
+        waited = sum(e.end - e.start for e in events if e.kind == "cp_kv_wait" and e.layer == layer)
+        out[layer] = {
+            "span_s": span / max(1, forwards),
+            "exposed_s": waited / max(1, forwards),
+            "hidden_share": 1 - waited / span if span else 0.0,
+        }
+    return out
+
+
+def weight_bytes_per_device(events: list[Event]) -> tuple[int, int]:
+    """(the most weight bytes any rank held, the most shard linear's plan expects of any rank)
+    from the ranks' "weights" events; (0, 0) without any."""
+    held = [e for e in events if e.kind == "weights"]
+    if not held:
+        return 0, 0
+    return max(e.nbytes for e in held), max(e.nbytes_recv for e in held)
 
 
 def split_forward_share(events: list[Event]) -> float:

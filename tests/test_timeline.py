@@ -86,12 +86,19 @@ def test_bytes_per_forward_take_the_busiest_rank_per_kind() -> None:
         + [ev("dispatch_launch", 0, 0, nbytes=n) for n in (30, 50)]
         + [ev("dispatch_launch", 0, 1, nbytes=100), ev("dispatch_wait", 0, 1, nbytes=999)]
         + [ev("combine_launch", 0, 0, nbytes=10), ev("combine_wait", 0, 0, nbytes=999)]
+        + [ev("cp_kv_launch", 1, 0, nbytes=80), ev("cp_kv_wait", 1, 0, nbytes=999)]
+        + [ev("cp_merge", 0, 1, nbytes=n) for n in (6, 6)]
+        + [ev("cp_hidden_gather", 0, 0, nbytes=4), ev("shard_linear_launch", 0, 1, nbytes=8)]
     )
     assert comm_bytes_per_forward(events) == {
         "tp_all_reduce": 200.0,
         "pp_boundary": 1100.0,
         "ep_dispatch": 50.0,
         "ep_combine": 5.0,
+        "cp_kv": 20.0,
+        "cp_merge": 6.0,
+        "cp_hidden": 2.0,
+        "shard_linear": 4.0,
     }
     assert comm_bytes_per_forward([]) == dict.fromkeys(timeline.COMM_BYTES, 0.0)
 
@@ -116,9 +123,17 @@ def test_exposed_time_counts_waits_and_the_blocking_launch() -> None:
             ev("dispatch_wait", 1, 0, 0.1),
             ev("combine_wait", 1, 0, 0.3),
             ev("recv_wait", -1, 0, 9.0),  # not a rank that ran forwards
+            ev("cp_kv_launch", 0, 0, 0.3),  # posting: not waiting
+            ev("cp_kv_exchange", 0, 0, 0.5),  # the whole span: partly hidden
+            ev("cp_kv_wait", 0, 0, 0.1),
+            ev("cp_merge", 1, 0, 0.2),
+            ev("cp_hidden_gather", 1, 0, 0.04),
+            ev("shard_linear_launch", 0, 0, 0.3),
+            ev("shard_linear_wait", 1, 0, 0.06),
         ]
     )
-    want = {"tp_all_reduce": 0.2, "pp_boundary": 0.3, "ep_dispatch": 0.15, "ep_combine": 0.2}
+    want = {"tp_all_reduce": 0.2, "pp_boundary": 0.3, "ep_dispatch": 0.15, "ep_combine": 0.2,
+            "cp_kv": 0.05, "cp_merge": 0.1, "cp_hidden": 0.02, "shard_linear": 0.03}
     assert exposed_comm_s(events) == pytest.approx(want)
     assert exposed_comm_share(events) == pytest.approx({k: v / 2.0 for k, v in want.items()})
     assert exposed_comm_share([]) == dict.fromkeys(timeline.COMM_WAITS, 0.0)
@@ -199,3 +214,31 @@ def test_the_overlap_chart_shows_the_longest_forward_with_two_micro_batches(tmp_
     path = tmp_path / "overlap.png"
     assert timeline.draw_overlap([("tbo", events)], path) and path.stat().st_size > 0
     assert not timeline.draw_overlap([("plain", [plain])], tmp_path / "none.png")
+
+
+def test_cp_kv_per_layer_splits_each_exchange_into_hidden_and_exposed() -> None:
+    """Two forwards of one rank; layer 3's exchanges span 0.4 s in all, 0.1 s of it waited."""
+    def at(kind: str, layer: int, seconds: float) -> Event:
+        e = ev(kind, 0, 0, seconds)
+        e.layer = layer
+        return e
+
+    events = [ev("forward", 0, 0, 1.0)] * 2 + [
+        at("cp_kv_exchange", 3, 0.3), at("cp_kv_wait", 3, 0.1), at("cp_kv_exchange", 3, 0.1),
+        at("cp_kv_exchange", 4, 0.2),
+    ]
+    got = timeline.cp_kv_per_layer(events)
+    assert got.keys() == {3, 4}
+    assert got[3]["span_s"] == pytest.approx(0.2) and got[3]["exposed_s"] == pytest.approx(0.05)
+    assert got[3]["hidden_share"] == pytest.approx(0.75)
+    assert got[4]["hidden_share"] == 1.0
+
+
+def test_weight_bytes_per_device_takes_the_most_any_rank_held() -> None:
+    def w(rank: int, held: int, expected: int) -> Event:
+        e = ev("weights", 0, rank, nbytes=held)
+        e.nbytes_recv = expected
+        return e
+
+    assert timeline.weight_bytes_per_device([w(0, 5, 6), w(1, 7, 6), w(0, 6, 6)]) == (7, 6)
+    assert timeline.weight_bytes_per_device([ev("forward", 0, 0)]) == (0, 0)

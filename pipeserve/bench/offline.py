@@ -22,6 +22,7 @@ from pipeserve.config import EngineConfig, ParallelConfig
 from pipeserve.device import resolve_device, resolve_dtype, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
+from pipeserve.runner.kv_layout import kv_bytes_per_token
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.timeline import (
     COMM_BYTES,
@@ -32,6 +33,7 @@ from pipeserve.timeline import (
     boundary_bytes,
     bubble_ratios,
     comm_bytes_per_forward,
+    cp_kv_per_layer,
     draw_overlap,
     draw_timeline,
     exposed_comm_s,
@@ -41,6 +43,7 @@ from pipeserve.timeline import (
     micro_batch_seconds,
     split_forward_share,
     stage_overlap,
+    weight_bytes_per_device,
     write_trace,
 )
 
@@ -107,7 +110,22 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     stats["chunking"] = dict(engine.backend.chunking)  # with dynamic chunking: profile and fit
     stats["loop"] = engine.backend.stats()["loop"]
     stats["expert_weight_bytes_per_rank"] = engine.backend.expert_bytes_per_rank()
+    stats["kv_bytes_per_device"] = kv_bytes_per_device(
+        engine, [len(p) for p in prompts], output_len
+    )
     return stats
+
+
+def kv_bytes_per_device(engine: Engine, prompt_lens: list[int], output_len: int) -> int:
+    """KV bytes the run's requests occupy on the busiest device at their longest: a stage's
+    layers (the largest stage), its TP share of the heads, and under context parallelism
+    the pages it holds of each request (every N-th, rounded up)."""
+    p, page = engine.config.parallel, engine.config.cache.page_size
+    dtype = resolve_dtype(engine.config.model.dtype, engine.arch.torch_dtype)
+    partition = getattr(engine.backend, "partition", None) or [engine.arch.num_layers]
+    per_token = kv_bytes_per_token(engine.arch, max(partition), p.tp_size, dtype)
+    pages = sum(_ceil(_ceil(n + output_len, page), p.cp_size) for n in prompt_lens)
+    return pages * page * per_token
 
 
 OVERLAPS = ("none", "tbo", "sbo", "tbo+sbo")  # --compare-overlap: MoE overlap settings
@@ -206,6 +224,9 @@ def run_bench(
         row["exposed_comm_s"] = exposed_comm_s(events)
         row["exposed_comm_share_of_forward"] = exposed_comm_share(events)
         row["afd"] = _afd_row(parallel, events, row, num_prompts)
+        row["weight_bytes_per_device"], expected = weight_bytes_per_device(events)
+        row["kv_bytes_per_device"] = stats["kv_bytes_per_device"]
+        row["cp"] = _cp_row(parallel, events, expected)
         runs.append(row)
     report["repeat"] = repeat
     report.update({k: v for k, v in runs[0].items() if k not in ("output_ids", "events")})
@@ -311,6 +332,31 @@ def _afd_row(
     }
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _cp_row(p: ParallelConfig, events: list[Event], expected_weights: int) -> dict[str, Any] | None:
+    """Context parallelism's settings and what the run measured (None: off): per layer the
+    K/V exchange's span, its exposed part and hidden share (per forward of a rank), and with
+    shard linear the weight bytes its plan expects of the busiest rank."""
+    if p.cp_size == 1:
+        return None
+    layers = cp_kv_per_layer(events)
+    span = sum(v["span_s"] for v in layers.values())
+    exposed = sum(v["exposed_s"] for v in layers.values())
+    return {
+        "prefix_mode": p.cp_prefix_mode,
+        "kv_overlap": not p.disable_cp_kv_overlap,
+        "kv_exchange_per_layer": layers,
+        "kv_exposed_s_per_layer": exposed / len(layers) if layers else 0.0,
+        "kv_hidden_share": 1 - exposed / span if span else 0.0,
+        "shard_linear_layers": p.shard_linear_layers,
+        "shard_linear_warm_layers": p.shard_linear_warm_layers,
+        "shard_linear_expected_weight_bytes": expected_weights if p.shard_linear_layers else None,
+    }
+
+
 def _add_hf_baseline(
     report: dict[str, Any],
     run: dict[str, Any],
@@ -390,6 +436,23 @@ def describe_comm(row: dict[str, Any]) -> str:
     return "comm KiB per forward / s waited (share of forward): " + ", ".join(parts)
 
 
+def describe_cp(cp: dict[str, Any] | None) -> str:
+    if cp is None:
+        return ""
+    words = (
+        f"; CP prefix {cp['prefix_mode']}, K/V exchange per layer "
+        f"{cp['kv_exposed_s_per_layer'] * 1e3:.2f} ms exposed per forward "
+        f"({cp['kv_hidden_share']:.0%} hidden{'' if cp['kv_overlap'] else ', overlap off'})"
+    )
+    if cp["shard_linear_layers"] and cp["shard_linear_expected_weight_bytes"]:
+        expected = cp["shard_linear_expected_weight_bytes"] / 2**20
+        words += (
+            f"; shard linear {cp['shard_linear_layers']} K={cp['shard_linear_warm_layers']}: "
+            f"plan {expected:.1f} MiB"
+        )
+    return words
+
+
 def print_report(r: dict[str, Any]) -> None:
     print(
         f"model {r['model']}  dtype {r['dtype']}  {r['threads_per_worker']} thread(s)/worker  "
@@ -419,6 +482,12 @@ def print_report(r: dict[str, Any]) -> None:
             print(f"{row['layout']}: MiB per micro-batch per stage boundary: {per}")
     for row in r["layouts"]:
         print(f"{row['layout']}: {describe_comm(row)}")
+    for row in r["layouts"]:
+        print(
+            f"{row['layout']}: MiB per device: weights {row['weight_bytes_per_device'] / 2**20:.1f}"
+            f", KV of the run's requests {row['kv_bytes_per_device'] / 2**20:.1f}"
+            + describe_cp(row["cp"])
+        )
     if len(r["layouts"]) > 1:
         print(f"same tokens across layouts: {r['same_tokens_across_layouts']}")
     base = r.get("baseline")

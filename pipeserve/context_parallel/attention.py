@@ -46,6 +46,7 @@ from pipeserve.layers.attention import (
     merge_partials,
 )
 from pipeserve.scheduler.batch import ScheduledBatch
+from pipeserve.timeline import now, record_comm
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -68,6 +69,8 @@ class CpContext:
     head_dim: int = 1
     itemsize: int = 2
     native_prefill: bool = False  # the compiled CPU prefill kernel runs here
+    overlap: bool = True  # the K/V exchange runs during the query projection (else: waited
+    # for at once, for measuring what the overlap hides)
 
     def merges(self, decode: bool, prefix: int, length: int) -> bool:
         """Whether a segment reads its prefix by merging partial results (else re-gather)."""
@@ -113,6 +116,7 @@ class Exchange:
     out: torch.Tensor  # [N * rows, 2, kv_heads, d]
     k: torch.Tensor  # this rank's fresh K/V rows (decode steps read their own)
     v: torch.Tensor
+    launched: float = 0.0  # when the launch began (timeline)
 
 
 class CpPlan:
@@ -335,6 +339,7 @@ class CpPlan:
         """Start exchange A of a layer (k/v: this rank's fresh rows [rows, kv_heads, d])."""
         if self.a_rows == 0:
             return Exchange(None, k.new_empty(0, 2, *k.shape[1:]), k, v)
+        start = now()
         kc, vc = pool.buffers(layer_id)
         send = k.new_zeros(self.a_rows, 2, *k.shape[1:])
         n = self.a_chunk_rows.numel()
@@ -345,14 +350,30 @@ class CpPlan:
             send[n : n + m, 1] = vc[:, self.a_prefix_slots].transpose(0, 1)
         out = send.new_empty(self.ctx.size * self.a_rows, *send.shape[1:])
         work = dist.all_gather_single(out, send, group=self.ctx.group, async_op=True)
-        return Exchange(work, out, k, v)
+        peers = send.nbytes * (self.ctx.size - 1)  # its rows to every other rank, theirs back
+        record_comm("cp_kv_launch", start, layer_id, peers, peers)
+        exchange = Exchange(work, out, k, v, start)
+        if not self.ctx.overlap:
+            self._wait(exchange, layer_id)
+        return exchange
+
+    @staticmethod
+    def _wait(exchange: Exchange, layer_id: int) -> None:
+        """Wait for exchange A: the waiting is its exposed part, the span since the launch
+        began its whole (the rest of which the query projection hid)."""
+        if exchange.work is None:
+            return
+        waited = now()
+        exchange.work.wait()
+        exchange.work = None
+        record_comm("cp_kv_wait", waited, layer_id)
+        record_comm("cp_kv_exchange", exchange.launched, layer_id)
 
     def attend(
         self, attn: PagedAttention, q: torch.Tensor, exchange: Exchange, pool: KVPool
     ) -> torch.Tensor:
         """This rank's attention output [rows, heads * d] for its query rows q [rows, h, d]."""
-        if exchange.work is not None:
-            exchange.work.wait()
+        self._wait(exchange, attn.layer_id)
         kc, vc = pool.buffers(attn.layer_id)
         gathered = exchange.out
         if self.write_slots.numel():
@@ -363,7 +384,7 @@ class CpPlan:
             kc[:, self.decode_write_slots] = exchange.k[rows].transpose(0, 1)
             vc[:, self.decode_write_slots] = exchange.v[rows].transpose(0, 1)
         out = torch.empty_like(q)
-        partials = self._merge_partials(attn, q, kc, vc, gathered)
+        partials = self._merge_partials(attn, q, kc, vc)
         for seg in self.segments:
             if seg.merge:
                 out[seg.rows] = self._merged(attn, q, gathered, seg, partials)
@@ -407,7 +428,6 @@ class CpPlan:
         q: torch.Tensor,
         kc: torch.Tensor,
         vc: torch.Tensor,
-        gathered: torch.Tensor,
     ) -> torch.Tensor | None:
         """Exchanges B and C: every merge segment's queries attended to the positions held
         here, returned to the ranks that compute them. [N * c_recv, heads, d + 1] float32:
@@ -421,7 +441,10 @@ class CpPlan:
             send = q.new_zeros(self.b_rows, heads, d)
             send[: self.b_local.numel()] = q[self.b_local]
             all_q = send.new_empty(size * self.b_rows, heads, d)
+            start = now()
             dist.all_gather_single(all_q, send, group=group)
+            peers = send.nbytes * (size - 1)
+            record_comm("cp_merge", start, attn.layer_id, peers, peers)
         blocks: list[list[torch.Tensor]] = [[] for _ in range(size)]  # in segment order
         for seg in self.segments:
             if not seg.merge:
@@ -441,6 +464,7 @@ class CpPlan:
         nothing = q.new_empty(0, *width, dtype=torch.float32)
         send_c = torch.cat([torch.cat(b) if b else nothing for b in blocks])
         recv = send_c.new_empty(size * self.c_recv, *width)
+        start = now()
         dist.all_to_all_single(
             recv,
             send_c,
@@ -448,6 +472,10 @@ class CpPlan:
             input_split_sizes=self.c_send,
             group=group,
         )
+        row_bytes = recv[:1].nbytes
+        own = self.c_send[self.ctx.rank]
+        sent = (send_c.shape[0] - own) * row_bytes
+        record_comm("cp_merge", start, attn.layer_id, sent, (size - 1) * self.c_recv * row_bytes)
         return recv
 
     def _merged(
@@ -491,7 +519,10 @@ class CpPlan:
         send = hidden.new_zeros(self.hidden_rows, hidden.shape[1])
         send[: hidden.shape[0]] = hidden
         out = send.new_empty(self.ctx.size * self.hidden_rows, hidden.shape[1])
+        start = now()
         dist.all_gather_single(out, send, group=self.ctx.group)
+        peers = send.nbytes * (self.ctx.size - 1)
+        record_comm("cp_hidden_gather", start, -1, peers, peers)
         return out[self.hidden_index]
 
 

@@ -66,6 +66,8 @@ class ParallelState:
     cp_rank: int = 0
     cp_size: int = 1
     cp_group: Any = None
+    cp_ranks: tuple[int, ...] = (0,)  # global ranks of cp_group
+    cp_weights_group: Any = None  # the same ranks: shard linear's weight broadcasts
 
     def __post_init__(self) -> None:
         if self.ep_size > 1 and self.tp_size > 1:
@@ -278,19 +280,21 @@ def init_parallel_groups(
     ep_rank = local if ep_size > 1 else 0
     cp_rank = local if cp_size > 1 else 0
     tp_group, tp_ranks, gather_group = None, tuple[int, ...]((rank,)), None
-    ep_group, counts_group, cp_group = None, None, None
+    ep_group, counts_group, cp_group, cp_weights = None, None, None, None
+    cp_ranks: tuple[int, ...] = (rank,)
     for stage in range(pp_size):
         ranks = [stage * width + t for t in range(width)]
         options = comm_options if ep_size > 1 else None
         group = dist.new_group(ranks, pg_options=options) if width > 1 else None
         gather = dist.new_group(ranks) if tp_size > 1 and stage > 0 else None
         counts = dist.new_group(ranks) if ep_size > 1 else None
+        weights = dist.new_group(ranks) if cp_size > 1 else None
         if stage == pp_rank and tp_size > 1:
             tp_group, tp_ranks, gather_group = group, tuple(ranks), gather
         if stage == pp_rank and ep_size > 1:
             ep_group, counts_group = group, counts
         if stage == pp_rank and cp_size > 1:
-            cp_group = group
+            cp_group, cp_weights, cp_ranks = group, weights, tuple(ranks)
     links: dict[tuple[int, int], Any] = {}
     for stage in range(pp_size - 1):
         for t in range(width):
@@ -324,6 +328,8 @@ def init_parallel_groups(
         cp_rank=cp_rank,
         cp_size=cp_size,
         cp_group=cp_group,
+        cp_ranks=cp_ranks,
+        cp_weights_group=cp_weights,
     )
     set_parallel_state(state)
     return state

@@ -8,7 +8,7 @@ the parallel layer classes.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -185,6 +185,9 @@ class LlamaForCausalLM(nn.Module):
             if arch.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        # shard linear (pipeserve/context_parallel/layer_shards): before(i) / after(i) around
+        # the stage's i-th layer; None: off
+        self.layer_hooks: Any = None
 
     def make_layer(self, layer_id: int) -> nn.Module:
         a = self.arch
@@ -206,8 +209,13 @@ class LlamaForCausalLM(nn.Module):
         Other stages pass (hidden, residual) on to the next one."""
         hidden, residual = self._embed(fb, hidden, residual)
         rope = self.rotary.cos_sin(fb.positions, self.dtype)
-        for i in self.layer_ids:
+        hooks = self.layer_hooks
+        for n, i in enumerate(self.layer_ids):
+            if hooks is not None:
+                hooks.before(n)
             hidden, residual = self.model.layers[i](hidden, residual, rope, fb)
+            if hooks is not None:
+                hooks.after(n)
         return self._final_norm(hidden, residual)
 
     def forward_interleaved(

@@ -19,6 +19,7 @@ from pipeserve.batch_overlap.strategies import AFD_ATTENTION, DECODE, PREFILL, S
 from pipeserve.batch_overlap.two_batch import split_batch
 from pipeserve.config import EngineConfig
 from pipeserve.context_parallel.attention import CpContext
+from pipeserve.context_parallel.layer_shards import LayerShards
 from pipeserve.context_parallel.layout import PageStriping, runs_of
 from pipeserve.device import (
     native_decode_kernel,
@@ -140,6 +141,32 @@ class ModelRunner:
         if config.model.enable_deterministic_inference:
             self._init_deterministic()
         self.cp = self._context_parallel() if self.state.cp_size > 1 else None
+        sharded = config.parallel.shard_linear_layers and self.state.cp_size > 1
+        self.shards = self._shard_linear() if sharded else None
+        self.model.layer_hooks = self.shards
+
+    def _shard_linear(self) -> LayerShards:
+        """Shard linear over the CP group (see pipeserve/context_parallel/layer_shards)."""
+        p, state = self.config.parallel, self.state
+        names = [n.strip() for n in p.shard_linear_layers.split(",") if n.strip()]
+        layers = [self.model.model.layers[i] for i in stage_layers(self.arch.num_layers)]
+        return LayerShards(
+            self.model,
+            layers,
+            names,
+            p.shard_linear_warm_layers,
+            state.cp_rank,
+            state.cp_weights_group,
+            list(state.cp_ranks),
+        )
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """(the most weight bytes this rank held at any point since loading, what shard
+        linear's plan expects of it; without shard linear both are every parameter's)."""
+        if self.shards is not None:
+            return self.shards.peak_bytes, self.shards.expected_peak_bytes
+        total = sum(p.nbytes for p in self.model.parameters())
+        return total, total
 
     def _context_parallel(self) -> CpContext:
         """This rank's context-parallel share of every batch (see pipeserve/context_parallel)."""
@@ -165,6 +192,7 @@ class ModelRunner:
             a.head_dim,
             self.dtype.itemsize,
             native_prefill=self.native.prefill,
+            overlap=not self.config.parallel.disable_cp_kv_overlap,
         )
 
     def _init_deterministic(self) -> None:
@@ -227,6 +255,8 @@ class ModelRunner:
         if result is not None:
             result.stage_times = batch.stage_times
         self.recorder.add("forward", start, end, batch)
+        held, expected = self.weight_bytes()
+        self.recorder.add("weights", end, end, nbytes=held, nbytes_recv=expected)
         return StageOutput(hidden, residual, result)
 
     def _forward_two_batch(

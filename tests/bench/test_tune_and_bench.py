@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeserve.cli import main
+from pipeserve.models.arch import ArchConfig
 from pipeserve.timeline import COMM_BYTES
 
 pytestmark = pytest.mark.timeout(150)
@@ -137,11 +138,14 @@ def test_tune_named_trials_in_interleaved_rounds(model, tmp_path, monkeypatch) -
 
 
 def test_bench_compares_a_context_parallel_layout(model, tmp_path) -> None:
-    """`--layouts 1x1,cp2`: the CP2 row counts its two ranks and gives the same tokens."""
+    """`--layouts 1x1,cp2`: the CP2 row counts its two ranks and gives the same tokens; it
+    reports the K/V exchange of every layer, half the KV bytes per device, and with shard
+    linear of the q/k/v projection fewer weight bytes per device."""
     out_json = tmp_path / "cp.json"
-    main(["bench", "--model", str(model), "--layouts", "1x1,cp2", "--input-len", "128",
+    main(["bench", "--model", str(model), "--layouts", "1x1,cp2", "--input-len", "125",
           "--output-len", "3", "--num-prompts", "1", "--dtype", "float32",
-          "--chunked-prefill-size", "64", "--json", str(out_json)])
+          "--chunked-prefill-size", "64", "--json", str(out_json),
+          "--shard-linear-layers", "qkv_proj", "--shard-linear-warm-layers", "0"])
     report = json.loads(out_json.read_text())
     base, cp2 = report["layouts"]
     assert [(r["layout"], r["pp_size"], r["cp_size"], r["devices"]) for r in (base, cp2)] == [
@@ -149,5 +153,12 @@ def test_bench_compares_a_context_parallel_layout(model, tmp_path) -> None:
     assert report["cp_size"] == 1  # the top level repeats the first layout's row
     assert cp2["speedup"] == pytest.approx(base["prefill_s"] / cp2["prefill_s"])
     assert cp2["efficiency"] == pytest.approx(cp2["speedup"] / 2)
-    assert cp2["chunk_sizes"] == [[64, 64]]
+    assert cp2["chunk_sizes"] == [[64, 61]]
     assert report["same_tokens_across_layouts"] is True
+    assert base["cp"] is None
+    layers = ArchConfig.load(model).num_layers
+    assert sorted(cp2["cp"]["kv_exchange_per_layer"]) == [str(i) for i in range(layers)]
+    assert cp2["comm_bytes_per_forward"]["cp_kv"] > 0
+    assert cp2["kv_bytes_per_device"] * 2 == base["kv_bytes_per_device"]  # 128 tokens
+    assert 0 < cp2["weight_bytes_per_device"] < base["weight_bytes_per_device"]
+    assert cp2["weight_bytes_per_device"] == cp2["cp"]["shard_linear_expected_weight_bytes"]

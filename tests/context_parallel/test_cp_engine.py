@@ -4,9 +4,11 @@ Qwen3 (per-head q/k norm) and Qwen3-MoE, for CP2 with the prefix read by merging
 results and by re-gathering it, CP3, and PP2 x CP2. The prompts are chunked (32-token chunks:
 up to ten chunks per prompt, so later chunks attend to a prefix spread over the ranks), their
 lengths are not multiples of 2N, and requests of different lengths decode side by side with
-prompts being prefilled. Radix hits: KV cached under one split (a chunk cut at other places,
-by another request) is read by a later request, also in the batch that computes it. A killed
-CP rank fails the engine without hanging it."""
+prompts being prefilled. Shard linear: the projections named live on one rank per layer and
+travel by broadcast (tokens as above; the peak weight bytes a rank held equal its own layers
+plus the warm and prefetch window, and nothing else). Radix hits: KV cached under one split (a
+chunk cut at other places, by another request) is read by a later request, also in the batch
+that computes it. A killed CP rank fails the engine without hanging it."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ pytestmark = pytest.mark.timeout(240)
 
 MODELS = {"llama": ("tiny-llama", {"num_hidden_layers": 3}),
           "qwen3": ("tiny-qwen3", {"num_hidden_layers": 2}),
-          "qwen3-moe": ("tiny-qwen3-moe", {"num_hidden_layers": 2})}
+          "qwen3-moe": ("tiny-qwen3-moe", {"num_hidden_layers": 2}),
+          "llama6": ("tiny-llama", {"num_hidden_layers": 6})}
 FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 32,
                          "max_running_requests": 8, "max_total_tokens": 4096, "page_size": 16}
 WORK = Workload((301, 37, 5, 129, 64), (4, 6, 20, 3, 5), seed=3)
@@ -35,12 +38,19 @@ CASES = [
     ("qwen3-moe", {"cp_size": 2}),
     ("llama", {"cp_size": 3, "cp_prefix_mode": "merge"}),
     ("llama", {"cp_size": 2, "pp_size": 2}),
+    ("llama6", {"cp_size": 2, "shard_linear_layers": "qkv_proj,o_proj"}),
+    ("llama6", {"cp_size": 3, "shard_linear_layers": "qkv_proj,o_proj,down_proj",
+                "shard_linear_warm_layers": 2}),
+    ("qwen3", {"cp_size": 2, "pp_size": 2, "shard_linear_layers": "qkv_proj,gate_up_proj",
+               "shard_linear_warm_layers": 0}),
 ]
 
 
 def _id(model: str, flags: dict[str, Any]) -> str:
+    shard = flags.get("shard_linear_layers")
     return f"{model}-pp{flags.get('pp_size', 1)}cp{flags['cp_size']}-" + flags.get(
-        "cp_prefix_mode", "auto")
+        "cp_prefix_mode", "auto") + (f"-shard-{shard}-k{flags.get('shard_linear_warm_layers', 1)}"
+                                     if shard else "")
 
 
 @pytest.mark.parametrize(("model", "layout"), CASES, ids=[_id(*c) for c in CASES])
@@ -101,6 +111,25 @@ def test_cp_kv_capacity_grows(models) -> None:
         with Engine(str(models["llama"]), **FLAGS, cp_size=cp, spawn_workers=True) as engine:
             stats[cp] = engine.backend.stats()["kv_pages_total"]
     assert stats[2] == 2 * stats[1]
+
+
+def test_shard_linear_peak_weight_bytes(models) -> None:
+    """6 layers over 2 ranks, 1 warm layer: a rank holds its 3 layers' q/k/v/o projections
+    plus one more at a time (the window of 2 holds one of its own): 4 of 6 layers, and every
+    other weight whole. Without shard linear: all 6."""
+    from pipeserve.models.arch import ArchConfig
+    from pipeserve.timeline import weight_bytes_per_device
+
+    arch = ArchConfig.load(models["llama6"])
+    h, d = arch.hidden_size, arch.head_dim
+    layer = (arch.num_heads * d + 2 * arch.num_kv_heads * d) * h * 4 + arch.num_heads * d * h * 4
+    held = {}
+    for names in ("qkv_proj,o_proj", ""):
+        with Engine(str(models["llama6"]), **FLAGS, cp_size=2, shard_linear_layers=names) as e:
+            WORK.run(e)
+            held[names] = weight_bytes_per_device(e.backend.timeline())
+    full, _ = held[""]
+    assert held["qkv_proj,o_proj"] == (full - 2 * layer, full - 2 * layer)
 
 
 def test_cp_killed_rank_fails_engine(models) -> None:
