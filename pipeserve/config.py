@@ -149,6 +149,19 @@ class ParallelConfig:
         "'regather' (the prefix KV all-gathered per layer), 'auto' (whichever moves fewer "
         "bytes; decode steps merge)",
     )
+    cp_kv_exchange: str = _flag(
+        "all-gather",
+        "context parallelism: how a chunk's K/V reach every rank: 'all-gather' (one per layer, "
+        "launched before the query projection) or 'ring' (each rank's block passed around a "
+        "ring while the blocks held are attended, merged by log-sum-exp; the prefix is then "
+        "always merged)",
+    )
+    enable_sharded_cp: bool = _flag(
+        False,
+        "context parallelism with the routed experts spread over the CP ranks (as under "
+        "--ep-size): each rank's tokens go to the experts by all-to-all, so no rank holds every "
+        "expert (sequence-parallel MoE; with --shard-linear-layers: sharded CP)",
+    )
     disable_cp_kv_overlap: bool = _flag(
         False,
         "context parallelism: wait for each layer's K/V exchange as soon as it is launched "
@@ -282,6 +295,11 @@ class ParallelConfig:
     def attention_ranks(self) -> int:
         """Data-parallel attention ranks per stage, each with its own scheduler."""
         return self.afd_attention_size if self.afd_enabled else self.ep_size
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks of a stage the routed experts are spread over."""
+        return self.cp_size if self.enable_sharded_cp else self.ep_size
 
     @property
     def uses_workers(self) -> bool:
@@ -482,6 +500,7 @@ def _world_words(p: ParallelConfig) -> str:
 
 
 CP_PREFIX_MODES = ("auto", "merge", "regather")
+CP_KV_EXCHANGES = ("all-gather", "ring")
 
 
 def _cp_checks(p: ParallelConfig) -> list[tuple[bool, str]]:
@@ -490,6 +509,15 @@ def _cp_checks(p: ParallelConfig) -> list[tuple[bool, str]]:
         (
             p.cp_prefix_mode in CP_PREFIX_MODES,
             f"--cp-prefix-mode {p.cp_prefix_mode!r} is not one of {', '.join(CP_PREFIX_MODES)}",
+        ),
+        (
+            p.cp_kv_exchange in CP_KV_EXCHANGES,
+            f"--cp-kv-exchange {p.cp_kv_exchange!r} is not one of {', '.join(CP_KV_EXCHANGES)}",
+        ),
+        (
+            p.cp_kv_exchange != "ring" or p.cp_prefix_mode != "regather",
+            "--cp-kv-exchange ring carries the chunk only: the prefix is merged, so "
+            "--cp-prefix-mode regather does not combine with it",
         ),
         (
             p.cp_size == 1 or (p.tp_size, p.ep_size) == (1, 1),
@@ -505,6 +533,11 @@ def _cp_checks(p: ParallelConfig) -> list[tuple[bool, str]]:
         (
             p.cp_size == 1 or not (p.enable_two_batch_overlap or p.enable_single_batch_overlap),
             "two-batch and single-batch overlap apply to expert parallelism, not to --cp-size",
+        ),
+        (
+            not p.enable_sharded_cp or p.cp_size > 1,
+            "--enable-sharded-cp spreads the experts over the context-parallel ranks: it needs "
+            "--cp-size > 1",
         ),
         (
             p.shard_linear_warm_layers >= 0,

@@ -30,6 +30,7 @@ known everywhere), so the collectives always match.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,11 +72,16 @@ class CpContext:
     native_prefill: bool = False  # the compiled CPU prefill kernel runs here
     overlap: bool = True  # the K/V exchange runs during the query projection (else: waited
     # for at once, for measuring what the overlap hides)
+    latent: bool = False  # MLA: a token's cache row is small; every segment re-gathers
+    ring: bool = False  # the chunk's K/V passed around a ring, attended block by block
+    ranks: tuple[int, ...] = ()  # global ranks of the group, in CP rank order (the ring)
 
     def merges(self, decode: bool, prefix: int, length: int) -> bool:
         """Whether a segment reads its prefix by merging partial results (else re-gather)."""
-        if prefix == 0:
+        if prefix == 0 or self.latent:
             return False
+        if self.ring:  # the ring carries the chunk only
+            return True
         if self.prefix_mode != "auto":
             return self.prefix_mode == "merge"
         if decode:
@@ -106,6 +112,19 @@ class Segment:
     q_index: torch.Tensor | None = None  # merge prompt: [length] rows of exchange B
     send_rows: list[torch.Tensor] = field(default_factory=list)  # merge prompt: per rank
     recv_offset: int = 0  # merge: first row of this segment in each source's block of C
+    # prompt: every rank's blocks of the chunk and where they start in its block of A
+    peer_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
+    peer_offsets: list[int] = field(default_factory=list)
+
+    def query_blocks(self) -> list[tuple[int, int, torch.Tensor]]:
+        """(first position, end position, this rank's rows) of each non-empty block of its
+        queries: the queries of positions [first, end) attend to positions [0, end)."""
+        out, start = [], 0
+        for s, e in self.blocks:
+            if e > s:
+                out.append((self.prefix + s, self.prefix + e, self.rows[start : start + e - s]))
+            start += e - s
+        return out
 
 
 @dataclass
@@ -113,9 +132,8 @@ class Exchange:
     """Exchange A of one layer in flight."""
 
     work: Any
-    out: torch.Tensor  # [N * rows, 2, kv_heads, d]
-    k: torch.Tensor  # this rank's fresh K/V rows (decode steps read their own)
-    v: torch.Tensor
+    out: torch.Tensor  # [N * rows, ...]: every rank's rows
+    fresh: torch.Tensor  # this rank's fresh rows [rows, ...] (decode steps read their own)
     launched: float = 0.0  # when the launch began (timeline)
 
 
@@ -183,6 +201,7 @@ class CpPlan:
                 merge,
             )
             if not s.is_decode:
+                seg.peer_blocks, seg.peer_offsets = blocks_per, list(a_chunk)
                 seg.chunk_index = _concat_index(chunk_pos_ranks[-1], a_chunk, n, device)
                 for r in range(n_ranks):
                     a_chunk[r] += len(pos_per[r])
@@ -337,22 +356,38 @@ class CpPlan:
 
     def launch(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, pool: KVPool) -> Exchange:
         """Start exchange A of a layer (k/v: this rank's fresh rows [rows, kv_heads, d])."""
-        if self.a_rows == 0:
-            return Exchange(None, k.new_empty(0, 2, *k.shape[1:]), k, v)
-        start = now()
         kc, vc = pool.buffers(layer_id)
-        send = k.new_zeros(self.a_rows, 2, *k.shape[1:])
-        n = self.a_chunk_rows.numel()
-        send[:n, 0], send[:n, 1] = k[self.a_chunk_rows], v[self.a_chunk_rows]
-        m = self.a_prefix_slots.numel()
+
+        def cached(slots: torch.Tensor) -> torch.Tensor:  # [m, 2, kv_heads, d]
+            return torch.stack((kc[:, slots], vc[:, slots])).permute(2, 0, 1, 3)
+
+        return self.launch_rows(layer_id, torch.stack((k, v), 1), cached)
+
+    def launch_rows(
+        self,
+        layer_id: int,
+        fresh: torch.Tensor,
+        cached: Callable[[torch.Tensor], torch.Tensor],
+    ) -> Exchange:
+        """Start exchange A of a layer: fresh [rows, ...] is what this rank's tokens cache
+        (K/V, or MLA's latent rows), `cached(local slots)` reads the same from its pool."""
+        if self.a_rows == 0:
+            return Exchange(None, fresh.new_empty(0, *fresh.shape[1:]), fresh)
+        start = now()
+        send = fresh.new_zeros(self.a_rows, *fresh.shape[1:])
+        n, m = self.a_chunk_rows.numel(), self.a_prefix_slots.numel()
+        send[:n] = fresh[self.a_chunk_rows]
         if m:
-            send[n : n + m, 0] = kc[:, self.a_prefix_slots].transpose(0, 1)
-            send[n : n + m, 1] = vc[:, self.a_prefix_slots].transpose(0, 1)
+            send[n : n + m] = cached(self.a_prefix_slots)
         out = send.new_empty(self.ctx.size * self.a_rows, *send.shape[1:])
+        if self.ctx.ring:  # the other ranks' rows arrive step by step in attend
+            me = self.ctx.rank
+            out[me * self.a_rows : (me + 1) * self.a_rows] = send
+            return Exchange(None, out, fresh, start)
         work = dist.all_gather_single(out, send, group=self.ctx.group, async_op=True)
         peers = send.nbytes * (self.ctx.size - 1)  # its rows to every other rank, theirs back
         record_comm("cp_kv_launch", start, layer_id, peers, peers)
-        exchange = Exchange(work, out, k, v, start)
+        exchange = Exchange(work, out, fresh, start)
         if not self.ctx.overlap:
             self._wait(exchange, layer_id)
         return exchange
@@ -369,57 +404,70 @@ class CpPlan:
         record_comm("cp_kv_wait", waited, layer_id)
         record_comm("cp_kv_exchange", exchange.launched, layer_id)
 
+    def finish(
+        self,
+        exchange: Exchange,
+        layer_id: int,
+        write: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        """Wait for exchange A and write the rows of the pages this rank holds to its pool
+        (`write(local slots, rows)`): chunk positions from the exchange, decode tokens from
+        its own rows."""
+        self._wait(exchange, layer_id)
+        if self.write_slots.numel():
+            write(self.write_slots, exchange.out[self.write_src])
+        if self.decode_write_slots.numel():
+            write(self.decode_write_slots, exchange.fresh[self.decode_write_rows])
+
+    def segment_rows(self, seg: Segment, exchange: Exchange) -> torch.Tensor:
+        """A regather segment's rows of every position [prefix + length, ...], in order: the
+        prefix and the chunk from exchange A, a decode step's own row from this rank."""
+        parts = []
+        if seg.prefix_index is not None:
+            parts.append(exchange.out[seg.prefix_index])
+        if seg.decode:
+            parts.append(exchange.fresh[seg.rows])
+        else:
+            assert seg.chunk_index is not None
+            parts.append(exchange.out[seg.chunk_index])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     def attend(
         self, attn: PagedAttention, q: torch.Tensor, exchange: Exchange, pool: KVPool
     ) -> torch.Tensor:
         """This rank's attention output [rows, heads * d] for its query rows q [rows, h, d]."""
-        self._wait(exchange, attn.layer_id)
         kc, vc = pool.buffers(attn.layer_id)
+
+        def write(slots: torch.Tensor, rows: torch.Tensor) -> None:
+            kc[:, slots] = rows[:, 0].transpose(0, 1)
+            vc[:, slots] = rows[:, 1].transpose(0, 1)
+
+        ring = self._ring(attn, q, exchange) if self.ctx.ring and self.a_rows else {}
+        self.finish(exchange, attn.layer_id, write)
         gathered = exchange.out
-        if self.write_slots.numel():
-            kc[:, self.write_slots] = gathered[self.write_src, 0].transpose(0, 1)
-            vc[:, self.write_slots] = gathered[self.write_src, 1].transpose(0, 1)
-        if self.decode_write_slots.numel():
-            rows = self.decode_write_rows
-            kc[:, self.decode_write_slots] = exchange.k[rows].transpose(0, 1)
-            vc[:, self.decode_write_slots] = exchange.v[rows].transpose(0, 1)
         out = torch.empty_like(q)
         partials = self._merge_partials(attn, q, kc, vc)
-        for seg in self.segments:
-            if seg.merge:
+        for i, seg in enumerate(self.segments):
+            if i in ring:
+                prefix = self._received(seg, partials) if seg.merge else []
+                out[seg.rows] = merge_partials([*prefix, ring[i]]).to(q.dtype)
+            elif seg.merge:
                 out[seg.rows] = self._merged(attn, q, gathered, seg, partials)
             else:
-                out[seg.rows] = self._whole(attn, q, exchange, gathered, seg)
+                out[seg.rows] = self._whole(attn, q, self.segment_rows(seg, exchange), seg)
         return out.flatten(1)
 
     def _whole(
-        self,
-        attn: PagedAttention,
-        q: torch.Tensor,
-        exchange: Exchange,
-        gathered: torch.Tensor,
-        seg: Segment,
+        self, attn: PagedAttention, q: torch.Tensor, kv: torch.Tensor, seg: Segment
     ) -> torch.Tensor:
-        """A segment whose keys are all here: [prefix from A | chunk from A (or, for a decode
-        step, its own row)], attended causally."""
-        parts = []
-        if seg.prefix_index is not None:
-            parts.append(gathered[seg.prefix_index])
-        if seg.decode:
-            parts.append(torch.stack((exchange.k[seg.rows], exchange.v[seg.rows]), 1))
-        else:
-            assert seg.chunk_index is not None
-            parts.append(gathered[seg.chunk_index])
-        kv = torch.cat(parts) if len(parts) > 1 else parts[0]  # [prefix + length, 2, hk, d]
+        """A segment whose keys are all here (kv [prefix + length, 2, hk, d]), attended
+        causally."""
         keys = kv[:, 0].transpose(0, 1).contiguous()  # [hk, positions, d]
         values = kv[:, 1].transpose(0, 1).contiguous()
-        c, outs, start = seg.prefix, [], 0
-        for s, e in seg.blocks:
-            if e == s:
-                continue
-            rows = q[seg.rows[start : start + e - s]]
-            start += e - s
-            outs.append(_causal(attn, rows, keys, values, c + s, c + e, self.ctx.native_prefill))
+        outs = [
+            _causal(attn, q[rows], keys, values, first, end, self.ctx.native_prefill)
+            for first, end, rows in seg.query_blocks()
+        ]
         return torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
 
     def _merge_partials(
@@ -488,29 +536,111 @@ class CpPlan:
     ) -> torch.Tensor:
         """A merge segment's output for this rank's rows: the other ranks' (and this rank's)
         partial results over the prefix, merged with the chunk part computed here."""
-        assert partials is not None
-        n = len(seg.rows)
-        parts = []
-        for r in range(self.ctx.size):
-            start = r * self.c_recv + seg.recv_offset
-            block = partials[start : start + n]
-            parts.append((block[..., :-1], block[..., -1]))
+        parts = self._received(seg, partials)
         if not seg.decode:
             assert seg.chunk_index is not None
             chunk = gathered[seg.chunk_index]
             keys = chunk[:, 0].transpose(0, 1)
             values = chunk[:, 1].transpose(0, 1)
-            outs, lses, start = [], [], 0
-            for s, e in seg.blocks:
-                rows = q[seg.rows[start : start + e - s]]
-                start += e - s
-                if e == s:
-                    continue
-                o, lse = _chunk_partial(attn, rows, keys[:, :e], values[:, :e], s)
+            outs, lses = [], []
+            for first, end, rows in seg.query_blocks():
+                s, e = first - seg.prefix, end - seg.prefix  # in the chunk
+                o, lse = _chunk_partial(attn, q[rows], keys[:, :e], values[:, :e], s)
                 outs.append(o)
                 lses.append(lse)
             parts.append((torch.cat(outs), torch.cat(lses)))
         return merge_partials(parts).to(q.dtype)
+
+    def _received(
+        self, seg: Segment, partials: torch.Tensor | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A merge segment's partial results over the prefix, one per rank, for its rows."""
+        assert partials is not None
+        n, parts = len(seg.rows), []
+        for r in range(self.ctx.size):
+            start = r * self.c_recv + seg.recv_offset
+            block = partials[start : start + n]
+            parts.append((block[..., :-1], block[..., -1]))
+        return parts
+
+    def _ring(
+        self, attn: PagedAttention, q: torch.Tensor, exchange: Exchange
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Ring attention over the chunks: in N steps every rank's block of exchange A
+        passes every rank (each sends what it holds to the next rank while receiving from
+        the previous one) and each rank attends its queries to the block it holds meanwhile:
+        a key block before a query block entirely, or the same block causally (zig-zag
+        blocks never overlap otherwise). Per prompt segment, its rows' (output, lse) over the
+        whole chunk; exchange A's buffer is whole afterwards."""
+        size, me, rows_per = self.ctx.size, self.ctx.rank, self.a_rows
+        out = exchange.out
+        nxt, prv = self.ctx.ranks[(me + 1) % size], self.ctx.ranks[(me - 1) % size]
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for step in range(size):
+            src = (me - step) % size
+            held = out[src * rows_per : (src + 1) * rows_per]
+            works = []
+            if step < size - 1:  # pass on what is held, take the previous rank's
+                start = now()
+                into = (src - 1) % size
+                incoming = out[into * rows_per : (into + 1) * rows_per]
+                ops = [
+                    dist.P2POp(dist.isend, held, nxt, self.ctx.group),
+                    dist.P2POp(dist.irecv, incoming, prv, self.ctx.group),
+                ]
+                works = dist.batch_isend_irecv(ops)
+                record_comm("cp_kv_launch", start, attn.layer_id, held.nbytes, held.nbytes)
+            for i, seg in enumerate(self.segments):
+                if not seg.decode:
+                    parts.setdefault(i, []).extend(self._ring_step(attn, q, seg, held, src))
+            if works:
+                waited = now()
+                for w in works:
+                    w.wait()
+                record_comm("cp_kv_wait", waited, attn.layer_id)
+        merged = {}
+        for i, seg in enumerate(self.segments):
+            if seg.decode:
+                continue
+            n, heads, d = len(seg.rows), q.shape[1], q.shape[2]
+            o_all = q.new_zeros(n, heads, d, dtype=torch.float32)
+            lse_all = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+            for local, o, lse in parts.get(i, []):  # (rows of the segment's, output, lse)
+                total = torch.logaddexp(lse_all[local], lse)
+                o_all[local] = (
+                    o_all[local] * torch.exp(lse_all[local] - total)[..., None]
+                    + o.float() * torch.exp(lse - total)[..., None]
+                )
+                lse_all[local] = total
+            merged[i] = (o_all, lse_all)
+        return merged
+
+    def _ring_step(
+        self, attn: PagedAttention, q: torch.Tensor, seg: Segment, held: torch.Tensor, src: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """This rank's query blocks of a segment against rank `src`'s key blocks (held):
+        (rows within the segment's rows, output, lse) per pair that sees anything."""
+        out = []
+        start = 0
+        for qs, qe in seg.blocks:
+            if qe == qs:
+                continue
+            local = torch.arange(start, start + qe - qs, device=q.device)
+            start += qe - qs
+            queries = q[seg.rows[local]]
+            row = seg.peer_offsets[src]
+            for ks, ke in seg.peer_blocks[src]:
+                kv = held[row : row + ke - ks]
+                row += ke - ks
+                if ke == ks or ks > qs:
+                    continue  # empty, or after the queries
+                keys, values = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
+                if ks == qs:  # the same block: causal
+                    o, lse = _chunk_partial(attn, queries, keys, values, 0)
+                else:  # entirely before
+                    o, lse = _unfold(attn, *_lse_attention(attn, queries, keys, values), qe - qs)
+                out.append((local, o, lse))
+        return out
 
     # ---- after the last layer --------------------------------------------------------
 
@@ -566,6 +696,13 @@ def _unfold(
         o.reshape(attn.num_heads, n, d).transpose(0, 1),
         lse.reshape(attn.num_heads, n).transpose(0, 1),
     )
+
+
+def _lse_attention(
+    attn: PagedAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Folded queries over keys [kv_heads, m, d], nothing masked: (output, lse) folded."""
+    return attention_with_lse(_fold(attn, q), keys[None], values[None], False, attn.scale)
 
 
 def _partial(

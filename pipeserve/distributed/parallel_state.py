@@ -68,6 +68,9 @@ class ParallelState:
     cp_group: Any = None
     cp_ranks: tuple[int, ...] = (0,)  # global ranks of cp_group
     cp_weights_group: Any = None  # the same ranks: shard linear's weight broadcasts
+    # sharded CP: the CP ranks are also the expert-parallel ranks (ep_* describe them): each
+    # rank's tokens are dispatched to the experts over the CP ranks (sequence-parallel MoE)
+    sharded_cp: bool = False
 
     def __post_init__(self) -> None:
         if self.ep_size > 1 and self.tp_size > 1:
@@ -88,6 +91,8 @@ class ParallelState:
         context-parallel ranks, under AFD its attention and then its FFN workers."""
         if self.afd is not None:
             return self.afd.attention_size + self.afd.ffn_size
+        if self.sharded_cp:  # the expert-parallel ranks are the CP ranks
+            return self.tp_size * self.cp_size
         return self.tp_size * self.ep_size * self.cp_size
 
     @property
@@ -260,6 +265,7 @@ def init_parallel_groups(
     ep_size: int = 1,
     comm_options: Any = None,
     cp_size: int = 1,
+    sharded_cp: bool = False,
 ) -> ParallelState:
     """Join the process group and create every TP, EP (with its counts group), CP and
     stage-link group (all ranks create all groups, in the same order). A stage has
@@ -268,7 +274,8 @@ def init_parallel_groups(
     place in adjacent stages. A TP group whose ranks share a machine (of `ranks_per_node`
     consecutive ranks) all-reduces through shared memory on CPUs. With every rank on this
     machine, gloo listens on loopback only. `comm_options`: process-group options of the
-    expert-parallel data groups (device.comm_group_options)."""
+    expert-parallel data groups (device.comm_group_options). `sharded_cp`: the CP ranks are
+    also the expert-parallel ranks (their own data and counts groups)."""
     import torch.distributed as dist
 
     global _links
@@ -289,12 +296,17 @@ def init_parallel_groups(
         gather = dist.new_group(ranks) if tp_size > 1 and stage > 0 else None
         counts = dist.new_group(ranks) if ep_size > 1 else None
         weights = dist.new_group(ranks) if cp_size > 1 else None
+        if sharded_cp:  # created by every rank for every stage, in the same order
+            experts = dist.new_group(ranks, pg_options=comm_options)
+            expert_counts = dist.new_group(ranks)
         if stage == pp_rank and tp_size > 1:
             tp_group, tp_ranks, gather_group = group, tuple(ranks), gather
         if stage == pp_rank and ep_size > 1:
             ep_group, counts_group = group, counts
         if stage == pp_rank and cp_size > 1:
             cp_group, cp_weights, cp_ranks = group, weights, tuple(ranks)
+        if stage == pp_rank and sharded_cp:
+            ep_group, counts_group = experts, expert_counts
     links: dict[tuple[int, int], Any] = {}
     for stage in range(pp_size - 1):
         for t in range(width):
@@ -321,8 +333,8 @@ def init_parallel_groups(
         tp_group,
         tp_ranks,
         shm,
-        ep_rank=ep_rank,
-        ep_size=ep_size,
+        ep_rank=cp_rank if sharded_cp else ep_rank,
+        ep_size=cp_size if sharded_cp else ep_size,
         ep_group=ep_group,
         ep_counts_group=counts_group,
         cp_rank=cp_rank,
@@ -330,6 +342,7 @@ def init_parallel_groups(
         cp_group=cp_group,
         cp_ranks=cp_ranks,
         cp_weights_group=cp_weights,
+        sharded_cp=sharded_cp,
     )
     set_parallel_state(state)
     return state

@@ -134,6 +134,7 @@ def _init_groups(args: WorkerArgs, config: EngineConfig, device: torch.device) -
         ep_size=p.ep_size,
         comm_options=comm_group_options(backend, p.moe_comm_max_sms),
         cp_size=p.cp_size,
+        sharded_cp=p.enable_sharded_cp,
     )
 
 

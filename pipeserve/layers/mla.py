@@ -24,7 +24,7 @@ rows (a TP group could share one cache).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -32,7 +32,12 @@ from torch import nn
 from pipeserve.device import attention_with_lse, native_prefill_kernel
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention import merge_partials, split_runs
-from pipeserve.layers.indexer import Indexer, selection_mask
+from pipeserve.layers.indexer import (
+    Indexer,
+    causal_index_scores,
+    selection_mask,
+    top_positions,
+)
 from pipeserve.layers.layernorm import RMSNorm
 from pipeserve.layers.linear import (
     ColumnParallelLinear,
@@ -42,6 +47,9 @@ from pipeserve.layers.linear import (
 )
 from pipeserve.layers.rotary import RopeScaling, apply_rotary, apply_rotary_part, mla_softmax_scale
 from pipeserve.models.arch import IndexerConfig, MLAConfig
+
+if TYPE_CHECKING:
+    from pipeserve.context_parallel.attention import CpPlan
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_dim]
 # The compiled prefill kernel's speed over the fused kernel's (what absorbed attention runs on)
@@ -178,6 +186,72 @@ class MLAttention(nn.Module):
                 kv = seg.read(cache)
                 out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, keep, native)
         return self.o_proj(out.flatten(1))  # [tokens, heads * v_head_dim]
+
+    def forward_context_parallel(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        plan: CpPlan,
+        layer_id: int,
+        cache: torch.Tensor,
+        index_cache: torch.Tensor | None,
+        native: bool = False,
+    ) -> torch.Tensor:
+        """`forward` of this rank's tokens under context parallelism (x: its rows). The
+        latent rows (and indexer keys) go first, so their exchange with the other CP ranks
+        runs while the queries are projected; then every request's rows of all its positions
+        are here (a cache row is small: MLA re-gathers its prefix rather than merging partial
+        results), and each of this rank's blocks of queries attends to the positions before
+        it. The indexer runs for this rank's queries only, over every position's key: its
+        top-k is the global one."""
+        new = self.latent(x, rope)
+        width = new.shape[1]
+        if self.indexer is not None:
+            assert index_cache is not None
+            new = torch.cat([new, self.indexer.keys(x, rope)], dim=-1)
+
+        def cached(slots: torch.Tensor) -> torch.Tensor:
+            rows = cache[slots]
+            return rows if index_cache is None else torch.cat([rows, index_cache[slots]], -1)
+
+        def write(slots: torch.Tensor, rows: torch.Tensor) -> None:
+            cache[slots] = rows[:, :width]
+            if index_cache is not None:
+                index_cache[slots] = rows[:, width:]
+
+        exchange = plan.launch_rows(layer_id, new, cached)
+        q_latent = self.query_latent(x)
+        q = self.query(x, rope, q_latent)
+        index_q = index_w = None
+        if self.indexer is not None:
+            assert q_latent is not None
+            index_q, index_w = self.indexer.queries(q_latent, rope), self.indexer.head_weights(x)
+        plan.finish(exchange, layer_id, write)
+        out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
+        for seg in plan.segments:
+            rows_all = plan.segment_rows(seg, exchange)  # [prefix + length, width (+ index)]
+            latents = rows_all[:, :width]
+            for first, end, rows in seg.query_blocks():
+                seg_view = LatentSegment(
+                    0, end - first, torch.arange(end, device=x.device), ((0, end),)
+                )
+                chosen = None
+                if self.indexer is not None and end > self.indexer.config.topk:
+                    assert index_q is not None and index_w is not None
+                    scores = causal_index_scores(
+                        index_q[rows],
+                        index_w[rows],
+                        rows_all[:end, width:],
+                        first,
+                        self.indexer.scale,
+                    )
+                    chosen = top_positions(scores, self.indexer.config.topk)
+                if self.absorbs("auto", seg_view, native):
+                    out[rows] = self.absorbed(q[rows], seg_view, latents, chosen)
+                else:
+                    keep = None if chosen is None else selection_mask(chosen, end)
+                    out[rows] = self.expanded(q[rows], latents[:end], first, keep, native)
+        return self.o_proj(out.flatten(1))
 
     def absorbs(self, mode: Mode, seg: LatentSegment, native: bool = False) -> bool:
         """Whether a segment attends in latent space; "auto" takes the cheaper form (see

@@ -52,6 +52,10 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
         index = pool.index_keys(self.layer_id) if self.self_attn.indexer is not None else None
         cache = pool.latent(self.layer_id)
         native = fb.native.prefill
+        if fb.cp is not None:
+            return self.self_attn.forward_context_parallel(
+                x, rope, fb.cp, self.layer_id, cache, index, native
+            )
         return self.self_attn(x, rope, cache, fb.latent_segments, index_cache=index, native=native)
 
 

@@ -71,7 +71,7 @@ def kv_pool_pages(
         spec = p.layer_partition if p.layer_partition not in (None, "auto") else None
         partition = resolve_partition(spec, arch.num_layers, p.pp_size)
     stage_layers_max = max(partition)
-    elsewhere = 1.0 if p.afd_enabled else 1 - 1 / p.ep_size  # routed experts on other ranks
+    elsewhere = 1.0 if p.afd_enabled else 1 - 1 / p.expert_ranks  # experts on other ranks
     params = param_count(arch) - routed_expert_params(arch) * elsewhere
     weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
     per_token = kv_bytes_per_token(arch, stage_layers_max, p.tp_size, dtype)
@@ -171,11 +171,6 @@ class ModelRunner:
     def _context_parallel(self) -> CpContext:
         """This rank's context-parallel share of every batch (see pipeserve/context_parallel)."""
         a, state = self.arch, self.state
-        if a.mla is not None:
-            raise ValueError(
-                f"--cp-size {state.cp_size}: context parallelism for multi-head latent attention "
-                f"({a.architecture}) is not built yet; it runs GQA/MHA models (Llama, Qwen)"
-            )
         if self.native.deterministic:
             raise ValueError(
                 "--enable-deterministic-inference with --cp-size: context parallelism merges "
@@ -193,6 +188,9 @@ class ModelRunner:
             self.dtype.itemsize,
             native_prefill=self.native.prefill,
             overlap=not self.config.parallel.disable_cp_kv_overlap,
+            latent=a.mla is not None,
+            ring=self.config.parallel.cp_kv_exchange == "ring" and a.mla is None,
+            ranks=state.cp_ranks,
         )
 
     def _init_deterministic(self) -> None:

@@ -4,11 +4,15 @@ Qwen3 (per-head q/k norm) and Qwen3-MoE, for CP2 with the prefix read by merging
 results and by re-gathering it, CP3, and PP2 x CP2. The prompts are chunked (32-token chunks:
 up to ten chunks per prompt, so later chunks attend to a prefix spread over the ranks), their
 lengths are not multiples of 2N, and requests of different lengths decode side by side with
-prompts being prefilled. Shard linear: the projections named live on one rank per layer and
+prompts being prefilled; the chunk's K/V all-gathered or passed around a ring (CP2, CP3).
+Shard linear: the projections named live on one rank per layer and
 travel by broadcast (tokens as above; the peak weight bytes a rank held equal its own layers
 plus the warm and prefetch window, and nothing else). Radix hits: KV cached under one split (a
 chunk cut at other places, by another request) is read by a later request, also in the batch
-that computes it. A killed CP rank fails the engine without hanging it."""
+that computes it. A killed CP rank fails the engine without hanging it. Sharded CP
+(Qwen3-MoE): the routed experts are spread over the CP ranks and each rank's tokens
+dispatched to them, also with PP2 and shard linear. DeepSeek-V3 and V3.2 (MLA, V3.2's indexer
+choosing 64 of up to 320 positions): CP2 and sharded CP2 with shard linear."""
 
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ pytestmark = pytest.mark.timeout(240)
 MODELS = {"llama": ("tiny-llama", {"num_hidden_layers": 3}),
           "qwen3": ("tiny-qwen3", {"num_hidden_layers": 2}),
           "qwen3-moe": ("tiny-qwen3-moe", {"num_hidden_layers": 2}),
-          "llama6": ("tiny-llama", {"num_hidden_layers": 6})}
+          "llama6": ("tiny-llama", {"num_hidden_layers": 6}),
+          "deepseek-v3": ("tiny-deepseek-v3", {"num_hidden_layers": 3}),
+          "deepseek-v32": ("tiny-deepseek-v32", {"num_hidden_layers": 2})}
 FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 32,
                          "max_running_requests": 8, "max_total_tokens": 4096, "page_size": 16}
 WORK = Workload((301, 37, 5, 129, 64), (4, 6, 20, 3, 5), seed=3)
@@ -38,17 +44,33 @@ CASES = [
     ("qwen3-moe", {"cp_size": 2}),
     ("llama", {"cp_size": 3, "cp_prefix_mode": "merge"}),
     ("llama", {"cp_size": 2, "pp_size": 2}),
+    # ring: each rank's chunk block passed around, attended block by block
+    ("llama", {"cp_size": 2, "cp_kv_exchange": "ring"}),
+    ("qwen3", {"cp_size": 3, "cp_kv_exchange": "ring"}),
     ("llama6", {"cp_size": 2, "shard_linear_layers": "qkv_proj,o_proj"}),
     ("llama6", {"cp_size": 3, "shard_linear_layers": "qkv_proj,o_proj,down_proj",
                 "shard_linear_warm_layers": 2}),
     ("qwen3", {"cp_size": 2, "pp_size": 2, "shard_linear_layers": "qkv_proj,gate_up_proj",
                "shard_linear_warm_layers": 0}),
+    # sharded CP: the experts spread over the CP ranks, each rank's tokens dispatched to them
+    ("qwen3-moe", {"cp_size": 2, "enable_sharded_cp": True}),
+    ("qwen3-moe", {"cp_size": 2, "pp_size": 2, "enable_sharded_cp": True,
+                   "shard_linear_layers": "qkv_proj,o_proj", "cp_prefix_mode": "regather"}),
+    # MLA: latent rows exchanged, every prefix re-gathered; V3.2's indexer over all keys
+    ("deepseek-v3", {"cp_size": 2}),
+    ("deepseek-v32", {"cp_size": 2}),
+    ("deepseek-v3", {"cp_size": 2, "enable_sharded_cp": True,
+                     "shard_linear_layers": "kv_b_proj,o_proj"}),
+    ("deepseek-v32", {"cp_size": 2, "enable_sharded_cp": True, "shard_linear_layers": "o_proj",
+                      "shard_linear_warm_layers": 0}),
 ]
 
 
 def _id(model: str, flags: dict[str, Any]) -> str:
     shard = flags.get("shard_linear_layers")
-    return f"{model}-pp{flags.get('pp_size', 1)}cp{flags['cp_size']}-" + flags.get(
+    sharded = "-sharded" if flags.get("enable_sharded_cp") else ""
+    sharded += "-ring" if flags.get("cp_kv_exchange") == "ring" else ""
+    return f"{model}-pp{flags.get('pp_size', 1)}cp{flags['cp_size']}{sharded}-" + flags.get(
         "cp_prefix_mode", "auto") + (f"-shard-{shard}-k{flags.get('shard_linear_warm_layers', 1)}"
                                      if shard else "")
 
@@ -130,6 +152,17 @@ def test_shard_linear_peak_weight_bytes(models) -> None:
             held[names] = weight_bytes_per_device(e.backend.timeline())
     full, _ = held[""]
     assert held["qkv_proj,o_proj"] == (full - 2 * layer, full - 2 * layer)
+
+
+def test_sharded_cp_spreads_the_experts(models) -> None:
+    """Under sharded CP each of the 2 ranks holds half the routed experts; under plain CP
+    every rank holds them all."""
+    held = {}
+    for sharded in (False, True):
+        flags = {**FLAGS, "cp_size": 2, "enable_sharded_cp": sharded}
+        with Engine(str(models["qwen3-moe"]), **flags) as engine:
+            held[sharded] = engine.backend.expert_bytes_per_rank()
+    assert held[True] * 2 == held[False] > 0
 
 
 def test_cp_killed_rank_fails_engine(models) -> None:
