@@ -531,8 +531,15 @@ def _cp_checks(p: ParallelConfig) -> list[tuple[bool, str]]:
             "--cp-size or the --afd-* flags",
         ),
         (
-            p.cp_size == 1 or not (p.enable_two_batch_overlap or p.enable_single_batch_overlap),
-            "two-batch and single-batch overlap apply to expert parallelism, not to --cp-size",
+            p.cp_size == 1 or not p.enable_two_batch_overlap,
+            "two-batch overlap applies to expert parallelism, not to --cp-size (under "
+            "--enable-sharded-cp, --enable-single-batch-overlap overlaps the experts' "
+            "dispatch and combine)",
+        ),
+        (
+            p.cp_size == 1 or p.enable_sharded_cp or not p.enable_single_batch_overlap,
+            "--enable-single-batch-overlap with --cp-size needs --enable-sharded-cp (without it "
+            "every CP rank holds every expert: nothing is dispatched)",
         ),
         (
             not p.enable_sharded_cp or p.cp_size > 1,

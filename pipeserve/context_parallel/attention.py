@@ -21,6 +21,10 @@ The KV pages are striped over the ranks (pipeserve/context_parallel/layout). Per
      floats per head, against a re-gather of its whole prefix.
    `--cp-prefix-mode auto` picks per segment whichever moves fewer bytes: re-gathering costs
    the prefix's K/V, merging the chunk's queries plus float32 partials; decode steps merge.
+   Where the compiled CPU prefill kernel runs, auto re-gathers every chunk's prefix: the merge
+   partials need log-sum-exp, which only the torch kernels return (bench preset, CP2, a 32K
+   prompt in 8K chunks: 115 s merged against 58 s re-gathered). Decode steps: 8K context,
+   11.6 tokens/s merged against 5.2 re-gathered.
 3. On the last pipeline stage the ranks' hidden rows are all-gathered back into batch order
    (`gather_hidden`), so sampling and prompt logprobs run as without CP, on every rank.
 
@@ -86,6 +90,8 @@ class CpContext:
             return self.prefix_mode == "merge"
         if decode:
             return True
+        if self.native_prefill:  # merging runs the torch kernels: 2x slower at 32K (see below)
+            return False
         return self.regather_bytes(prefix) > self.merge_bytes(length)
 
     def regather_bytes(self, prefix: int) -> int:

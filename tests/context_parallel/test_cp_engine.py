@@ -11,8 +11,9 @@ plus the warm and prefetch window, and nothing else). Radix hits: KV cached unde
 chunk cut at other places, by another request) is read by a later request, also in the batch
 that computes it. A killed CP rank fails the engine without hanging it. Sharded CP
 (Qwen3-MoE): the routed experts are spread over the CP ranks and each rank's tokens
-dispatched to them, also with PP2 and shard linear. DeepSeek-V3 and V3.2 (MLA, V3.2's indexer
-choosing 64 of up to 320 positions): CP2 and sharded CP2 with shard linear."""
+dispatched to them, also with single-batch overlap, with PP2 and shard linear. DeepSeek-V3
+and V3.2 (MLA, V3.2's indexer choosing 64 of up to 320 positions): CP2 and sharded CP2 with
+shard linear."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ CASES = [
                "shard_linear_warm_layers": 0}),
     # sharded CP: the experts spread over the CP ranks, each rank's tokens dispatched to them
     ("qwen3-moe", {"cp_size": 2, "enable_sharded_cp": True}),
+    ("qwen3-moe", {"cp_size": 2, "enable_sharded_cp": True, "enable_single_batch_overlap": True,
+                   "single_batch_overlap_min_tokens": 0}),
     ("qwen3-moe", {"cp_size": 2, "pp_size": 2, "enable_sharded_cp": True,
                    "shard_linear_layers": "qkv_proj,o_proj", "cp_prefix_mode": "regather"}),
     # MLA: latent rows exchanged, every prefix re-gathered; V3.2's indexer over all keys
@@ -69,6 +72,7 @@ CASES = [
 def _id(model: str, flags: dict[str, Any]) -> str:
     shard = flags.get("shard_linear_layers")
     sharded = "-sharded" if flags.get("enable_sharded_cp") else ""
+    sharded += "-sbo" if flags.get("enable_single_batch_overlap") else ""
     sharded += "-ring" if flags.get("cp_kv_exchange") == "ring" else ""
     return f"{model}-pp{flags.get('pp_size', 1)}cp{flags['cp_size']}{sharded}-" + flags.get(
         "cp_prefix_mode", "auto") + (f"-shard-{shard}-k{flags.get('shard_linear_warm_layers', 1)}"
