@@ -60,6 +60,28 @@ if TYPE_CHECKING:
 PREFIX_MODES = ("auto", "merge", "regather")
 
 
+class Buffers:
+    """Tensors kept from layer to layer and forward to forward, grown when too small: the
+    exchange's buffers and a segment's re-gathered keys and values. A layer's long rows then
+    land in memory already mapped instead of fresh pages (tens of MB per layer at 32K).
+    Each use is finished before the next layer's, so one of each suffices."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._bufs[name] = buf
+        return buf[:numel].view(shape)
+
+
 @dataclass(frozen=True)
 class CpContext:
     """What a model runner knows about its CP rank (fixed for its life)."""
@@ -79,6 +101,7 @@ class CpContext:
     latent: bool = False  # MLA: a token's cache row is small; every segment re-gathers
     ring: bool = False  # the chunk's K/V passed around a ring, attended block by block
     ranks: tuple[int, ...] = ()  # global ranks of the group, in CP rank order (the ring)
+    buffers: Buffers = field(default_factory=Buffers, compare=False, repr=False)
 
     def merges(self, decode: bool, prefix: int, length: int) -> bool:
         """Whether a segment reads its prefix by merging partial results (else re-gather)."""
@@ -380,12 +403,13 @@ class CpPlan:
         if self.a_rows == 0:
             return Exchange(None, fresh.new_empty(0, *fresh.shape[1:]), fresh)
         start = now()
-        send = fresh.new_zeros(self.a_rows, *fresh.shape[1:])
+        buffers, dtype, device = self.ctx.buffers, fresh.dtype, fresh.device
+        send = buffers.get("a_send", (self.a_rows, *fresh.shape[1:]), dtype, device)
         n, m = self.a_chunk_rows.numel(), self.a_prefix_slots.numel()
         send[:n] = fresh[self.a_chunk_rows]
         if m:
             send[n : n + m] = cached(self.a_prefix_slots)
-        out = send.new_empty(self.ctx.size * self.a_rows, *send.shape[1:])
+        out = buffers.get("a_out", (self.ctx.size * self.a_rows, *send.shape[1:]), dtype, device)
         if self.ctx.ring:  # the other ranks' rows arrive step by step in attend
             me = self.ctx.rank
             out[me * self.a_rows : (me + 1) * self.a_rows] = send
@@ -427,16 +451,19 @@ class CpPlan:
 
     def segment_rows(self, seg: Segment, exchange: Exchange) -> torch.Tensor:
         """A regather segment's rows of every position [prefix + length, ...], in order: the
-        prefix and the chunk from exchange A, a decode step's own row from this rank."""
-        parts = []
+        prefix and the chunk from exchange A, a decode step's own row from this rank. In a
+        reused buffer (valid until the next segment's)."""
+        fresh = exchange.fresh
+        shape = (seg.prefix + seg.length, *fresh.shape[1:])
+        rows = self.ctx.buffers.get("rows", shape, fresh.dtype, fresh.device)
         if seg.prefix_index is not None:
-            parts.append(exchange.out[seg.prefix_index])
+            torch.index_select(exchange.out, 0, seg.prefix_index, out=rows[: seg.prefix])
         if seg.decode:
-            parts.append(exchange.fresh[seg.rows])
+            rows[seg.prefix :] = fresh[seg.rows]
         else:
             assert seg.chunk_index is not None
-            parts.append(exchange.out[seg.chunk_index])
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+            torch.index_select(exchange.out, 0, seg.chunk_index, out=rows[seg.prefix :])
+        return rows
 
     def attend(
         self, attn: PagedAttention, q: torch.Tensor, exchange: Exchange, pool: KVPool
@@ -460,16 +487,20 @@ class CpPlan:
             elif seg.merge:
                 out[seg.rows] = self._merged(attn, q, gathered, seg, partials)
             else:
-                out[seg.rows] = self._whole(attn, q, self.segment_rows(seg, exchange), seg)
+                out[seg.rows] = self._whole(attn, q, exchange, seg)
         return out.flatten(1)
 
     def _whole(
-        self, attn: PagedAttention, q: torch.Tensor, kv: torch.Tensor, seg: Segment
+        self, attn: PagedAttention, q: torch.Tensor, exchange: Exchange, seg: Segment
     ) -> torch.Tensor:
-        """A segment whose keys are all here (kv [prefix + length, 2, hk, d]), attended
-        causally."""
-        keys = kv[:, 0].transpose(0, 1).contiguous()  # [hk, positions, d]
-        values = kv[:, 1].transpose(0, 1).contiguous()
+        """A segment whose keys are all here ([prefix | chunk] from exchange A, a decode step's
+        own row from this rank), attended causally. The rows are gathered, then laid out
+        head-major, in reused buffers: two copies, no fresh memory."""
+        ordered = self.segment_rows(seg, exchange)  # [positions, 2, hk, d]
+        length, _, hk, d = ordered.shape
+        kv = self.ctx.buffers.get("kv", (2, hk, length, d), q.dtype, q.device)
+        kv.copy_(ordered.permute(1, 2, 0, 3))
+        keys, values = kv[0], kv[1]  # [hk, positions, d]
         outs = [
             _causal(attn, q[rows], keys, values, first, end, self.ctx.native_prefill)
             for first, end, rows in seg.query_blocks()
