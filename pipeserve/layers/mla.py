@@ -231,6 +231,7 @@ class MLAttention(nn.Module):
         for seg in plan.segments:
             rows_all = plan.segment_rows(seg, exchange)  # [prefix + length, width (+ index)]
             latents = rows_all[:, :width]
+            expanded: ExpandedKeys | None = None  # up-projected once per request
             for first, end, rows in seg.query_blocks():
                 seg_view = LatentSegment(
                     0, end - first, torch.arange(end, device=x.device), ((0, end),)
@@ -249,8 +250,10 @@ class MLAttention(nn.Module):
                 if self.absorbs("auto", seg_view, native):
                     out[rows] = self.absorbed(q[rows], seg_view, latents, chosen)
                 else:
+                    if expanded is None:
+                        expanded = ExpandedKeys(*self.expand(latents), native)
                     keep = None if chosen is None else selection_mask(chosen, end)
-                    out[rows] = self.expanded(q[rows], latents[:end], first, keep, native)
+                    out[rows] = expanded.attend(q[rows], first, end, self.scale, keep)
         return self.o_proj(out.flatten(1))
 
     def absorbs(self, mode: Mode, seg: LatentSegment, native: bool = False) -> bool:
@@ -318,12 +321,17 @@ class MLAttention(nn.Module):
         """q [n, heads, qk_head_dim]; kv [L, latent_width] cached rows of positions [0, L),
         the queries at the last n of them; keep: optional [n, L] mask of readable keys
         -> [n, heads, v_head_dim]."""
+        k, v = self.expand(kv)
+        return causal_attention(q, k, v, prefix_len, self.scale, keep, native)
+
+    def expand(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows [L, latent_width] -> per-head keys [L, heads, qk_head_dim] (k_nope,
+        then the shared k_rope) and values [L, heads, v_head_dim]."""
         m, h = self.mla, self.num_heads
         c, k_rope = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         up = self.kv_b_proj(c).view(kv.shape[0], h, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = up.split([m.qk_nope_head_dim, m.v_head_dim], -1)
-        k = torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1)], dim=-1)  # [L, heads, qk]
-        return causal_attention(q, k, v, prefix_len, self.scale, keep, native)
+        return torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1)], dim=-1), v
 
     def absorbed(
         self,
@@ -361,6 +369,39 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, -1, m.kv_lora_rank)
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         return w_uk, w_uv
+
+
+class ExpandedKeys:
+    """A request's up-projected keys and values [L, heads, d] over all its positions, for
+    several blocks of its queries (context parallelism: a rank's zig-zag blocks): expanded
+    once, and for the compiled kernel padded and laid out head-major once."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, native: bool) -> None:
+        self.k, self.v = k, v
+        self.dv = v.shape[-1]
+        self.pools: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        if native and k.dtype == torch.bfloat16:
+            width = -(-max(k.shape[-1], self.dv) // 16) * 16  # the kernel's multiple of 16
+            k_pool, v_pool = (_pad(t, width).transpose(0, 1).contiguous() for t in (k, v))
+            self.pools = (k_pool, v_pool, width)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        first: int,
+        end: int,
+        scale: float,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Queries of positions [first, end) over positions [0, end) -> [n, heads, dv]."""
+        if self.pools is None or keep is not None:
+            return causal_attention(q, self.k[:end], self.v[:end], first, scale, keep)
+        k_pool, v_pool, width = self.pools
+        kernel = native_prefill_kernel()
+        assert kernel is not None
+        runs = torch.tensor([[0, end]], dtype=torch.long)  # the kernel is CPU-only
+        out = kernel(_pad(q, width).contiguous(), k_pool, v_pool, runs, first, scale)
+        return out[..., : self.dv]
 
 
 def absorb_max_queries(mla: MLAConfig) -> int:

@@ -286,6 +286,26 @@ def test_native_prefill_kernel_matches_transformers(setup: Setup) -> None:
     torch.testing.assert_close(got.float(), setup.reference(x), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_expanded_keys_serve_blocks_as_expanded_does(setup: Setup, native: bool) -> None:
+    """Context parallelism's ExpandedKeys: a request's positions up-projected once (for the
+    compiled kernel padded and laid out once) serve each block of queries [first, end) as
+    `expanded` over positions [0, end) does, bitwise."""
+    if native and native_prefill_kernel() is None:
+        pytest.skip("the native prefill kernel needs a CPU with AVX512-BF16")
+    dtype = torch.bfloat16 if native else torch.float32
+    layer = setup.layer(dtype)
+    kv = rand(96, RANK + ROPE, seed=8).to(dtype)
+    q = rand(96, HEADS * (NOPE + ROPE), seed=9).to(dtype).view(96, HEADS, NOPE + ROPE)
+    keys = mla_mod.ExpandedKeys(*layer.expand(kv), native)
+    assert (keys.pools is not None) == native
+    with torch.no_grad():
+        for first, end in [(0, 24), (72, 96), (24, 25)]:
+            want = layer.expanded(q[first:end], kv[:end], first, native=native)
+            got = keys.attend(q[first:end], first, end, layer.scale)
+            assert torch.equal(got, want)
+
+
 def test_decode_over_runs_reads_views_and_matches_one_gather(setup: Setup) -> None:
     """A decode step whose positions lie in runs of slots attends to long runs in place (as
     views) and to the gathered short rest, merged by log-sum-exp: the same as one gather."""
