@@ -49,6 +49,7 @@ from pipeserve.layers.attention import (
     KVPart,
     blockwise_prefill,
     merge_partials,
+    merge_partials_lse,
 )
 from pipeserve.scheduler.batch import ScheduledBatch
 from pipeserve.timeline import now, record_comm
@@ -612,7 +613,12 @@ class CpPlan:
         size, me, rows_per = self.ctx.size, self.ctx.rank, self.a_rows
         out = exchange.out
         nxt, prv = self.ctx.ranks[(me + 1) % size], self.ctx.ranks[(me - 1) % size]
-        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # per prompt segment, per block of its queries: the (output, lse) of each key block
+        parts: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {
+            i: [[] for _ in seg.query_blocks()]
+            for i, seg in enumerate(self.segments)
+            if not seg.decode
+        }
         for step in range(size):
             src = (me - step) % size
             held = out[src * rows_per : (src + 1) * rows_per]
@@ -629,42 +635,34 @@ class CpPlan:
                 record_comm("cp_kv_launch", start, attn.layer_id, held.nbytes, held.nbytes)
             for i, seg in enumerate(self.segments):
                 if not seg.decode:
-                    parts.setdefault(i, []).extend(self._ring_step(attn, q, seg, held, src))
+                    self._ring_step(attn, q, seg, held, src, parts[i])
             if works:
                 waited = now()
                 for w in works:
                     w.wait()
                 record_comm("cp_kv_wait", waited, attn.layer_id)
         merged = {}
-        for i, seg in enumerate(self.segments):
-            if seg.decode:
-                continue
-            n, heads, d = len(seg.rows), q.shape[1], q.shape[2]
-            o_all = q.new_zeros(n, heads, d, dtype=torch.float32)
-            lse_all = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
-            for local, o, lse in parts.get(i, []):  # (rows of the segment's, output, lse)
-                total = torch.logaddexp(lse_all[local], lse)
-                o_all[local] = (
-                    o_all[local] * torch.exp(lse_all[local] - total)[..., None]
-                    + o.float() * torch.exp(lse - total)[..., None]
-                )
-                lse_all[local] = total
-            merged[i] = (o_all, lse_all)
+        for i, per_block in parts.items():
+            blocks = [merge_partials_lse(block) for block in per_block]  # each sees itself
+            if not blocks:  # no queries of this segment here
+                empty = q.new_empty(0, *q.shape[1:], dtype=torch.float32)
+                blocks = [(empty, empty[..., 0])]
+            merged[i] = (torch.cat([o for o, _ in blocks]), torch.cat([x for _, x in blocks]))
         return merged
 
     def _ring_step(
-        self, attn: PagedAttention, q: torch.Tensor, seg: Segment, held: torch.Tensor, src: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        self,
+        attn: PagedAttention,
+        q: torch.Tensor,
+        seg: Segment,
+        held: torch.Tensor,
+        src: int,
+        parts: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    ) -> None:
         """This rank's query blocks of a segment against rank `src`'s key blocks (held):
-        (rows within the segment's rows, output, lse) per pair that sees anything."""
-        out = []
-        start = 0
-        for qs, qe in seg.blocks:
-            if qe == qs:
-                continue
-            local = torch.arange(start, start + qe - qs, device=q.device)
-            start += qe - qs
-            queries = q[seg.rows[local]]
+        appends to parts[b] the float32 (output, lse) of query block b per key block it sees."""
+        for block, (first, _, rows) in zip(parts, seg.query_blocks(), strict=True):
+            qs, queries = first - seg.prefix, q[rows]
             row = seg.peer_offsets[src]
             for ks, ke in seg.peer_blocks[src]:
                 kv = held[row : row + ke - ks]
@@ -675,9 +673,8 @@ class CpPlan:
                 if ks == qs:  # the same block: causal
                     o, lse = _chunk_partial(attn, queries, keys, values, 0)
                 else:  # entirely before
-                    o, lse = _unfold(attn, *_lse_attention(attn, queries, keys, values), qe - qs)
-                out.append((local, o, lse))
-        return out
+                    o, lse = _unfold(attn, *_lse_attention(attn, queries, keys, values), len(rows))
+                block.append((o.float(), lse))
 
     # ---- after the last layer --------------------------------------------------------
 
@@ -776,11 +773,7 @@ def _chunk_partial(
     vr = values[:, start:].repeat_interleave(group, dim=0)[None]
     o, lse = attention_with_lse(q_heads, kr, vr, True, attn.scale)
     parts.append((o[0].transpose(0, 1), lse[0].transpose(0, 1)))
-    if len(parts) == 1:
-        return parts[0]
-    lse_all = torch.stack([lse for _, lse in parts])
-    total = torch.logsumexp(lse_all, dim=0)
-    return merge_partials(parts), total
+    return merge_partials_lse(parts)
 
 
 def _causal(

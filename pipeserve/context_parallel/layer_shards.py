@@ -98,7 +98,7 @@ class LayerShards:
 
     def _count(self, delta: int) -> None:
         self.held_bytes += delta
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes) if delta > 0 else self.peak_bytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
 
 def _named_params(layer: nn.Module, names: list[str]) -> list[nn.Parameter]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeserve.scheduler.batch import Run
+from pipeserve.layers.attention import gather_index
+from pipeserve.scheduler.batch import Run, runs_prefix
 
 
 def global_pages(local_pages: int, cp_size: int) -> int:
@@ -34,28 +35,13 @@ class PageStriping:
     rank: int
     page_size: int
 
-    def owner(self, page: int) -> int:
-        return (page - 1) % self.cp_size
-
-    def slots_of(self, runs: list[Run], num: int, device: torch.device) -> torch.Tensor:
+    @staticmethod
+    def slots_of(runs: list[Run], num: int, device: torch.device) -> torch.Tensor:
         """[num] long: the (global) slot of each position in [0, num) along `runs`."""
-        if num == 0:
-            return torch.empty(0, dtype=torch.long, device=device)
-        starts, lengths = [], []
-        left = num
-        for start, length in runs:
-            n = min(length, left)
-            starts.append(start)
-            lengths.append(n)
-            left -= n
-            if left == 0:
-                break
-        if left:
+        used = runs_prefix(runs, num)
+        if sum(n for _, n in used) != num:
             raise ValueError(f"KV runs cover fewer than {num} positions")
-        run_len = torch.tensor(lengths, dtype=torch.long, device=device)
-        first = torch.cumsum(run_len, 0) - run_len
-        base = torch.tensor(starts, dtype=torch.long, device=device) - first
-        return torch.repeat_interleave(base, run_len) + torch.arange(num, device=device)
+        return gather_index([used], device)[0][0]
 
     def owners(self, slots: torch.Tensor) -> torch.Tensor:
         """The CP rank holding each global slot."""

@@ -326,11 +326,18 @@ def blockwise_prefill(
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine attention over disjoint key sets: weights exp(lse_i - lse_total)."""
+    return merge_partials_lse(parts)[0]
+
+
+def merge_partials_lse(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_partials` and the merged log-sum-exp (to merge the result again later)."""
     if len(parts) == 1:
-        return parts[0][0]
+        return parts[0]
     lse_all = torch.stack([lse for _, lse in parts])
     total = torch.logsumexp(lse_all, dim=0)
     out = torch.zeros_like(parts[0][0], dtype=torch.float32)
     for (o, _), lse in zip(parts, lse_all, strict=True):
         out += o.float() * torch.exp(lse - total)[..., None]
-    return out.to(parts[0][0].dtype)
+    return out.to(parts[0][0].dtype), total

@@ -63,8 +63,9 @@ class ForwardBatch:
             row, n = len(ids), s.num_tokens
             ids.extend(s.input_ids)
             positions.extend(range(s.prefix_len, s.prefix_len + n))
-            slots.extend(_tail_slots(s.kv_runs, n))
-            segments.append((row, n, s.prefix_len, s.kv_runs))
+            if cp is None:  # under CP the plan says where this rank's rows write and read
+                slots.extend(_tail_slots(s.kv_runs, n))
+                segments.append((row, n, s.prefix_len, s.kv_runs))
             if s.sample:
                 sample_rows.append(row + n - 1)
                 future_slots.append(s.future_slot)
@@ -77,7 +78,6 @@ class ForwardBatch:
         cp_plan = None
         if cp is not None:  # this rank's rows; its attention reads the cache through the plan
             cp_plan, ids, positions = CpPlan.build(batch, cp, device)
-            slots, segments = [], []
         if pool.latents:  # MLA reads the cache through latent segments, not a plan
             attn = AttentionPlan([], None)
             latent = [latent_segment(*seg, device) for seg in segments]

@@ -141,6 +141,7 @@ class ModelRunner:
         if config.model.enable_deterministic_inference:
             self._init_deterministic()
         self.cp = self._context_parallel() if self.state.cp_size > 1 else None
+        self.param_bytes = sum(p.nbytes for p in self.model.parameters())  # all held
         sharded = config.parallel.shard_linear_layers and self.state.cp_size > 1
         self.shards = self._shard_linear() if sharded else None
         self.model.layer_hooks = self.shards
@@ -165,8 +166,7 @@ class ModelRunner:
         linear's plan expects of it; without shard linear both are every parameter's)."""
         if self.shards is not None:
             return self.shards.peak_bytes, self.shards.expected_peak_bytes
-        total = sum(p.nbytes for p in self.model.parameters())
-        return total, total
+        return self.param_bytes, self.param_bytes
 
     def _context_parallel(self) -> CpContext:
         """This rank's context-parallel share of every batch (see pipeserve/context_parallel)."""

@@ -21,8 +21,9 @@ def test_global_pages_map_one_to_one_onto_the_ranks_pools(cp: int) -> None:
     seen = set()
     for g in range(1, total):
         s = PageStriping(cp, 0, page)
-        owner = s.owner(g)
+        owner = int(s.owners(torch.tensor([g * page]))[0])
         slot = int(s.local_slots(torch.tensor([g * page]))[0])
+        assert owner == (g - 1) % cp
         assert int(s.owners(torch.tensor([g * page + 3]))[0]) == owner
         assert slot % page == 0 and 1 <= slot // page < local  # never a rank's padding page
         seen.add((owner, slot // page))
