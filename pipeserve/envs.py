@@ -75,3 +75,10 @@ def dist_auth_key() -> str | None:
     """PIPESERVE_DIST_AUTH_KEY: the shared secret of a multi-node control plane, when
     --dist-auth-key is not given."""
     return os.environ.get("PIPESERVE_DIST_AUTH_KEY") or None
+
+
+def torch_profiler_dir() -> Path | None:
+    """PIPESERVE_TORCH_PROFILER_DIR: every model runner profiles its forwards per operation
+    and writes a table and a trace here when it closes (see pipeserve/op_profile)."""
+    raw = os.environ.get("PIPESERVE_TORCH_PROFILER_DIR")
+    return Path(raw) if raw else None

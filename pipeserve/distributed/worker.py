@@ -255,6 +255,8 @@ class StageWorker:
                 result = out.result or BatchResult(batch.batch_id, [], [], [])
                 self.channels.send_status("result", result)
         self.stream.close()
+        if isinstance(self.runner, ModelRunner):
+            self.runner.close()
 
     def _receive(self) -> None:
         """Fetch the next message while the current forward runs."""

@@ -208,6 +208,10 @@ class InProcessBackend(Backend):
     def timeline(self) -> list[Event]:
         return self.cpu.take() + self.runner.recorder.take()
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.runner.close()
+
     def expert_bytes_per_rank(self) -> int:
         return self.runner.expert_bytes()
 

@@ -47,6 +47,7 @@ from pipeserve.layers.linear import (
 )
 from pipeserve.layers.rotary import RopeScaling, apply_rotary, apply_rotary_part, mla_softmax_scale
 from pipeserve.models.arch import IndexerConfig, MLAConfig
+from pipeserve.op_profile import region
 
 if TYPE_CHECKING:
     from pipeserve.context_parallel.attention import CpPlan
@@ -171,8 +172,9 @@ class MLAttention(nn.Module):
         index_head_dim] with an indexer), written at each segment's new slots, then read at
         all its slots -> [tokens, hidden], all-reduced. native: expanded prompt chunks may run
         the compiled CPU prefill kernel (bfloat16)."""
-        q_latent = self.query_latent(x)
-        q = self.query(x, rope, q_latent)
+        with region("mla.query"):
+            q_latent = self.query_latent(x)
+            q = self.query(x, rope, q_latent)
         new = self.latent(x, rope)
         for seg in segments:
             cache[seg.new_slots] = new[seg.rows]
@@ -219,14 +221,17 @@ class MLAttention(nn.Module):
             if index_cache is not None:
                 index_cache[slots] = rows[:, width:]
 
-        exchange = plan.launch_rows(layer_id, new, cached)
-        q_latent = self.query_latent(x)
-        q = self.query(x, rope, q_latent)
+        with region("cp.launch"):
+            exchange = plan.launch_rows(layer_id, new, cached)
+        with region("mla.query"):
+            q_latent = self.query_latent(x)
+            q = self.query(x, rope, q_latent)
         index_q = index_w = None
         if self.indexer is not None:
             assert q_latent is not None
             index_q, index_w = self.indexer.queries(q_latent, rope), self.indexer.head_weights(x)
-        plan.finish(exchange, layer_id, write)
+        with region("cp.finish"):
+            plan.finish(exchange, layer_id, write)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
         for seg in plan.segments:
             rows_all = plan.segment_rows(seg, exchange)  # [prefix + length, width (+ index)]
@@ -322,16 +327,19 @@ class MLAttention(nn.Module):
         the queries at the last n of them; keep: optional [n, L] mask of readable keys
         -> [n, heads, v_head_dim]."""
         k, v = self.expand(kv)
-        return causal_attention(q, k, v, prefix_len, self.scale, keep, native)
+        with region("attention.kernel"):
+            return causal_attention(q, k, v, prefix_len, self.scale, keep, native)
 
     def expand(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached rows [L, latent_width] -> per-head keys [L, heads, qk_head_dim] (k_nope,
         then the shared k_rope) and values [L, heads, v_head_dim]."""
         m, h = self.mla, self.num_heads
         c, k_rope = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
-        up = self.kv_b_proj(c).view(kv.shape[0], h, m.qk_nope_head_dim + m.v_head_dim)
+        with region("mla.up_projection"):
+            up = self.kv_b_proj(c).view(kv.shape[0], h, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = up.split([m.qk_nope_head_dim, m.v_head_dim], -1)
-        return torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1)], dim=-1), v
+        with region("mla.expand_keys"):
+            return torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1)], dim=-1), v
 
     def absorbed(
         self,
@@ -382,7 +390,8 @@ class ExpandedKeys:
         self.pools: tuple[torch.Tensor, torch.Tensor, int] | None = None
         if native and k.dtype == torch.bfloat16:
             width = -(-max(k.shape[-1], self.dv) // 16) * 16  # the kernel's multiple of 16
-            k_pool, v_pool = (_pad(t, width).transpose(0, 1).contiguous() for t in (k, v))
+            with region("mla.key_pools"):
+                k_pool, v_pool = (_pad(t, width).transpose(0, 1).contiguous() for t in (k, v))
             self.pools = (k_pool, v_pool, width)
 
     def attend(
@@ -394,14 +403,15 @@ class ExpandedKeys:
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Queries of positions [first, end) over positions [0, end) -> [n, heads, dv]."""
-        if self.pools is None or keep is not None:
-            return causal_attention(q, self.k[:end], self.v[:end], first, scale, keep)
-        k_pool, v_pool, width = self.pools
-        kernel = native_prefill_kernel()
-        assert kernel is not None
-        runs = torch.tensor([[0, end]], dtype=torch.long)  # the kernel is CPU-only
-        out = kernel(_pad(q, width).contiguous(), k_pool, v_pool, runs, first, scale)
-        return out[..., : self.dv]
+        with region("attention.kernel"):
+            if self.pools is None or keep is not None:
+                return causal_attention(q, self.k[:end], self.v[:end], first, scale, keep)
+            k_pool, v_pool, width = self.pools
+            kernel = native_prefill_kernel()
+            assert kernel is not None
+            runs = torch.tensor([[0, end]], dtype=torch.long)  # the kernel is CPU-only
+            out = kernel(_pad(q, width).contiguous(), k_pool, v_pool, runs, first, scale)
+            return out[..., : self.dv]
 
 
 def absorb_max_queries(mla: MLAConfig) -> int:

@@ -25,6 +25,7 @@ from pipeserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from pipeserve.layers.moe import MoEBlock
 from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pipeserve.models.arch import ArchConfig
+from pipeserve.op_profile import region
 from pipeserve.runner.forward_batch import ForwardBatch
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -101,8 +102,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.attention_part(x, residual, rope, fb)
-        return self.mlp(x), residual
+        with region("attention"):
+            x, residual = self.attention_part(x, residual, rope, fb)
+        with region("mlp"):
+            return self.mlp(x), residual
 
     def attention_part(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, fb: ForwardBatch

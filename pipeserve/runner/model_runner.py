@@ -40,6 +40,7 @@ from pipeserve.layers.sampler import Sampler
 from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig, param_count, routed_expert_params
 from pipeserve.models.registry import build_model
+from pipeserve.op_profile import OpProfile
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.runner.kv_layout import build_kv_pool, kv_bytes_per_token
 from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch, runs_prefix
@@ -145,6 +146,8 @@ class ModelRunner:
         sharded = config.parallel.shard_linear_layers and self.state.cp_size > 1
         self.shards = self._shard_linear() if sharded else None
         self.model.layer_hooks = self.shards
+        name = f"s{self.state.pp_rank}r{self.state.stage_rank}"
+        self.op_profile = OpProfile.from_env(name, self.device)
 
     def _shard_linear(self) -> LayerShards:
         """Shard linear over the CP group (see pipeserve/context_parallel/layer_shards)."""
@@ -227,6 +230,19 @@ class ModelRunner:
     ) -> StageOutput:
         """Run this stage's layers on a prepared batch (on the compute stream). With a future
         map, placeholder input ids are resolved first and sampled tokens stored after."""
+        if self.op_profile is None:
+            return self._execute(batch, fb, hidden, residual, future)
+        with self.op_profile.step():
+            return self._execute(batch, fb, hidden, residual, future)
+
+    def _execute(
+        self,
+        batch: ScheduledBatch,
+        fb: ForwardBatch,
+        hidden: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        future: FutureMap | None,
+    ) -> StageOutput:
         start = now()
         if future is not None and self.state.is_first_stage:
             fb.input_ids = future.resolve(fb.input_ids)
@@ -256,6 +272,11 @@ class ModelRunner:
         held, expected = self.weight_bytes()
         self.recorder.add("weights", end, end, nbytes=held, nbytes_recv=expected)
         return StageOutput(hidden, residual, result)
+
+    def close(self) -> None:
+        """Write the per-operation profile, when one was asked for."""
+        if self.op_profile is not None:
+            self.op_profile.write()
 
     def _forward_two_batch(
         self,
