@@ -15,6 +15,7 @@ from pipeserve import envs
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DYNAMIC_CHUNKING_MODELS = ("prefix-quadratic", "quadratic")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 
 
 def _flag(default: Any, help: str, **extra: Any) -> Any:
@@ -59,6 +60,33 @@ class CacheConfig:
         "share of device memory for weights + KV cache (CPU: of RAM, split among local workers)",
     )
     disable_radix_cache: bool = _flag(False, "do not share KV of common prefixes")
+    enable_hierarchical_cache: bool = _flag(
+        False,
+        "HiCache: prefixes evicted from the device KV pool move to host memory (and from there "
+        "to --hicache-storage-dir) instead of being dropped, and a later hit loads them back",
+    )
+    hicache_ratio: float = _flag(
+        2.0,
+        "host-memory (L2) tier size, as a multiple of the device KV pool's pages (with "
+        "write-through it also holds copies of what is on the device: keep it above 1)",
+    )
+    hicache_write_policy: str = _flag(
+        "write_through",
+        "write_through: a cached prefix is copied to host memory soon after it is computed; "
+        "write_back: only when the device pool evicts it",
+        choices=HICACHE_WRITE_POLICIES,
+    )
+    hicache_storage_dir: str | None = _flag(
+        None,
+        "directory of the disk (L3) tier: one file per worker, its space reserved at start "
+        "and the file unlinked at once (nothing survives a restart)",
+    )
+    hicache_storage_ratio: float = _flag(
+        4.0, "disk (L3) tier size, as a multiple of the device KV pool's pages"
+    )
+    hicache_prefetch_threshold: int = _flag(
+        256, "a hit in the host or disk tier shorter than this many tokens is recomputed"
+    )
 
 
 DEFAULT_CHUNK_SIZE = 2048
@@ -416,6 +444,7 @@ def validate(config: EngineConfig) -> None:
             f"{', '.join(DYNAMIC_CHUNKING_MODELS)}",
         ),
         *_dynamic_chunking_checks(s),
+        *_hicache_checks(c, p),
         (
             p.tp_size > 0 and p.pp_size > 0 and p.ep_size > 0,
             "--tp-size, --pp-size and --ep-size must be positive",
@@ -464,6 +493,33 @@ def validate(config: EngineConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def _hicache_checks(c: CacheConfig, p: ParallelConfig) -> list[tuple[bool, str]]:
+    if not c.enable_hierarchical_cache:
+        return []
+    return [
+        (
+            not c.disable_radix_cache,
+            "--enable-hierarchical-cache extends the prefix cache: drop --disable-radix-cache",
+        ),
+        (c.hicache_ratio > 0, f"--hicache-ratio {c.hicache_ratio} must be positive"),
+        (
+            c.hicache_storage_ratio > 0,
+            f"--hicache-storage-ratio {c.hicache_storage_ratio} must be positive",
+        ),
+        (
+            c.hicache_write_policy in HICACHE_WRITE_POLICIES,
+            f"--hicache-write-policy {c.hicache_write_policy!r} is not one of "
+            f"{', '.join(HICACHE_WRITE_POLICIES)}",
+        ),
+        (c.hicache_prefetch_threshold >= 0, "--hicache-prefetch-threshold must be >= 0"),
+        (
+            p.cp_size == 1,
+            "--enable-hierarchical-cache with --cp-size > 1 is not built yet (each CP rank "
+            "holds a stripe of every page); use one or the other",
+        ),
+    ]
 
 
 def _dynamic_chunking_checks(s: SchedulerConfig) -> list[tuple[bool, str]]:

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from pipeserve.mem_cache.hicache import TIERS, CacheOp
 from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch, TwoBatchSplit
 from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.streams import StreamDelta
@@ -304,11 +305,12 @@ def encode_batch(b: ScheduledBatch) -> list[Any]:
         tbo,
         b.combine_blocks,
         _pack_ints(b.micro_batches),
+        [encode_cache_op(op) for op in b.cache_ops],
     ]
 
 
 def decode_batch(v: Any) -> ScheduledBatch:
-    batch_id, slices, released, stage_times, tbo, blocks, micro = _fields(v, 7, "batch")
+    batch_id, slices, released, stage_times, tbo, blocks, micro, ops = _fields(v, 8, "batch")
     return ScheduledBatch(
         _int(batch_id),
         _list(decode_slice, slices),
@@ -317,7 +319,23 @@ def decode_batch(v: Any) -> ScheduledBatch:
         _optional(_decode_split, tbo),
         _int(blocks),
         _ints(micro),
+        _list(decode_cache_op, ops),
     )
+
+
+def encode_cache_op(op: CacheOp) -> list[Any]:
+    return [op.src, op.dst, _pack_ints(op.src_pages), _pack_ints(op.dst_pages)]
+
+
+def decode_cache_op(v: Any) -> CacheOp:
+    src, dst, src_pages, dst_pages = _fields(v, 4, "cache op")
+    src, dst = _str(src), _str(dst)
+    if src not in TIERS or dst not in TIERS or src == dst:
+        raise _fail("cache op tiers", (src, dst))
+    pages = tuple(_ints(src_pages)), tuple(_ints(dst_pages))
+    if len(pages[0]) != len(pages[1]) or any(p < 1 for p in pages[0] + pages[1]):
+        raise _fail("cache op pages", pages)
+    return CacheOp(src, dst, *pages)
 
 
 def _decode_split(v: Any) -> TwoBatchSplit:

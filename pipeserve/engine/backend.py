@@ -29,6 +29,7 @@ from pipeserve.engine.overlap_loop import OverlapLoop
 from pipeserve.engine.pipeline_loop import PipelineLoop
 from pipeserve.engine.plain_loop import PlainLoop
 from pipeserve.engine.workers import WorkerError, WorkerSet
+from pipeserve.mem_cache.hicache import DISK, HOST, HiCache, tier_pages
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.batch import Run
@@ -49,7 +50,15 @@ def build_scheduler(
     context_len: int,
     max_batch_reqs: int | None = None,
 ) -> Scheduler:
-    kv = KVManager(num_pages, config.cache.page_size, config.cache.disable_radix_cache)
+    c = config.cache
+    hicache = None
+    if c.enable_hierarchical_cache:
+        host, disk = tier_pages(
+            num_pages, c.hicache_ratio, c.hicache_storage_ratio, c.hicache_storage_dir
+        )
+        write_through = c.hicache_write_policy == "write_through"
+        hicache = HiCache(c.page_size, host, disk, write_through, c.hicache_prefetch_threshold)
+    kv = KVManager(num_pages, c.page_size, c.disable_radix_cache, hicache)
     eos = tuple(sorted(set(arch.eos_token_ids) | set(tokenizer.eos_token_ids)))
     return Scheduler(
         config.scheduler,
@@ -62,6 +71,21 @@ def build_scheduler(
 
 
 log = logging.getLogger(__name__)
+
+
+def _tier_stats(kvs: list[KVManager]) -> dict[str, int]:
+    """HiCache's tiers summed over the attention ranks: tokens held and capacity per lower
+    tier, prefix tokens loaded back from each (none without HiCache)."""
+    out = {}
+    tiers = [kv.hicache for kv in kvs if kv.hicache is not None]
+    for tier in (HOST, DISK):
+        used = [t.tokens(tier) for t in tiers]
+        out[f"hicache_{tier}_tokens"] = sum(u for u, _ in used)
+        out[f"hicache_{tier}_capacity_tokens"] = sum(c for _, c in used)
+    out["hicache_loaded_host_tokens"] = sum(t.counters.loaded_host_tokens for t in tiers)
+    out["hicache_loaded_disk_tokens"] = sum(t.counters.loaded_disk_tokens for t in tiers)
+    out["hicache_backed_up_pages"] = sum(t.counters.backed_up_pages for t in tiers)
+    return out
 
 
 class Backend:
@@ -108,6 +132,7 @@ class Backend:
             "prefix_lookup_tokens": sum(kv.lookup_tokens for kv in kvs),
             # forward seconds per stage (of the busiest attention rank)
             "stage_busy_s": [max(t) for t in itertools.zip_longest(*busy, fillvalue=0.0)],
+            **_tier_stats(kvs),
         }
 
     def timeline(self) -> list[Event]:

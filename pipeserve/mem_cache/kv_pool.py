@@ -87,6 +87,12 @@ class KVPool:
             )
         return layer_id - self.first_layer
 
+    def slot_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """Every buffer of either layout with the dimension that indexes slots."""
+        return [(b, 1) for b in self.k + self.v] + [
+            (b, 0) for b in self.latents + self.index_key_bufs
+        ]
+
     def zero_slots(self, start: int, n: int) -> None:
         """Zeroes slots [start, start + n) in every buffer of either layout."""
         for buf in self.k + self.v:  # [kv_heads, slots, head_dim]

@@ -37,6 +37,8 @@ from pipeserve.layers import batch_invariant
 from pipeserve.layers.attention import NativeKernels
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler
+from pipeserve.mem_cache.hicache import tier_pages
+from pipeserve.mem_cache.tier_store import TierStore
 from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig, param_count, routed_expert_params
 from pipeserve.models.registry import build_model
@@ -121,7 +123,8 @@ class ModelRunner:
         self.model = build_model(arch, self.dtype, self.device)
         load_weights(self.model, model_path)
         self.model.eval()
-        page = config.cache.page_size
+        c = config.cache
+        page = c.page_size
         self.kv_pool = build_kv_pool(
             arch,
             num_pages * page,
@@ -148,6 +151,15 @@ class ModelRunner:
         self.model.layer_hooks = self.shards
         name = f"s{self.state.pp_rank}r{self.state.stage_rank}"
         self.op_profile = OpProfile.from_env(name, self.device)
+        self.tiers = self._tier_store(num_pages, name) if c.enable_hierarchical_cache else None
+
+    def _tier_store(self, num_pages: int, name: str) -> TierStore:
+        """HiCache's host (and disk) copies of this worker's part of the KV pool."""
+        c = self.config.cache
+        host, disk = tier_pages(
+            num_pages, c.hicache_ratio, c.hicache_storage_ratio, c.hicache_storage_dir
+        )
+        return TierStore(self.kv_pool, c.page_size, host, disk, c.hicache_storage_dir, name)
 
     def _shard_linear(self) -> LayerShards:
         """Shard linear over the CP group (see pipeserve/context_parallel/layer_shards)."""
@@ -244,6 +256,10 @@ class ModelRunner:
         future: FutureMap | None,
     ) -> StageOutput:
         start = now()
+        if batch.cache_ops:
+            if self.tiers is None:
+                raise ValueError("a batch carries cache-tier copies but HiCache is off here")
+            self.tiers.run(batch.cache_ops)
         if future is not None and self.state.is_first_stage:
             fb.input_ids = future.resolve(fb.input_ids)
         set_step_blocks(batch.combine_blocks)
@@ -274,9 +290,12 @@ class ModelRunner:
         return StageOutput(hidden, residual, result)
 
     def close(self) -> None:
-        """Write the per-operation profile, when one was asked for."""
+        """Write the per-operation profile, when one was asked for; give HiCache's disk
+        space back."""
         if self.op_profile is not None:
             self.op_profile.write()
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _forward_two_batch(
         self,

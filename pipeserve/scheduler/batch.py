@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeserve.mem_cache.hicache import CacheOp
 from pipeserve.scheduler.request import SamplingParams
 
 Run = tuple[int, int]  # (first KV slot, number of slots)
@@ -73,6 +74,8 @@ class ScheduledBatch:
     # attention-FFN disaggregation: slices per micro-batch, in order (some may be 0; every
     # rank runs as many); empty: one batch
     micro_batches: list[int] = field(default_factory=list)
+    # HiCache: copies between cache tiers every worker makes before this batch's forward
+    cache_ops: list[CacheOp] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipeserve.mem_cache.allocator import PageAllocator
-from pipeserve.mem_cache.radix_cache import RadixCache
+from pipeserve.mem_cache.hicache import CacheOp, HiCache
+from pipeserve.mem_cache.radix_cache import Node, RadixCache
 from pipeserve.scheduler.batch import Run
 from pipeserve.scheduler.request import Req, SamplingParams
 
@@ -28,10 +29,22 @@ def _append_runs(runs: list[Run], pages: list[int], page_size: int) -> None:
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, disable_radix_cache: bool) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        disable_radix_cache: bool,
+        hicache: HiCache | None = None,
+    ) -> None:
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages, headroom=max(1, GROWTH_ROOM_SLOTS // page_size))
-        self.tree = None if disable_radix_cache else RadixCache(page_size, self.allocator.free)
+        self.hicache = hicache
+        self.tree = (
+            None if disable_radix_cache else RadixCache(page_size, self.allocator.free, hicache)
+        )
+        if hicache is not None:
+            assert self.tree is not None, "the hierarchical cache needs the radix cache"
+            hicache.tree = self.tree
         self._runs: dict[str, list[Run]] = {}  # slot runs of each request's pages
         self.hit_tokens = 0  # prompt tokens served from the prefix cache
         self.lookup_tokens = 0  # prompt tokens looked up
@@ -55,12 +68,31 @@ class KVManager:
         self._runs[req.rid] = []
         if self.tree is None or req.wants_prompt_logprobs:
             return
-        pages, node = self.tree.match_prefix(req.seq[: req.seq_len - 1])
+        pages, node = self._match(req.seq[: req.seq_len - 1])
         self.tree.lock(node)
         req.last_node = node
         req.pages, req.cached_pages = list(pages), len(pages)
         req.kv_len = req.cached_tokens = len(pages) * self.page_size
         _append_runs(self._runs[req.rid], pages, self.page_size)
+
+    def _match(self, tokens: list[int]) -> tuple[list[int], Node]:
+        """The device pages of the longest cached prefix and the node where it ends, after
+        loading the part held only in lower tiers (HiCache) back to the device."""
+        assert self.tree is not None
+        if self.hicache is None:
+            return self.tree.match_prefix(tokens)
+        path = self.tree.match_path(tokens)
+        resident = next((i for i, n in enumerate(path) if not n.pages), len(path))
+        if resident < len(path):
+            self.tree.lock(path[-1])  # nothing on the path may leave while others make room
+            resident += self.hicache.load(path[resident:], self.allocator)
+            self.tree.unlock(path[-1])
+        path = path[:resident]
+        return [p for n in path for p in n.pages], path[-1] if path else self.tree.root
+
+    def take_cache_ops(self) -> list[CacheOp]:
+        """Copies between cache tiers for the batch being built (none without HiCache)."""
+        return self.hicache.take_ops() if self.hicache is not None else []
 
     def cached_prefix_tokens(self, tokens: list[int]) -> int:
         """How many leading tokens of a prompt the prefix cache holds now (a lookup only:
@@ -95,16 +127,19 @@ class KVManager:
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         req.last_node, req.cached_pages = node, full
+        if self.hicache is not None:
+            self.hicache.written(node)
 
-    def allocate(self, req: Req, num_tokens: int) -> bool:
+    def allocate(self, req: Req, num_tokens: int, copy_down: bool = True) -> bool:
         """Pages for `num_tokens` more tokens after req.kv_len (evicting cached prefixes if
-        needed). False, with nothing taken, when memory is short."""
+        needed; see RadixCache.evict for `copy_down`). False, with nothing taken, when memory
+        is short."""
         need = self.pages_for(req.kv_len + num_tokens) - len(req.pages)
         if need <= 0:
             return True
         short = need - self.allocator.num_free
         if short > 0 and self.tree is not None:
-            self.tree.evict(short)
+            self.tree.evict(short, copy_down)
         pages = self.allocator.alloc(need, after=req.pages[-1] if req.pages else None)
         if pages is None:
             return False
@@ -121,6 +156,8 @@ class KVManager:
             existing = self.tree.insert(tokens, req.pages[:full])
             self.allocator.free(req.pages[own_from:existing])  # duplicates of cached pages
             own_from = full
+            if self.hicache is not None and full:
+                self.hicache.written(self.tree.match_prefix(tokens)[1])
         self.allocator.free(req.pages[own_from:])
         if req.last_node is not None:
             assert self.tree is not None
@@ -133,7 +170,9 @@ class KVManager:
         that gives them back."""
         holder = Req("__lent__", [0], SamplingParams(max_new_tokens=0))
         self._runs[holder.rid] = []
-        if not self.allocate(holder, num_tokens):
+        # lent slots are written before the next batch's tier copies would run: nothing is
+        # copied down from them
+        if not self.allocate(holder, num_tokens, copy_down=False):
             self._runs.pop(holder.rid)
             raise ValueError(
                 f"{num_tokens} KV tokens are needed (e.g. for the dynamic chunking profile) but "

@@ -142,6 +142,7 @@ class Scheduler:
 
     def _new_batch(self, slices: list[ReqSlice]) -> ScheduledBatch:
         batch = ScheduledBatch(next(self._batch_ids), slices, self._released)
+        batch.cache_ops = self.kv.take_cache_ops()
         self._released = []
         if slices:
             self._batch_reqs[batch.batch_id] = [self.reqs[s.rid] for s in slices]

@@ -65,6 +65,24 @@ class Metrics:
             registry=r,
         )
         self.healthy = Gauge("pipeserve_healthy", "1 while every worker is alive", registry=r)
+        self.tier_tokens = Gauge(
+            "pipeserve_hicache_tokens",
+            "KV tokens held in a HiCache tier below the device (host, disk)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_capacity = Gauge(
+            "pipeserve_hicache_capacity_tokens",
+            "KV tokens a HiCache tier can hold (0: the tier is off)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_loaded = Gauge(
+            "pipeserve_hicache_loaded_tokens",
+            "prefix tokens loaded back to the device from a HiCache tier, since start",
+            ["tier"],
+            registry=r,
+        )
 
     def update(self, stats: dict[str, Any], healthy: bool) -> None:
         self.healthy.set(1 if healthy else 0)
@@ -81,6 +99,11 @@ class Metrics:
         self.hit_rate.set(stats["prefix_hit_tokens"] / lookups if lookups else 0.0)
         for stage, seconds in enumerate(stats.get("stage_busy_s", [])):
             self.stage_busy.labels(stage=str(stage)).set(seconds)
+        for tier in ("host", "disk"):
+            self.tier_tokens.labels(tier=tier).set(stats.get(f"hicache_{tier}_tokens", 0))
+            capacity = stats.get(f"hicache_{tier}_capacity_tokens", 0)
+            self.tier_capacity.labels(tier=tier).set(capacity)
+            self.tier_loaded.labels(tier=tier).set(stats.get(f"hicache_loaded_{tier}_tokens", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -232,7 +232,7 @@ def test_evict_does_not_walk_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
         if i >= 5:
             tree.lock(node)
             held.append(node)
-    monkeypatch.setattr(RadixCache, "_nodes", lambda self: pytest.fail("walked the tree"))
+    monkeypatch.setattr(RadixCache, "nodes", lambda self: pytest.fail("walked the tree"))
     tree.match_prefix([3, 1003])  # touched: now the most recently used of the five
     assert tree.evict(1) == 2 and freed == [0, 1]
     assert tree.evict(100) == 8 and freed[2:] == [2, 3, 4, 5, 8, 9, 6, 7]
