@@ -53,9 +53,7 @@ def build_scheduler(
     c = config.cache
     hicache = None
     if c.enable_hierarchical_cache:
-        host, disk = tier_pages(
-            num_pages, c.hicache_ratio, c.hicache_storage_ratio, c.hicache_storage_dir
-        )
+        host, disk = tier_pages(c, num_pages)
         write_through = c.hicache_write_policy == "write_through"
         hicache = HiCache(c.page_size, host, disk, write_through, c.hicache_prefetch_threshold)
     kv = KVManager(num_pages, c.page_size, c.disable_radix_cache, hicache)

@@ -87,6 +87,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
 
+def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """[first, end) of the KV heads a TP rank holds: an even share when there are at least as
+    many heads as ranks, else one head replicated over tp_size / num_kv_heads ranks."""
+    if num_kv_heads >= tp_size:
+        per = num_kv_heads // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    first = tp_rank * num_kv_heads // tp_size
+    return first, first + 1
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections. Query heads are split over TP ranks; KV heads too when
     there are at least as many as ranks, otherwise each rank keeps a replica of one."""
@@ -126,9 +136,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def _kv_head_start(self) -> int:
-        if self.total_kv_heads >= self.tp_size:
-            return self.tp_rank * self.num_kv_heads
-        return self.tp_rank * self.total_kv_heads // self.tp_size
+        return kv_heads_of_rank(self.total_kv_heads, self.tp_size, self.tp_rank)[0]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeserve.config import CacheConfig
 from pipeserve.mem_cache.allocator import PageAllocator
 from pipeserve.mem_cache.radix_cache import Node, RadixCache
 
@@ -81,9 +82,11 @@ class HiCache:
 
     # -- what the tree calls -------------------------------------------------------------
 
-    def keep(self, node: Node) -> bool:
+    def keep(self, node: Node, copy_down: bool) -> bool:
         if node.host is not None or node.disk is not None:
             return True
+        if not copy_down:
+            return False
         n = len(node.pages)
         host = self._take(HOST, n, node)
         if host is not None:
@@ -166,9 +169,9 @@ class HiCache:
 
     def tokens(self, tier: str) -> tuple[int, int]:
         """(used, capacity) of a lower tier, in tokens."""
-        alloc = self.host if tier == HOST else self.disk
-        if alloc is None:
+        if tier == DISK and self.disk is None:
             return 0, 0
+        alloc, _ = self._tier(tier)
         return (alloc.capacity - alloc.num_free) * self.page_size, alloc.capacity * self.page_size
 
     # -- inside ----------------------------------------------------------------------------
@@ -194,8 +197,7 @@ class HiCache:
 
     def _take(self, tier: str, n: int, exclude: Node) -> list[int] | None:
         """n pages of a lower tier, evicting its least recently used nodes for room."""
-        alloc = self.host if tier == HOST else self.disk
-        assert alloc is not None
+        alloc, _ = self._tier(tier)
         if n > alloc.capacity:
             return None
         if alloc.num_free < n:
@@ -203,10 +205,8 @@ class HiCache:
         return alloc.alloc(n)
 
     def _make_room(self, tier: str, short: int, exclude: Node) -> None:
-        alloc = self.host if tier == HOST else self.disk
-        assert alloc is not None
+        alloc, members = self._tier(tier)
         target = alloc.num_free + short
-        members = self.on_host if tier == HOST else self.on_disk
         while alloc.num_free < target:
             free = [n for n in members if n.lock_ref == 0 and n is not exclude]
             if not free:
@@ -238,26 +238,31 @@ class HiCache:
             self.counters.dropped_pages += len(pages)
             self.tree.remove(node)
 
+    def _tier(self, tier: str) -> tuple[PageAllocator, set[Node]]:
+        """A lower tier's page allocator and the nodes holding pages in it."""
+        if tier == HOST:
+            return self.host, self.on_host
+        assert self.disk is not None
+        return self.disk, self.on_disk
+
     def _pages(self, node: Node, tier: str) -> list[int] | None:
         return node.host if tier == HOST else node.disk
 
     def _free(self, node: Node, tier: str) -> None:
+        alloc, members = self._tier(tier)
+        pages = self._pages(node, tier)
+        assert pages is not None
+        alloc.free(pages)
         if tier == HOST:
-            assert node.host is not None
-            self.host.free(node.host)
             node.host = None
-            self.on_host.discard(node)
         else:
-            assert node.disk is not None and self.disk is not None
-            self.disk.free(node.disk)
             node.disk = None
-            self.on_disk.discard(node)
+        members.discard(node)
 
 
-def tier_pages(
-    device_pages: int, ratio: float, storage_ratio: float, storage_dir: str | None
-) -> tuple[int, int]:
+def tier_pages(cache: CacheConfig, device_pages: int) -> tuple[int, int]:
     """(host, disk) pages of the lower tiers for a device pool of `device_pages` pages (page 0
     of which is padding); the scheduler and every worker derive the same numbers."""
     usable = device_pages - 1
-    return int(ratio * usable), int(storage_ratio * usable) if storage_dir else 0
+    disk = int(cache.hicache_storage_ratio * usable) if cache.hicache_storage_dir else 0
+    return int(cache.hicache_ratio * usable), disk

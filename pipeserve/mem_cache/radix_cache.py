@@ -45,9 +45,9 @@ class Node:
 class LowerTiers(Protocol):
     """Where nodes leaving the device pool go (pipeserve/mem_cache/hicache.py)."""
 
-    def keep(self, node: Node) -> bool:
-        """Make sure the node's KV is held below the device (copying it down if needed);
-        False when it cannot be: the node is then dropped."""
+    def keep(self, node: Node, copy_down: bool) -> bool:
+        """Whether the node's KV is held below the device, copying it down first if needed
+        and `copy_down`; False: the node is then dropped."""
         ...
 
     def drop(self, node: Node) -> None:
@@ -197,8 +197,7 @@ class RadixCache:
         """Free a device-leaf's pages: it stays in the tree if a lower tier keeps its KV,
         else it goes with everything below it (held only in lower tiers)."""
         n = len(leaf.pages)
-        below = leaf.host is not None or leaf.disk is not None
-        kept = self.lower is not None and (below or (copy_down and self.lower.keep(leaf)))
+        kept = self.lower is not None and self.lower.keep(leaf, copy_down)
         self._free_pages(leaf.pages)
         leaf.pages = []
         self.evictable_pages -= n

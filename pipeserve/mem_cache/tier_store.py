@@ -39,7 +39,7 @@ class TierStore:
         self.page_size = page_size
         device = pool.slot_buffers()
         self.tiers: dict[str, Buffers] = {DEVICE: device}
-        pin = torch.cuda.is_available() and device[0][0].is_cuda
+        self.on_cuda = pin = device[0][0].is_cuda  # host pages pinned, copies synchronised
         host_slots = (host_pages + 1) * page_size
         # zeroed, so the memory is taken (and short memory found) at start, not by a copy
         self.tiers[HOST] = [
@@ -66,7 +66,7 @@ class TierStore:
     def copy(self, op: CacheOp) -> None:
         """Page runs consecutive on both sides (the allocators hand out runs) are copied as
         slices, in one pass each."""
-        known = set(self.tiers) | ({DISK} if self.disk is not None else set())
+        known = (*self.tiers, DISK) if self.disk is not None else tuple(self.tiers)
         if op.src not in known or op.dst not in known:
             raise ValueError(f"cache op {op.src} -> {op.dst}: this worker has no such tier")
         ps = self.page_size
@@ -81,7 +81,7 @@ class TierStore:
             for (src, dim), (dst, _) in zip(self.tiers[op.src], self.tiers[op.dst], strict=True):
                 for s, d, n in runs:
                     dst.narrow(dim, d, n).copy_(src.narrow(dim, s, n), non_blocking=True)
-        if any(b[0][0].is_cuda for b in self.tiers.values()):
+        if self.on_cuda:
             torch.cuda.current_stream().synchronize()  # pinned host pages may be reused next
 
 

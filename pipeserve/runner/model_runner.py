@@ -156,9 +156,7 @@ class ModelRunner:
     def _tier_store(self, num_pages: int, name: str) -> TierStore:
         """HiCache's host (and disk) copies of this worker's part of the KV pool."""
         c = self.config.cache
-        host, disk = tier_pages(
-            num_pages, c.hicache_ratio, c.hicache_storage_ratio, c.hicache_storage_dir
-        )
+        host, disk = tier_pages(c, num_pages)
         return TierStore(self.kv_pool, c.page_size, host, disk, c.hicache_storage_dir, name)
 
     def _shard_linear(self) -> LayerShards:

@@ -3,12 +3,12 @@ two sides run different layouts (prefill/decode disaggregation, spec 05).
 
 A side's layout is its pipeline stages' layer ranges and its TP size: a TP rank holds a
 contiguous range of KV heads of its stage's layers (a whole head replicated over
-tp_size / num_kv_heads ranks when TP exceeds the KV heads, as QKVParallelLinear shards
-them), and MLA's latent cache is whole on every TP rank. `plan` cuts every decode rank's
-needs (its layers x its heads) into pieces each held by one prefill rank (of replicas, the
-lowest TP rank), so every byte travels once per decode rank that needs it. `copy_pieces`
-carries a plan out between pools in one process: the reference a transfer backend sends
-the same slices for, and what the tests check the plan with.
+tp_size / num_kv_heads ranks when TP exceeds the KV heads: `kv_heads_of_rank`, as
+QKVParallelLinear shards them), and MLA's latent cache is whole on every TP rank. `plan`
+cuts every decode rank's needs (its layers x its heads) into pieces each held by one
+prefill rank (of replicas, the lowest TP rank), so every byte travels once per decode rank
+that needs it. `copy_pieces` carries a plan out between pools in one process: the reference
+a transfer backend sends the same slices for, and what the tests check the plan with.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeserve.layers.linear import kv_heads_of_rank
 from pipeserve.mem_cache.kv_pool import KVPool
 
 Rank = tuple[int, int]  # (pipeline stage, TP rank)
@@ -36,12 +37,7 @@ class SideLayout:
         """[first, end) of the global KV heads a TP rank holds ((0, 1) for the latent)."""
         if self.latent:
             return (0, 1)
-        total, tp = self.num_kv_heads, self.tp_size
-        if total >= tp:
-            per = total // tp
-            return (tp_rank * per, (tp_rank + 1) * per)
-        first = tp_rank * total // tp
-        return (first, first + 1)
+        return kv_heads_of_rank(self.num_kv_heads, self.tp_size, tp_rank)
 
     def holder(self, layer: int, head: int) -> Rank:
         """The lowest-ranked holder of one head of one layer."""
