@@ -326,6 +326,24 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     print(f"wrote {args.preset} to {path}")
 
 
+def cmd_router(args: argparse.Namespace) -> None:
+    from pipeserve.disaggregation.pd.router import run_router
+
+    try:
+        run_router(
+            args.prefill,
+            args.decode,
+            args.host,
+            args.port,
+            health_interval_s=args.health_interval,
+            request_timeout_s=args.request_timeout,
+            api_key=args.api_key,
+            max_request_bytes=args.max_request_bytes,
+        )
+    except ValueError as exc:
+        sys.exit(f"pipeserve router: {exc}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -438,6 +456,45 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     make.add_argument("--list", action="store_true", help="list the presets")
     make.set_defaults(func=cmd_make_model)
+
+    router = sub.add_parser(
+        "router",
+        help="prefill/decode disaggregation: one OpenAI API in front of prefill and decode servers",
+    )
+    router.add_argument(
+        "--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' base URLs"
+    )
+    router.add_argument(
+        "--decode", nargs="+", required=True, metavar="URL", help="decode servers' base URLs"
+    )
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=30000)
+    router.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (forwarded to the decode servers as is)",
+    )
+    router.add_argument(
+        "--health-interval",
+        type=float,
+        default=1.0,
+        help="seconds between /health probes of every server; a probe may take as long (at "
+        "least 0.5 s)",
+    )
+    router.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a decode server may stay silent, before its answer starts or between two "
+        "parts of it (then HTTP 504)",
+    )
+    router.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=64 * 2**20,
+        help="largest request body in bytes (64 MiB); larger ones get HTTP 413",
+    )
+    router.set_defaults(func=cmd_router)
     return parser
 
 

@@ -361,6 +361,36 @@ class ServerConfig:
     )
 
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    disaggregation_mode: str = _flag(
+        "null",
+        "prefill/decode disaggregation role: null (serve whole requests), prefill (compute "
+        "prompts and send their KV to the decode server named by each request) or decode "
+        "(reserve pages, receive KV, generate); put `pipeserve router` in front",
+        choices=DISAGGREGATION_MODES,
+    )
+    disaggregation_transfer_backend: str = _flag(
+        "tcp",
+        "KV transfer engine (tcp: ZeroMQ over TCP, local or between machines)",
+        choices=("tcp",),
+    )
+    disaggregation_host: str = _flag(
+        "127.0.0.1",
+        "decode side: the address its workers' KV receivers listen on and tell the prefill "
+        "side (an address the prefill servers can reach)",
+    )
+    disaggregation_transfer_timeout: float = _flag(
+        120.0,
+        "seconds a request's KV transfer may take (decode side, from reserving its pages) "
+        "and a send may wait for a receiver (prefill side); beyond, the request fails and "
+        "its pages are freed",
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -368,6 +398,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     @classmethod
     def from_flags(cls, **flags: Any) -> EngineConfig:
@@ -399,6 +430,7 @@ AREA_TYPES: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "server": ServerConfig,
+    "disaggregation": DisaggregationConfig,
 }
 FLAG_AREAS: dict[str, str] = {
     f.name: area for area, kind in AREA_TYPES.items() for f in dataclasses.fields(kind)
@@ -445,6 +477,7 @@ def validate(config: EngineConfig) -> None:
         ),
         *_dynamic_chunking_checks(s),
         *_hicache_checks(c, p),
+        *_disaggregation_checks(config),
         (
             p.tp_size > 0 and p.pp_size > 0 and p.ep_size > 0,
             "--tp-size, --pp-size and --ep-size must be positive",
@@ -519,6 +552,27 @@ def _hicache_checks(c: CacheConfig, p: ParallelConfig) -> list[tuple[bool, str]]
             "--enable-hierarchical-cache with --cp-size > 1 is not built yet (each CP rank "
             "holds a stripe of every page); use one or the other",
         ),
+    ]
+
+
+def _disaggregation_checks(config: EngineConfig) -> list[tuple[bool, str]]:
+    d, p = config.disaggregation, config.parallel
+    mode = d.disaggregation_mode
+    if mode == "null":
+        return [(mode in DISAGGREGATION_MODES, f"--disaggregation-mode {mode!r} is unknown")]
+    return [
+        (mode in DISAGGREGATION_MODES, f"--disaggregation-mode {mode!r} is unknown"),
+        (
+            p.cp_size == 1 and p.ep_size == 1 and not p.afd_enabled,
+            f"--disaggregation-mode {mode} runs PP x TP layouts; context, expert and "
+            "attention-FFN parallelism under disaggregation are not built yet",
+        ),
+        (
+            not p.enable_two_batch_overlap,
+            f"--disaggregation-mode {mode} with --enable-two-batch-overlap is not built yet "
+            "(the KV is sent layer by layer from the plain forward)",
+        ),
+        (d.disaggregation_transfer_timeout > 0, "--disaggregation-transfer-timeout must be > 0"),
     ]
 
 

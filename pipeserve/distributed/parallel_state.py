@@ -71,6 +71,7 @@ class ParallelState:
     # sharded CP: the CP ranks are also the expert-parallel ranks (ep_* describe them): each
     # rank's tokens are dispatched to the experts over the CP ranks (sequence-parallel MoE)
     sharded_cp: bool = False
+    partition: tuple[int, ...] = ()  # every stage's layer count; empty: one stage
 
     def __post_init__(self) -> None:
         if self.ep_size > 1 and self.tp_size > 1:
@@ -249,7 +250,8 @@ def set_stage_partition(partition: list[int]) -> ParallelState:
 
     from pipeserve.distributed.partition import stage_ranges
 
-    state = replace(_state, layers=stage_ranges(partition)[_state.pp_rank])
+    layers = stage_ranges(partition)[_state.pp_rank]
+    state = replace(_state, layers=layers, partition=tuple(partition))
     set_parallel_state(state)
     return state
 

@@ -117,3 +117,13 @@ def balanced_partition(
         sizes.append(hi - lo)
         hi = lo
     return sizes[::-1]
+
+
+def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """[first, end) of the KV heads a TP rank holds: an even share when there are at least as
+    many heads as ranks, else one head replicated over tp_size / num_kv_heads ranks."""
+    if num_kv_heads >= tp_size:
+        per = num_kv_heads // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    first = tp_rank * num_kv_heads // tp_size
+    return first, first + 1

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from pipeserve.disaggregation.pd.kv_remap import KVDestination
 from pipeserve.mem_cache.hicache import TIERS, CacheOp
 from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch, TwoBatchSplit
 from pipeserve.scheduler.request import SamplingParams
@@ -271,12 +272,13 @@ def encode_slice(s: ReqSlice) -> list[Any]:
         _pack_ints(s.logprob_targets),
         s.chunk_index,
         s.future_slot,
+        None if s.kv_dest is None else _plain_dict(s.kv_dest.to_json()),
     ]
 
 
 def decode_slice(v: Any) -> ReqSlice:
-    rid, ids, prefix, runs, sample, sampling, logprob, top, targets, chunk, slot = _fields(
-        v, 11, "request slice"
+    rid, ids, prefix, runs, sample, sampling, logprob, top, targets, chunk, slot, dest = _fields(
+        v, 12, "request slice"
     )
     return ReqSlice(
         _str(rid),
@@ -290,7 +292,15 @@ def decode_slice(v: Any) -> ReqSlice:
         _ints(targets),
         _int(chunk),
         _int(slot),
+        _optional(_decode_destination, dest),
     )
+
+
+def _decode_destination(v: Any) -> KVDestination:
+    try:
+        return KVDestination.from_json(_plain_dict(v))
+    except ValueError as exc:
+        raise _fail(str(exc), v) from None
 
 
 def encode_batch(b: ScheduledBatch) -> list[Any]:
@@ -503,6 +513,7 @@ READY_FIELDS = (
     "ep_rank",
     "expert_bytes",
     "tp_all_reduce",
+    "kv_endpoint",
 )
 
 
@@ -513,9 +524,18 @@ def _encode_ready(info: dict[str, Any]) -> list[Any]:
 
 
 def _decode_ready(v: Any) -> dict[str, Any]:
-    pages, partition, stage, tp_rank, ep_rank, expert_bytes, all_reduce = _fields(v, 7, "ready")
+    pages, partition, stage, tp_rank, ep_rank, expert_bytes, all_reduce, endpoint = _fields(
+        v, 8, "ready"
+    )
     ranks = (_int(stage), _int(tp_rank), _int(ep_rank))
-    values = (_int(pages), _ints(partition), *ranks, _int(expert_bytes), _str(all_reduce))
+    values = (
+        _int(pages),
+        _ints(partition),
+        *ranks,
+        _int(expert_bytes),
+        _str(all_reduce),
+        _str(endpoint),
+    )
     return dict(zip(READY_FIELDS, values, strict=True))
 
 
@@ -571,12 +591,18 @@ def decode_status(data: bytes) -> tuple[str, int, Any]:
 
 
 def encode_to_engine(msg: tuple[Any, ...]) -> bytes:
-    """("add", rid, input_ids, sampling dict, return_logprob, top_logprobs), ("abort", rid)
-    or ("shutdown",)."""
+    """("add", rid, input_ids, sampling dict, return_logprob, top_logprobs[, transfer]),
+    ("pd_reserve", rid, input_ids, sampling dict, return_logprob, top_logprobs),
+    ("pd_prefilled", rid, token, logprob, top pairs), ("abort", rid) or ("shutdown",)."""
     kind = msg[0]
-    if kind == "add" and len(msg) == 6:
-        _, rid, ids, params, return_logprob, top = msg
-        return _pack(["add", rid, _pack_ints(ids), _plain_dict(params), return_logprob, top])
+    if kind in ("add", "pd_reserve") and len(msg) in (6, 7):
+        _, rid, ids, params, return_logprob, top, *transfer = msg
+        extra = [_optional(_plain_dict, transfer[0] if transfer else None)]
+        body = [kind, rid, _pack_ints(ids), _plain_dict(params), return_logprob, top]
+        return _pack(body + (extra if kind == "add" else []))
+    if kind == "pd_prefilled" and len(msg) == 5:
+        _, rid, token, logprob, top = msg
+        return _pack([kind, rid, token, logprob, _pack_top([top])[0]])
     if (kind, len(msg)) in (("abort", 2), ("shutdown", 1)):
         return _pack(list(msg))
     raise WireError(f"not a message to the engine: {reprlib.repr(msg)}")
@@ -586,9 +612,15 @@ def encode_to_engine(msg: tuple[Any, ...]) -> bytes:
 def decode_to_engine(data: bytes) -> tuple[Any, ...]:
     msg = _unpack(data)
     kind = msg[0] if type(msg) is list and msg else None
-    if kind == "add":
-        _, rid, ids, params, return_logprob, top = _fields(msg, 6, "add")
-        return ("add", _str(rid), _ints(ids), _plain_dict(params), _bool(return_logprob), _int(top))
+    if kind in ("add", "pd_reserve"):
+        count = 7 if kind == "add" else 6
+        _, rid, ids, params, return_logprob, top, *transfer = _fields(msg, count, kind)
+        body = (_str(rid), _ints(ids), _plain_dict(params), _bool(return_logprob), _int(top))
+        extra = (_optional(_plain_dict, transfer[0]),) if transfer else ()
+        return (kind, *body, *extra)
+    if kind == "pd_prefilled":
+        _, rid, token, logprob, top = _fields(msg, 5, kind)
+        return (kind, _str(rid), _int(token), _float(logprob), _top([top])[0])
     if kind == "abort":
         return ("abort", _str(_fields(msg, 2, "abort")[1]))
     if kind == "shutdown":
@@ -602,6 +634,11 @@ FROM_ENGINE_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]
     "deltas": (lambda ds: [encode_delta(d) for d in ds], lambda v: _list(decode_delta, v)),
     "stats": (_plain_dict, _plain_dict),
     "fatal": (_encode_text, _str),
+    # a decode server's pages and room for a request: [rid, transfer destination]
+    "reserved": (
+        lambda v: [_str(v[0]), _plain_dict(v[1])],
+        lambda v: [_str(_fields(v, 2, "reserved")[0]), _plain_dict(v[1])],
+    ),
 }
 
 

@@ -95,6 +95,8 @@ def worker_main(args: WorkerArgs) -> None:
                 "ep_rank": state.ep_rank,
                 "expert_bytes": runner.expert_bytes(),
                 "tp_all_reduce": _all_reduce_kind(state),
+                # prefill/decode disaggregation, decode side: where this rank takes KV
+                "kv_endpoint": getattr(getattr(runner, "kv_receiver", None), "endpoint", ""),
             },
         )
         StageWorker(runner, state, channels, args).run()

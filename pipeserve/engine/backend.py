@@ -93,6 +93,7 @@ class Backend:
     scheduler: Scheduler | DataParallelScheduler  # takes the requests
     schedulers: list[Scheduler]  # one per attention rank (several under data-parallel attention)
     loop: PlainLoop | OverlapLoop | PipelineLoop
+    partition: list[int]  # layers per pipeline stage
     _profile_key: dict[str, Any]  # what a chunk-time profile of the stages depends on
 
     def __init__(self) -> None:
@@ -134,6 +135,11 @@ class Backend:
         }
 
     def timeline(self) -> list[Event]:
+        raise NotImplementedError
+
+    def kv_endpoints(self) -> tuple[str, ...]:
+        """Decode side of disaggregation: every rank's KV receiver, in (stage, TP rank)
+        order."""
         raise NotImplementedError
 
     def expert_bytes_per_rank(self) -> int:
@@ -191,6 +197,7 @@ class InProcessBackend(Backend):
         set_threads(threads)
         num_pages = kv_pool_pages(config, arch, local_workers=1)
         self.runner = ModelRunner(config, arch, model_path, num_pages)
+        self.partition = [arch.num_layers]
         self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
         self.schedulers = [self.scheduler]
         self.loop: PlainLoop | OverlapLoop = self._make_loop(config, threads, context_len)
@@ -230,6 +237,10 @@ class InProcessBackend(Backend):
 
     def timeline(self) -> list[Event]:
         return self.cpu.take() + self.runner.recorder.take()
+
+    def kv_endpoints(self) -> tuple[str, ...]:
+        assert self.runner.kv_receiver is not None, "not a decode server"
+        return (self.runner.kv_receiver.endpoint,)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -327,6 +338,9 @@ class WorkerBackend(Backend):
 
     def timeline(self) -> list[Event]:
         return self.cpu.take() + self.workers.collect_timeline()
+
+    def kv_endpoints(self) -> tuple[str, ...]:
+        return tuple(self.workers.info[r]["kv_endpoint"] for r in sorted(self.workers.info))
 
     def expert_bytes_per_rank(self) -> int:
         return max(i["expert_bytes"] for i in self.workers.info.values())

@@ -12,6 +12,7 @@ from typing import Any
 from pipeserve import kernels
 from pipeserve.config import EngineConfig
 from pipeserve.device import resolve_device, resolve_dtype
+from pipeserve.disaggregation.pd.kv_remap import SideLayout
 from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.presets import DEFAULT_PRESET, PRESETS, preset_path
@@ -134,6 +135,12 @@ class Engine:
                 p.apply(u)
                 left -= u.finish_reason is not None
         return [self._result(pending[r.rid]) for r in reqs]
+
+    def kv_layout(self) -> SideLayout:
+        """How this engine's ranks hold KV (prefill/decode disaggregation maps between two)."""
+        a = self.arch
+        tp = self.config.parallel.tp_size
+        return SideLayout.of(self.backend.partition, tp, a.num_kv_heads, a.mla is not None)
 
     def validate(self, req: Req) -> None:
         """Everything that could reject the request, checked before any request of a call is

@@ -14,6 +14,7 @@ from torch import nn
 
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pipeserve.distributed.partition import kv_heads_of_rank
 from pipeserve.layers import batch_invariant
 from pipeserve.model_loader import copy_into
 
@@ -85,16 +86,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.local_sizes[shard_id]
         offset = sum(self.local_sizes[:shard_id])
         copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
-
-
-def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """[first, end) of the KV heads a TP rank holds: an even share when there are at least as
-    many heads as ranks, else one head replicated over tp_size / num_kv_heads ranks."""
-    if num_kv_heads >= tp_size:
-        per = num_kv_heads // tp_size
-        return tp_rank * per, (tp_rank + 1) * per
-    first = tp_rank * num_kv_heads // tp_size
-    return first, first + 1
 
 
 class QKVParallelLinear(ColumnParallelLinear):

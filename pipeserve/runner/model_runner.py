@@ -30,6 +30,8 @@ from pipeserve.device import (
     total_memory,
 )
 from pipeserve.disaggregation.afd.micro_batches import split_micro_batches
+from pipeserve.disaggregation.pd.kv_remap import SideLayout
+from pipeserve.disaggregation.pd.transfer import KVReceiver, KVSender
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
@@ -152,6 +154,26 @@ class ModelRunner:
         name = f"s{self.state.pp_rank}r{self.state.stage_rank}"
         self.op_profile = OpProfile.from_env(name, self.device)
         self.tiers = self._tier_store(num_pages, name) if c.enable_hierarchical_cache else None
+        self._init_disaggregation()
+
+    def _init_disaggregation(self) -> None:
+        """Prefill/decode disaggregation: a prefill worker sends each layer's new KV from the
+        model's layer hook; a decode worker receives KV into its pool."""
+        d, state, a = self.config.disaggregation, self.state, self.arch
+        self.kv_sender: KVSender | None = None
+        self.kv_receiver: KVReceiver | None = None
+        if d.disaggregation_mode == "null":
+            return
+        partition = list(state.partition) or [a.num_layers]
+        layout = SideLayout.of(partition, state.tp_size, a.num_kv_heads, a.mla is not None)
+        me = (state.pp_rank, state.tp_rank)
+        if d.disaggregation_mode == "prefill":
+            layers = stage_layers(a.num_layers)
+            timeout = d.disaggregation_transfer_timeout
+            self.kv_sender = KVSender(self.kv_pool, layout, me, layers, timeout)
+            self.model.layer_hooks = self.kv_sender
+        else:
+            self.kv_receiver = KVReceiver(self.kv_pool, layout, me, d.disaggregation_host)
 
     def _tier_store(self, num_pages: int, name: str) -> TierStore:
         """HiCache's host (and disk) copies of this worker's part of the KV pool."""
@@ -261,6 +283,8 @@ class ModelRunner:
         if future is not None and self.state.is_first_stage:
             fb.input_ids = future.resolve(fb.input_ids)
         set_step_blocks(batch.combine_blocks)
+        if self.kv_sender is not None:
+            self.kv_sender.begin(batch)  # what the layer hook sends of this batch
         if batch.two_batch is not None:
             hidden, residual = self._forward_two_batch(batch, hidden, residual, future)
         elif batch.micro_batches:
@@ -294,6 +318,10 @@ class ModelRunner:
             self.op_profile.write()
         if self.tiers is not None:
             self.tiers.close()
+        if self.kv_sender is not None:
+            self.kv_sender.close()
+        if self.kv_receiver is not None:
+            self.kv_receiver.close()
 
     def _forward_two_batch(
         self,

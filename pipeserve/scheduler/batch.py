@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeserve.disaggregation.pd.kv_remap import KVDestination
 from pipeserve.mem_cache.hicache import CacheOp
 from pipeserve.scheduler.request import SamplingParams
 
@@ -42,6 +43,9 @@ class ReqSlice:
     # each of the first len(logprob_targets) positions of this slice
     chunk_index: int = -1  # prefill chunk number (-1: decode step)
     future_slot: int = 0  # overlap loop: ring slot the sampled token is written to (0: none)
+    # prefill/decode disaggregation, prefill side: the KV this chunk makes (the first chunk:
+    # from position 0, cached prefix included) goes there, layer by layer
+    kv_dest: KVDestination | None = None
 
     @property
     def num_tokens(self) -> int:

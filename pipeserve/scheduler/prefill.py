@@ -109,6 +109,7 @@ class PrefillManager:
             top_logprobs=req.top_logprobs,
             logprob_targets=_logprob_targets(req, start, n),
             chunk_index=req.num_chunks - 1,
+            kv_dest=req.kv_dest,
         )
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from pipeserve.disaggregation.pd.kv_remap import KVDestination
+
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (0, 2**63 - 1)
 # Limits on what one request may ask for (the HTTP layer checks the same ones).
@@ -176,6 +178,8 @@ class Req:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # prefill/decode disaggregation, prefill side: where the prompt's KV is sent
+    kv_dest: KVDestination | None = None
 
     @property
     def seq_len(self) -> int:

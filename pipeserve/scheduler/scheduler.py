@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeserve.config import SchedulerConfig
-from pipeserve.scheduler.batch import BatchResult, ReqSlice, ScheduledBatch
+from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch
 from pipeserve.scheduler.decode import DecodeManager
 from pipeserve.scheduler.dynamic_chunking import OnlineRefit
 from pipeserve.scheduler.kv_manager import KVManager
@@ -23,7 +23,7 @@ from pipeserve.scheduler.prefill import (
     ChunkSizer,
     PrefillManager,
 )
-from pipeserve.scheduler.request import Req
+from pipeserve.scheduler.request import Req, Status
 from pipeserve.scheduler.stop_matcher import StopStringWatch
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,36 @@ class Scheduler:
             req = self.reqs.get(s.rid)
             if req is not None:
                 req.future_slot = slot
+
+    # -- prefill/decode disaggregation, decode side ---------------------------------------
+
+    def reserve_transfer(self, req: Req) -> list[Run] | None:
+        """Pages for the prompt of a request another server prefills (its KV is written
+        there by the transfer); where they are, or None while memory is short. Until
+        `start_decoding` the request is not this scheduler's: it only holds the pages."""
+        n = len(req.input_ids)
+        reserve = self.decode.decode_reserve(DECODE_RESERVE_CLIP, DECODE_RESERVE_RATIO)
+        if n + reserve > self.kv.available_tokens() or not self.kv.allocate(req, n):
+            self.kv.release(req, cache=False)
+            return None
+        req.kv_len = n
+        return self.kv.kv_runs(req, n)
+
+    def drop_transfer(self, req: Req) -> None:
+        """Free the pages of a reserved request that will not decode here."""
+        self.kv.release(req, cache=False)
+
+    def start_decoding(
+        self, req: Req, token: int, logprob: float, top: list[tuple[int, float]]
+    ) -> RequestUpdate:
+        """A reserved request whose prompt KV has arrived, with the first token the prefill
+        side sampled: it runs from here like one this scheduler prefilled."""
+        if req.sampling.stop and self.detokenize is not None:
+            self._stop_watches[req.rid] = StopStringWatch(req.sampling.stop, self.detokenize)
+        self.reqs[req.rid] = req
+        req.status = Status.RUNNING
+        self.decode.running.append(req)
+        return self._append_token_or_fail(req, token, logprob, top)
 
     # -- results ------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeserve.config import EngineConfig
+from pipeserve.disaggregation.pd.http import PREFILL_HEADER, add_prefill_route
 from pipeserve.server import protocol as P
 from pipeserve.server.admission import Admission, Ticket
 from pipeserve.server.body_limit import BodySizeLimit
@@ -103,6 +104,8 @@ def create_app(state: ServerState) -> FastAPI:
     authorize = _authorizer(state.config.server.api_key)
     _add_info_routes(app, state, authorize)
     _add_generation_routes(app, state, authorize)
+    if state.config.disaggregation.disaggregation_mode == "prefill":
+        add_prefill_route(app, state, authorize)
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     return app
 
@@ -215,11 +218,17 @@ def _add_generation_routes(
             check_vocab(state, ids)
             top = body.logprobs or 0
             run = RequestRun(
-                state, ticket, ids, body.sampling(max_new), body.logprobs is not None, top
+                state,
+                ticket,
+                ids,
+                body.sampling(max_new),
+                body.logprobs is not None,
+                top,
+                request.headers.get(PREFILL_HEADER),
             )
         if body.stream:
             return _sse(run.stream_completion(body))
-        return await _until_done(request, run.complete_completion())
+        return await until_done(request, run.complete_completion())
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: P.ChatCompletionRequest, request: Request) -> Response:
@@ -233,10 +242,13 @@ def _add_generation_routes(
             max_new = max_new_tokens(state, body, len(ids), None, "messages")
             check_vocab(state, ids)
             top = body.top_logprobs or 0 if body.logprobs else 0
-            run = RequestRun(state, ticket, ids, body.sampling(max_new), body.logprobs, top)
+            prefill = request.headers.get(PREFILL_HEADER)
+            run = RequestRun(
+                state, ticket, ids, body.sampling(max_new), body.logprobs, top, prefill
+            )
         if body.stream:
             return _sse(run.stream_chat(body))
-        return await _until_done(request, run.complete_chat())
+        return await until_done(request, run.complete_chat())
 
 
 @contextlib.contextmanager
@@ -330,7 +342,7 @@ def _error_event(exc: ApiError | EngineFailed) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _until_done(request: Request, work: Any) -> Response:
+async def until_done(request: Request, work: Any) -> Response:
     """Await a non-streamed response; abort it if the client disconnects meanwhile (then
     nobody reads the answer: an empty 499, as proxies log a client that went away)."""
     task = asyncio.ensure_future(work)

@@ -9,7 +9,7 @@ import logging
 import multiprocessing as mp
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -27,6 +27,20 @@ SEND_NOW_TIMEOUT_S = 0.5
 
 class EngineFailed(RuntimeError):
     pass
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill server of a disaggregated request failed it (`invalid`: it rejected the
+    request itself, a 400)."""
+
+    def __init__(self, message: str, invalid: bool = False) -> None:
+        super().__init__(message)
+        self.invalid = invalid
+
+
+# a decode server's call to a prefill server: the KV destination in, the first token out
+# as (token, logprob, top logprobs)
+Prefill = Callable[[dict[str, Any]], Awaitable[tuple[int, float, list[tuple[int, float]]]]]
 
 
 class EngineClient:
@@ -50,6 +64,8 @@ class EngineClient:
         self.info: dict[str, Any] = {}
         self.failure: str | None = None
         self._reader: asyncio.Task[None] | None = None
+        # decode server of a disaggregated pair: requests waiting for their pages and room
+        self._reserved: dict[str, asyncio.Future[dict[str, Any]]] = {}
 
     @property
     def healthy(self) -> bool:
@@ -96,6 +112,10 @@ class EngineClient:
             self.stats = msg[1]
         elif kind == "ready":
             self.info = msg[1]
+        elif kind == "reserved":
+            waiter = self._reserved.get(msg[1][0])
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg[1][1])
         elif kind == "fatal":
             self._fail(msg[1])
 
@@ -113,18 +133,34 @@ class EngineClient:
             )
 
     async def generate(
-        self, input_ids: list[int], params: dict[str, Any], return_logprob: bool, top_logprobs: int
+        self,
+        input_ids: list[int],
+        params: dict[str, Any],
+        return_logprob: bool,
+        top_logprobs: int,
+        transfer: dict[str, Any] | None = None,
+        prefill: Prefill | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        """Deltas of one request until it finishes; aborts it if the caller stops listening."""
+        """Deltas of one request until it finishes; aborts it if the caller stops listening.
+        A prefill server's request may carry a KV `transfer` destination. On a decode
+        server, `prefill` runs the request's prompt on a prefill server (given where to send
+        the KV; it returns the first token) once this engine has reserved pages for it."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         rid = uuid.uuid4().hex
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self.queues[rid] = queue
         finished = False
+        args = (rid, input_ids, params, return_logprob, top_logprobs)
         try:
             try:
-                await self._send(("add", rid, input_ids, params, return_logprob, top_logprobs))
+                if prefill is None:
+                    await self._send(("add", *args, transfer))
+                else:
+                    failed = await self._prefill_elsewhere(args, queue, prefill)
+                    if failed is not None:  # the engine may still hold it: aborted below
+                        yield failed
+                        return
             except wire.WireError as exc:  # e.g. an integer beyond 64 bits
                 finished = True
                 yield StreamDelta(rid, finish_reason="error", error=f"invalid request: {exc}")
@@ -139,6 +175,33 @@ class EngineClient:
             self.queues.pop(rid, None)
             if not finished and self.failure is None:
                 await self._send(("abort", rid))
+
+    async def _prefill_elsewhere(
+        self, args: tuple[Any, ...], queue: asyncio.Queue[StreamDelta], prefill: Prefill
+    ) -> StreamDelta | None:
+        """Reserve pages here, have the prefill server compute the prompt into them, hand
+        its first token to this engine. An error delta if any of it fails (the request is
+        then aborted here by the caller's cleanup: its pages and room go)."""
+        rid = args[0]
+        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._reserved[rid] = waiter
+        try:
+            await self._send(("pd_reserve", *args))
+            rejected = asyncio.ensure_future(queue.get())
+            pending: set[asyncio.Future[Any]] = {waiter, rejected}
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if rejected.done():  # the engine refused it (an error delta)
+                return rejected.result()
+            rejected.cancel()
+        finally:
+            self._reserved.pop(rid, None)
+        try:
+            first = await prefill(waiter.result())
+        except PrefillFailed as exc:
+            kind = "invalid" if exc.invalid else "engine"
+            return StreamDelta(rid, finish_reason="error", error=str(exc), error_kind=kind)
+        await self._send(("pd_prefilled", rid, *first))
+        return None
 
     @property
     def num_active(self) -> int:

@@ -2,10 +2,17 @@
 worker processes), request intake and detokenization, so the HTTP event loop only moves
 bytes. Talks to the HTTP process over ZMQ ipc:// sockets in a private directory.
 
-Messages in:  ("add", rid, input_ids, sampling dict, return_logprob, top_logprobs),
-              ("abort", rid), ("shutdown",)
+Messages in:  ("add", rid, input_ids, sampling dict, return_logprob, top_logprobs,
+              transfer), ("abort", rid), ("shutdown",); prefill/decode disaggregation:
+              ("pd_reserve", rid, input_ids, sampling dict, return_logprob, top_logprobs)
+              and ("pd_prefilled", rid, token, logprob, top) on a decode server
 Messages out: ("ready", info), ("deltas", [StreamDelta]), ("stats", dict),
-              ("fatal", message)
+              ("fatal", message), ("reserved", [rid, destination]) on a decode server
+
+A prefill server's "add" may carry a transfer destination (the prompt's KV goes there as
+it is computed). A decode server's "pd_reserve" gets pages and a room (answered by
+"reserved", or by an error delta); "pd_prefilled" brings the first token the prefill server
+sampled; the request's deltas follow once its KV has arrived.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from typing import Any
 
 import zmq
 
+from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
+from pipeserve.disaggregation.pd.kv_remap import KVDestination, plan
+from pipeserve.disaggregation.pd.transfer import ReceiverControl
 from pipeserve.distributed import wire
 from pipeserve.lifetime import exit_with_parent
 from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, Req, SamplingParams
@@ -30,6 +40,7 @@ log = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.5
 IDLE_POLL_MS = 500
+TRANSFER_POLL_MS = 5
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,18 @@ class EngineLoop:
         self.last_stats = 0.0
         self.running = True
         self._lock = threading.Lock()
+        self.transfers = self._decode_transfers(engine)
+
+    @staticmethod
+    def _decode_transfers(engine: Any) -> DecodeTransfers | None:
+        d = engine.config.disaggregation
+        if d.disaggregation_mode != "decode":
+            return None
+        control = ReceiverControl(engine.backend.kv_endpoints())
+        scheduler = engine.backend.schedulers[0]
+        return DecodeTransfers(
+            scheduler, control, engine.kv_layout(), d.disaggregation_transfer_timeout
+        )
 
     def run(self) -> None:
         threading.Thread(target=self._watchdog, daemon=True).start()
@@ -91,6 +114,8 @@ class EngineLoop:
             while self.running:
                 self.backend.check_health()
                 self._intake(block=not self.backend.scheduler.has_work())
+                if self.transfers is not None:
+                    self._transfer_step(self.transfers)
                 if self.backend.scheduler.has_work():
                     self.step_started = time.monotonic()
                     updates = self.backend.step()
@@ -104,10 +129,22 @@ class EngineLoop:
             self._send(("fatal", f"engine failed: {exc}"))
             raise
         finally:
+            if self.transfers is not None:
+                self.transfers.shutdown()
             self.engine.shutdown()
 
+    def _transfer_step(self, transfers: DecodeTransfers) -> None:
+        for rid, dest in transfers.reserve():
+            self._send(("reserved", [rid, dest]))
+        self._emit(transfers.step())
+
     def _intake(self, block: bool) -> None:
-        timeout = IDLE_POLL_MS if block else 0
+        if not block:
+            timeout = 0
+        elif self.transfers is not None and self.transfers.active:
+            timeout = TRANSFER_POLL_MS  # KV arriving: look for its done notices often
+        else:
+            timeout = IDLE_POLL_MS
         while self.inbox.poll(timeout):
             try:
                 msg = wire.decode_to_engine(self.inbox.recv())
@@ -120,32 +157,66 @@ class EngineLoop:
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, input_ids, params, return_logprob, top = msg
-            self._add(rid, input_ids, params, return_logprob, top)
+            self._add(*msg[1:7])
+        elif kind == "pd_reserve":
+            rid, input_ids, params, return_logprob, top = msg[1:6]
+            self._add(rid, input_ids, params, return_logprob, top, reserve=True)
+        elif kind == "pd_prefilled":
+            if self.transfers is not None:
+                self.transfers.prefilled(*msg[1:])
         elif kind == "abort":
             self.streams.pop(msg[1], None)
-            self.backend.abort(msg[1])
+            if self.transfers is not None and msg[1] in self.transfers:
+                self.transfers.abort(msg[1])
+            else:
+                self.backend.abort(msg[1])
         elif kind == "shutdown":
             self.running = False
 
     def _add(
-        self, rid: str, input_ids: list[int], params: dict[str, Any], return_logprob: bool, top: int
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: dict[str, Any],
+        return_logprob: bool,
+        top: int,
+        transfer: dict[str, Any] | None = None,
+        reserve: bool = False,
     ) -> None:
-        """Admit a request; anything wrong with it (or any failure while admitting it) is
-        answered to that request alone."""
+        """Admit a request (on a decode server, `reserve`: queue it for pages its KV is sent
+        to); anything wrong with it (or any failure while admitting it) is answered to that
+        request alone."""
         submitted = False
         try:
             req = request_from_message(rid, input_ids, params, return_logprob, top)
             self.engine.validate(req)
-            self.backend.submit(req)
+            if transfer is not None:
+                req.kv_dest = self._destination(transfer)
+            if reserve:
+                if self.transfers is None:
+                    raise ValueError("not a decode server (--disaggregation-mode decode)")
+                self.transfers.add(req)
+            else:
+                self.backend.submit(req)
             submitted = True
             stream = OutputStream(rid, self.engine.tokenizer, req.sampling.stop, len(input_ids))
             self.streams[rid] = stream
         except Exception as exc:
-            if submitted:
+            if submitted and self.transfers is not None and rid in self.transfers:
+                self.transfers.abort(rid)
+            elif submitted:
                 self.backend.abort(rid)
             invalid = isinstance(exc, ValueError) and not submitted
             self._send(("deltas", [self._error_delta(rid, exc, invalid)]))
+
+    def _destination(self, transfer: dict[str, Any]) -> KVDestination:
+        """Where a prefill server sends a request's KV; ValueError unless this server is a
+        prefill server whose layers and heads map onto the decode side's."""
+        if self.engine.config.disaggregation.disaggregation_mode != "prefill":
+            raise ValueError("not a prefill server (--disaggregation-mode prefill)")
+        dest = KVDestination.from_json(transfer)
+        plan(self.engine.kv_layout(), dest.layout)  # raises on a model mismatch
+        return dest
 
     def _emit(self, updates: list[RequestUpdate]) -> None:
         deltas = [d for u in updates if (d := self._delta(u)) is not None]
@@ -182,7 +253,10 @@ class EngineLoop:
         if now - self.last_stats < STATS_EVERY_S:
             return
         self.last_stats = now
-        self._send(("stats", self.backend.stats()))
+        stats = self.backend.stats()
+        if self.transfers is not None:
+            stats |= self.transfers.stats()
+        self._send(("stats", stats))
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         with self._lock:

@@ -84,6 +84,32 @@ class Metrics:
             registry=r,
         )
 
+        self._init_disaggregation(r)
+
+    def _init_disaggregation(self, r: CollectorRegistry) -> None:
+        """A decode server's KV transfers (prefill/decode disaggregation)."""
+        self.pd_transfers = Gauge(
+            "pipeserve_pd_transfers",
+            "requests' KV transfers since start by outcome (done, failed), and now "
+            "(active: pages reserved, KV arriving; waiting: for pages)",
+            ["state"],
+            registry=r,
+        )
+        self.pd_bytes = Gauge(
+            "pipeserve_pd_transfer_bytes", "KV bytes received, since start", registry=r
+        )
+        self.pd_wire = Gauge(
+            "pipeserve_pd_transfer_wire_seconds",
+            "time the links spent carrying received KV (per request its slowest rank)",
+            registry=r,
+        )
+        self.pd_exposed = Gauge(
+            "pipeserve_pd_transfer_exposed_seconds",
+            "KV transfer time after the prefill side's last layer was computed (not hidden "
+            "behind prefill), since start",
+            registry=r,
+        )
+
     def update(self, stats: dict[str, Any], healthy: bool) -> None:
         self.healthy.set(1 if healthy else 0)
         if not stats:
@@ -104,6 +130,12 @@ class Metrics:
             capacity = stats.get(f"hicache_{tier}_capacity_tokens", 0)
             self.tier_capacity.labels(tier=tier).set(capacity)
             self.tier_loaded.labels(tier=tier).set(stats.get(f"hicache_loaded_{tier}_tokens", 0))
+        if "pd_transfers_done" in stats:
+            for state in ("done", "failed", "active", "waiting"):
+                self.pd_transfers.labels(state=state).set(stats[f"pd_transfers_{state}"])
+            self.pd_bytes.set(stats["pd_transfer_bytes"])
+            self.pd_wire.set(stats["pd_transfer_wire_s"])
+            self.pd_exposed.set(stats["pd_transfer_exposed_s"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

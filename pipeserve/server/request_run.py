@@ -10,6 +10,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from pipeserve.disaggregation.pd.http import prefill_call
 from pipeserve.server import protocol as P
 from pipeserve.server.admission import Ticket
 from pipeserve.server.engine_client import EngineFailed
@@ -34,9 +35,13 @@ class RequestRun:
         params: dict[str, Any],
         logprobs: bool,
         top: int,
+        prefill_url: str | None = None,
     ) -> None:
+        """`prefill_url`: a decode server's request whose prompt that prefill server
+        computes (prefill/decode disaggregation)."""
         self.state, self.ticket, self.ids, self.params = state, ticket, ids, params
         self.logprobs, self.top = logprobs, top
+        self.prefill_url = prefill_url
         self.id = P.new_id("cmpl")
         self.created = P.now()
         self.start = time.perf_counter()
@@ -46,7 +51,14 @@ class RequestRun:
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
         reason = "abort"  # unless the engine says how the request ended
-        deltas = self.state.client.generate(self.ids, self.params, self.logprobs, self.top)
+        prefill = None
+        if self.prefill_url is not None:
+            timeout = self.state.config.disaggregation.disaggregation_transfer_timeout
+            args = (self.ids, self.params, self.logprobs, self.top, timeout)
+            prefill = prefill_call(self.prefill_url, *args)
+        deltas = self.state.client.generate(
+            self.ids, self.params, self.logprobs, self.top, prefill=prefill
+        )
         gen = cast(AsyncGenerator[StreamDelta, None], deltas)  # an async generator function
         try:
             # closed here, not when collected: its finally drops the request from the engine

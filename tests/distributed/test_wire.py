@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
 from pipeserve.distributed import wire
 from pipeserve.distributed.wire import MsgType, WireError
 from pipeserve.scheduler.batch import BatchResult, ReqSlice, ScheduledBatch
@@ -26,6 +27,9 @@ SAMPLING = SamplingParams(
     max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, stop=("\n\n", "é"),
     stop_token_ids=(2, 151645), seed=2**63 - 1, ignore_eos=True,
 )
+DESTINATION = KVDestination(
+    "0f" * 16, ("tcp://10.0.0.2:5001", "tcp://10.0.0.2:5002"), SideLayout(((0, 4),), 2, 2)
+)
 BATCH = ScheduledBatch(
     batch_id=41,
     slices=[
@@ -33,6 +37,7 @@ BATCH = ScheduledBatch(
                  return_logprob=True, top_logprobs=3, logprob_targets=[6, 7], chunk_index=2),
         ReqSlice("b", [-3], 4, [(9, 5)], sample=True, sampling=SamplingParams(), future_slot=3),
         ReqSlice("profile", [1, 2], 0, [], sample=False),
+        ReqSlice("pd", [3, 4], 0, [(16, 2)], sample=False, chunk_index=0, kv_dest=DESTINATION),
     ],
     released=["old-1", "old-2"],
     stage_times=[0.012, 0.0131],
@@ -62,7 +67,8 @@ STAGE_MESSAGES: list[tuple[MsgType, wire.StageBody]] = [
 ]
 STATUS_MESSAGES: list[tuple[str, int, Any]] = [
     ("ready", 3, {"num_pages": 4096, "partition": [3, 1], "stage": 1, "tp_rank": 1,
-                  "ep_rank": 0, "expert_bytes": 1 << 20, "tp_all_reduce": "shared memory"}),
+                  "ep_rank": 0, "expert_bytes": 1 << 20, "tp_all_reduce": "shared memory",
+                  "kv_endpoint": "tcp://127.0.0.1:40001"}),
     ("result", 1, RESULT),
     ("heartbeat", 2, None),
     ("error", 0, "Traceback (most recent call last):\n  ...\nValueError: boom"),
@@ -72,7 +78,10 @@ STATUS_MESSAGES: list[tuple[str, int, Any]] = [
 SAMPLING_DICT = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
                  "min_p": 0.0, "stop": ["\n"], "seed": None, "ignore_eos": False}
 TO_ENGINE: list[tuple[Any, ...]] = [
-    ("add", "rid-1", [1, 2, 3], SAMPLING_DICT, True, 5),
+    ("add", "rid-1", [1, 2, 3], SAMPLING_DICT, True, 5, None),
+    ("add", "rid-2", [1], SAMPLING_DICT, False, 0, DESTINATION.to_json()),
+    ("pd_reserve", "rid-3", [1, 2], SAMPLING_DICT, False, 2),
+    ("pd_prefilled", "rid-3", 17, -0.5, [(17, -0.5), (3, -1.25)]),
     ("abort", "rid-1"),
     ("shutdown",),
 ]
@@ -82,6 +91,7 @@ FROM_ENGINE: list[tuple[str, Any]] = [
     ("stats", {"loop": "overlap", "overlap_schedule": True, "kv_pages_free": 10,
                "stage_busy_s": [0.5, 0.25]}),
     ("fatal", "engine failed: worker rank 1 exited with code -9"),
+    ("reserved", ["rid-3", DESTINATION.to_json()]),
 ]
 
 

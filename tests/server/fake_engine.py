@@ -89,7 +89,13 @@ class FakeEngine:
         pass
 
     def generate(
-        self, ids: list[int], params: dict[str, Any], logprobs: bool, top: int
+        self,
+        ids: list[int],
+        params: dict[str, Any],
+        logprobs: bool,
+        top: int,
+        transfer: Any = None,
+        prefill: Any = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """A request's deltas. The fake keeps every stream: only closing it, never the
         garbage collector, ends it (as with a server that holds on to it)."""

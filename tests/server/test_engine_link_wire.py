@@ -45,6 +45,7 @@ def test_garbage_and_pickles_on_the_engine_inbox_are_dropped(
     sender.connect("inproc://engine-inbox")
     loop = EngineLoop.__new__(EngineLoop)  # only the intake under test
     loop.inbox, loop.backend, loop.streams, loop.running = inbox, FakeBackend(), {}, True
+    loop.transfers = None  # not a decode server
     marker = tmp_path / "unpickled"
     try:
         sender.send(b"\x00\xffnot msgpack")

@@ -14,11 +14,14 @@ a transfer backend sends the same slices for, and what the tests check the plan 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+from pipeserve.distributed.partition import kv_heads_of_rank
 
-from pipeserve.layers.linear import kv_heads_of_rank
-from pipeserve.mem_cache.kv_pool import KVPool
+if TYPE_CHECKING:  # the plan is plain data (the scheduler carries it); only copy_pieces
+    import torch  # touches tensors
+
+    from pipeserve.mem_cache.kv_pool import KVPool
 
 Rank = tuple[int, int]  # (pipeline stage, TP rank)
 
@@ -29,6 +32,20 @@ class SideLayout:
     tp_size: int
     num_kv_heads: int  # the model's KV heads (ignored for the latent cache)
     latent: bool = False  # MLA: one latent row per token, whole on every TP rank
+
+    @classmethod
+    def of(cls, partition: list[int], tp_size: int, num_kv_heads: int, latent: bool) -> SideLayout:
+        """The layout of a side whose stages hold `partition` layers each."""
+        ends = [sum(partition[: i + 1]) for i in range(len(partition))]
+        ranges = tuple(zip([0, *ends[:-1]], ends, strict=True))
+        return cls(ranges, tp_size, num_kv_heads, latent)
+
+    def check(self) -> None:
+        """ValueError unless the stages cover layers 0.. in order and TP is positive."""
+        starts = [0] + [b for _, b in self.stage_layers[:-1]]
+        ordered = all(a == s and b > a for (a, b), s in zip(self.stage_layers, starts, strict=True))
+        if not (self.stage_layers and ordered and self.tp_size >= 1 and self.num_kv_heads >= 1):
+            raise ValueError(f"not a valid layout: {self}")
 
     def ranks(self) -> list[Rank]:
         return [(s, t) for s in range(len(self.stage_layers)) for t in range(self.tp_size)]
@@ -52,6 +69,42 @@ class Piece:
     dst: Rank
     layers: tuple[int, int]  # global [first, end)
     heads: tuple[int, int]  # global [first, end) KV heads ((0, 1): the latent)
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where one request's KV goes: the room the decode side opened, the receivers of its
+    ranks in `layout.ranks()` order, and its layout."""
+
+    room: str
+    endpoints: tuple[str, ...]
+    layout: SideLayout
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "room": self.room,
+            "endpoints": list(self.endpoints),
+            "stage_layers": [list(r) for r in lay.stage_layers],
+            "tp_size": lay.tp_size,
+            "num_kv_heads": lay.num_kv_heads,
+            "latent": lay.latent,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> KVDestination:
+        """ValueError names what is wrong (it arrives over HTTP)."""
+        try:
+            layers = tuple((int(a), int(b)) for a, b in d["stage_layers"])
+            layout = SideLayout(layers, int(d["tp_size"]), int(d["num_kv_heads"]), d["latent"])
+            dest = cls(str(d["room"]), tuple(str(e) for e in d["endpoints"]), layout)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed KV transfer destination: {exc!r}") from None
+        layout.check()
+        ranks = len(layout.stage_layers) * layout.tp_size  # not layout.ranks(): tp_size is
+        if len(dest.endpoints) != ranks or not isinstance(layout.latent, bool):  # untrusted
+            raise ValueError("a KV transfer destination needs one endpoint per decode rank")
+        return dest
 
 
 def plan(src: SideLayout, dst: SideLayout) -> list[Piece]:

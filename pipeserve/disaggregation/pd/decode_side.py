@@ -1,0 +1,160 @@
+"""The decode server's side of a disaggregated request, in its engine process: reserve the
+prompt's pages, open a room for them on every decode rank (the bootstrap the prefill side is
+told), and hand the request to the scheduler once both its KV (every rank's done notice)
+and its first token (the prefill server's answer) are in.
+
+Every way out frees what the request holds: an abort (the client or the prefill call gone)
+or a transfer that overruns the timeout closes the room on every rank first (so no late
+message can write into the pages) and then releases the pages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
+from pipeserve.disaggregation.pd.transfer import ReceiverControl, RoomStats, new_room
+from pipeserve.scheduler.request import Req
+from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
+
+Top = list[tuple[int, float]]
+
+
+@dataclass
+class _Pending:
+    req: Req
+    room: str
+    opened_at: float
+    first: tuple[int, float, Top] | None = None  # the prefill side's first token
+    kv: RoomStats | None = None  # set once every rank has all of the KV
+
+
+@dataclass
+class TransferTotals:
+    done: int = 0
+    failed: int = 0
+    nbytes: int = 0
+    wire_s: float = 0.0
+    exposed_s: float = 0.0
+
+    def stats(self, active: int, waiting: int) -> dict[str, Any]:
+        return {
+            "pd_transfers_done": self.done,
+            "pd_transfers_failed": self.failed,
+            "pd_transfers_active": active,
+            "pd_transfers_waiting": waiting,
+            "pd_transfer_bytes": self.nbytes,
+            "pd_transfer_wire_s": self.wire_s,
+            "pd_transfer_exposed_s": self.exposed_s,
+        }
+
+
+class DecodeTransfers:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        control: ReceiverControl,
+        layout: SideLayout,
+        timeout_s: float,
+    ) -> None:
+        self.scheduler, self.control, self.layout = scheduler, control, layout
+        self.timeout_s = timeout_s
+        self.waiting: deque[Req] = deque()  # no pages yet (memory short)
+        self.pending: dict[str, _Pending] = {}
+        self.totals = TransferTotals()
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.pending or any(r.rid == rid for r in self.waiting)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending or self.waiting)
+
+    def add(self, req: Req) -> None:
+        """Queue a request for pages; ValueError if it can never be served."""
+        if req.rid in self or req.rid in self.scheduler.reqs:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        self.scheduler.check_request(len(req.input_ids), req.sampling.max_new_tokens)
+        self.waiting.append(req)
+
+    def reserve(self) -> list[tuple[str, dict[str, Any]]]:
+        """Pages and a room for queued requests, in order, while memory lasts: (rid, the
+        destination the prefill side sends to) for each."""
+        out = []
+        while self.waiting:
+            req = self.waiting[0]
+            runs = self.scheduler.reserve_transfer(req)
+            if runs is None:
+                break
+            self.waiting.popleft()
+            room = new_room()
+            try:
+                self.control.open(room, runs, len(req.input_ids))
+            except BaseException:
+                self.scheduler.drop_transfer(req)
+                raise
+            self.pending[req.rid] = _Pending(req, room, time.monotonic())
+            dest = KVDestination(room, self.control.endpoints, self.layout)
+            out.append((req.rid, dest.to_json()))
+        return out
+
+    def prefilled(self, rid: str, token: int, logprob: float, top: Top) -> None:
+        p = self.pending.get(rid)
+        if p is not None:
+            p.first = (token, logprob, top)
+
+    def step(self) -> list[RequestUpdate]:
+        """Requests whose KV and first token are both in start decoding (their first token
+        is their first update); transfers past the timeout fail."""
+        for room, stats in self.control.poll():
+            p = next((p for p in self.pending.values() if p.room == room), None)
+            if p is not None:
+                p.kv = stats
+        updates = []
+        now = time.monotonic()
+        for rid, p in list(self.pending.items()):
+            if p.kv is not None and p.first is not None:
+                del self.pending[rid]
+                self._count(p.kv)
+                updates.append(self.scheduler.start_decoding(p.req, *p.first))
+            elif now - p.opened_at > self.timeout_s:
+                update = self._fail(rid, "error")
+                update.error = (
+                    f"the prompt's KV did not arrive within --disaggregation-transfer-timeout "
+                    f"{self.timeout_s:g}s"
+                )
+                updates.append(update)
+        return updates
+
+    def abort(self, rid: str) -> RequestUpdate | None:
+        """End a request still waiting for pages or KV (None if it is not here)."""
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.waiting.remove(req)
+            return RequestUpdate(rid, finish_reason="abort")
+        return self._fail(rid, "abort") if rid in self.pending else None
+
+    def _fail(self, rid: str, reason: str) -> RequestUpdate:
+        p = self.pending.pop(rid)
+        try:
+            self.control.close(p.room)  # no rank writes into the pages after this
+        finally:
+            self.scheduler.drop_transfer(p.req)
+        self.totals.failed += reason == "error"
+        return RequestUpdate(rid, finish_reason=reason)
+
+    def _count(self, s: RoomStats) -> None:
+        t = self.totals
+        t.done += 1
+        t.nbytes += s.nbytes
+        t.wire_s += s.wire_s
+        t.exposed_s += s.exposed_s
+
+    def stats(self) -> dict[str, Any]:
+        return self.totals.stats(len(self.pending), len(self.waiting))
+
+    def shutdown(self) -> None:
+        self.control.shutdown()

@@ -1,0 +1,128 @@
+"""A decode server's reserved requests (no model, a fake receiver control): pages are
+reserved in order while memory lasts; a request decodes only once both its KV and its first
+token are in (either order), from the first token on; an abort or a transfer past the
+timeout closes the room on the ranks before its pages are freed; nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeserve.config import SchedulerConfig
+from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
+from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
+from pipeserve.disaggregation.pd.transfer import RoomStats
+from pipeserve.scheduler.kv_manager import KVManager
+from pipeserve.scheduler.request import Req, SamplingParams
+from pipeserve.scheduler.scheduler import Scheduler
+
+PAGE, PAGES = 4, 33  # 32 usable pages: 128 tokens
+LAYOUT = SideLayout(((0, 2),), 1, 2)
+
+
+class FakeControl:
+    endpoints = ("tcp://127.0.0.1:1",)
+
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.open_rooms: dict[str, list] = {}
+        self.done: list[tuple[str, RoomStats]] = []
+        self.log: list[tuple[str, int]] = []  # (what, free pages at that moment)
+
+    def open(self, room: str, runs: list, num_tokens: int) -> None:
+        self.open_rooms[room] = runs
+
+    def close(self, room: str) -> None:
+        self.log.append(("close", self.kv.allocator.num_free))
+        del self.open_rooms[room]
+
+    def poll(self) -> list[tuple[str, RoomStats]]:
+        out, self.done = self.done, []
+        return out
+
+    def finish(self, rid: str, transfers: DecodeTransfers) -> None:
+        self.done.append((transfers.pending[rid].room, RoomStats(100, 0.5, 0.01)))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def setup(timeout_s: float = 60.0) -> tuple[Scheduler, FakeControl, DecodeTransfers]:
+    kv = KVManager(PAGES, PAGE, disable_radix_cache=False)
+    sched = Scheduler(SchedulerConfig(), kv, 4096, (0,))
+    control = FakeControl(kv)
+    return sched, control, DecodeTransfers(sched, control, LAYOUT, timeout_s)  # type: ignore[arg-type]
+
+
+def req(rid: str, n: int, max_new: int = 4) -> Req:
+    return Req(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new, temperature=0))
+
+
+def test_reserve_in_order_while_memory_lasts_and_tell_where() -> None:
+    sched, control, t = setup()
+    for rid, n in (("a", 40), ("b", 60), ("c", 40)):
+        t.add(req(rid, n))
+    reserved = t.reserve()
+    assert [rid for rid, _ in reserved] == ["a", "b"]  # c waits: 100 of 128 tokens taken
+    dest = KVDestination.from_json(reserved[0][1])
+    assert dest.layout == LAYOUT and dest.room in control.open_rooms
+    assert sum(n for _, n in control.open_rooms[dest.room]) == 40  # one slot per position
+    assert t.stats()["pd_transfers_waiting"] == 1 and t.stats()["pd_transfers_active"] == 2
+    with pytest.raises(ValueError, match="already in use"):
+        t.add(req("a", 4))
+
+
+@pytest.mark.parametrize("kv_first", [True, False])
+def test_decodes_once_kv_and_first_token_are_both_in(kv_first: bool) -> None:
+    sched, control, t = setup()
+    t.add(req("a", 40))
+    t.reserve()
+    if kv_first:
+        control.finish("a", t)
+    else:
+        t.prefilled("a", 7, -0.5, [])
+    assert t.step() == [] and "a" not in sched.reqs
+    if kv_first:
+        t.prefilled("a", 7, -0.5, [])
+    else:
+        control.finish("a", t)
+    (update,) = t.step()
+    assert update.new_token_ids == [7] and update.ttft is not None
+    batch = sched.schedule()
+    assert batch is not None and batch.slices[0].input_ids == [7]  # the first token, fed
+    assert batch.slices[0].prefix_len == 40  # after the prompt's transferred KV
+    assert t.stats()["pd_transfers_done"] == 1 and t.stats()["pd_transfer_bytes"] == 100
+
+
+def test_abort_closes_the_room_before_the_pages_go() -> None:
+    sched, control, t = setup()
+    free = sched.kv.allocator.num_free
+    t.add(req("a", 40))
+    t.reserve()
+    held = free - sched.kv.allocator.num_free
+    assert held == 10
+    t.abort("a")
+    assert control.log == [("close", free - held)]  # closed while the pages were still held
+    assert sched.kv.allocator.num_free == free and not control.open_rooms and not t.active
+
+
+def test_a_transfer_past_the_timeout_fails_and_frees_everything() -> None:
+    sched, control, t = setup(timeout_s=0.0)
+    free = sched.kv.allocator.num_free
+    t.add(req("a", 40))
+    t.add(req("b", 100))  # waits for pages, which a's failure gives back
+    t.reserve()
+    (update,) = t.step()
+    assert update.finish_reason == "error" and "did not arrive" in (update.error or "")
+    assert sched.kv.allocator.num_free == free and not control.open_rooms
+    assert t.stats()["pd_transfers_failed"] == 1
+    assert [rid for rid, _ in t.reserve()] == ["b"]
+
+
+def test_a_waiting_request_aborts_without_pages() -> None:
+    sched, control, t = setup()
+    t.add(req("a", 120))
+    t.add(req("b", 40))
+    t.reserve()
+    update = t.abort("b")
+    assert update is not None and update.finish_reason == "abort" and "b" not in t
+    assert t.abort("nobody") is None

@@ -1,0 +1,357 @@
+"""The prefill/decode router against fake upstream servers: small FastAPI apps under uvicorn
+on free localhost ports (each in a thread), no model. A fake decode server records what it
+received and answers as the request's `"fake"` field says."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pipeserve.disaggregation.pd.router import PREFILL_HEADER, create_router_app
+
+WAIT_S = 10.0  # longest any step may take: a hang fails fast
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn in a daemon thread, on a socket bound before start (so
+    no other process can take its port)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, args=([self.sock],), daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        wait_until(lambda: self.server.started, "the server to start")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(WAIT_S)
+        self.sock.close()
+
+
+class FakeDecode:
+    """A decode server's HTTP face. `fake` in a request body picks the answer: json (the
+    default), sse, sse_gated (the last event waits for `gate`), sse_break (the connection
+    breaks after one event), sse_hang (one event, then nothing until the client leaves),
+    json_hang (nothing until the client leaves) or bad (a 400)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.healthy = True
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        self.gate = threading.Event()
+        self.closed = threading.Event()  # an sse_hang stream was cancelled or closed
+        self.app = FastAPI()
+        self.app.get("/health")(self.health)
+        self.app.get("/v1/models")(self.models)
+        self.app.post("/v1/completions")(self.complete)
+        self.app.post("/v1/chat/completions")(self.complete)
+
+    async def health(self) -> Response:
+        return Response(status_code=200 if self.healthy else 503)
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        self.received.append((dict(request.headers), b""))
+        return {"object": "list", "data": [{"id": self.name, "object": "model"}]}
+
+    async def complete(self, request: Request) -> Response:
+        body = await request.body()
+        self.received.append((dict(request.headers), body))
+        fake = json.loads(body).get("fake", "json")
+        if fake == "bad":
+            error = {"error": {"message": "prompt: bad", "type": "invalid_request_error"}}
+            return JSONResponse(error, status_code=400)
+        if fake == "json":
+            return JSONResponse({"server": self.name, "path": request.url.path})
+        if fake == "json_hang":
+            return await self._until_client_leaves(request)
+        return StreamingResponse(self._events(fake), media_type="text/event-stream")
+
+    async def _until_client_leaves(self, request: Request) -> Response:
+        """A non-streamed answer that never comes: waits for the client to disconnect."""
+        deadline = time.monotonic() + WAIT_S * 3
+        while not await request.is_disconnected() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.closed.set()
+        return Response(status_code=499)
+
+    async def _events(self, fake: str) -> AsyncIterator[str]:
+        yield f"data: {json.dumps({'server': self.name, 'n': 0})}\n\n"
+        if fake == "sse_break":
+            raise RuntimeError("the decode server died")
+        if fake == "sse_hang":
+            try:
+                await asyncio.sleep(WAIT_S * 3)
+            finally:
+                self.closed.set()
+        if fake == "sse_gated":
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
+        yield f"data: {json.dumps({'server': self.name, 'n': 1})}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def prefill_app(state: dict[str, bool]) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state["healthy"] else 503)
+
+    return app
+
+
+def wait_until(ready: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {WAIT_S} s for {what}")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[ServerThread]:
+    server = ServerThread(app).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Setup:
+    """One prefill server, `decodes` fake decode servers, and a router in front of them."""
+
+    def __init__(self, stack: contextlib.ExitStack, decodes: int, **router: Any) -> None:
+        self.prefill_state = {"healthy": True}
+        self.prefill = stack.enter_context(serving(prefill_app(self.prefill_state)))
+        self.fakes = [FakeDecode(f"d{i}") for i in range(decodes)]
+        self.decodes = [stack.enter_context(serving(f.app)) for f in self.fakes]
+        urls = [d.url for d in self.decodes]
+        app = create_router_app([self.prefill.url], urls, **{"health_interval_s": 0.2, **router})
+        self.router = stack.enter_context(serving(app))
+        self.client = stack.enter_context(httpx.Client(base_url=self.router.url, timeout=5.0))
+
+    def complete(self, fake: str = "json", **kw: Any) -> httpx.Response:
+        return self.client.post("/v1/completions", json={"prompt": "hi", "fake": fake}, **kw)
+
+    def wait_health(self, role: str, url: str, healthy: bool) -> dict[str, Any]:
+        def seen() -> bool:
+            return self.client.get("/health").json()[role][url] is healthy
+
+        wait_until(seen, f"the router to see {url} {'healthy' if healthy else 'unhealthy'}")
+        return self.client.get("/health").json()
+
+
+@pytest.fixture
+def setup() -> Iterator[Callable[..., Setup]]:
+    with contextlib.ExitStack() as stack:
+        yield lambda decodes=1, **router: Setup(stack, decodes, **router)
+
+
+def sse_events(response: httpx.Response) -> Iterator[str]:
+    """The `data:` payloads of a streamed response, as they arrive."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield line.removeprefix("data: ")
+
+
+@pytest.mark.timeout(60)
+def test_json_completion_is_relayed_with_the_prefill_url(setup: Callable[..., Setup]) -> None:
+    s = setup(health_interval_s=30.0)  # only the startup probe: the router routes at once
+    body = b'{"prompt":  "h\\u00e9llo",\n "fake": "json"}'
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer upstream-key"}
+    answer = s.client.post("/v1/chat/completions", content=body, headers=headers)
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.json() == {"server": "d0", "path": "/v1/chat/completions"}
+    [(received_headers, received_body)] = s.fakes[0].received
+    assert received_body == body
+    assert received_headers[PREFILL_HEADER.lower()] == s.prefill.url
+    assert received_headers["authorization"] == "Bearer upstream-key"
+    assert received_headers["content-type"] == "application/json"
+
+
+@pytest.mark.timeout(60)
+def test_sse_is_relayed_event_by_event(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    body = {"prompt": "hi", "fake": "sse_gated"}
+    with s.client.stream("POST", "/v1/completions", json=body) as answer:
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(answer)
+        # the fake holds its last event back until the gate opens: a router that buffered
+        # the body would let this read time out
+        assert json.loads(next(events)) == {"server": "d0", "n": 0}
+        s.fakes[0].gate.set()
+        assert [json.loads(e) if e != "[DONE]" else e for e in events] == [
+            {"server": "d0", "n": 1},
+            "[DONE]",
+        ]
+
+
+@pytest.mark.timeout(60)
+def test_decode_servers_take_turns(setup: Callable[..., Setup]) -> None:
+    s = setup(decodes=2)
+    assert [s.complete().json()["server"] for _ in range(4)] == ["d0", "d1", "d0", "d1"]
+    assert all(h[PREFILL_HEADER.lower()] == s.prefill.url for f in s.fakes for h, _ in f.received)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_failing_its_health_probe_is_skipped(setup: Callable[..., Setup]) -> None:
+    s = setup(decodes=2)
+    s.fakes[1].healthy = False
+    health = s.wait_health("decode", s.decodes[1].url, False)
+    assert health["status"] == "ok"
+    assert health["decode"] == {s.decodes[0].url: True, s.decodes[1].url: False}
+    assert [s.complete().json()["server"] for _ in range(3)] == ["d0"] * 3
+    s.fakes[1].healthy = True
+    s.wait_health("decode", s.decodes[1].url, True)
+    assert {s.complete().json()["server"] for _ in range(2)} == {"d0", "d1"}
+
+
+@pytest.mark.timeout(60)
+def test_no_healthy_decode_server_is_a_503(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    s.fakes[0].healthy = False
+    s.wait_health("decode", s.decodes[0].url, False)
+    health = s.client.get("/health")
+    assert health.status_code == 503
+    assert health.json() == {
+        "status": "unhealthy",
+        "prefill": {s.prefill.url: True},
+        "decode": {s.decodes[0].url: False},
+    }
+    answer = s.complete()
+    assert answer.status_code == 503
+    assert int(answer.headers["retry-after"]) >= 1
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "no healthy decode server" in error["message"]
+    assert "prefill" not in error["message"]
+    assert s.fakes[0].received == []
+
+
+@pytest.mark.timeout(60)
+def test_no_healthy_prefill_server_is_a_503(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    s.prefill_state["healthy"] = False
+    s.wait_health("prefill", s.prefill.url, False)
+    answer = s.complete()
+    assert answer.status_code == 503
+    assert "no healthy prefill server" in answer.json()["error"]["message"]
+    assert s.fakes[0].received == []
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_decode_server_leaves_the_rotation_at_once(
+    setup: Callable[..., Setup],
+) -> None:
+    s = setup(decodes=2, health_interval_s=30.0)  # no probe will notice: the request must
+    s.decodes[0].stop()
+    answer = s.complete()
+    assert answer.status_code == 503
+    assert "retry-after" in answer.headers
+    assert s.decodes[0].url in answer.json()["error"]["message"]
+    assert s.client.get("/health").json()["decode"][s.decodes[0].url] is False
+    assert [s.complete().json()["server"] for _ in range(2)] == ["d1", "d1"]
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_that_breaks_ends_with_an_error_event(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    with s.client.stream("POST", "/v1/completions", json={"fake": "sse_break"}) as answer:
+        assert answer.status_code == 200
+        events = list(sse_events(answer))
+    assert json.loads(events[0]) == {"server": "d0", "n": 0}
+    assert "broke off" in json.loads(events[1])["error"]["message"]
+    assert events[2:] == ["[DONE]"]
+    metrics = s.client.get("/metrics").text
+    assert "pipeserve_router_errors_total 1.0" in metrics
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_leaves_closes_the_upstream_stream(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    with s.client.stream("POST", "/v1/completions", json={"fake": "sse_hang"}) as answer:
+        assert json.loads(next(sse_events(answer))) == {"server": "d0", "n": 0}
+    assert s.fakes[0].closed.wait(WAIT_S), "the decode server's stream was never closed"
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_leaves_before_the_answer_aborts_the_upstream_request(
+    setup: Callable[..., Setup],
+) -> None:
+    s = setup()
+    with pytest.raises(httpx.ReadTimeout):
+        s.complete("json_hang", timeout=0.5)
+    assert s.fakes[0].closed.wait(WAIT_S), "the decode server never saw the client leave"
+
+
+@pytest.mark.timeout(60)
+def test_the_api_key_is_checked_and_forwarded(setup: Callable[..., Setup]) -> None:
+    s = setup(api_key="secret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic secret"}):
+        answer = s.complete(headers=headers)
+        assert answer.status_code == 401
+        assert answer.json()["error"]["type"] == "authentication_error"
+    assert s.client.get("/v1/models").status_code == 401
+    assert s.fakes[0].received == []
+    assert s.complete(headers={"Authorization": "bearer secret"}).status_code == 200
+    assert s.fakes[0].received[0][0]["authorization"] == "bearer secret"
+
+
+@pytest.mark.timeout(60)
+def test_an_upstream_error_is_relayed_as_is(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    answer = s.complete("bad")
+    assert answer.status_code == 400
+    assert answer.json() == {"error": {"message": "prompt: bad", "type": "invalid_request_error"}}
+
+
+@pytest.mark.timeout(60)
+def test_a_body_over_the_limit_is_a_413(setup: Callable[..., Setup]) -> None:
+    s = setup(max_request_bytes=1000)
+    answer = s.client.post("/v1/completions", json={"prompt": "x" * 2000})
+    assert answer.status_code == 413
+    assert answer.json()["error"]["code"] == "request_too_large"
+    assert s.fakes[0].received == []
+
+
+@pytest.mark.timeout(60)
+def test_models_are_proxied_and_metrics_rendered(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    models = s.client.get("/v1/models", headers={"Authorization": "Bearer k"})
+    assert models.json()["data"][0]["id"] == "d0"
+    assert s.fakes[0].received[0][0]["authorization"] == "Bearer k"
+    s.complete()
+    metrics = s.client.get("/metrics").text
+    assert f'pipeserve_router_server_healthy{{role="prefill",url="{s.prefill.url}"}} 1.0' in metrics
+    assert f'pipeserve_router_server_healthy{{role="decode",url="{s.decodes[0].url}"}} 1.0' in (
+        metrics
+    )
+    assert "pipeserve_router_requests_total 1.0" in metrics
+    assert "pipeserve_router_errors_total 0.0" in metrics
+
+
+def test_bad_settings_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="--decode 'localhost:1' is not a URL"):
+        create_router_app(["http://127.0.0.1:1"], ["localhost:1"])
+    with pytest.raises(ValueError, match="--prefill needs at least one"):
+        create_router_app([], ["http://127.0.0.1:1"])
