@@ -43,7 +43,7 @@ ADDR0, ADDR1 = "10.124.0.1", "10.124.0.2"
 
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(10, 30000) for _ in range(n)]
+    return [rng.randrange(10, 8000) for _ in range(n)]  # within every preset's vocabulary
 
 
 # -- processes ------------------------------------------------------------------------------
@@ -116,11 +116,23 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def transfers_done(url: str, n: int) -> dict[str, float]:
+    """The decode server's metrics once they count `n` transfers done (they refresh twice a
+    second)."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(url)
+        if m.get('pipeserve_pd_transfers{state="done"}', 0) >= n or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
 def complete(url: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     start = time.perf_counter()
     r = httpx.post(url + "/v1/completions", json=body, timeout=3600)
-    r.raise_for_status()
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
     return {"seconds": time.perf_counter() - start, "body": r.json()}
 
 
@@ -136,6 +148,8 @@ def stream_gaps(url: str, prompt: list[int], max_tokens: int, stop: threading.Ev
     }
     times = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 times.append(time.perf_counter())
@@ -161,9 +175,9 @@ def transfer(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         lambda: router(p_url, d_url, 8200, log_dir / "router.log"),
     ):
         complete(r_url, tokens(64, 0), 1)  # warm up both sides and the link
-        before = metrics(d_url)
+        before = transfers_done(d_url, 1)
         pd = complete(r_url, tokens(args.input_len, 1), 1)
-        after = metrics(d_url)
+        after = transfers_done(d_url, 2)
         colocated = complete(p_url, tokens(args.input_len, 2), 1)
     delta = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("pipeserve_pd_")}
     wire, exposed = (
@@ -250,16 +264,18 @@ def gaps_stats(times: list[float], window: tuple[float, float] | None) -> dict[s
     gaps = [
         b - a
         for a, b in zip(times, times[1:], strict=False)
-        if window is None or window[0] <= a and b <= window[1]
+        if window is None or (a < window[1] and b > window[0])  # overlapping it: a stall
     ]
     if not gaps:
         return {"tokens": 0}
-    q = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else [gaps[0]] * 99
+    # inclusive: within the data (few gaps when a stall fills the window)
+    q = statistics.quantiles(gaps, n=100, method="inclusive") if len(gaps) > 1 else [gaps[0]] * 99
     return {
         "tokens": len(gaps),
         "p50_ms": 1e3 * q[49],
         "p99_ms": 1e3 * q[98],
         "mean_ms": 1e3 * statistics.fmean(gaps),
+        "max_ms": 1e3 * max(gaps),
     }
 
 
@@ -269,7 +285,7 @@ def decode_under_prefills(args: argparse.Namespace, url: str) -> dict[str, Any]:
     stop = threading.Event()
     times: list[float] = []
     gen = threading.Thread(
-        target=lambda: times.extend(stream_gaps(url, tokens(256, 7), 100000, stop))
+        target=lambda: times.extend(stream_gaps(url, tokens(256, 7), args.generate, stop))
     )
     gen.start()
     time.sleep(args.quiet_s)
@@ -287,7 +303,7 @@ def decode_under_prefills(args: argparse.Namespace, url: str) -> dict[str, Any]:
     stop.set()
     gen.join(timeout=60)
     return {
-        "alone": gaps_stats(times, (0.0, quiet_end)),
+        "alone": gaps_stats(times, (0.0, quiet_end - 0.5)),  # well before the prefills
         "during_prefills": gaps_stats(times, (start, end)),
         "prefills_s": end - start,
     }
@@ -296,6 +312,9 @@ def decode_under_prefills(args: argparse.Namespace, url: str) -> dict[str, Any]:
 def tpot(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     with running(lambda: serve(args, 8211, log_dir / "colocated.log", [], 0)):
         colocated = decode_under_prefills(args, "http://127.0.0.1:8211")
+    mixed = ["--enable-mixed-chunk"]  # decode steps ride along each prefill chunk
+    with running(lambda: serve(args, 8212, log_dir / "colocated-mixed.log", mixed, 0)):
+        colocated_mixed = decode_under_prefills(args, "http://127.0.0.1:8212")
     with running(
         lambda: serve(args, 8201, log_dir / "prefill.log", ["--disaggregation-mode", "prefill"], 0),
         lambda: serve(args, 8202, log_dir / "decode.log", ["--disaggregation-mode", "decode"], 1),
@@ -308,6 +327,7 @@ def tpot(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "prefills": args.prefills,
         "prefill_len": args.prefill_len,
         "colocated_one_core": colocated,
+        "colocated_one_core_mixed_chunk": colocated_mixed,
         "disaggregated_core_each": disaggregated,
     }
 
@@ -325,6 +345,7 @@ def main() -> None:
     ap.add_argument("--prefills", type=int, default=4)
     ap.add_argument("--prefill-len", type=int, default=8192)
     ap.add_argument("--quiet-s", type=float, default=5.0)
+    ap.add_argument("--generate", type=int, default=16384, help="tokens of the long generation")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--in-netlab", default=None, help=argparse.SUPPRESS)  # the prefill ns
     args = ap.parse_args()

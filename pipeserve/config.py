@@ -563,9 +563,19 @@ def _disaggregation_checks(config: EngineConfig) -> list[tuple[bool, str]]:
     return [
         (mode in DISAGGREGATION_MODES, f"--disaggregation-mode {mode!r} is unknown"),
         (
-            p.cp_size == 1 and p.ep_size == 1 and not p.afd_enabled,
-            f"--disaggregation-mode {mode} runs PP x TP layouts; context, expert and "
-            "attention-FFN parallelism under disaggregation are not built yet",
+            p.ep_size == 1 and not p.afd_enabled,
+            f"--disaggregation-mode {mode} runs PP x TP (and, prefill side, CP) layouts; "
+            "expert and attention-FFN parallelism under disaggregation are not built yet",
+        ),
+        (
+            p.cp_size == 1 or mode == "prefill",
+            "--disaggregation-mode decode with --cp-size > 1 is not built yet (context "
+            "parallelism splits prompts: use it on the prefill side)",
+        ),
+        (
+            not p.shard_linear_layers,
+            f"--disaggregation-mode {mode} with --shard-linear-layers is not built yet (both "
+            "hook every layer)",
         ),
         (
             not p.enable_two_batch_overlap,

@@ -170,7 +170,8 @@ class ModelRunner:
         if d.disaggregation_mode == "prefill":
             layers = stage_layers(a.num_layers)
             timeout = d.disaggregation_transfer_timeout
-            self.kv_sender = KVSender(self.kv_pool, layout, me, layers, timeout)
+            striping = self.cp.striping if self.cp is not None else None
+            self.kv_sender = KVSender(self.kv_pool, layout, me, layers, timeout, striping)
             self.model.layer_hooks = self.kv_sender
         else:
             self.kv_receiver = KVReceiver(self.kv_pool, layout, me, d.disaggregation_host)

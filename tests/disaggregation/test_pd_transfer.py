@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_pd_kv_remap import CASES, pools_for, whole_kv
 
+from pipeserve.context_parallel.layout import PageStriping
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
 from pipeserve.disaggregation.pd.transfer import (
     KVReceiver,
@@ -140,3 +141,34 @@ def test_a_send_to_nobody_gives_up_after_the_timeout() -> None:
         assert dest.room in sender._failed
     finally:
         sender.close()
+
+
+def test_context_parallel_ranks_each_send_the_pages_they_hold(sides: list) -> None:
+    """Prefill CP2 (pages striped over the two ranks) -> decode TP2."""
+    src, dst = SideLayout(((0, 6),), 1, 2), CASES["pp1->tp2"][1]
+    whole = whole_kv(False)
+    src_slots, dst_slots = torch.arange(8, 48), torch.arange(20, 60)
+    senders, striping = {}, [PageStriping(2, r, 4) for r in range(2)]
+    for r in range(2):
+        pool = pools_for(src, None, None)[(0, 0)]
+        mine = striping[r].owners(src_slots) == r
+        local = striping[r].local_slots(src_slots[mine])
+        for layer in range(6):
+            for a, b in zip(whole.buffers(layer), pool.buffers(layer), strict=True):
+                b[:, local] = a[:, src_slots[mine]]
+        senders[r] = KVSender(pool, src, (0, 0), range(6), 5.0, striping[r])
+    dst_pools = pools_for(dst, None, None)
+    receivers = [KVReceiver(dst_pools[r], dst, r, "127.0.0.1") for r in dst.ranks()]
+    control = ReceiverControl(tuple(r.endpoint for r in receivers))
+    sides += [*receivers, *senders.values(), control]
+    room = new_room()
+    control.open(room, [(20, 40)], 40)
+    dest = KVDestination(room, control.endpoints, dst)
+    for r, sender in senders.items():  # each CP rank runs every chunk
+        list(run_prefill({(0, r): sender}, src, dest, [(8, 40)], [10, 18], prefix=12))
+    assert [room_id for room_id, _ in wait_done(control, room)] == [room]
+    for (_, tp), pool in dst_pools.items():
+        h0, h1 = dst.heads(tp)
+        for layer in range(6):
+            for got, want in zip(pool.buffers(layer), whole.buffers(layer), strict=True):
+                assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])

@@ -234,3 +234,11 @@ def decode_killed_mid_decode(prefill: Server, decode: Server, router: Router) ->
     assert wait_for(lambda: router.health()["decode"][decode.base_url] is False, 20)
     assert wait_for(lambda: settled(prefill), SETTLE_S), prefill.metrics()
     assert prefill.post("/v1/completions", body(prompts()[1])).status_code == 200
+
+
+def test_prefill_cp2_mla_to_decode_pp1(model_dir, tmp_path: Path) -> None:
+    """DeepSeek's latent cache, computed by two context-parallel ranks that each hold a
+    stripe of the pages, to one decode rank that holds them all."""
+    model = model_dir("tiny-deepseek-v3")
+    with servers(model, tmp_path, ["--cp-size", "2"], []) as (prefill, decode, router):
+        check_same_tokens(prefill, decode, router)

@@ -40,6 +40,7 @@ import msgpack
 import torch
 import zmq
 
+from pipeserve.context_parallel.layout import PageStriping, runs_of
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, Piece, Rank, SideLayout, plan
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
@@ -76,12 +77,21 @@ class KVSender:
     hook, `after(n)` after the stage's n-th layer."""
 
     def __init__(
-        self, pool: KVPool, layout: SideLayout, me: Rank, layers: range, timeout_s: float
+        self,
+        pool: KVPool,
+        layout: SideLayout,
+        me: Rank,
+        layers: range,
+        timeout_s: float,
+        striping: PageStriping | None = None,
     ) -> None:
+        """`striping`: under context parallelism, which pages this rank holds (each CP rank
+        of a stage sends its own positions, as the stage's TP rank 0 would)."""
         self.pool, self.layout, self.me, self.layers = pool, layout, me, layers
-        self.timeout_s = timeout_s
+        self.timeout_s, self.striping = timeout_s, striping
         self._plans: dict[SideLayout, dict[int, list[tuple[int, Piece]]]] = {}
-        self._work: list[tuple[KVDestination, int, torch.Tensor]] = []
+        # per request of the batch: its destination, position runs and their slots here
+        self._work: list[tuple[KVDestination, list[Run], torch.Tensor]] = []
         self._out: queue.Queue[_Outgoing | None] = queue.Queue()
         self._failed: dict[str, float] = {}  # rooms given up, with when (forgotten later)
         self.bytes_sent = 0
@@ -93,24 +103,32 @@ class KVSender:
 
     def begin(self, batch: ScheduledBatch) -> None:
         """Note which positions of which requests this forward makes KV for: a request's
-        first chunk sends from position 0 (the prefix it took from the cache too)."""
+        first chunk sends from position 0 (the prefix it took from the cache too); under
+        context parallelism each rank sends the positions whose pages it holds."""
         self._work = []
         for s in batch.slices:
             if s.kv_dest is None:
                 continue
             first = 0 if s.chunk_index == 0 else s.prefix_len
             end = s.prefix_len + s.num_tokens
-            slots = slot_index(runs_prefix(s.kv_runs, end))[first:]
-            self._work.append((s.kv_dest, first, slots))
+            if self.striping is None:
+                slots = slot_index(runs_prefix(s.kv_runs, end))[first:]
+                positions = [(first, end - first)]
+            else:
+                cpu = torch.device("cpu")
+                owned, slots = self.striping.owned(s.kv_runs, first, end, cpu)
+                positions = runs_of(owned)
+            if positions:
+                self._work.append((s.kv_dest, positions, slots))
 
     def after(self, n: int) -> None:
         if not self._work:
             return
         layer = self.layers[n]
-        for dest, first, slots in self._work:
+        for dest, positions, slots in self._work:
             for dst_index, piece in self._pieces(dest.layout).get(layer, []):
                 frames = self._frames(layer, piece, slots)
-                header = [dest.room, layer, *piece.heads, first, first + len(slots), time.time()]
+                header = [dest.room, layer, *piece.heads, positions, time.time()]
                 self._out.put(
                     _Outgoing(dest.endpoints[dst_index], dest.room, [_pack(header), *frames])
                 )
@@ -250,13 +268,13 @@ class KVReceiver:
             self._sock.send_multipart([ident, b"closed", room.encode()])
 
     def _write(self, header: list[Any], frames: list[Any]) -> None:
-        room_id, layer, h0, h1, p0, p1, sent = header
+        room_id, layer, h0, h1, positions, sent = header
         room = self._rooms.get(room_id)
         arrival = time.time()
         if room is None:
             self.dropped += 1
             return
-        slots = room.slots[p0:p1]
+        slots = room.slots[slot_index([(int(a), int(n)) for a, n in positions])]
         for buf, frame in zip(self._targets(layer), frames, strict=True):
             data = torch.frombuffer(bytearray(frame.buffer), dtype=buf.dtype)
             if self.layout.latent:
@@ -269,7 +287,7 @@ class KVReceiver:
         room.wire_s += arrival - max(sent, self._last_arrival)
         room.last_sent, room.last_arrival = max(room.last_sent, sent), arrival
         self._last_arrival = arrival
-        room.received += (h1 - h0) * (p1 - p0)
+        room.received += (h1 - h0) * len(slots)
         if room.received >= room.expected:
             del self._rooms[room_id]
             exposed = max(0.0, room.last_arrival - room.last_sent)
