@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import zmq
 from test_pd_kv_remap import CASES, pools_for, whole_kv
 
 from pipeserve.context_parallel.layout import PageStriping
@@ -172,3 +173,18 @@ def test_context_parallel_ranks_each_send_the_pages_they_hold(sides: list) -> No
         for layer in range(6):
             for got, want in zip(pool.buffers(layer), whole.buffers(layer), strict=True):
                 assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])
+
+
+def test_garbage_on_the_receiver_is_dropped_and_it_keeps_serving(sides: list) -> None:
+    src, dst, whole, dst_pools, senders, control, dst_slots = build("pp1->tp2", sides)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(control.endpoints[0])
+        for frames in ([b"kv"], [b"kv", b"\xc1"], [b"open", b"\x93\x01"], [b"?", b""]):
+            sock.send_multipart(frames)
+    finally:
+        sock.close(linger=1000)
+    room = new_room()
+    control.open(room, [(20, 40)], 40)
+    list(run_prefill(senders, src, KVDestination(room, control.endpoints, dst), [(8, 40)], [40]))
+    assert [r for r, _ in wait_done(control, room)] == [room]

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 SEND_HWM = 64  # messages queued per destination before a send waits
 CONTROL_TIMEOUT_S = 10.0  # a decode rank must confirm open/close within this
+MAX_FAILED_ROOMS = 4096  # given-up rooms a sender remembers (to drop their later messages)
 
 
 def new_room() -> str:
@@ -93,7 +94,7 @@ class KVSender:
         # per request of the batch: its destination, position runs and their slots here
         self._work: list[tuple[KVDestination, list[Run], torch.Tensor]] = []
         self._out: queue.Queue[_Outgoing | None] = queue.Queue()
-        self._failed: dict[str, float] = {}  # rooms given up, with when (forgotten later)
+        self._failed: dict[str, float] = {}  # rooms given up, with when, oldest first
         self.bytes_sent = 0
         self._thread = threading.Thread(target=self._send_loop, daemon=True, name="kv-sender")
         self._thread.start()
@@ -170,8 +171,12 @@ class KVSender:
                 sock.setsockopt(zmq.SNDHWM, SEND_HWM)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(item.endpoint)
-            if self._send(sock, item):
-                self.bytes_sent += sum(len(f) for f in item.frames)
+            try:
+                if self._send(sock, item):
+                    self.bytes_sent += sum(len(f) for f in item.frames)
+            except zmq.ZMQError:  # this room is lost; the thread serves the others
+                log.exception("KV transfer to %s failed; room %s given up", *where_of(item))
+                self._give_up(item.room)
         for sock in sockets.values():
             sock.close(linger=0)
 
@@ -179,7 +184,7 @@ class KVSender:
         """Send, waiting at most the transfer timeout for room; a destination that takes
         nothing for that long (dead, or cut off) fails the room: its further messages go."""
         deadline = time.monotonic() + self.timeout_s
-        where = (item.endpoint, item.room)
+        where = where_of(item)
         while True:
             try:
                 sock.send_multipart([b"kv", *item.frames], flags=zmq.NOBLOCK, copy=False)
@@ -187,9 +192,15 @@ class KVSender:
             except zmq.Again:
                 if time.monotonic() > deadline:
                     log.warning("KV transfer to %s timed out; room %s given up", *where)
-                    self._failed[item.room] = time.monotonic()
+                    self._give_up(item.room)
                     return False
                 time.sleep(0.01)
+
+    def _give_up(self, room: str) -> None:
+        """Drop the room's further messages; the oldest given-up rooms are forgotten."""
+        self._failed[room] = time.monotonic()
+        while len(self._failed) > MAX_FAILED_ROOMS:
+            del self._failed[next(iter(self._failed))]
 
     def close(self) -> None:
         self._out.put(None)
@@ -246,8 +257,9 @@ class KVReceiver:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            ident, kind, *rest = self._sock.recv_multipart(copy=False)
+            frames = self._sock.recv_multipart(copy=False)
             try:
+                ident, kind, *rest = frames
                 self._handle(ident.bytes, kind.bytes, rest)
             except Exception:  # a malformed message is dropped; the receiver keeps serving
                 log.exception("dropped a malformed KV transfer message")
@@ -379,6 +391,10 @@ class ReceiverControl:
     def shutdown(self) -> None:
         for sock in self._socks:
             sock.close(linger=0)
+
+
+def where_of(item: _Outgoing) -> tuple[str, str]:
+    return item.endpoint, item.room
 
 
 def _pack(value: Any) -> bytes:
