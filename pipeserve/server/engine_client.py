@@ -185,15 +185,15 @@ class EngineClient:
         rid = args[0]
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._reserved[rid] = waiter
+        rejected = asyncio.ensure_future(queue.get())
         try:
             await self._send(("pd_reserve", *args))
-            rejected = asyncio.ensure_future(queue.get())
             pending: set[asyncio.Future[Any]] = {waiter, rejected}
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if rejected.done():  # the engine refused it (an error delta)
                 return rejected.result()
-            rejected.cancel()
         finally:
+            rejected.cancel()  # also when the caller went away meanwhile
             self._reserved.pop(rid, None)
         try:
             first = await prefill(waiter.result())
