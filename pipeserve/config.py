@@ -384,10 +384,16 @@ class DisaggregationConfig:
         "side (an address the prefill servers can reach)",
     )
     disaggregation_transfer_timeout: float = _flag(
-        120.0,
-        "seconds a request's KV transfer may take (decode side, from reserving its pages) "
-        "and a send may wait for a receiver (prefill side); beyond, the request fails and "
-        "its pages are freed",
+        60.0,
+        "seconds a request's KV may still take to arrive once the prefill server has answered "
+        "(decode side), and a send may wait for a receiver (prefill side); beyond, the "
+        "request fails and its pages are freed",
+    )
+    disaggregation_prefill_timeout: float = _flag(
+        3600.0,
+        "seconds a decode server waits for the prefill server's answer (its queue and the "
+        "prompt's compute; a prefill server that dies or a client that leaves ends the wait "
+        "at once); beyond, the request fails and its pages are freed",
     )
 
 
@@ -583,6 +589,7 @@ def _disaggregation_checks(config: EngineConfig) -> list[tuple[bool, str]]:
             "(the KV is sent layer by layer from the plain forward)",
         ),
         (d.disaggregation_transfer_timeout > 0, "--disaggregation-transfer-timeout must be > 0"),
+        (d.disaggregation_prefill_timeout > 0, "--disaggregation-prefill-timeout must be > 0"),
     ]
 
 

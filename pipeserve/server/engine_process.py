@@ -90,9 +90,8 @@ class EngineLoop:
             return None
         control = ReceiverControl(engine.backend.kv_endpoints())
         scheduler = engine.backend.schedulers[0]
-        return DecodeTransfers(
-            scheduler, control, engine.kv_layout(), d.disaggregation_transfer_timeout
-        )
+        timeouts = (d.disaggregation_prefill_timeout, d.disaggregation_transfer_timeout)
+        return DecodeTransfers(scheduler, control, engine.kv_layout(), *timeouts)
 
     def run(self) -> None:
         threading.Thread(target=self._watchdog, daemon=True).start()

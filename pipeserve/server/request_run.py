@@ -53,7 +53,7 @@ class RequestRun:
         reason = "abort"  # unless the engine says how the request ended
         prefill = None
         if self.prefill_url is not None:
-            timeout = self.state.config.disaggregation.disaggregation_transfer_timeout
+            timeout = self.state.config.disaggregation.disaggregation_prefill_timeout
             args = (self.ids, self.params, self.logprobs, self.top, timeout)
             prefill = prefill_call(self.prefill_url, *args)
         deltas = self.state.client.generate(

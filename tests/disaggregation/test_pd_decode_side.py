@@ -46,11 +46,14 @@ class FakeControl:
         pass
 
 
-def setup(timeout_s: float = 60.0) -> tuple[Scheduler, FakeControl, DecodeTransfers]:
+def setup(
+    prefill_s: float = 3600.0, transfer_s: float = 60.0
+) -> tuple[Scheduler, FakeControl, DecodeTransfers]:
     kv = KVManager(PAGES, PAGE, disable_radix_cache=False)
     sched = Scheduler(SchedulerConfig(), kv, 4096, (0,))
     control = FakeControl(kv)
-    return sched, control, DecodeTransfers(sched, control, LAYOUT, timeout_s)  # type: ignore[arg-type]
+    transfers = DecodeTransfers(sched, control, LAYOUT, prefill_s, transfer_s)  # type: ignore[arg-type]
+    return sched, control, transfers
 
 
 def req(rid: str, n: int, max_new: int = 4) -> Req:
@@ -105,12 +108,14 @@ def test_abort_closes_the_room_before_the_pages_go() -> None:
     assert sched.kv.allocator.num_free == free and not control.open_rooms and not t.active
 
 
-def test_a_transfer_past_the_timeout_fails_and_frees_everything() -> None:
-    sched, control, t = setup(timeout_s=0.0)
+def test_kv_late_after_the_first_token_fails_and_frees_everything() -> None:
+    sched, control, t = setup(transfer_s=0.0)
     free = sched.kv.allocator.num_free
     t.add(req("a", 40))
     t.add(req("b", 100))  # waits for pages, which a's failure gives back
     t.reserve()
+    assert t.step() == []  # the prompt may wait in the prefill server's queue
+    t.prefilled("a", 7, -0.5, [])
     (update,) = t.step()
     assert update.finish_reason == "error" and "did not arrive" in (update.error or "")
     assert sched.kv.allocator.num_free == free and not control.open_rooms
@@ -126,3 +131,13 @@ def test_a_waiting_request_aborts_without_pages() -> None:
     update = t.abort("b")
     assert update is not None and update.finish_reason == "abort" and "b" not in t
     assert t.abort("nobody") is None
+
+
+def test_a_prompt_never_prefilled_fails_at_the_cap() -> None:
+    sched, control, t = setup(prefill_s=0.0, transfer_s=0.0)
+    free = sched.kv.allocator.num_free
+    t.add(req("a", 40))
+    t.reserve()
+    (update,) = t.step()
+    assert update.finish_reason == "error" and "not prefilled" in (update.error or "")
+    assert sched.kv.allocator.num_free == free and not control.open_rooms

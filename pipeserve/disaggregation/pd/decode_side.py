@@ -29,6 +29,7 @@ class _Pending:
     room: str
     opened_at: float
     first: tuple[int, float, Top] | None = None  # the prefill side's first token
+    first_at: float = 0.0  # when it came
     kv: RoomStats | None = None  # set once every rank has all of the KV
 
 
@@ -58,10 +59,14 @@ class DecodeTransfers:
         scheduler: Scheduler,
         control: ReceiverControl,
         layout: SideLayout,
-        timeout_s: float,
+        prefill_timeout_s: float,
+        transfer_timeout_s: float,
     ) -> None:
+        """The KV must be in `transfer_timeout_s` after the first token came (its last layer
+        was computed by then); the whole, within the prefill timeout plus that (a cap: the
+        HTTP leg fails the request first when the prefill server dies or takes too long)."""
         self.scheduler, self.control, self.layout = scheduler, control, layout
-        self.timeout_s = timeout_s
+        self.prefill_timeout_s, self.transfer_timeout_s = prefill_timeout_s, transfer_timeout_s
         self.waiting: deque[Req] = deque()  # no pages yet (memory short)
         self.pending: dict[str, _Pending] = {}
         self.totals = TransferTotals()
@@ -104,7 +109,7 @@ class DecodeTransfers:
     def prefilled(self, rid: str, token: int, logprob: float, top: Top) -> None:
         p = self.pending.get(rid)
         if p is not None:
-            p.first = (token, logprob, top)
+            p.first, p.first_at = (token, logprob, top), time.monotonic()
 
     def step(self) -> list[RequestUpdate]:
         """Requests whose KV and first token are both in start decoding (their first token
@@ -120,14 +125,26 @@ class DecodeTransfers:
                 del self.pending[rid]
                 self._count(p.kv)
                 updates.append(self.scheduler.start_decoding(p.req, *p.first))
-            elif now - p.opened_at > self.timeout_s:
+            elif (late := self._late(p, now)) is not None:
                 update = self._fail(rid, "error")
-                update.error = (
-                    f"the prompt's KV did not arrive within --disaggregation-transfer-timeout "
-                    f"{self.timeout_s:g}s"
-                )
+                update.error = late
                 updates.append(update)
         return updates
+
+    def _late(self, p: _Pending, now: float) -> str | None:
+        """Why a transfer has taken too long, if it has."""
+        t = self.transfer_timeout_s
+        if p.first is not None and now - p.first_at > t:
+            return (
+                f"the prompt's KV did not arrive within --disaggregation-transfer-timeout {t:g}s "
+                "after the prefill server answered"
+            )
+        if now - p.opened_at > self.prefill_timeout_s + t:
+            return (
+                "the prompt was not prefilled within --disaggregation-prefill-timeout "
+                f"{self.prefill_timeout_s:g}s"
+            )
+        return None
 
     def abort(self, rid: str) -> RequestUpdate | None:
         """End a request still waiting for pages or KV (None if it is not here)."""
