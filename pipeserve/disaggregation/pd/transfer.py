@@ -42,6 +42,7 @@ import zmq
 
 from pipeserve.context_parallel.layout import PageStriping, runs_of
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, Piece, Rank, SideLayout, plan
+from pipeserve.layers.attention import gather_index
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
 
@@ -58,9 +59,7 @@ def new_room() -> str:
 
 def slot_index(runs: list[Run]) -> torch.Tensor:
     """The slot of every position covered by `runs`, in order."""
-    if not runs:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.cat([torch.arange(a, a + n) for a, n in runs])
+    return gather_index([runs], torch.device("cpu"))[0][0]
 
 
 # -- the prefill side ------------------------------------------------------------------------
@@ -94,8 +93,7 @@ class KVSender:
         # per request of the batch: its destination, position runs and their slots here
         self._work: list[tuple[KVDestination, list[Run], torch.Tensor]] = []
         self._out: queue.Queue[_Outgoing | None] = queue.Queue()
-        self._failed: dict[str, float] = {}  # rooms given up, with when, oldest first
-        self.bytes_sent = 0
+        self._failed: dict[str, None] = {}  # rooms given up, oldest first
         self._thread = threading.Thread(target=self._send_loop, daemon=True, name="kv-sender")
         self._thread.start()
 
@@ -172,15 +170,14 @@ class KVSender:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(item.endpoint)
             try:
-                if self._send(sock, item):
-                    self.bytes_sent += sum(len(f) for f in item.frames)
+                self._send(sock, item)
             except zmq.ZMQError:  # this room is lost; the thread serves the others
                 log.exception("KV transfer to %s failed; room %s given up", *where_of(item))
                 self._give_up(item.room)
         for sock in sockets.values():
             sock.close(linger=0)
 
-    def _send(self, sock: zmq.Socket, item: _Outgoing) -> bool:
+    def _send(self, sock: zmq.Socket, item: _Outgoing) -> None:
         """Send, waiting at most the transfer timeout for room; a destination that takes
         nothing for that long (dead, or cut off) fails the room: its further messages go."""
         deadline = time.monotonic() + self.timeout_s
@@ -188,17 +185,17 @@ class KVSender:
         while True:
             try:
                 sock.send_multipart([b"kv", *item.frames], flags=zmq.NOBLOCK, copy=False)
-                return True
+                return
             except zmq.Again:
                 if time.monotonic() > deadline:
                     log.warning("KV transfer to %s timed out; room %s given up", *where)
                     self._give_up(item.room)
-                    return False
+                    return
                 time.sleep(0.01)
 
     def _give_up(self, room: str) -> None:
         """Drop the room's further messages; the oldest given-up rooms are forgotten."""
-        self._failed[room] = time.monotonic()
+        self._failed[room] = None
         while len(self._failed) > MAX_FAILED_ROOMS:
             del self._failed[next(iter(self._failed))]
 
@@ -246,7 +243,6 @@ class KVReceiver:
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._rooms: dict[str, _Room] = {}
         self._last_arrival = 0.0
-        self.dropped = 0  # data messages for rooms not open here
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="kv-receiver")
         self._thread.start()
@@ -283,8 +279,7 @@ class KVReceiver:
         room_id, layer, h0, h1, positions, sent = header
         room = self._rooms.get(room_id)
         arrival = time.time()
-        if room is None:
-            self.dropped += 1
+        if room is None:  # not open here (any more): dropped
             return
         slots = room.slots[slot_index([(int(a), int(n)) for a, n in positions])]
         for buf, frame in zip(self._targets(layer), frames, strict=True):
