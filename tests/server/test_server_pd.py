@@ -91,7 +91,7 @@ def servers(
 
 
 def prompts() -> list[list[int]]:
-    """Prompts of 5 to 12 chunks, none a prefix of another."""
+    """Prompts of 5 to 12 chunks (at 32 tokens), none a prefix of another."""
     return [[(7 * i + 13 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((150, 247, 390))]
 
 
@@ -146,7 +146,9 @@ def check_same_tokens(prefill: Server, decode: Server, router: Router) -> None:
 
 def test_prefill_pp2_to_decode_pp1_then_faults(model_dir, tmp_path: Path) -> None:
     model = model_dir("tiny-llama")
-    with servers(model, tmp_path, ["--pp-size", "2"], []) as (prefill, decode, router):
+    # tiny chunks: the long prompts stay mid-prefill for seconds (metrics lag up to 0.5 s)
+    slow = ["--pp-size", "2", "--chunked-prefill-size", "4"]
+    with servers(model, tmp_path, slow, []) as (prefill, decode, router):
         check_same_tokens(prefill, decode, router)
         client_leaves_mid_prefill(prefill, decode, router)
         prefill_killed_mid_transfer(prefill, decode, router)
@@ -160,8 +162,8 @@ def test_prefill_pp1_to_decode_tp2_then_decode_killed(model_dir, tmp_path: Path)
 
 
 def long_prompt(seed: int) -> list[int]:
-    """~110 chunks: long enough to be caught mid-prefill (a new one each time: the prefill
-    side caches what it computed)."""
+    """~875 chunks of 4 tokens: long enough to be caught mid-prefill (a new one each time:
+    the prefill side caches what it computed)."""
     return [(11 * j + seed) % 500 + 1 for j in range(3500)]
 
 
