@@ -1,4 +1,5 @@
-"""Command line: `pipeserve generate | bench | make-model`.
+"""Command line: `pipeserve generate | serve | bench | bench-serving | tune | simulate |
+make-model | router`.
 
 Engine flags are generated from the config dataclasses (names, defaults and help text), so
 the CLI, `Engine(**flags)` and the docs cannot drift apart.
@@ -297,6 +298,11 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
+    if args.simulate:
+        _tune_simulated(args)
+        return
+    if args.dtype == "fp8":
+        sys.exit("pipeserve tune: --dtype fp8 is for --simulate (the engine runs bf16/fp16/fp32)")
     from pipeserve.bench.tune import run_tune
 
     run_as_worker_node(args)
@@ -312,16 +318,91 @@ def cmd_tune(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_simulate(args: argparse.Namespace) -> None:
+    if args.calibrate:
+        from pipeserve.sim.calibrate import run_calibration
+
+        try:
+            run_calibration(
+                args.hardware,
+                args.model_path or "bench",
+                args.calibration_max_len,
+                args.calibration,
+                args.calibration_rounds,
+            )
+        except ValueError as exc:
+            sys.exit(f"pipeserve simulate --calibrate: {exc}")
+        return
+    from pipeserve.sim.run import SimSpec, print_report, save, simulate
+
+    spec = SimSpec(
+        model=args.model_path or "bench",
+        hardware=args.hardware,
+        calibration=args.calibration,
+        devices_per_node=args.gpus_per_node,
+        dtype=args.dtype,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        seed=args.seed or 0,
+    )
+    try:
+        report = simulate(engine_flags(args), spec)
+    except ValueError as exc:
+        sys.exit(f"pipeserve simulate: {exc}")
+    print_report(report)
+    save(report, args.json, args.trace, args.timeline)
+
+
+def _tune_simulated(args: argparse.Namespace) -> None:
+    from pipeserve.sim.hardware import HARDWARE
+    from pipeserve.sim.planner import run_plan
+    from pipeserve.sim.run import SimSpec
+
+    per_node = args.gpus_per_node or HARDWARE[args.hardware].devices_per_node
+    spec = SimSpec(
+        model=args.model_path or "bench",
+        hardware=args.hardware,
+        calibration=args.calibration,
+        devices_per_node=per_node,
+        dtype=args.dtype,
+        input_len=args.input_len,
+        output_len=1,
+    )
+    flags = {k: v for k, v in engine_flags(args).items() if k not in ("model_path", "dtype")}
+    try:
+        run_plan(
+            flags,
+            spec,
+            args.nodes * per_node,
+            args.json,
+            args.png,
+            args.fixed_sizes,
+            args.dynamic,
+            args.num_prompts,
+            args.top,
+        )
+    except ValueError as exc:
+        sys.exit(f"pipeserve tune --simulate: {exc}")
+
+
 def cmd_make_model(args: argparse.Namespace) -> None:
+    from pipeserve.models.config_presets import CONFIG_PRESETS, write_config
     from pipeserve.models.presets import PRESETS, make_model
 
     if args.list:
+        every = {**PRESETS, **CONFIG_PRESETS}
         print(
-            json.dumps({name: spec["architectures"][0] for name, spec in PRESETS.items()}, indent=2)
+            json.dumps({name: spec["architectures"][0] for name, spec in every.items()}, indent=2)
         )
         return
     if not args.preset or not args.out:
         sys.exit("make-model needs --preset NAME and --out DIR (see --list)")
+    if args.preset in CONFIG_PRESETS:
+        path = write_config(args.preset, args.out)
+        print(f"wrote {args.preset}'s config.json to {path} (no weights: for pipeserve simulate)")
+        return
     path = make_model(args.preset, args.out, seed=args.seed, shard_size_mb=args.shard_size_mb)
     print(f"wrote {args.preset} to {path}")
 
@@ -342,6 +423,33 @@ def cmd_router(args: argparse.Namespace) -> None:
         )
     except ValueError as exc:
         sys.exit(f"pipeserve router: {exc}")
+
+
+def add_sim_flags(parser: argparse.ArgumentParser) -> None:
+    from pipeserve.sim.hardware import HARDWARE
+
+    parser.add_argument(
+        "--hardware",
+        default="h20",
+        choices=list(HARDWARE),
+        help="the device simulated (see pipeserve/sim/hardware.py)",
+    )
+    parser.add_argument(
+        "--calibration",
+        help="a calibration file of efficiencies (default for cpu: the one --calibrate saved)",
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, help="devices per node (default: the hardware's)"
+    )
+
+
+def _allow_fp8(parser: argparse.ArgumentParser) -> None:
+    """The simulator's --dtype is the weights' and also knows fp8 (default: the checkpoint's,
+    fp8 where its quantization_config says so)."""
+    for action in parser._actions:
+        if action.dest == "dtype":
+            action.choices = ["auto", "fp8", "bfloat16", "float16", "float32"]
+            action.help = "simulated weight dtype (default: the checkpoint's; fp8 for FP8 ones)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -446,8 +554,64 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians reported")
     tune.add_argument("--json", default="tune.json", help="save the table here")
     tune.add_argument("--png", default="tune.png", help="plot TTFT against the smoothing factor")
+    tune.add_argument(
+        "--simulate",
+        action="store_true",
+        help="plan for a cluster instead of timing this machine: simulate every layout of "
+        "--nodes x --gpus-per-node devices of --hardware that fits, with fixed and dynamic "
+        "chunk settings (--budget-s and --rounds do not apply)",
+    )
+    tune.add_argument("--nodes", type=int, default=1, help="--simulate: nodes in the cluster")
+    tune.add_argument(
+        "--num-prompts",
+        type=int,
+        default=4,
+        help="--simulate: prompts in flight for each best setting's input throughput",
+    )
+    tune.add_argument("--top", type=int, default=5, help="--simulate: plans to print")
+    add_sim_flags(tune)
     add_engine_flags(tune)
+    _allow_fp8(tune)
     tune.set_defaults(func=cmd_tune)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run the engine's scheduler on a cost model of a named cluster (simulated time)",
+    )
+    add_sim_flags(sim)
+    sim.add_argument("--input-len", type=int, default=131072)
+    sim.add_argument("--output-len", type=int, default=1)
+    sim.add_argument("--num-prompts", type=int, default=1)
+    sim.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per simulated second (inf: all at once)",
+    )
+    sim.add_argument("--json", help="save the report here")
+    sim.add_argument("--trace", help="write the simulated Chrome/Perfetto trace here")
+    sim.add_argument("--timeline", help="draw the simulated per-stage Gantt chart into this PNG")
+    sim.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="fit the CPU efficiencies on this machine (times the real engine on --model; "
+        "saves them where --hardware cpu finds them, or to --calibration FILE)",
+    )
+    sim.add_argument(
+        "--calibration-max-len",
+        type=int,
+        default=16384,
+        help="--calibrate: the longest prefix + chunk timed",
+    )
+    sim.add_argument(
+        "--calibration-rounds",
+        type=int,
+        default=1,
+        help="--calibrate: time every set-up this many times, interleaved; medians fitted",
+    )
+    add_engine_flags(sim)
+    _allow_fp8(sim)
+    sim.set_defaults(func=cmd_simulate)
 
     make = sub.add_parser("make-model", help="write a built-in model as an HF checkpoint")
     make.add_argument("--preset", help="preset name (see --list)")

@@ -165,6 +165,20 @@ def bubble_ratios(events: list[Event]) -> list[float]:
     return out
 
 
+def makespan_idle_share(events: list[Event]) -> float:
+    """Idle share of the whole run over all stages: 1 - (busy seconds summed over the stages)
+    / (stages x (last forward end - first forward start)). For M equal micro-batches on P
+    equal stages with free transfers this is the textbook (P - 1) / (P - 1 + M); unlike
+    `bubble_ratios` it counts a stage's wait before its first and after its last forward."""
+    fwd = forward_events(events)
+    if not fwd:
+        return 0.0
+    stages = {e.stage for e in fwd}
+    span = max(e.end for e in fwd) - min(e.start for e in fwd)
+    busy = sum(_length(_union([(e.start, e.end) for e in fwd if e.stage == s])) for s in stages)
+    return 0.0 if span <= 0 else max(0.0, 1.0 - busy / (len(stages) * span))
+
+
 def stage_overlap(events: list[Event]) -> float:
     """How much adjacent pipeline stages computed at the same time: for each pair of
     neighbours, the time both ran a forward over the busy time of the less busy one; the

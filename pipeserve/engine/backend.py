@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -26,7 +28,7 @@ from pipeserve.engine.future_map import (
     worker_ring_size,
 )
 from pipeserve.engine.overlap_loop import OverlapLoop
-from pipeserve.engine.pipeline_loop import PipelineLoop
+from pipeserve.engine.pipeline_loop import PipelineLoop, pipeline_depth
 from pipeserve.engine.plain_loop import PlainLoop
 from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.mem_cache.hicache import DISK, HOST, HiCache, tier_pages
@@ -45,11 +47,14 @@ from pipeserve.tokenizer import Tokenizer
 def build_scheduler(
     config: EngineConfig,
     arch: ArchConfig,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     num_pages: int,
     context_len: int,
     max_batch_reqs: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Scheduler:
+    """One attention rank's scheduler. No tokenizer (the simulator): end-of-sequence ids from
+    the model config alone, no stop strings."""
     c = config.cache
     hicache = None
     if c.enable_hierarchical_cache:
@@ -57,14 +62,46 @@ def build_scheduler(
         write_through = c.hicache_write_policy == "write_through"
         hicache = HiCache(c.page_size, host, disk, write_through, c.hicache_prefetch_threshold)
     kv = KVManager(num_pages, c.page_size, c.disable_radix_cache, hicache)
-    eos = tuple(sorted(set(arch.eos_token_ids) | set(tokenizer.eos_token_ids)))
+    eos = set(arch.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     return Scheduler(
         config.scheduler,
         kv,
         context_len,
-        eos,
-        detokenize=tokenizer.decode,
+        tuple(sorted(eos)),
+        detokenize=tokenizer.decode if tokenizer else None,
         max_batch_reqs=max_batch_reqs,
+        clock=clock,
+    )
+
+
+def build_pipeline_scheduler(
+    config: EngineConfig,
+    arch: ArchConfig,
+    tokenizer: Tokenizer | None,
+    num_pages: int,
+    context_len: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> DataParallelScheduler:
+    """The scheduling side of a worker layout (and of the simulator, which runs the same):
+    --max-running-requests split over the attention ranks, a rank's share over the
+    micro-batch slots of the pipeline; one scheduler per attention rank under one front with
+    the two-batch, single-batch and AFD micro-batch rules."""
+    p, s = config.parallel, config.scheduler
+    per_rank = max(s.max_running_requests // p.attention_ranks, 1)
+    rank_config = replace(config, scheduler=replace(s, max_running_requests=per_rank))
+    per_batch = max(per_rank // p.pp_size, 1)
+    schedulers = [
+        build_scheduler(rank_config, arch, tokenizer, num_pages, context_len, per_batch, clock)
+        for _ in range(p.attention_ranks)
+    ]
+    tbo = p.tbo_token_distribution_threshold if p.enable_two_batch_overlap else None
+    sbo = SingleBatchOverlap.from_config(p)
+    return DataParallelScheduler(
+        schedulers,
+        tbo,
+        (sbo.down_blocks, p.single_batch_overlap_min_tokens),
+        p.two_batch_overlap_min_tokens,
+        p.afd_micro_batches if p.afd_enabled else 1,
     )
 
 
@@ -94,7 +131,8 @@ class Backend:
     schedulers: list[Scheduler]  # one per attention rank (several under data-parallel attention)
     loop: PlainLoop | OverlapLoop | PipelineLoop
     partition: list[int]  # layers per pipeline stage
-    _profile_key: dict[str, Any]  # what a chunk-time profile of the stages depends on
+    # what a chunk-time profile of the stages depends on (None: nothing to cache)
+    _profile_key: dict[str, Any] | None
 
     def __init__(self) -> None:
         self._aborted: list[RequestUpdate] = []
@@ -159,14 +197,16 @@ class Backend:
         """Install a chunk-size policy (profiling the stages for dynamic chunking) on every
         attention rank's scheduler (they share one sizer and one online refit)."""
         lead = self.schedulers[0]
-        self.chunking = setup_chunking(policy, lead, self._profile, self._profile_key)
+        self.chunking = setup_chunking(policy, lead, self.profile_chunks, self._profile_key)
         for s in self.schedulers[1:]:
             s.set_chunking(lead.prefill.chunk_sizer, lead.refit)
         return self.chunking
 
-    def _profile(self, points: list[Point]) -> list[list[float]]:
-        """Profile chunks write their KV into slots lent by the allocators, so cached
-        prefixes and running requests are never touched."""
+    def profile_chunks(self, points: list[Point]) -> list[list[float]]:
+        """Every stage's seconds of one chunk per (prefix_len, chunk_len) point (the chunk
+        policy's profiler; the simulator's calibration times with it too). Profile chunks
+        write their KV into slots lent by the allocators, so cached prefixes and running
+        requests are never touched."""
         tokens = max(p + n for p, n in points)
         lent = []
         try:
@@ -265,7 +305,7 @@ class WorkerBackend(Backend):
         context_len: int,
     ) -> None:
         super().__init__()
-        p, s = config.parallel, config.scheduler
+        p = config.parallel
         ring = worker_ring_size(config, context_len)
         self.workers = WorkerSet(config, str(model_path), future_ring=ring)
         try:
@@ -284,28 +324,9 @@ class WorkerBackend(Backend):
         if p.tp_size > 1:
             kinds = sorted({i["tp_all_reduce"] for i in info.values()})
             log.info("TP all-reduce: %s", ", ".join(kinds))
-        # --max-running-requests is split over the attention ranks, and a rank's share over
-        # the micro-batch slots of the pipeline
-        per_rank = max(s.max_running_requests // p.attention_ranks, 1)
-        rank_config = replace(config, scheduler=replace(s, max_running_requests=per_rank))
-        per_batch = max(per_rank // p.pp_size, 1)
-        self.schedulers = [
-            build_scheduler(
-                rank_config, arch, tokenizer, num_pages, context_len, max_batch_reqs=per_batch
-            )
-            for _ in range(p.attention_ranks)
-        ]
-        tbo = p.tbo_token_distribution_threshold if p.enable_two_batch_overlap else None
-        sbo = SingleBatchOverlap.from_config(p)
-        combine_down = (sbo.down_blocks, p.single_batch_overlap_min_tokens)
-        self.scheduler = DataParallelScheduler(
-            self.schedulers,
-            tbo,
-            combine_down,
-            p.two_batch_overlap_min_tokens,
-            p.afd_micro_batches if p.afd_enabled else 1,
-        )
-        depth = p.pp_size + p.pp_async_batch_depth if p.pp_size > 1 else (2 if ring else 1)
+        self.scheduler = build_pipeline_scheduler(config, arch, tokenizer, num_pages, context_len)
+        self.schedulers = self.scheduler.ranks
+        depth = pipeline_depth(config, overlap=bool(ring))
         self.loop = PipelineLoop(
             self.scheduler, self.workers, depth, SlotRing(ring) if ring else None, self.cpu
         )

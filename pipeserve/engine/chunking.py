@@ -76,9 +76,10 @@ class ChunkPolicy:
 
 
 def setup_chunking(
-    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, cache_key: dict[str, Any]
+    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, cache_key: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """Install the policy on the scheduler; returns a description for logs and benchmarks."""
+    """Install the policy on the scheduler; returns a description for logs and benchmarks.
+    `cache_key` None: profile every time (the simulator's timings cost nothing)."""
     if policy.auto:
         picked = pick_chunk_size(policy, scheduler, profile, cache_key)
         size = picked["chunk_size"] * (AUTO_DYNAMIC_FACTOR if policy.dynamic else 1)
@@ -89,7 +90,7 @@ def setup_chunking(
 
 
 def _install(
-    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, cache_key: dict[str, Any]
+    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, cache_key: dict[str, Any] | None
 ) -> dict[str, Any]:
     size = policy.size
     if size is None:
@@ -121,7 +122,7 @@ def _install(
 
 
 def pick_chunk_size(
-    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, key: dict[str, Any]
+    policy: ChunkPolicy, scheduler: Scheduler, profile: Profiler, key: dict[str, Any] | None
 ) -> dict[str, Any]:
     """--chunked-prefill-size for a PP/TP layout when none is given: the smallest candidate
     whose per-token forward time (prefix 0, slowest stage) is within AUTO_SLACK of the best
@@ -131,7 +132,7 @@ def pick_chunk_size(
     free = scheduler.kv.allocator.num_free * scheduler.kv.page_size
     sizes = [n for n in AUTO_CANDIDATES if n <= min(free, scheduler.context_len)] or [free]
     points = [(0, sizes[0]), *((0, n) for n in sizes)]  # the first one twice: a warm-up
-    stages = cached_profile(key | {"auto_chunk_points": points}, lambda: profile(points))
+    stages = cached_profile(_extended(key, auto_chunk_points=points), lambda: profile(points))
     slowest = [max(per_stage) for per_stage in zip(*stages, strict=True)][1:]
     per_token = [t / n for n, t in zip(sizes, slowest, strict=True)]
     best = min(per_token)
@@ -160,12 +161,16 @@ def pick_chunk_size(
 
 
 def run_profile(
-    policy: ChunkPolicy, size: int, scheduler: Scheduler, profile: Profiler, key: dict[str, Any]
+    policy: ChunkPolicy,
+    size: int,
+    scheduler: Scheduler,
+    profile: Profiler,
+    key: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Every stage's seconds per profile point (from the cache when the same points were
     timed before), and per point the slowest stage's."""
     points = profile_points(policy, size, scheduler)
-    key = key | {"cost_model": policy.model, "points": points}
+    key = _extended(key, cost_model=policy.model, points=points)
     stages = cached_profile(key, lambda: profile(points)) if points else [[]]
     return {
         "mode": "dynamic",
@@ -227,8 +232,16 @@ def _log_fit(info: dict[str, Any]) -> None:
     )
 
 
-def cached_profile(key: dict[str, Any], run: Callable[[], list[list[float]]]) -> list[list[float]]:
-    if not envs.profile_cache_enabled():
+def _extended(key: dict[str, Any] | None, **extra: Any) -> dict[str, Any] | None:
+    return None if key is None else key | extra
+
+
+def cached_profile(
+    key: dict[str, Any] | None, run: Callable[[], list[list[float]]]
+) -> list[list[float]]:
+    """`run()`'s seconds, from the disk cache when the same `key` was timed before (None: no
+    cache)."""
+    if key is None or not envs.profile_cache_enabled():
         return run()
     key = key | {"host": platform.node(), "torch": torch.__version__}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

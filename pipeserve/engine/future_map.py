@@ -59,13 +59,16 @@ def ring_size(max_running_requests: int, context_len: int, chunk_size: int | Non
     return max_running_requests * (3 + max_chunks) + 1
 
 
-def use_overlap_schedule(config: EngineConfig, in_process: bool) -> bool:
-    """The one-stage loop: overlap where it pays on this device (device.py says where),
-    unless --disable-overlap-schedule / --enable-overlap-schedule decide."""
+def use_overlap_schedule(
+    config: EngineConfig, in_process: bool, device: torch.device | None = None
+) -> bool:
+    """The one-stage loop: overlap where it pays on this device (device.py says where; the
+    simulator names the device it simulates), unless --disable-overlap-schedule /
+    --enable-overlap-schedule decide."""
     s = config.scheduler
     if s.disable_overlap_schedule or s.enable_overlap_schedule:
         return s.enable_overlap_schedule
-    return overlap_schedule_pays(resolve_device(config.model.device), in_process)
+    return overlap_schedule_pays(device or resolve_device(config.model.device), in_process)
 
 
 def worker_ring_size(config: EngineConfig, context_len: int) -> int:

@@ -20,19 +20,41 @@ waiting for each other, so all stages work on different chunks at once.
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
+from pipeserve.config import EngineConfig
 from pipeserve.engine.future_map import SlotRing
-from pipeserve.engine.workers import WorkerSet
+from pipeserve.scheduler.batch import BatchResult
 from pipeserve.scheduler.data_parallel import BatchGroup, DataParallelScheduler
 from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.timeline import Recorder
+
+
+class Executor(Protocol):
+    """What runs the loop's micro-batches: worker processes (engine.workers.WorkerSet) or
+    the simulator's stages (sim.executor.SimWorkers)."""
+
+    def send_batch(self, group: BatchGroup) -> None: ...
+
+    def wait_results(self) -> list[BatchResult]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def pipeline_depth(config: EngineConfig, overlap: bool) -> int:
+    """Micro-batches in flight: P + --pp-async-batch-depth under PP; one stage: 2 with the
+    overlap loop's future tokens (`overlap`), else 1."""
+    p = config.parallel
+    if p.pp_size > 1:
+        return p.pp_size + p.pp_async_batch_depth
+    return 2 if overlap else 1
 
 
 class PipelineLoop:
     def __init__(
         self,
         scheduler: DataParallelScheduler,
-        workers: WorkerSet,
+        workers: Executor,
         depth: int,
         future: SlotRing | None,
         cpu: Recorder,

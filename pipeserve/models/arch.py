@@ -480,7 +480,7 @@ def attention_matmul_weights(a: ArchConfig) -> int:
     return total
 
 
-def _attention_other_params(a: ArchConfig) -> int:
+def attention_other_params(a: ArchConfig) -> int:
     """One layer's attention biases and norms, with the layer's two RMSNorms."""
     h, total = a.hidden_size, 2 * a.hidden_size
     if a.mla is None:
@@ -506,7 +506,7 @@ def mlp_matmul_weights(a: ArchConfig, layer: int, active: bool = False) -> int:
 
 def _params(a: ArchConfig, active: bool) -> int:
     h = a.hidden_size
-    attn = attention_matmul_weights(a) + _attention_other_params(a)
+    attn = attention_matmul_weights(a) + attention_other_params(a)
     total = a.vocab_size * h * (1 if a.tie_word_embeddings else 2) + h  # + the final norm
     for layer in range(a.num_layers):
         total += attn + mlp_matmul_weights(a, layer, active)

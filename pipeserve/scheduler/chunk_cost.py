@@ -157,7 +157,7 @@ def fit_chunk_cost(
     raw, *_ = np.linalg.lstsq(design, target, rcond=None)
     keep = np.ones(len(target), dtype=bool)
     for _ in range(2):
-        w = _non_negative_lstsq(design[keep], target[keep])
+        w = non_negative_lstsq(design[keep], target[keep])
         resid = np.abs(design @ w - target)
         mad = 1.4826 * float(np.median(resid[keep]))
         trimmed = resid <= max(OUTLIER_MADS * mad, 1e-9)
@@ -184,7 +184,7 @@ def _weighted_design(
     return design / t[:, None], np.ones_like(t)
 
 
-def _non_negative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+def non_negative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     """argmin |design w - target| over w >= 0, exactly: the best least-squares fit among the
     column subsets whose solution is non-negative (four columns: at most 15 small solves)."""
     n = design.shape[1]

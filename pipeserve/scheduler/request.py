@@ -201,8 +201,10 @@ class Req:
     def wants_prompt_logprobs(self) -> bool:
         return self.return_logprob and len(self.prompt_logprobs) < len(self.input_ids) - 1
 
-    def finish(self, reason: str, matched: str | int | None = None) -> None:
+    def finish(
+        self, reason: str, matched: str | int | None = None, at: float | None = None
+    ) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.matched_stop = matched
-        self.finish_time = time.perf_counter()
+        self.finish_time = time.perf_counter() if at is None else at

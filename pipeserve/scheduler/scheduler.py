@@ -56,8 +56,12 @@ class Scheduler:
         detokenize: Callable[[list[int]], str] | None = None,
         chunk_sizer: ChunkSizer | None = None,
         max_batch_reqs: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """`clock`: what first-token and finish times are read from (the simulator's clock is
+        simulated time; requests' arrival times must be on the same clock)."""
         self.config = config
+        self.clock = clock
         self.kv = kv
         self.context_len = context_len
         self.eos_token_ids = set(eos_token_ids)
@@ -246,7 +250,7 @@ class Scheduler:
     ) -> RequestUpdate:
         update = RequestUpdate(req.rid)
         if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
+            req.first_token_time = self.clock()
             update.ttft = req.first_token_time - req.arrival_time
             update.cached_tokens = req.cached_tokens
             if req.return_logprob:
@@ -276,7 +280,7 @@ class Scheduler:
         return None
 
     def _finish(self, req: Req, reason: str, matched: str | int | None = None) -> RequestUpdate:
-        req.finish(reason, matched)
+        req.finish(reason, matched, self.clock())
         self.prefill.remove(req)
         self.decode.remove(req)
         if req.pages or req.last_node is not None:

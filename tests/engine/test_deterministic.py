@@ -8,18 +8,40 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from engine_helpers import random_prompts
 
 from pipeserve.device import native_decode_kernel, native_prefill_kernel
 from pipeserve.engine.engine import Engine
+from pipeserve.layers import batch_invariant
 
+# the bench model's matrix shapes (LM head, MLP, attention projections), bf16
+BENCH_SHAPES = [(8192, 768), (2048, 768), (768, 2048), (768, 768), (256, 768)]
+
+
+def blas_is_row_invariant() -> bool:
+    """Whether this machine's BLAS sums a row alike whatever the row count, on the bench
+    model's shapes: the start-up check the mode runs (on some CPUs, e.g. with AMX, the
+    library picks kernels by row count and the engine refuses the mode, tested below)."""
+    batch_invariant.set_enabled(True)
+    try:
+        batch_invariant.check_linear_rows(torch.randn(s).bfloat16() for s in BENCH_SHAPES)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        batch_invariant.set_enabled(False)
+
+
+NATIVE = native_decode_kernel() is not None and native_prefill_kernel() is not None
+ROW_INVARIANT = NATIVE and blas_is_row_invariant()
 pytestmark = [
     pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        native_decode_kernel() is None or native_prefill_kernel() is None,
-        reason="deterministic mode needs the native kernels (AVX512-BF16)",
-    ),
+    pytest.mark.skipif(not NATIVE, reason="deterministic mode needs the native kernels"),
 ]
+needs_row_invariant_blas = pytest.mark.skipif(
+    not ROW_INVARIANT, reason="this machine's BLAS sums a row differently by row count"
+)
 
 @pytest.fixture(scope="module")
 def model_path(model_dir: Any) -> Any:
@@ -54,6 +76,7 @@ def runs(make_engine: Any, deterministic: bool) -> dict[str, tuple[list[int], li
     return seen
 
 
+@needs_row_invariant_blas
 def test_deterministic_mode_is_batch_chunk_cache_and_layout_invariant(make_engine: Any) -> None:
     seen = runs(make_engine, deterministic=True)
     tokens, logprobs = seen["alone"]
@@ -66,6 +89,12 @@ def test_without_the_flag_the_same_situations_differ(make_engine: Any) -> None:
     seen = runs(make_engine, deterministic=False)
     alone = seen.pop("alone")
     assert any(other != alone for other in seen.values()), "nothing to fix: a hollow test"
+
+
+@pytest.mark.skipif(ROW_INVARIANT, reason="this machine's BLAS is row-invariant")
+def test_deterministic_mode_refuses_a_blas_that_is_not_row_invariant(make_engine: Any) -> None:
+    with pytest.raises(RuntimeError, match="not available with this BLAS library"):
+        make_engine(enable_deterministic_inference=True, chunked_prefill_size=64)
 
 
 def test_deterministic_mode_refuses_the_torch_kernels(make_engine: Any) -> None:
