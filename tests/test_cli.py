@@ -14,17 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeserve.cli import main
+from pipeserve.cli import CHAT_PROMPTS, RAW_PROMPTS, main
 from pipeserve.engine.engine import Engine
 
 pytestmark = pytest.mark.timeout(300)
 
 TIMING_KEYS = ("ttft_mean_s", "ttft_p50_s", "input_throughput_tok_s", "output_throughput_tok_s")
-DEFAULT_PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about pipelines:",
-    "Long prompts are split into chunks because",
-]
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +52,26 @@ def test_make_model_list_and_missing_arguments(capsys) -> None:
         main(["make-model", "--preset", "tiny-qwen3"])
 
 
-def test_generate_prints_greedy_text(cli_model: Path, capsys) -> None:
-    main(["generate", "--model", str(cli_model), "--max-new-tokens", "4"])
+@pytest.mark.parametrize("raw", [False, True])
+def test_generate_prints_greedy_text(cli_model: Path, capsys, raw: bool) -> None:
+    """The default prompts go through the model's chat template as user messages (the
+    preset has one); --raw sends completions' prompts as they are."""
+    main(["generate", "--model", str(cli_model), "--max-new-tokens", "4",
+          *(["--raw"] if raw else [])])
     printed = capsys.readouterr().out
     assert f"model: {cli_model} (Qwen3ForCausalLM)" in printed
+    prompts = RAW_PROMPTS if raw else CHAT_PROMPTS
     with Engine(str(cli_model)) as engine:
-        expected = engine.generate(DEFAULT_PROMPTS,
-                                   sampling_params={"max_new_tokens": 4, "temperature": 0.0})
+        tok = engine.tokenizer
+        assert tok is not None
+        texts = prompts if raw else [
+            tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
+        ]
+        expected = engine.generate(texts, sampling_params={"max_new_tokens": 4, "temperature": 0.0})
     assert isinstance(expected, list)
-    for prompt, out in zip(DEFAULT_PROMPTS, expected, strict=True):
+    for prompt, out in zip(prompts, expected, strict=True):
         assert f">>> {prompt}\n{out['text']}\n" in printed
-    assert printed.count(" generated tokens, TTFT ") == len(DEFAULT_PROMPTS)
+    assert printed.count(" generated tokens, TTFT ") == len(prompts)
 
 
 def test_generate_with_own_prompt_and_engine_flags(cli_model: Path, capsys) -> None:

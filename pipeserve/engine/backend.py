@@ -229,7 +229,7 @@ class InProcessBackend(Backend):
         config: EngineConfig,
         arch: ArchConfig,
         model_path: Path,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         context_len: int,
     ) -> None:
         super().__init__()
@@ -301,7 +301,7 @@ class WorkerBackend(Backend):
         config: EngineConfig,
         arch: ArchConfig,
         model_path: Path,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         context_len: int,
     ) -> None:
         super().__init__()

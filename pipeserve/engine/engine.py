@@ -15,11 +15,14 @@ from pipeserve.device import resolve_device, resolve_dtype
 from pipeserve.disaggregation.pd.kv_remap import SideLayout
 from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
 from pipeserve.models.arch import ArchConfig
-from pipeserve.models.presets import DEFAULT_PRESET, PRESETS, preset_path
+from pipeserve.models.default_model import ALIAS as DEFAULT_MODEL_ALIAS
+from pipeserve.models.default_model import default_model_file
+from pipeserve.models.gguf import converted_checkpoint, find_gguf
+from pipeserve.models.presets import PRESETS, preset_path
 from pipeserve.runner.kv_layout import kv_bytes_per_token
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.scheduler.scheduler import RequestUpdate
-from pipeserve.tokenizer import Tokenizer
+from pipeserve.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +54,21 @@ class _Pending:
 
 
 def resolve_model_path(model_path: str | None) -> Path:
-    if model_path is None:
-        return preset_path(DEFAULT_PRESET)
+    """The checkpoint directory a --model names: a Hugging Face directory as it is, a built-in
+    preset made on first use, a GGUF file (or a directory holding one) converted once into the
+    cache; no model: the built-in default model (a GGUF)."""
+    if model_path is None or model_path == DEFAULT_MODEL_ALIAS:
+        return converted_checkpoint(default_model_file())
     path = Path(model_path)
     if not path.exists() and model_path in PRESETS:  # a built-in model, made on first use
         return preset_path(model_path)
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return converted_checkpoint(gguf)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json) "
-            f"nor a built-in model ({', '.join(PRESETS)})"
+            f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json), "
+            f"a .gguf file nor a built-in model ({', '.join(PRESETS)})"
         )
     return path
 
@@ -69,7 +78,7 @@ class Engine:
         self.config = EngineConfig.from_flags(model_path=model_path, **flags)
         self.model_path = resolve_model_path(self.config.model.model_path)
         self.arch = ArchConfig.load(self.model_path)
-        self.tokenizer = Tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.config.model, self.model_path)
         self.context_len = self.arch.context_length(self.config.model.context_length)
         if resolve_device(self.config.model.device).type == "cpu":
             kernels.warm_up()  # build once here, before worker processes would each try
@@ -146,6 +155,10 @@ class Engine:
         """Everything that could reject the request, checked before any request of a call is
         submitted (so a bad one never leaves its siblings queued)."""
         vocab = self.arch.vocab_size
+        if req.sampling.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need the tokenizer (--skip-tokenizer-init is on); use stop_token_ids"
+            )
         bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
@@ -159,6 +172,8 @@ class Engine:
             texts = [prompt] if single else list(prompt)
             if not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt must be a string or a list of strings")
+            if self.tokenizer is None:
+                raise ValueError("--skip-tokenizer-init: give token ids (input_ids), not text")
             return single, [self.tokenizer.encode(t) for t in texts]
         single = not input_ids or isinstance(input_ids[0], int)
         lists = [input_ids] if single else input_ids
@@ -175,8 +190,8 @@ class Engine:
         return [SamplingParams.from_dict(params)] * n
 
     def _result(self, p: _Pending) -> dict[str, Any]:
-        text = self.tokenizer.decode(p.output_ids)
-        if isinstance(p.matched_stop, str) and p.matched_stop in text:
+        text = None if self.tokenizer is None else self.tokenizer.decode(p.output_ids)
+        if text is not None and isinstance(p.matched_stop, str) and p.matched_stop in text:
             text = text[: text.index(p.matched_stop)]
         out: dict[str, Any] = {
             "text": text,

@@ -23,9 +23,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeserve import envs
 from pipeserve.models.arch import ArchConfig
+from pipeserve.tokenizer import CHAT_TEMPLATE_FILE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-DEFAULT_PRESET = "bench"
+# ChatML, over the special tokens above; saved as chat_template.jinja, as transformers does
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BENCH_PRESET = "bench"  # what benchmarks and `pipeserve tune` run when no model is named
 
 
 def _tiny(arch: str, **extra: Any) -> dict[str, Any]:
@@ -320,7 +326,6 @@ def make_model(
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
                 "bos_token": None,
-                "chat_template": None,
                 "model_max_length": spec["max_position_embeddings"],
                 "tokenizer_class": "PreTrainedTokenizerFast",
             },
@@ -328,6 +333,7 @@ def make_model(
         )
     )
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eos]}))
+    (out / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
     (out / "config.json").write_text(json.dumps(config, indent=2))  # last: marks completion
     return out
 

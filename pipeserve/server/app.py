@@ -49,7 +49,7 @@ from pipeserve.server.engine_client import EngineClient, EngineFailed
 from pipeserve.server.errors import RETRY_UNAVAILABLE_S, ApiError, error_response, unavailable
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.request_run import RequestRun
-from pipeserve.tokenizer import Tokenizer
+from pipeserve.tokenizer import ChatTemplateMissing, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,13 @@ TOKENIZE_CONCURRENCY = 2 * (os.cpu_count() or 1)  # prompts tokenized at once
 
 class ServerState:
     def __init__(
-        self, config: EngineConfig, client: EngineClient, tokenizer: Tokenizer, model_name: str
+        self,
+        config: EngineConfig,
+        client: EngineClient,
+        tokenizer: Tokenizer | None,
+        model_name: str,
     ) -> None:
+        """`tokenizer` None: --skip-tokenizer-init (token-id prompts only)."""
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
@@ -81,7 +86,7 @@ class ServerState:
         cls, config: EngineConfig, flags: dict[str, Any], model_path: Path
     ) -> ServerState:
         name = config.server.served_model_name or model_path.name
-        return cls(config, EngineClient(flags), Tokenizer(model_path), name)
+        return cls(config, EngineClient(flags), load_tokenizer(config.model, model_path), name)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -210,9 +215,11 @@ def _add_generation_routes(
         ticket = state.admission.admit(state.metrics)
         with _ended_on_error(ticket):
             if isinstance(body.prompt, str):
-                ids = await _off_loop(state, state.tokenizer.encode, body.prompt)
+                tokenizer = _text_tokenizer(state, "prompt")
+                ids = await _off_loop(state, tokenizer.encode, body.prompt)
             else:
                 ids = list(body.prompt)
+            _check_logprobs(state, body.logprobs is not None)
             default = COMPLETION_DEFAULT_MAX_TOKENS
             max_new = max_new_tokens(state, body, len(ids), default, "prompt")
             check_vocab(state, ids)
@@ -238,7 +245,8 @@ def _add_generation_routes(
         check_engine(state)
         ticket = state.admission.admit(state.metrics)
         with _ended_on_error(ticket):
-            ids = await _off_loop(state, _render_and_encode, state.tokenizer, messages)
+            tokenizer = _text_tokenizer(state, "messages")
+            ids = await _off_loop(state, _render_and_encode, tokenizer, messages)
             max_new = max_new_tokens(state, body, len(ids), None, "messages")
             check_vocab(state, ids)
             top = body.top_logprobs or 0 if body.logprobs else 0
@@ -267,9 +275,32 @@ async def _off_loop(state: ServerState, work: Callable[..., list[int]], *args: A
         return await asyncio.to_thread(work, *args)
 
 
+def _text_tokenizer(state: ServerState, param: str) -> Tokenizer:
+    if state.tokenizer is None:
+        raise ApiError(
+            400,
+            "the server runs with --skip-tokenizer-init: send the prompt as token ids (a list "
+            "of integers) to /v1/completions",
+            param=param,
+        )
+    return state.tokenizer
+
+
+def _check_logprobs(state: ServerState, wanted: bool) -> None:
+    if wanted and state.tokenizer is None:
+        raise ApiError(
+            400,
+            "logprobs name tokens by their text, which needs the tokenizer "
+            "(--skip-tokenizer-init is on)",
+            param="logprobs",
+        )
+
+
 def _render_and_encode(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages)
+    except ChatTemplateMissing as exc:
+        raise ApiError(400, str(exc), param="messages") from None
     except jinja2.TemplateError as exc:
         raise ApiError(
             400, f"the model's chat template rejected the messages: {exc}", param="messages"

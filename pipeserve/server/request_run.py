@@ -123,8 +123,9 @@ class RequestRun:
     ) -> AsyncIterator[dict[str, Any]]:
         """One chunk per delta that has something to show, then the usage chunk if asked."""
         lps = _Logprobs(self.state.tokenizer)
+        ids_only = self.state.tokenizer is None
         async for d in self.deltas():
-            if not (d.text or d.finish_reason or self.logprobs):
+            if not (d.text or d.finish_reason or self.logprobs or (ids_only and d.token_ids)):
                 continue  # text held back (a partial character or stop string)
             start = len(lps.ids)
             lps.add(d)
@@ -141,8 +142,14 @@ class RequestRun:
             "text": text,
             "finish_reason": _finish(final),
             "logprobs": lps.completion() if self.logprobs else None,
+            **self._token_ids(lps.ids),
         }
         return self._envelope("text_completion", [choice], final=final)
+
+    def _token_ids(self, ids: list[int]) -> dict[str, list[int]]:
+        """Under --skip-tokenizer-init a completion carries its tokens as ids (a pipeserve
+        field beside OpenAI's empty text)."""
+        return {"token_ids": list(ids)} if self.state.tokenizer is None else {}
 
     def stream_completion(self, body: P.CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         def choice(d: StreamDelta, lps: _Logprobs, start: int) -> dict[str, Any]:
@@ -151,6 +158,7 @@ class RequestRun:
                 "text": d.text,
                 "finish_reason": _finish(d),
                 "logprobs": lps.completion(start) if self.logprobs else None,
+                **self._token_ids(d.token_ids),
             }
 
         return self._stream("text_completion", body.include_usage, choice)
@@ -190,8 +198,8 @@ class _Logprobs:
     bytes (a token holding part of a character shows as \\xNN escapes), so alternatives
     never collide; `text_offset` is each token's position in the decoded completion."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer  # None: only ids are collected (logprobs were refused)
         self.ids: list[int] = []
         self.values: list[float] = []
         self.tops: list[list[tuple[int, float]]] = []
@@ -202,6 +210,7 @@ class _Logprobs:
         self.tops += d.top_logprobs or [[] for _ in d.token_ids]
 
     def completion(self, start: int = 0) -> dict[str, Any]:
+        assert self.tokenizer is not None
         text = self.tokenizer.token_text
         return {
             "tokens": [text(t) for t in self.ids[start:]],
@@ -213,7 +222,10 @@ class _Logprobs:
         }
 
     def chat(self, start: int = 0) -> dict[str, Any]:
+        assert self.tokenizer is not None
+
         def entry(token: int, value: float) -> dict[str, Any]:
+            assert self.tokenizer is not None
             raw = self.tokenizer.token_bytes(token)
             return {"token": self.tokenizer.token_text(token), "logprob": value, "bytes": list(raw)}
 

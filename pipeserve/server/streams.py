@@ -32,10 +32,11 @@ class StreamDelta:
 
 class OutputStream:
     def __init__(
-        self, rid: str, tokenizer: Tokenizer, stop: tuple[str, ...], prompt_tokens: int
+        self, rid: str, tokenizer: Tokenizer | None, stop: tuple[str, ...], prompt_tokens: int
     ) -> None:
+        """`tokenizer` None (--skip-tokenizer-init): deltas carry token ids, no text."""
         self.rid = rid
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stop = stop
         self.matcher = StopMatcher(automaton_for(stop)) if stop else None
         self.prompt_tokens = prompt_tokens
@@ -43,15 +44,8 @@ class OutputStream:
         self.completion_tokens = 0
 
     def apply(self, u: RequestUpdate) -> StreamDelta:
-        self.detok.add(u.new_token_ids)
         self.completion_tokens += len(u.new_token_ids)
-        done = u.finish_reason is not None
-        if done:
-            self.detok.flush()
-        text = self.detok.text
-        end = self._end(text, done, u.matched_stop)
-        delta = text[self.emitted : max(end, self.emitted)]
-        self.emitted = max(end, self.emitted)
+        delta = self._text(u)
         return StreamDelta(
             self.rid,
             delta,
@@ -65,6 +59,20 @@ class OutputStream:
             u.cached_tokens,
             u.ttft,
         )
+
+    def _text(self, u: RequestUpdate) -> str:
+        """The text this update adds that may be sent now."""
+        if self.detok is None:
+            return ""
+        self.detok.add(u.new_token_ids)
+        done = u.finish_reason is not None
+        if done:
+            self.detok.flush()
+        text = self.detok.text
+        end = self._end(text, done, u.matched_stop)
+        delta = text[self.emitted : max(end, self.emitted)]
+        self.emitted = max(end, self.emitted)
+        return delta
 
     def _end(self, text: str, done: bool, matched_stop: str | int | None) -> int:
         """How much of `text` may be sent: before the end, all but a tail that is or could

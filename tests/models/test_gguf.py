@@ -1,0 +1,193 @@
+"""GGUF checkpoints, on files the tests write the way llama.cpp's converter does
+(gguf_files.py): every storage type dequantised as `gguf` does and as transformers' GGUF
+loader does (K-quants as random blocks); Llama's query/key rows put back (GQA: 4 query and
+2 KV heads); a tiny Llama's greedy tokens and logprobs from its GGUF equal its safetensors
+checkpoint's; the tokenizer from `tokenizer.ggml.*` encodes as the original tokenizer.json,
+with llama.cpp's SmolLM pre-tokenizer splitting digits; the chat template, the converter
+command and the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_files import rotary_pairs, write_gguf
+from safetensors.torch import load_file
+
+from pipeserve.cli import main
+from pipeserve.engine.engine import Engine
+from pipeserve.models.gguf import convert, find_gguf
+from pipeserve.models.gguf.tensors import hf_name
+from pipeserve.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+TYPES = {  # one tensor per storage type; rows of 256 values for the K-quants
+    "blk.0.ffn_up.weight": Q.Q4_K,
+    "blk.0.ffn_gate.weight": Q.Q5_K,
+    "blk.0.ffn_down.weight": Q.Q6_K,
+    "blk.1.ffn_up.weight": Q.Q8_0,
+    "blk.1.ffn_gate.weight": Q.Q4_0,
+    "blk.1.ffn_down.weight": Q.Q4_1,
+    "blk.0.attn_q.weight": Q.Q8_0,
+    "blk.0.attn_k.weight": Q.Q4_K,
+    "blk.0.attn_v.weight": Q.F16,
+    "blk.0.attn_output.weight": Q.BF16,
+    "token_embd.weight": Q.Q6_K,
+}
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+TEXTS = ["Hello world!", "  spaces\tand\ttabs\n\nnewlines", "numbers 12345 and 3.14159",
+         "unicode: héllo wörld ☃ 日本語", "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def llama(model_dir: Any) -> Path:
+    """A tiny GQA Llama wide enough for K-quant rows (256), no rope scaling."""
+    return model_dir("tiny-llama", hidden_size=256, intermediate_size=512, head_dim=64,
+                     rope_scaling=None, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def quantised(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(llama, tmp_path_factory.mktemp("q") / "tiny-q.gguf", TYPES)
+
+
+@pytest.fixture(scope="module")
+def plain(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("f32") / "tiny-f32.gguf"
+    return write_gguf(llama, out, chat_template=TEMPLATE)
+
+
+def converted(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    return load_file(convert(path, tmp / "hf") / "model.safetensors")
+
+
+def test_dequantised_tensors_equal_gguf_and_transformers(quantised: Path, tmp_path: Path) -> None:
+    ours = converted(quantised, tmp_path)
+    reader = gguf.GGUFReader(str(quantised))
+    seen = set()
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        assert name is not None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.tensor_type == Q.BF16:
+            bits = np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16
+            expected = torch.from_numpy(bits.view(np.float32).reshape(shape))
+        else:
+            expected = torch.from_numpy(np.array(
+                gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32
+            ).reshape(shape))
+        if t.name.split(".", 2)[-1] in ("attn_q.weight", "attn_k.weight"):
+            heads = 4 if "attn_q" in t.name else 2
+            expected = torch.from_numpy(rotary_pairs(ours[name].float().numpy(), heads))
+            got = torch.from_numpy(np.array(gguf.quants.dequantize(
+                np.asarray(t.data), t.tensor_type), np.float32).reshape(shape))
+            assert torch.equal(expected, got), t.name  # ours, re-paired, is the file's
+            continue
+        assert torch.equal(ours[name].float(), expected), t.name
+        seen.add(t.tensor_type)
+    assert seen == {*TYPES.values(), Q.F32}  # every storage type checked against gguf
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(quantised.parent), gguf_file=quantised.name, dtype=torch.float32
+    ).state_dict()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.float(), hf[name].float()), name
+
+
+def test_query_key_rows_are_put_back_for_gqa(llama: Path, plain: Path, tmp_path: Path) -> None:
+    ours = converted(plain, tmp_path)
+    original = load_file(llama / "model.safetensors")
+    assert set(ours) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(ours[name], tensor.float()), name  # F32 file: bitwise
+    q = original["model.layers.0.self_attn.q_proj.weight"].float().numpy()
+    assert not np.array_equal(rotary_pairs(q, 4), q)  # the file's rows really were reordered
+
+
+def test_greedy_tokens_of_the_gguf_equal_the_safetensors(llama: Path, plain: Path) -> None:
+    ids = [[5, 17, 300, 42, 9, 77, 1, 250], [3, 3, 3, 100, 200]]
+    sp = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    flags = {"dtype": "float32", "max_total_tokens": 2048}
+    outs = []
+    for model in (str(llama), str(plain)):
+        with Engine(model, **flags) as engine:
+            outs.append(engine.generate(input_ids=ids, sampling_params=sp, return_logprob=True))
+    for a, b in zip(*outs, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["output_logprobs"] == b["output_logprobs"]
+
+
+def test_tokenizer_encodes_as_the_original(llama: Path, plain: Path, tmp_path: Path) -> None:
+    out = convert(plain, tmp_path / "hf")
+    original, ours = Tokenizer(llama), Tokenizer(out)
+    for text in TEXTS:
+        assert ours.encode(text) == original.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+    assert ours.token_id("<|im_end|>") == original.token_id("<|im_end|>")
+    assert ours.eos_token_ids == (ours.token_id("<|im_end|>"),)
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == "[user] hi\n[assistant]"  # the file's template
+    assert (out / "chat_template.jinja").read_text() == TEMPLATE
+
+
+def test_smollm_pre_tokenizer_splits_every_digit(llama: Path, tmp_path: Path) -> None:
+    """llama.cpp applies `\\p{N}` before GPT-2's pattern for tokenizer.ggml.pre smollm: no
+    piece holds two digits (GPT-2's pattern alone keeps " 2024" whole)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = write_gguf(llama, tmp_path / "smollm.gguf", pre="smollm")
+    out = convert(path, tmp_path / "hf")
+    text = "in 2024 we had 365 days"
+    smollm = HFTokenizer.from_file(str(out / "tokenizer.json")).pre_tokenizer
+    gpt2 = HFTokenizer.from_file(str(llama / "tokenizer.json")).pre_tokenizer
+    pieces = [p for p, _ in smollm.pre_tokenize_str(text)]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("2024365")
+    assert "Ġ2024" in [p for p, _ in gpt2.pre_tokenize_str(text)]
+    tok = Tokenizer(out)
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_engine_takes_a_gguf_file_or_its_directory(plain: Path, tmp_path: Path) -> None:
+    assert find_gguf(plain) == plain and find_gguf(plain.parent) == plain
+    with Engine(str(plain.parent), dtype="float32", max_total_tokens=512) as engine:
+        out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+        assert len(out["output_ids"]) == 2
+    twice = tmp_path / "two"
+    twice.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (twice / name).write_bytes(plain.read_bytes())
+    with pytest.raises(ValueError, match="several GGUF files"):
+        Engine(str(twice))
+
+
+def test_convert_command(plain: Path, tmp_path: Path, capsys: Any) -> None:
+    main(["convert", str(plain), str(tmp_path / "out")])
+    assert "wrote" in capsys.readouterr().out
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    assert config["tie_word_embeddings"] is False and config["head_dim"] == 64
+    with pytest.raises(SystemExit, match="pipeserve convert"):
+        main(["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "x")])
+
+
+def test_refusals(llama: Path, tmp_path: Path) -> None:
+    path = write_gguf(llama, tmp_path / "odd-pre.gguf", pre="some-new-pre")
+    with pytest.raises(ValueError, match="pre-tokenizer 'some-new-pre' is not supported"):
+        convert(path, tmp_path / "x")
+    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        convert(tmp_path / "gpt2.gguf", tmp_path / "y")
