@@ -2,7 +2,8 @@
 model.safetensors (dequantised), tokenizer.json, tokenizer_config.json and, when the file
 has one, chat_template.jinja. `pipeserve convert GGUF OUT_DIR` writes one; `Engine("x.gguf")`
 loads one made once per file under the cache directory (keyed by the file's path, size and
-modification time), so worker processes and later runs share it."""
+modification time; the directory is named as the file, which a server serves it as), so
+worker processes and later runs share it."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def converted_checkpoint(gguf_path: str | Path) -> Path:
     src = Path(gguf_path).resolve()
     stat = src.stat()
     key = f"{src}:{stat.st_size}:{stat.st_mtime_ns}"
-    path = envs.cache_dir() / "gguf" / f"{src.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    path = envs.cache_dir() / "gguf" / digest / src.stem  # named as the file: the model's name
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
