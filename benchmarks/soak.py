@@ -76,8 +76,9 @@ def main() -> None:
     ap.add_argument("serve_args", nargs="*", help="after --: flags for pipeserve serve")
     args = ap.parse_args()
     base = f"http://127.0.0.1:{args.port}"
+    model = [] if "--model" in args.serve_args else ["--model", "bench"]  # as it always ran
     server = subprocess.Popen(
-        [str(BIN / "pipeserve"), "serve", "--port", str(args.port), *args.serve_args],
+        [str(BIN / "pipeserve"), "serve", "--port", str(args.port), *model, *args.serve_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:

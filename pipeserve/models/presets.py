@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -31,7 +32,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BENCH_PRESET = "bench"  # what benchmarks and `pipeserve tune` run when no model is named
 
 
 def _tiny(arch: str, **extra: Any) -> dict[str, Any]:
@@ -276,10 +276,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_path(name: str) -> Path:
-    """The cached checkpoint of a preset, made on first use."""
+    """The cached checkpoint of a preset, made on first use. One cached before the presets
+    shipped a chat template gets it (chat requests would otherwise be refused)."""
     path = envs.cache_dir() / "models" / name
     if not (path / "config.json").is_file():
         _make_cached(name, path)
+    template = path / CHAT_TEMPLATE_FILE
+    if not template.is_file():
+        tmp = path / f".{CHAT_TEMPLATE_FILE}.{os.getpid()}"
+        tmp.write_text(CHAT_TEMPLATE)
+        tmp.replace(template)
     return path
 
 

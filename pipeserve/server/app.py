@@ -298,14 +298,13 @@ def _check_logprobs(state: ServerState, wanted: bool) -> None:
 
 def _render_and_encode(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages)
+        return tokenizer.encode_chat(messages)
     except ChatTemplateMissing as exc:
         raise ApiError(400, str(exc), param="messages") from None
     except jinja2.TemplateError as exc:
         raise ApiError(
             400, f"the model's chat template rejected the messages: {exc}", param="messages"
         ) from None
-    return tokenizer.encode(text)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

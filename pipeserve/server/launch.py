@@ -38,7 +38,7 @@ class _Server(uvicorn.Server):
 
 def serve(flags: dict[str, Any]) -> int:
     config = EngineConfig.from_flags(**flags)
-    model_path = resolve_model_path(config.model.model_path)
+    model_path = resolve_model_path(config.model.model_path, config.model.dtype)
     state = ServerState.for_model(config, {**flags, "model_path": str(model_path)}, model_path)
     app = create_app(state)
     c = config.server

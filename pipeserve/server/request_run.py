@@ -222,12 +222,15 @@ class _Logprobs:
         }
 
     def chat(self, start: int = 0) -> dict[str, Any]:
-        assert self.tokenizer is not None
+        tok = self.tokenizer
+        assert tok is not None
 
         def entry(token: int, value: float) -> dict[str, Any]:
-            assert self.tokenizer is not None
-            raw = self.tokenizer.token_bytes(token)
-            return {"token": self.tokenizer.token_text(token), "logprob": value, "bytes": list(raw)}
+            return {
+                "token": tok.token_text(token),
+                "logprob": value,
+                "bytes": list(tok.token_bytes(token)),
+            }
 
         rows = zip(self.ids[start:], self.values[start:], self.tops[start:], strict=True)
         return {

@@ -17,6 +17,11 @@ from safetensors.torch import load_file
 
 HF_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
@@ -76,14 +81,25 @@ def write_gguf(
     types: dict[str, Q] | None = None,
     pre: str = "gpt2",
     chat_template: str | None = None,
+    extra: dict[str, object] | None = None,
 ) -> Path:
-    """`types`: GGUF tensor name -> storage type (default F32)."""
+    """`types`: GGUF tensor name -> storage type (default F32); the architecture is the
+    checkpoint's model_type (llama, qwen2, qwen3; only llama's Q/K rows are reordered);
+    `extra`: more metadata (key -> value)."""
     config = json.loads((model_dir / "config.json").read_text())
-    w = gguf.GGUFWriter(str(out), "llama")
+    arch = config["model_type"]
+    w = gguf.GGUFWriter(str(out), arch)
     _metadata(w, config)
+    for key, value in (extra or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        else:
+            w.add_string(key, str(value))
     _tokenizer(w, model_dir, pre, chat_template)
-    heads = {"attn_q.weight": config["num_attention_heads"],
-             "attn_k.weight": config["num_key_value_heads"]}
+    q, k = config["num_attention_heads"], config["num_key_value_heads"]
+    heads = {"attn_q.weight": q, "attn_k.weight": k, "attn_q.bias": q, "attn_k.bias": k}
+    if arch != "llama":
+        heads = {}
     for i, (hf, tensor) in enumerate(sorted(load_file(model_dir / "model.safetensors").items())):
         name = gguf_name(hf)
         arr = tensor.to(torch.float32).numpy()
@@ -127,13 +143,15 @@ def _tokenizer(w: gguf.GGUFWriter, model_dir: Path, pre: str, template: str | No
         tokens[added["id"]] = added["content"]
         types[added["id"]] = 3 if added["special"] else 4  # control / user-defined
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
+    if "tokenizer.ggml.model" not in w.kv_data[0]:
+        w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_add_bos_token(False)
+    if "tokenizer.ggml.add_bos_token" not in w.kv_data[0]:
+        w.add_add_bos_token(False)
     if template:
         w.add_chat_template(template)

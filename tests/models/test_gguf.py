@@ -46,6 +46,12 @@ TEXTS = ["Hello world!", "  spaces\tand\ttabs\n\nnewlines", "numbers 12345 and 3
          "unicode: héllo wörld ☃ 日本語", "<|im_start|>user\nhi<|im_end|>"]
 
 
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine("x.gguf") converts into the cache: a throwaway one, not the user's."""
+    monkeypatch.setenv("PIPESERVE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
 @pytest.fixture(scope="module")
 def llama(model_dir: Any) -> Path:
     """A tiny GQA Llama wide enough for K-quant rows (256), no rope scaling."""
@@ -180,9 +186,6 @@ def test_convert_command(plain: Path, tmp_path: Path, capsys: Any) -> None:
 
 
 def test_refusals(llama: Path, tmp_path: Path) -> None:
-    path = write_gguf(llama, tmp_path / "odd-pre.gguf", pre="some-new-pre")
-    with pytest.raises(ValueError, match="pre-tokenizer 'some-new-pre' is not supported"):
-        convert(path, tmp_path / "x")
     w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
     w.add_block_count(1)
     w.write_header_to_file()
@@ -191,3 +194,82 @@ def test_refusals(llama: Path, tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         convert(tmp_path / "gpt2.gguf", tmp_path / "y")
+    scaled = write_gguf(llama, tmp_path / "rope.gguf")
+    with_freqs = tmp_path / "freqs.gguf"
+    _add_tensor(scaled, with_freqs, "rope_freqs.weight")
+    with pytest.raises(ValueError, match="rope_freqs.weight"):
+        convert(with_freqs, tmp_path / "z")
+
+
+def _add_tensor(src: Path, dst: Path, name: str) -> None:
+    """A copy of a GGUF file with one more F32 tensor."""
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "llama")
+    for key, f in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture")):
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, f.contents())
+        else:
+            w.add_key_value(key, f.contents(), f.types[0])
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.add_tensor(name, np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "extra,what",
+    [({}, "pre-tokenizer 'some-new-pre'"),
+     ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama'")],
+)
+def test_a_tokenizer_it_cannot_rebuild_leaves_the_model_usable(
+    llama: Path, tmp_path: Path, extra: dict, what: str, caplog: Any
+) -> None:
+    """SentencePiece files, unknown pre-tokenizers: the weights convert, the tokenizer is left
+    out with a warning, and --tokenizer-path or --skip-tokenizer-init run the model."""
+    path = write_gguf(llama, tmp_path / "odd.gguf", pre="some-new-pre", extra=extra)
+    out = convert(path, tmp_path / "hf")
+    assert (out / "model.safetensors").is_file() and not (out / "tokenizer.json").exists()
+    assert what in caplog.text
+    with pytest.raises(FileNotFoundError, match="--tokenizer-path"):
+        Engine(str(path), dtype="float32", max_total_tokens=512)
+    with Engine(str(path), tokenizer_path=str(llama), dtype="float32",
+                max_total_tokens=512) as engine:
+        assert engine.generate("hi", sampling_params={"max_new_tokens": 2})["text"] is not None
+
+
+def test_add_bos_token_puts_the_bos_first(llama: Path, tmp_path: Path) -> None:
+    path = write_gguf(llama, tmp_path / "bos.gguf", chat_template=TEMPLATE,
+                      extra={"tokenizer.ggml.add_bos_token": True})
+    tok = Tokenizer(convert(path, tmp_path / "hf"))
+    bos = tok.token_id("<|endoftext|>")
+    assert tok.encode("hello")[0] == bos and tok.encode("hello", add_special_tokens=False)[0] != bos
+    assert tok.encode_chat([{"role": "user", "content": "x"}]).count(bos) == 0  # no template BOS
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3"])
+def test_qwen_ggufs_keep_their_biases_norms_and_row_order(
+    model_dir: Any, preset: str, tmp_path: Path
+) -> None:
+    """Qwen2's q/k/v biases, Qwen3's q/k norms, no rotary-pair reordering (NeoX rope):
+    bitwise weights and the same greedy tokens as the safetensors checkpoint."""
+    src = model_dir(preset)
+    path = write_gguf(src, tmp_path / f"{preset}.gguf")
+    ours = converted(path, tmp_path)
+    original = load_file(src / "model.safetensors")
+    assert set(ours) == set(original)
+    assert any(".bias" in n for n in ours) == (preset == "tiny-qwen2")
+    assert any("q_norm" in n for n in ours) == (preset == "tiny-qwen3")
+    for name, tensor in original.items():
+        assert torch.equal(ours[name], tensor.float()), name
+    sp = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    tokens = []
+    for model in (str(src), str(path)):
+        with Engine(model, dtype="float32", max_total_tokens=512) as engine:
+            tokens.append(engine.generate(input_ids=[4, 8, 15, 16, 23, 42], sampling_params=sp)
+                          ["output_ids"])
+    assert tokens[0] == tokens[1]

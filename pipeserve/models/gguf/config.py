@@ -3,6 +3,7 @@ for the architectures pipeserve runs: llama (Llama, Mistral, SmolLM), qwen2, qwe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gguf import GGUFReader
@@ -13,6 +14,7 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
+STOP_TOKEN_KEYS = ("eos", "eot", "eom")  # llama.cpp stops on each of these
 
 
 def field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -22,6 +24,11 @@ def field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def architecture(reader: GGUFReader) -> str:
+    if int(field(reader, "split.count", 1)) > 1:
+        raise ValueError(
+            "this GGUF is one part of a split file; merge the parts first "
+            "(llama.cpp's gguf-split --merge)"
+        )
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
@@ -34,21 +41,40 @@ def architecture(reader: GGUFReader) -> str:
 def config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
     arch = architecture(reader)
     cls, model_type = ARCHITECTURES[arch]
-
-    def get(key: str, default: Any = None) -> Any:
-        return field(reader, f"{arch}.{key}", default)
-
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError(
             "this GGUF stores its rope scaling as per-frequency factors (rope_freqs.weight, "
             "llama3 scaling), which pipeserve does not read; convert the original checkpoint"
         )
-    config: dict[str, Any] = {
+    get = _scalar_getter(reader, arch)
+    config = {
         "architectures": [cls],
         "model_type": model_type,
+        **_shapes(get),
+        "vocab_size": vocab_size(reader),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names and model_type == "llama",
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": stop_token_ids(reader),
+    }
+    scaling = rope_scaling(get)
+    return config | ({"rope_scaling": scaling} if scaling else {})
+
+
+def _scalar_getter(reader: GGUFReader, arch: str) -> Callable[..., Any]:
+    def get(key: str, default: Any = None) -> Any:
+        value = field(reader, f"{arch}.{key}", default)
+        if isinstance(value, list):  # e.g. a per-layer head count (OpenELM-style)
+            raise ValueError(f"GGUF {arch}.{key} varies by layer, which pipeserve does not run")
+        return value
+
+    return get
+
+
+def _shapes(get: Callable[..., Any]) -> dict[str, Any]:
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    return {
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
@@ -58,31 +84,21 @@ def config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 4096)),
-        "vocab_size": vocab_size(reader, arch),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names and model_type == "llama",
-        "torch_dtype": "bfloat16",
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    scaling = rope_scaling(get)
-    if scaling:
-        config["rope_scaling"] = scaling
-    return config
 
 
-def vocab_size(reader: GGUFReader, arch: str) -> int:
-    size = field(reader, f"{arch}.vocab_size")
-    if size is not None:
-        return int(size)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None:
-        return len(tokens.data)
+def vocab_size(reader: GGUFReader) -> int:
+    """The embedding's rows (the token list can be shorter or longer than the model's)."""
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return int(embed.shape[-1])
 
 
-def rope_scaling(get: Any) -> dict[str, Any] | None:
+def stop_token_ids(reader: GGUFReader) -> list[int]:
+    ids = [field(reader, f"tokenizer.ggml.{key}_token_id") for key in STOP_TOKEN_KEYS]
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
     """Linear and YaRN scaling as GGUF metadata gives them (`rope.scaling.*`)."""
     kind = get("rope.scaling.type")
     if kind in (None, "none"):

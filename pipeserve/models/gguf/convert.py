@@ -1,19 +1,22 @@
 """A GGUF file as a Hugging Face checkpoint directory: config.json, generation_config.json,
-model.safetensors (dequantised), tokenizer.json, tokenizer_config.json and, when the file
-has one, chat_template.jinja. `pipeserve convert GGUF OUT_DIR` writes one; `Engine("x.gguf")`
-loads one made once per file under the cache directory (keyed by the file's path, size and
-modification time; the directory is named as the file, which a server serves it as), so
-worker processes and later runs share it."""
+model.safetensors (dequantised, in the dtype asked for), and when the file's tokenizer can be
+rebuilt tokenizer.json, tokenizer_config.json and chat_template.jinja. `pipeserve convert
+GGUF OUT_DIR` writes one; `Engine("x.gguf")` loads one made once per file and storage dtype
+under the cache directory (keyed by the file's path, size and modification time and by this
+converter's format version; the directory is named as the file, which a server serves it
+as), so worker processes and later runs share it."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from gguf import GGUFReader
 from safetensors.torch import save_file
 
@@ -21,6 +24,11 @@ from pipeserve import envs
 from pipeserve.models.gguf.config import config_from_gguf
 from pipeserve.models.gguf.tensors import hf_tensors
 from pipeserve.models.gguf.vocab import tokenizer_from_gguf
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when a conversion would come out differently: old caches are not reused
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -38,34 +46,52 @@ def find_gguf(path: str | Path) -> Path | None:
     return None
 
 
-def convert(gguf_path: str | Path, out: str | Path) -> Path:
-    """Write the checkpoint directory; returns it."""
+def storage_dtype(run_dtype: str) -> str:
+    """What a conversion for a run in `run_dtype` stores: float32 dequantised values
+    exactly for float32 runs, else bfloat16 (what the default run casts them to anyway)."""
+    return run_dtype if run_dtype in STORAGE_DTYPES else "bfloat16"
+
+
+def convert(gguf_path: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """Write the checkpoint directory; returns it. A tokenizer this converter cannot rebuild
+    is left out, with a warning (then give --tokenizer-path or --skip-tokenizer-init)."""
     reader = GGUFReader(str(gguf_path))
-    config = config_from_gguf(reader)
-    tokenizer, tok_config = tokenizer_from_gguf(reader)
+    config = config_from_gguf(reader) | {"torch_dtype": dtype}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensors(reader, config)
+    tensors = hf_tensors(reader, config, STORAGE_DTYPES[dtype])
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     (out / "model.safetensors").chmod(0o644)
+    del tensors
+    _write_tokenizer(reader, out)
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": config["eos_token_id"]})
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))  # last: marks completion
+    return out
+
+
+def _write_tokenizer(reader: GGUFReader, out: Path) -> None:
+    try:
+        tokenizer, tok_config = tokenizer_from_gguf(reader)
+    except ValueError as exc:
+        log.warning("%s: converted without a tokenizer: %s", out.name, exc)
+        return
     tokenizer.save(str(out / "tokenizer.json"))
     template = tok_config.pop("chat_template", None)
     if template:
         (out / "chat_template.jinja").write_text(template)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    eos = config["eos_token_id"]
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    (out / "config.json").write_text(json.dumps(config, indent=2))  # last: marks completion
-    return out
 
 
-def converted_checkpoint(gguf_path: str | Path) -> Path:
-    """The cached conversion of a GGUF file, made on first use (written to a private
-    directory, then renamed into place: processes converting the same file at once never
-    read a half-written one)."""
+def converted_checkpoint(gguf_path: str | Path, run_dtype: str = "bfloat16") -> Path:
+    """The cached conversion of a GGUF file for a run in `run_dtype`, made on first use
+    (written to a private directory, then renamed into place: processes converting the same
+    file at once never read a half-written one)."""
     src = Path(gguf_path).resolve()
     stat = src.stat()
-    key = f"{src}:{stat.st_size}:{stat.st_mtime_ns}"
+    dtype = storage_dtype(run_dtype)
+    key = f"{FORMAT}:{src}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     path = envs.cache_dir() / "gguf" / digest / src.stem  # named as the file: the model's name
     if (path / "config.json").is_file():
@@ -73,10 +99,12 @@ def converted_checkpoint(gguf_path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{src.stem}-", dir=path.parent))
     try:
-        convert(src, tmp)
+        convert(src, tmp, dtype)
         tmp.chmod(0o755)  # mkdtemp's 0700 would stick to the cached checkpoint
         with contextlib.suppress(OSError):  # another process's copy got there first
             tmp.rename(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if not (path / "config.json").is_file():
+        raise OSError(f"{path} holds an incomplete conversion: remove it and run again")
     return path

@@ -1,11 +1,12 @@
 """GGUF tensors as Hugging Face checkpoint tensors: llama.cpp's names mapped, every type the
 `gguf` library reads dequantised (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
-K-quants Q2_K..Q8_K among them) to float32 in [out, in] order, and for Llama models the
-query/key rows put back in the order the Hugging Face model expects."""
+K-quants Q2_K..Q8_K among them) in [out, in] order and stored in the dtype asked for, and for
+Llama models the query/key rows put back in the order the Hugging Face model expects."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,16 +35,12 @@ _GLOBAL = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-# tensors llama.cpp keeps for its own use (precomputed rope tables)
-_IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor (None: one to skip)."""
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a llama.cpp tensor."""
     if name in _GLOBAL:
         return _GLOBAL[name]
-    if name in _IGNORED:
-        return None
     m = _BLOCK.fullmatch(name)
     if m and m[2] in _LAYER:
         return f"model.layers.{m[1]}.{_LAYER[m[2]]}"
@@ -51,8 +48,8 @@ def hf_name(name: str) -> str | None:
 
 
 def to_numpy(t: ReaderTensor) -> np.ndarray:
-    """The tensor dequantised to float32 (F16/BF16 kept as they are), shaped [out, in]:
-    GGUF lists dimensions fastest first."""
+    """The tensor dequantised to float32 (F16 kept as it is), shaped [out, in]: GGUF lists
+    dimensions fastest first. Not for BF16, which numpy has no type for (`to_torch`)."""
     shape = tuple(int(d) for d in reversed(t.shape))
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return np.asarray(t.data).reshape(shape)
@@ -74,8 +71,11 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_tensors(reader: GGUFReader, config: dict) -> dict[str, torch.Tensor]:
-    """Every tensor of the file under its Hugging Face name, Llama's Q/K un-permuted."""
+def hf_tensors(
+    reader: GGUFReader, config: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the file under its Hugging Face name, in `dtype`, Llama's Q/K
+    un-permuted (weights and biases)."""
     llama = config["model_type"] == "llama"
     heads = {
         "q_proj": config["num_attention_heads"],
@@ -84,11 +84,9 @@ def hf_tensors(reader: GGUFReader, config: dict) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name is None:
-            continue
         w = to_torch(t)
         proj = name.split(".")[-2]
         if llama and proj in heads:
             w = unpermute(w, heads[proj])
-        out[name] = w
+        out[name] = w.to(dtype)
     return out
