@@ -246,7 +246,7 @@ def test_bench_worker_node_gets_the_cp_layout(monkeypatch) -> None:
 
     started = []
     monkeypatch.setattr(launcher, "run_worker_node", lambda config, path: started.append(config))
-    monkeypatch.setattr(engine, "resolve_model_path", lambda path: Path("model"))
+    monkeypatch.setattr(engine, "resolve_model_path", lambda path, dtype=None: Path("model"))
     node = ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:29500"]
     with pytest.raises(SystemExit):
         main(["bench", *node, "--layouts", "pp2cp2"])

@@ -36,6 +36,9 @@ class FakeTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
+
     def decode(self, ids: list[int]) -> str:
         return "a" * len(ids)
 
