@@ -218,7 +218,8 @@ def dynamic_list(text: str) -> list[tuple[int, float]]:
 
 
 def bench_model(args: argparse.Namespace) -> None:
-    """Benchmarks and tuning run the random-weight `bench` preset unless a model is named."""
+    """Benchmarks, tuning and the simulator run the random-weight `bench` preset unless a
+    model is named."""
     args.model_path = args.model_path or BENCH_PRESET
 
 
@@ -345,13 +346,14 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
+    bench_model(args)
     if args.calibrate:
         from pipeserve.sim.calibrate import run_calibration
 
         try:
             run_calibration(
                 args.hardware,
-                args.model_path or BENCH_PRESET,
+                args.model_path,
                 args.calibration_max_len,
                 args.calibration,
                 args.calibration_rounds,
@@ -362,7 +364,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     from pipeserve.sim.run import SimSpec, print_report, save, simulate
 
     spec = SimSpec(
-        model=args.model_path or BENCH_PRESET,
+        model=args.model_path,
         hardware=args.hardware,
         calibration=args.calibration,
         devices_per_node=args.gpus_per_node,
@@ -386,9 +388,10 @@ def _tune_simulated(args: argparse.Namespace) -> None:
     from pipeserve.sim.planner import run_plan
     from pipeserve.sim.run import SimSpec
 
+    bench_model(args)
     per_node = args.gpus_per_node or HARDWARE[args.hardware].devices_per_node
     spec = SimSpec(
-        model=args.model_path or BENCH_PRESET,
+        model=args.model_path,
         hardware=args.hardware,
         calibration=args.calibration,
         devices_per_node=per_node,
@@ -396,10 +399,9 @@ def _tune_simulated(args: argparse.Namespace) -> None:
         input_len=args.input_len,
         output_len=1,
     )
-    flags = {k: v for k, v in engine_flags(args).items() if k not in ("model_path", "dtype")}
     try:
         run_plan(
-            flags,
+            engine_flags(args),  # the model and weight dtype travel in `spec`
             spec,
             args.nodes * per_node,
             args.json,

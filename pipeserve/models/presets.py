@@ -8,12 +8,9 @@ the others copy the configs of released models so real shapes are exercised.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeserve import envs
 from pipeserve.models.arch import ArchConfig
+from pipeserve.models.made_once import made_once
 from pipeserve.tokenizer import CHAT_TEMPLATE_FILE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -278,31 +276,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 def preset_path(name: str) -> Path:
     """The cached checkpoint of a preset, made on first use. One cached before the presets
     shipped a chat template gets it (chat requests would otherwise be refused)."""
-    path = envs.cache_dir() / "models" / name
-    if not (path / "config.json").is_file():
-        _make_cached(name, path)
+    path = made_once(
+        envs.cache_dir() / "models" / name, lambda out: make_model(name, out), "checkpoint"
+    )
     template = path / CHAT_TEMPLATE_FILE
     if not template.is_file():
         tmp = path / f".{CHAT_TEMPLATE_FILE}.{os.getpid()}"
         tmp.write_text(CHAT_TEMPLATE)
         tmp.replace(template)
     return path
-
-
-def _make_cached(name: str, path: Path) -> None:
-    """Write a private copy, then rename it into place: processes making the same preset at
-    once (e.g. two nodes on one machine) never read a half-written checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would stick to the cached checkpoint
-    try:
-        make_model(name, tmp)
-        with contextlib.suppress(OSError):  # another process's copy got there first
-            tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if not (path / "config.json").is_file():
-        raise OSError(f"{path} holds an incomplete checkpoint: remove it and run again")
 
 
 def make_model(

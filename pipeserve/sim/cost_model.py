@@ -159,8 +159,19 @@ class CostModel:
         self.shared_overlap = shared_overlap
         starts = [sum(partition[:i]) for i in range(len(partition))]
         self.stage_layers = [range(s, s + n) for s, n in zip(starts, partition, strict=True)]
+        self.stage_kinds = [self._layer_kinds(layers) for layers in self.stage_layers]
         self.eff: Efficiency = hw.efficiency_for(layout.threads, self.busy)
         self.absorb_limit = absorb_max_queries(arch.mla) if arch.mla else 0
+
+    def _layer_kinds(self, layers: range) -> list[tuple[int, int]]:
+        """(a layer of the kind, how many) for a stage's dense layers, then its MoE ones: all
+        layers of a kind cost the same."""
+        out = []
+        for moe in (False, True):
+            kind = [i for i in layers if self.arch.is_moe_layer(i) == moe]
+            if kind:
+                out.append((kind[0], len(kind)))
+        return out
 
     @property
     def busy(self) -> bool:
@@ -238,9 +249,7 @@ class CostModel:
         combine-down, each block's combine travelling while the next block computes."""
         out, layers = StageCost(), self.stage_layers[stage]
         routed = sum(self.rank_tokens(b) for b in batches) * self.layout.cp
-        for moe in {self.arch.is_moe_layer(i) for i in layers}:
-            layer = next(i for i in layers if self.arch.is_moe_layer(i) == moe)
-            count = sum(self.arch.is_moe_layer(i) == moe for i in layers)
+        for layer, count in self.stage_kinds[stage]:
             ranks = [
                 self._layer(layer, b, routed, stage, two_batch, combine_blocks) for b in batches
             ]
@@ -425,9 +434,6 @@ class CostModel:
         total = self.send_bytes(tokens) * lay.tp
         gather = collectives.ring_all_gather_s(total, lay.tp, lay.stage_group_link(hw, stage + 1))
         return send, gather
-
-    def send_s(self, stage: int, tokens: int) -> float:
-        return sum(self.send_parts(stage, tokens))
 
     def send_bytes(self, tokens: int) -> float:
         """Bytes each sending rank puts on the boundary link: its 1/T share of the rows (under

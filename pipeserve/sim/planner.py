@@ -18,8 +18,6 @@ from pipeserve.models.arch import ArchConfig
 from pipeserve.models.config_presets import load_config
 from pipeserve.sim.run import SimSpec, simulate
 
-log = logging.getLogger(__name__)
-
 FIXED_SIZES = (2048, 4096, 6144, 8192, 12288, 16384)
 DEFAULT_PREFILL_BUDGET = SchedulerConfig().max_prefill_tokens
 DYNAMIC_MULTIPLES = (2, 3)

@@ -6,7 +6,6 @@ chart formats, so a real and a simulated run can be put side by side."""
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,6 @@ from pipeserve.timeline import (
     makespan_idle_share,
     write_trace,
 )
-
-log = logging.getLogger(__name__)
 
 # --mem-fraction-static on a simulated GPU when not given: weights and KV may take 92% of the
 # device's memory, the rest left to activations and the runtime (a choice, not a measurement)

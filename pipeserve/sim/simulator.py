@@ -10,7 +10,6 @@ disaggregation, whose transfers have no executor here yet.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,8 +36,6 @@ from pipeserve.sim.executor import SimClock, SimWorkers
 from pipeserve.sim.hardware import Hardware
 from pipeserve.sim.memory import DeviceMemory, device_memory
 from pipeserve.timeline import Event, Recorder
-
-log = logging.getLogger(__name__)
 
 PARTITION_CHUNK = 2048  # tokens of the chunk 'auto' layer partitioning balances
 
@@ -150,10 +147,13 @@ class SimBackend(Backend):
         in_process = not p.uses_workers
         device = torch.device("cuda" if self.hw.kind == "gpu" else "cpu")
         overlap = p.pp_size == 1 and use_overlap_schedule(self.config, in_process, device)
-        ring = SlotRing(ring_size(s.max_running_requests, context_len, s.chunk_size))
-        depth = pipeline_depth(self.config, overlap)
+        ring = (
+            SlotRing(ring_size(s.max_running_requests, context_len, s.chunk_size))
+            if overlap
+            else None
+        )
         return PipelineLoop(
-            self.scheduler, self.workers, depth, ring if overlap else None, self.cpu
+            self.scheduler, self.workers, pipeline_depth(self.config, overlap), ring, self.cpu
         )
 
     def profile_stages(self, points: list[Point], runs: list[list[Run]]) -> list[list[float]]:

@@ -8,12 +8,9 @@ as), so worker processes and later runs share it."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +21,7 @@ from pipeserve import envs
 from pipeserve.models.gguf.config import config_from_gguf
 from pipeserve.models.gguf.tensors import hf_tensors
 from pipeserve.models.gguf.vocab import tokenizer_from_gguf
+from pipeserve.models.made_once import made_once
 
 log = logging.getLogger(__name__)
 
@@ -85,26 +83,11 @@ def _write_tokenizer(reader: GGUFReader, out: Path) -> None:
 
 
 def converted_checkpoint(gguf_path: str | Path, run_dtype: str = "bfloat16") -> Path:
-    """The cached conversion of a GGUF file for a run in `run_dtype`, made on first use
-    (written to a private directory, then renamed into place: processes converting the same
-    file at once never read a half-written one)."""
+    """The cached conversion of a GGUF file for a run in `run_dtype`, made on first use."""
     src = Path(gguf_path).resolve()
     stat = src.stat()
     dtype = storage_dtype(run_dtype)
     key = f"{FORMAT}:{src}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     path = envs.cache_dir() / "gguf" / digest / src.stem  # named as the file: the model's name
-    if (path / "config.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{src.stem}-", dir=path.parent))
-    try:
-        convert(src, tmp, dtype)
-        tmp.chmod(0o755)  # mkdtemp's 0700 would stick to the cached checkpoint
-        with contextlib.suppress(OSError):  # another process's copy got there first
-            tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if not (path / "config.json").is_file():
-        raise OSError(f"{path} holds an incomplete conversion: remove it and run again")
-    return path
+    return made_once(path, lambda out: convert(src, out, dtype), "conversion")
