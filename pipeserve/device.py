@@ -16,11 +16,45 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_device(name: str = "auto") -> torch.device:
+    """The device this process computes on. A bare 'cuda' is the thread's current GPU, with
+    its index, so that threads started later (which begin on GPU 0) and every tensor land on
+    the GPU `bind_device` chose for this worker."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA device is available")
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
+
+
+def bind_device(name: str, local_index: int) -> torch.device:
+    """One GPU per worker: the node's `local_index`-th worker takes `cuda:local_index` of the
+    GPUs CUDA_VISIBLE_DEVICES leaves visible, made current before anything is allocated.
+    CPU workers share the machine (their thread budgets split its cores)."""
+    device = resolve_device(name)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if name.startswith("cuda:"):
+        raise ValueError(
+            f"--device {name}: workers take one GPU each (worker i: cuda:i); name the GPUs "
+            "with CUDA_VISIBLE_DEVICES and pass --device cuda"
+        )
+    if local_index >= count:
+        raise ValueError(
+            f"worker {local_index} of this node has no GPU of its own: {count} visible "
+            "(CUDA_VISIBLE_DEVICES); start fewer workers per node or make more GPUs visible"
+        )
+    device = torch.device("cuda", local_index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def bind_thread(device: torch.device) -> None:
+    """A thread that launches device work starts on GPU 0: point it at this worker's GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str) -> torch.dtype:
@@ -30,13 +64,32 @@ def resolve_dtype(name: str, checkpoint_dtype: str) -> torch.dtype:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for queued device work (a no-op on CPU, where ops run synchronously)."""
+    """Wait for all queued device work (a no-op on CPU, where ops run synchronously). Not for
+    the hot path: there the host waits on one batch's events (pipeserve/streams.py)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def stream_synchronize(device: torch.device) -> None:
+    """Wait for the work queued on this thread's current stream only (e.g. a receive, before
+    another thread's stream reads what it received)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def small_tensor(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list as a tensor on `device`, queued without blocking the host (CUDA:
+    through pinned memory; a pageable copy would wait for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def dist_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """torch.distributed backend per tensor device: on GPUs, NCCL for GPU tensors and gloo
+    for CPU-side control messages in the same groups."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def comm_group_options(backend: str, max_sms: int | None) -> Any:
@@ -49,7 +102,7 @@ def comm_group_options(backend: str, max_sms: int | None) -> Any:
     nothing to split: compute and transfers share the cores)."""
     if max_sms is not None and max_sms < 1:
         raise ValueError(f"--moe-comm-max-sms {max_sms} must be at least 1")
-    if max_sms is None or backend != "nccl":
+    if max_sms is None or "nccl" not in backend:
         return None
     import torch.distributed as dist
 
@@ -74,6 +127,17 @@ def total_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def memory_budget(device: torch.device, fraction: float, local_workers: int) -> float:
+    """Bytes one worker may fill with weights and KV cache (--mem-fraction-static). A GPU is
+    the worker's own: `fraction` of its memory, less what is already in use on it (another
+    process's, the CUDA context) — the free memory minus the (1 - fraction) share left
+    unused. A CPU's RAM is split among the node's workers."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free - total * (1 - fraction)
+    return total_memory(device) * fraction / local_workers
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -84,35 +148,17 @@ def attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns the log-sum-exp of the scores, so partial results
     over disjoint key sets can be merged exactly. q [B, H, Lq, D], k/v [B, H, Lk, D] ->
-    out [B, H, Lq, D], lse [B, H, Lq] (float32). `causal` aligns the mask top-left."""
+    out [B, H, Lq, D], lse [B, H, Lq] (float32). `causal` aligns the mask top-left. CPU:
+    PyTorch's fused CPU kernel; elsewhere PyTorch's fused CUDA kernels or a chunked fallback
+    that never holds [Lq, Lk] scores (pipeserve/layers/attention_backends.py)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=mask, scale=scale
         )
         return out, lse
-    return _math_attention_with_lse(q, k, v, causal, scale, mask)
+    from pipeserve.layers.attention_backends import SDPA  # imports this module
 
-
-def _math_attention_with_lse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = scores.shape[-2:]
-        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if mask is not None:
-        scores = (
-            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        )
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
-    return out.to(q.dtype), lse
+    return SDPA(q, k, v, causal, scale, mask)
 
 
 def overlap_schedule_pays(device: torch.device, in_process: bool) -> bool:
@@ -176,6 +222,7 @@ class ComputeStream:
     def _init(device: torch.device, num_threads: int) -> None:
         set_threads(num_threads)
         if device.type == "cuda":
+            bind_thread(device)
             torch.cuda.set_stream(torch.cuda.Stream(device))
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:

@@ -47,6 +47,18 @@ def reference(request: pytest.FixtureRequest, models: dict[str, Path]) -> dict[s
     return request.module.WORK.references(models, request.module.FLAGS)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need a GPU: skipped without one (make test-gpu runs them)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build the native CPU kernels once, before any test's timeout starts counting (the
     first build compiles C++ for tens of seconds; later runs load it from the cache)."""

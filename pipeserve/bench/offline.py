@@ -368,8 +368,10 @@ def _add_hf_baseline(
 
     config = EngineConfig.from_flags(**flags)
     dtype = resolve_dtype(config.model.dtype, "bfloat16")
-    base = run_hf(Path(report["model"]), prompts, output_len, dtype)
-    report["baseline"] = {"name": "hf-transformers", **{k: base[k] for k in TIMING_KEYS}}
+    device = resolve_device(config.model.device)
+    base = run_hf(Path(report["model"]), prompts, output_len, dtype, device)
+    name = "hf-transformers" + ("+sdpa" if device.type == "cuda" else "")
+    report["baseline"] = {"name": name, **{k: base[k] for k in TIMING_KEYS}}
     report["ratio_to_baseline"] = {
         "prefill_time": run["prefill_s"] / base["prefill_s"],
         "ttft_mean": run["ttft_mean_s"] / base["ttft_mean_s"],

@@ -101,6 +101,7 @@ def start_workers(
             init_method(rdzv, endpoints),
             threads_per_worker(config),
             len(ranks),
+            rank - ranks.start,
             future_ring,
         )
         proc = ctx.Process(

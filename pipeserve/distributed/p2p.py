@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeserve.device import stream_synchronize
 from pipeserve.distributed import wire
 from pipeserve.distributed.wire import MsgType
 from pipeserve.scheduler.batch import ScheduledBatch
@@ -128,6 +129,7 @@ def recv(src: int, group: Any, device: torch.device, shard: Shard = Shard()) -> 
     for i in range(width if rows else 0):
         dist.recv(parts[i, :rows], src, group=group)
     whole = _reassemble(parts, tokens, shard)
+    stream_synchronize(device)  # complete before the compute stream (another thread's) reads it
     return StageMessage(MsgType.PROXY, msg.batch, whole[0], whole[1] if has_residual else None)
 
 

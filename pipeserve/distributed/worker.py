@@ -23,9 +23,10 @@ import torch.distributed as dist
 from pipeserve.config import EngineConfig
 from pipeserve.device import (
     ComputeStream,
+    bind_device,
+    bind_thread,
     comm_group_options,
     dist_backend,
-    resolve_device,
     resolve_dtype,
     set_threads,
 )
@@ -60,6 +61,7 @@ class WorkerArgs:
     init_method: str
     threads: int
     local_workers: int
+    local_index: int  # this worker's place among its node's workers (its GPU's index)
     future_ring: int  # > 0: the scheduler feeds future-token placeholders (overlap, PP = 1)
 
 
@@ -75,11 +77,11 @@ def worker_main(args: WorkerArgs) -> None:
             args.rank, args.endpoints, batch_url, p.heartbeat_interval, p.heartbeat_timeout
         )
         arch = ArchConfig.load(args.model_path)
-        device = resolve_device(config.model.device)
+        device = bind_device(config.model.device, args.local_index)
         _init_groups(args, config, device)
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
-        num_pages = _agree_on_pages(config, arch, args.local_workers, partition)
+        num_pages = _agree_on_pages(config, arch, args.local_workers, partition, device)
         runner: ModelRunner | FfnRunner
         if state.is_ffn_worker:
             runner = FfnRunner(config, arch, args.model_path)
@@ -171,11 +173,17 @@ def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.de
 
 
 def _agree_on_pages(
-    config: EngineConfig, arch: ArchConfig, local_workers: int, partition: list[int]
+    config: EngineConfig,
+    arch: ArchConfig,
+    local_workers: int,
+    partition: list[int],
+    device: torch.device,
 ) -> int:
-    """Every stage must hold the same number of KV pages: rank 0 decides."""
-    pages = kv_pool_pages(config, arch, local_workers, partition)
-    return broadcast_ints([pages], 1, resolve_device(config.model.device))[0]
+    """Every stage must hold the same number of KV pages: the fewest any worker has room
+    for (GPUs of one job may have different amounts free)."""
+    pages = torch.tensor([kv_pool_pages(config, arch, local_workers, partition)], device=device)
+    dist.all_reduce(pages, op=dist.ReduceOp.MIN)
+    return int(pages.item())
 
 
 def broadcast_ints(values: list[int], count: int, device: torch.device) -> list[int]:
@@ -246,6 +254,9 @@ class StageWorker:
                 recorder.add("send_wait", waited, now())
                 pending = None
             out = done.result()
+            # the forward's end (this batch's event, not the device): its time travels with
+            # the batch, and the send's stream may then read the activations
+            out.wait()
             if self.links.next_rank is not None:
                 nxt = p2p.StageMessage(p2p.MsgType.PROXY, batch, out.hidden, out.residual)
                 sent = now()
@@ -263,6 +274,7 @@ class StageWorker:
     def _receive(self) -> None:
         """Fetch the next message while the current forward runs."""
         try:
+            bind_thread(self.device)
             while True:
                 msg = self._next_message()
                 self.inbox.put(msg)

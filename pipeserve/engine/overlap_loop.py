@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 from pipeserve.device import ComputeStream
 from pipeserve.engine.future_map import FutureMap
-from pipeserve.runner.model_runner import ModelRunner, StageOutput
+from pipeserve.runner.model_runner import ModelRunner
+from pipeserve.runner.stage_output import StageOutput
 from pipeserve.scheduler.batch import ScheduledBatch
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
 from pipeserve.timeline import Recorder

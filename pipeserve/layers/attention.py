@@ -5,16 +5,19 @@ the chunk itself, causally, straight from the fresh k/v. Long runs of consecutiv
 are read in place as views; the short, scattered rest is gathered into one tensor, so no
 request's KV is copied whole.
 
-Kernels:
+Kernels (which ones run is decided once per model runner: `NativeKernels`, and for the other
+steps its `backend`, see pipeserve/layers/attention_backends.py):
 - native (CPU, compiled, see pipeserve/kernels): prompt chunks in bfloat16 read their whole
   KV along the request's slot runs in one flash-style pass that stays in cache and uses every
   thread (`paged_prefill_attention`); decode steps likewise (`paged_decode_attention`).
-- prompt chunks otherwise (`blockwise_prefill`): per KV head and block of queries, the scores
-  against all key parts are written side by side into one buffer, softmaxed once, and
-  multiplied back with each part's values (memory-bound at long prefixes).
-- single tokens and short chunks otherwise: the fused kernel per key part, returning
-  log-sum-exp, and the parts merged exactly. Query heads of one KV head (GQA) are folded into
-  the query length, so keys are never repeated.
+- a kernel library (FlashInfer on CUDA): its own prompt-chunk and decode kernels per KV part.
+- long prompt chunks on a CPU otherwise (`blockwise_prefill`): per KV head and block of
+  queries, the scores against all key parts are written side by side into one buffer,
+  softmaxed once, and multiplied back with each part's values (memory-bound at long prefixes).
+- otherwise: the backend's `attention_with_lse` per key part (a fused kernel returning the
+  log-sum-exp; on CUDA PyTorch's flash/memory-efficient kernels or the chunked fallback), the
+  parts merged exactly. Query heads of one KV head (GQA) are folded into the query length, so
+  keys are never repeated.
 """
 
 from __future__ import annotations
@@ -24,12 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipeserve.device import (
-    attention_with_lse,
-    native_decode_kernel,
-    native_prefill_kernel,
-    prefers_blockwise_attention,
-)
+from pipeserve.device import native_decode_kernel, native_prefill_kernel
+from pipeserve.layers.attention_backends import AttentionKernels, default_kernels
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run
 
@@ -42,11 +41,13 @@ KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """Which steps run the compiled CPU kernels (decided once per model runner)."""
+    """Which steps run the compiled CPU kernels, and which kernels run the others (decided
+    once per model runner)."""
 
     decode: bool = False
     prefill: bool = False
     deterministic: bool = False  # one-token prompt chunks run the prefill kernel too
+    backend: AttentionKernels | None = None  # the other steps; None: PyTorch's, per device
 
 
 TORCH_KERNELS = NativeKernels()  # every step on the torch kernels
@@ -77,12 +78,14 @@ class DecodePlan:
     views: list[tuple[int, list[Run]]] = field(default_factory=list)  # (step, long runs)
     runs: torch.Tensor | None = None  # native: [r, 2] (first slot, length), steps in order
     offsets: torch.Tensor | None = None  # native: [b + 1] where each step's runs start
+    lengths: list[int] = field(default_factory=list)  # each step's real keys in `gather`
 
 
 @dataclass
 class AttentionPlan:
     chunks: list[ChunkPlan]
     decode: DecodePlan | None
+    kernels: AttentionKernels | None = None  # the runner's choice; None: PyTorch's, per device
 
 
 def split_runs(runs: list[Run], num: int) -> tuple[list[Run], list[Run]]:
@@ -166,7 +169,7 @@ def plan_attention(
         rows.append(q_start)
         shorts.append(short)
     if not rows:
-        return AttentionPlan(chunks, None)
+        return AttentionPlan(chunks, None, native.backend)
     row_ids = torch.tensor(rows, dtype=torch.long, device=device)
     if native.decode:
         offsets = [0]
@@ -177,11 +180,14 @@ def plan_attention(
         covered = torch.cat([flat.new_zeros(1), flat[:, 1].cumsum(0)])[ends]
         if not torch.equal(covered.diff(), torch.tensor(step_lens)):  # the kernel reads them all
             raise ValueError("a decode step's KV runs do not cover exactly its sequence")
-        return AttentionPlan(chunks, DecodePlan(row_ids, runs=flat, offsets=ends))
+        decode = DecodePlan(row_ids, runs=flat, offsets=ends)
+        return AttentionPlan(chunks, decode, native.backend)
     gather, lengths = gather_index(shorts, device)
     keep = torch.arange(gather.shape[1], device=device)[None, :] < lengths[:, None]
     mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
-    return AttentionPlan(chunks, DecodePlan(row_ids, gather, mask[:, None, None, :], views))
+    counts = [sum(n for _, n in short) for short in shorts]
+    decode = DecodePlan(row_ids, gather, mask[:, None, None, :], views, lengths=counts)
+    return AttentionPlan(chunks, decode, native.backend)
 
 
 def _last_slot(runs: list[Run], num: int) -> int:
@@ -214,10 +220,11 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = pool.buffers(self.layer_id)
         k_cache[:, out_slots] = k.transpose(0, 1)
         v_cache[:, out_slots] = v.transpose(0, 1)
+        kernels = plan.kernels or default_kernels(q)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            out[plan.decode.rows] = self._decode(q[plan.decode.rows], k_cache, v_cache, plan.decode)
-        blockwise = prefers_blockwise_attention(q.device)
+            steps = plan.decode.rows
+            out[steps] = self._decode(q[steps], k_cache, v_cache, plan.decode, kernels)
         for p in plan.chunks:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.runs is not None:
@@ -226,29 +233,49 @@ class PagedAttention(nn.Module):
                 out[rows] = prefill(q[rows], k_cache, v_cache, p.runs, p.prefix_len, self.scale)
                 continue
             cached = _cached_parts(k_cache, v_cache, p.views, p.gather)
-            if blockwise and p.q_len >= BLOCKWISE_MIN_TOKENS:
-                out[rows] = blockwise_prefill(q[rows], k[rows], v[rows], cached, self.scale)
-            else:
-                out[rows] = self._fused(q[rows], k[rows], v[rows], cached)
+            out[rows] = self._prompt_chunk(q[rows], k[rows], v[rows], cached, kernels)
         return out.flatten(1)  # [tokens, heads * head_dim], also for no tokens
 
+    def _prompt_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cached: list[KVPart],
+        kernels: AttentionKernels,
+    ) -> torch.Tensor:
+        if kernels.paged is not None:
+            return kernels.paged.prompt_chunk(q, k, v, cached, self.scale)
+        if kernels.blockwise_prompts and q.shape[0] >= BLOCKWISE_MIN_TOKENS:
+            return blockwise_prefill(q, k, v, cached, self.scale)
+        return self._fused(q, k, v, cached, kernels)
+
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlan,
+        kernels: AttentionKernels,
     ) -> torch.Tensor:
         b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
-        q = q.view(b, hk, self.group, d)  # GQA: the group's queries share their KV head
         if plan.runs is not None:
             kernel = native_decode_kernel()
             assert kernel is not None and plan.offsets is not None
+            q = q.reshape(b, hk, self.group, d)  # GQA: the group's queries share their KV head
             o = kernel(q.contiguous(), k_cache, v_cache, plan.runs, plan.offsets, self.scale)
             return o.reshape(b, self.num_heads, d)
+        if kernels.paged is not None:
+            return kernels.paged.decode(q, k_cache, v_cache, plan, self.scale)
+        q = q.view(b, hk, self.group, d)
         assert plan.gather is not None
         k = k_cache[:, plan.gather].transpose(0, 1)  # [b, hk, n, d]
         v = v_cache[:, plan.gather].transpose(0, 1)
-        o, lse = attention_with_lse(q, k, v, False, self.scale, plan.mask)
+        attend = kernels.attention_with_lse
+        o, lse = attend(q, k, v, False, self.scale, plan.mask)
         for i, views in plan.views:
             parts = [
-                attention_with_lse(
+                attend(
                     q[i : i + 1],
                     k_cache[None, :, s : s + n],
                     v_cache[None, :, s : s + n],
@@ -261,18 +288,22 @@ class PagedAttention(nn.Module):
         return o.reshape(b, self.num_heads, d)
 
     def _fused(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list[KVPart]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cached: list[KVPart],
+        kernels: AttentionKernels | None = None,
     ) -> torch.Tensor:
         """A short prompt chunk: fused kernel per cached part, then causally over itself."""
         n, h, hk, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        attend = (kernels or default_kernels(q)).attention_with_lse
         q_heads = q.transpose(0, 1).contiguous()  # [h, n, d]
         q_fold = q_heads.view(1, hk, self.group * n, d)  # GQA: a KV head's queries in a row
-        parts = [
-            attention_with_lse(q_fold, kc[None], vc[None], False, self.scale) for kc, vc in cached
-        ]
+        parts = [attend(q_fold, kc[None], vc[None], False, self.scale) for kc, vc in cached]
         kr = k.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]  # [1, h, n, d]
         vr = v.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]
-        o, lse = attention_with_lse(q_heads[None], kr, vr, True, self.scale)
+        o, lse = attend(q_heads[None], kr, vr, True, self.scale)
         parts.append((o.reshape(1, hk, self.group * n, d), lse.reshape(1, hk, self.group * n)))
         o = merge_partials(parts)  # [1, hk, group * n, d]
         return o.reshape(h, n, d).transpose(0, 1)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # mla.py may hold an Indexer; importing it at run time would 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_dim], as mla.Rope
 
 K_NORM_EPS = 1e-6  # transformers' and DeepSeek's k_norm, whatever the config's eps
+LOGIT_BLOCK_ELEMENTS = 2**26  # index scores: per-head float32 logits of one query block
 
 
 class LayerNorm(nn.Module):
@@ -138,11 +139,23 @@ def causal_index_scores(
     q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, prefix_len: int, scale: float
 ) -> torch.Tensor:
     """q [n, heads, d], w [n, heads], k [L, d] (key j at position j, query i at prefix_len + i)
-    -> [n, L] float32: sum over heads of w * ReLU(q.k * scale), -inf at future keys."""
-    logits = torch.matmul(q.float().transpose(0, 1), k.float().t()) * scale  # [heads, n, L]
-    scores = torch.matmul(w[:, None, :], torch.relu(logits).transpose(0, 1))[:, 0]  # [n, L]
+    -> [n, L] float32: sum over heads of w * ReLU(q.k * scale), -inf at future keys. The
+    per-head logits are formed for a block of queries at a time, at most
+    LOGIT_BLOCK_ELEMENTS of them, never all of [heads, n, L]."""
+    n, heads = q.shape[:2]
+    kt = k.float().t()
+    block = max(1, LOGIT_BLOCK_ELEMENTS // max(1, heads * k.shape[0]))
+    scores = torch.empty(n, k.shape[0], dtype=torch.float32, device=q.device)
+    for s in range(0, n, block):
+        scores[s : s + block] = _head_sum(q[s : s + block], w[s : s + block], kt, scale)
     future = torch.ones_like(scores, dtype=torch.bool).triu(prefix_len + 1)
-    return scores.masked_fill(future, float("-inf"))
+    return scores.masked_fill_(future, float("-inf"))
+
+
+def _head_sum(q: torch.Tensor, w: torch.Tensor, kt: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, heads, d], w [n, heads], kt [d, L] float32 -> [n, L]."""
+    logits = torch.matmul(q.float().transpose(0, 1), kt) * scale  # [heads, n, L]
+    return torch.matmul(w[:, None, :], torch.relu(logits).transpose(0, 1))[:, 0]
 
 
 def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:

@@ -490,15 +490,22 @@ def _shared_key_head(
     keep: torch.Tensor | None,
 ) -> torch.Tensor:
     """All query heads against one key head: the heads are folded into the query rows (row
-    i * h + head), so the cache rows are read once for every head."""
+    i * h + head), so the cache rows are read once for every head. Causally (no `keep`) the
+    prefix is one unmasked call and only the chunk's own keys take a mask, [n * h, n], never
+    one of [n * h, prefix_len + n]."""
     n, h, d = q.shape
+    rows, kh, vh = q.reshape(1, 1, n * h, d), _heads_first(k), _heads_first(v)
     if keep is None and n > 1:
-        keep = _causal(n, k.shape[0], prefix_len, q.device)
+        own = _additive(_causal(n, n, 0, q.device).repeat_interleave(h, dim=0), q.dtype)
+        chunk = slice(prefix_len, prefix_len + n)
+        parts = [attention_with_lse(rows, kh[:, :, chunk], vh[:, :, chunk], False, scale, own)]
+        if prefix_len:
+            prefix = (kh[:, :, :prefix_len], vh[:, :, :prefix_len])
+            parts.append(attention_with_lse(rows, *prefix, False, scale))
+        return merge_partials(parts)[0, 0].reshape(n, h, -1)
     mask = None if keep is None else _additive(keep.repeat_interleave(h, dim=0), q.dtype)
-    out, _ = attention_with_lse(
-        q.reshape(1, 1, n * h, d), _heads_first(k), _heads_first(v), False, scale, mask
-    )
-    return out[0, 0].view(n, h, -1)
+    out, _ = attention_with_lse(rows, kh, vh, False, scale, mask)
+    return out[0, 0].reshape(n, h, -1)
 
 
 def _masked(

@@ -266,10 +266,26 @@ class FusedMoE(nn.Module):
         self.partial(x, ids.float(), ids)
 
     def run_local(
-        self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        local_ids: torch.Tensor,
+        grouped: bool | None = None,
     ) -> torch.Tensor:
         """x [rows, hidden]; local_ids [rows, k] index this rank's experts, -1 for a slot whose
-        expert is elsewhere (skipped). Per row, the weighted sum over its local experts."""
+        expert is elsewhere (skipped). Per row, the weighted sum over its local experts.
+        grouped: True runs them as grouped GEMMs, which never wait for the device, where
+        `can_group_experts` allows; False one product per expert (group sizes read on the
+        host); None: `grouped_by_default` for x's device."""
+        if grouped is None:
+            grouped = grouped_by_default(x.device)
+        if grouped and can_group_experts(self.w13, self.w2):
+            return self._run_grouped(x, weights, local_ids)
+        return self._run_looped(x, weights, local_ids)
+
+    def _run_looped(
+        self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor
+    ) -> torch.Tensor:
         top_k = local_ids.shape[1]
         flat = local_ids.flatten() + 1  # bucket 0: experts elsewhere
         order = flat.argsort(stable=True)
@@ -286,6 +302,64 @@ class FusedMoE(nn.Module):
             h = batch_invariant.linear(h, self.w2[expert])
             out.index_add_(0, tokens, h * weights.flatten()[picks, None].to(x.dtype))
         return out
+
+    def _run_grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The (row, slot) pairs sorted by expert, experts elsewhere last, through two grouped
+        GEMMs whose group ends are computed on the device; then each row's k outputs, back in
+        slot order, weighted and summed by one product (no atomics: the same sum every run)."""
+        rows, top_k = local_ids.shape
+        if rows == 0:
+            return torch.zeros_like(x)
+        n = self.w13.shape[0]
+        buckets, order = torch.where(local_ids < 0, n, local_ids).flatten().sort(stable=True)
+        ends = torch.searchsorted(  # [n] int32: end of each expert's pairs
+            buckets, torch.arange(n, device=x.device), right=True, out_int32=True
+        )
+        mm = _GROUPED_MM
+        assert mm is not None, "checked by can_group_experts"
+        h = silu_and_mul(mm(x[order // top_k], self.w13.transpose(1, 2), offs=ends))
+        y = mm(h, self.w2.transpose(1, 2), offs=ends)  # [rows * k, hidden]
+        # pairs past ends[-1] (experts elsewhere) hold whatever was in memory, NaN included
+        y = torch.where(buckets[:, None] < n, y, 0)
+        by_slot = torch.empty_like(y).index_copy_(0, order, y).view(rows, top_k, -1)
+        return torch.bmm(weights.to(x.dtype)[:, None], by_slot).squeeze(1)
+
+
+# torch's grouped GEMM: public from torch 2.13, torch._grouped_mm before; None: neither
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# CUDA compute capabilities (major) where torch runs bf16 grouped GEMMs as one kernel; on
+# others it loops over the groups after copying their sizes to the host
+_GROUPED_MM_SM = (9, 10)
+
+
+def grouped_by_default(device: torch.device) -> bool:
+    """Grouped GEMMs on CUDA devices. On CPU the per-expert loop: a host read waits for
+    nothing there, and torch's CPU grouped GEMM, itself a loop over the groups, is slower on
+    prefill-sized batches (faster on decode-sized ones). Under deterministic inference the
+    loop, whose products' independence of the row count the start-up check vouches for
+    (`batch_invariant.check_linear_rows`)."""
+    return device.type == "cuda" and not batch_invariant.enabled()
+
+
+def can_group_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether grouped GEMMs can run experts w13 [E, 2*inter, hidden], w2 [E, hidden, inter]
+    without a host sync: torch has them, every weight row and activation row is a multiple
+    of 16 bytes, and on CUDA the weights are bfloat16 on a device with a grouped kernel."""
+    if _GROUPED_MM is None or w13.shape[0] == 0:
+        return False
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        return False
+    align = 16 // w13.element_size()
+    if w13.shape[2] % align or w2.shape[2] % align:  # hidden, inter
+        return False
+    if w13.device.type == "cuda":
+        sm = torch.cuda.get_device_capability(w13.device)[0]
+        return (
+            torch.version.cuda is not None and w13.dtype == torch.bfloat16 and sm in _GROUPED_MM_SM
+        )
+    return w13.device.type == "cpu" and w13.dtype in (torch.bfloat16, torch.float32)
 
 
 def held_experts(num_experts: int) -> tuple[int, ...]:

@@ -1,10 +1,12 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p; a private generator per seeded
-request, so its tokens do not depend on what else is in the batch."""
+request, so its tokens do not depend on what else is in the batch. Nothing here reads a
+device value on the host (the forward's stream runs on)."""
 
 from __future__ import annotations
 
 import torch
 
+from pipeserve.device import small_tensor
 from pipeserve.scheduler.request import SamplingParams
 
 
@@ -26,11 +28,14 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens
-        probs = self._filtered_probs(logits[rows], [params[i] for i in rows])
+        def index(x: list[int]) -> torch.Tensor:
+            return small_tensor(x, torch.long, logits.device)
+
+        probs = self._filtered_probs(logits[index(rows)], [params[i] for i in rows])
         shared = [j for j, i in enumerate(rows) if params[i].seed is None]
         if shared:
-            picked = torch.multinomial(probs[shared], 1, generator=self.shared).squeeze(1)
-            tokens[[rows[j] for j in shared]] = picked
+            picked = torch.multinomial(probs[index(shared)], 1, generator=self.shared).squeeze(1)
+            tokens[index([rows[j] for j in shared])] = picked
         for j, i in enumerate(rows):
             seed = params[i].seed
             if seed is not None:
@@ -48,7 +53,7 @@ class Sampler:
         the most likely token always survives."""
 
         def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=logits.device)[:, None]
+            return small_tensor(values, torch.float32, logits.device)[:, None]
 
         vocab = logits.shape[-1]
         temperature = column([p.temperature for p in params])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +38,9 @@ class ForwardBatch:
     # context parallelism: this rank's share of the batch (its rows are only some of the
     # batch's; sample and logprob rows index the batch's rows, gathered after the last layer)
     cp: CpPlan | None = None
+    # on a device: the event that marks the end of the inputs' copy, and what was copied
+    ready: Any = None
+    uploaded: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +54,12 @@ class ForwardBatch:
         device: torch.device,
         native: NativeKernels = TORCH_KERNELS,
         cp: CpContext | None = None,
+        move: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ForwardBatch:
+        """With `move` (the model runner's on a device: pinned memory, a non-blocking copy on
+        the copy stream) every tensor is built on the host, with host-side index arithmetic,
+        and then moved; without, built on `device` directly. (A context-parallel plan is
+        built on `device` in both cases.)"""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -72,19 +82,21 @@ class ForwardBatch:
             lp_rows.extend(range(row, row + len(s.logprob_targets)))
             lp_targets.extend(s.logprob_targets)
 
+        host = torch.device("cpu") if move is not None else device
+
         def tensor(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=device)
+            return torch.tensor(x, dtype=torch.long, device=host)
 
         cp_plan = None
         if cp is not None:  # this rank's rows; its attention reads the cache through the plan
             cp_plan, ids, positions = CpPlan.build(batch, cp, device)
         if pool.latents:  # MLA reads the cache through latent segments, not a plan
             attn = AttentionPlan([], None)
-            latent = [latent_segment(*seg, device) for seg in segments]
+            latent = [latent_segment(*seg, host) for seg in segments]
         else:
-            attn = plan_attention(segments, device, pool.dtype, native, prompt_segments)
+            attn = plan_attention(segments, host, pool.dtype, native, prompt_segments)
             latent = []
-        return cls(
+        fb = cls(
             tensor(ids),
             tensor(positions),
             tensor(slots),
@@ -98,6 +110,41 @@ class ForwardBatch:
             native,
             cp_plan,
         )
+        return fb if move is None else fb.moved(move)
+
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> ForwardBatch:
+        """This batch with its tensors (not the pool's, not a CP plan's) passed through
+        `move`."""
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            positions=move(self.positions),
+            out_slots=move(self.out_slots),
+            attn=map_tensors(self.attn, move),
+            sample_rows=move(self.sample_rows),
+            logprob_rows=move(self.logprob_rows),
+            logprob_targets=move(self.logprob_targets),
+            future_slots=move(self.future_slots),
+            latent_segments=map_tensors(self.latent_segments, move),
+        )
+
+
+T = TypeVar("T")
+
+
+def map_tensors(obj: T, fn: Callable[[torch.Tensor], torch.Tensor]) -> T:
+    """`obj` with every tensor in it (through dataclass fields, lists and tuples) replaced by
+    fn(tensor); other values kept."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)  # type: ignore[return-value]
+    if isinstance(obj, list):
+        return [map_tensors(x, fn) for x in obj]  # type: ignore[return-value]
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(x, fn) for x in obj)  # type: ignore[return-value]
+    if is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in fields(obj) if f.init}
+        return replace(obj, **changes)
+    return obj
 
 
 def latent_segment(

@@ -3,9 +3,7 @@ the last stage compute logits, sample, and gather logprobs."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,12 +20,11 @@ from pipeserve.context_parallel.attention import CpContext
 from pipeserve.context_parallel.layer_shards import LayerShards
 from pipeserve.context_parallel.layout import PageStriping, runs_of
 from pipeserve.device import (
+    memory_budget,
     native_decode_kernel,
     native_prefill_kernel,
     resolve_device,
     resolve_dtype,
-    synchronize,
-    total_memory,
 )
 from pipeserve.disaggregation.afd.micro_batches import split_micro_batches
 from pipeserve.disaggregation.pd.kv_remap import SideLayout
@@ -37,6 +34,7 @@ from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers import batch_invariant
 from pipeserve.layers.attention import NativeKernels
+from pipeserve.layers.attention_backends import select_attention_kernels
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler
 from pipeserve.mem_cache.hicache import tier_pages
@@ -47,31 +45,27 @@ from pipeserve.models.registry import build_model
 from pipeserve.op_profile import OpProfile
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.runner.kv_layout import build_kv_pool, kv_bytes_per_token
-from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch, runs_prefix
-from pipeserve.timeline import Recorder, now
+from pipeserve.runner.stage_output import PendingResult, SampledTensors, StageOutput
+from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
+from pipeserve.streams import DeviceStreams
+from pipeserve.timeline import Recorder
 
 LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)
-
-
-@dataclass
-class StageOutput:
-    hidden: torch.Tensor  # [tokens, hidden] for the next stage
-    residual: torch.Tensor | None
-    result: BatchResult | None  # last stage: the sampled tokens
 
 
 def kv_pool_pages(
     config: EngineConfig, arch: ArchConfig, local_workers: int, partition: list[int] | None = None
 ) -> int:
-    """KV pool size in pages, the same on every stage and rank: from --max-total-tokens, or
-    the memory share left after a worker's weights, sized for the stage with most layers."""
+    """KV pool size in pages: from --max-total-tokens, or this worker's memory budget
+    (`device.memory_budget`: its own GPU, or its share of RAM) left after its weights, sized
+    for the stage with most layers. Workers agree on the smallest (worker.py)."""
     page = config.cache.page_size
     if config.cache.max_total_tokens is not None:
         return config.cache.max_total_tokens // page + 1
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
     p = config.parallel
-    budget = total_memory(device) * config.cache.mem_fraction_static / local_workers
+    budget = memory_budget(device, config.cache.mem_fraction_static, local_workers)
     if partition is None:  # an explicit list in the config, else the default rule
         spec = p.layer_partition if p.layer_partition not in (None, "auto") else None
         partition = resolve_partition(spec, arch.num_layers, p.pp_size)
@@ -95,9 +89,11 @@ def use_native_kernels(
 ) -> NativeKernels:
     """Which steps run the native CPU kernels (--attention-backend): decode steps wherever
     the kernels build; prompt chunks in bfloat16 on CPUs with AVX512-BF16 (head dim a
-    multiple of 16). Elsewhere the torch kernels run."""
-    if backend == "torch" or device.type != "cpu":
-        return NativeKernels()
+    multiple of 16). The other steps run the backend's kernels: FlashInfer's or PyTorch's
+    (`select_attention_kernels`)."""
+    kernels = select_attention_kernels(backend, device.type, dtype, head_dim)
+    if backend not in ("auto", "native") or device.type != "cpu":
+        return NativeKernels(backend=kernels)
     available = native_decode_kernel() is not None
     if backend == "native" and not available:
         raise ValueError(
@@ -110,7 +106,7 @@ def use_native_kernels(
         and head_dim % 16 == 0
         and native_prefill_kernel() is not None
     )
-    return NativeKernels(decode=available, prefill=prefill)
+    return NativeKernels(decode=available, prefill=prefill, backend=kernels)
 
 
 class ModelRunner:
@@ -137,6 +133,7 @@ class ModelRunner:
             page,
         )
         self.sampler = Sampler(config.model.seed, self.device)
+        self.streams = DeviceStreams(self.device)
         self.recorder = Recorder(self.state.pp_rank, self.state.stage_rank, comm=True)
         # in layer order: under data-parallel attention a rank without tokens in a step
         # still joins these layers' expert dispatch and combine
@@ -144,6 +141,7 @@ class ModelRunner:
         self.native = use_native_kernels(
             config.model.attention_backend, self.device, self.dtype, arch.head_dim
         )
+        batch_invariant.set_enabled(False)  # not left on by an earlier runner in this process
         if config.model.enable_deterministic_inference:
             self._init_deterministic()
         self.cp = self._context_parallel() if self.state.cp_size > 1 else None
@@ -250,7 +248,13 @@ class ModelRunner:
         )
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        return ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native, self.cp)
+        """The batch's tensors, built on the host and copied on the copy stream (a device);
+        `execute` makes the compute stream wait for them."""
+        with self.streams.upload() as up:
+            move = up.move if self.streams.api is not None else None
+            fb = ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native, self.cp, move)
+        fb.ready, fb.uploaded = up.ready, up.tensors
+        return fb
 
     @torch.inference_mode()
     def execute(
@@ -276,7 +280,8 @@ class ModelRunner:
         residual: torch.Tensor | None,
         future: FutureMap | None,
     ) -> StageOutput:
-        start = now()
+        self.streams.wait(fb.ready, fb.uploaded)  # the compute stream, after the inputs' copy
+        timer = self.streams.timer()
         if batch.cache_ops:
             if self.tiers is None:
                 raise ValueError("a batch carries cache-tier copies but HiCache is off here")
@@ -286,31 +291,31 @@ class ModelRunner:
         set_step_blocks(batch.combine_blocks)
         if self.kv_sender is not None:
             self.kv_sender.begin(batch)  # what the layer hook sends of this batch
+        keep = [fb]
         if batch.two_batch is not None:
-            hidden, residual = self._forward_two_batch(batch, hidden, residual, future)
+            hidden, residual = self._forward_two_batch(batch, hidden, residual, future, keep)
         elif batch.micro_batches:
             parts = split_micro_batches(batch)  # attention-FFN disaggregation
-            hidden, residual = self._forward_parts(parts, AFD_ATTENTION, hidden, residual, future)
+            hidden, residual = self._forward_parts(
+                parts, AFD_ATTENTION, hidden, residual, future, keep
+            )
         elif batch.slices:
             hidden, residual = self.model(fb, hidden, residual)
             if fb.cp is not None and self.state.is_last_stage:
                 hidden = fb.cp.gather_hidden(hidden)  # the batch's rows, in batch order
         else:
             hidden, residual = self._idle_forward()
-        result, tokens = (
-            self._sample(batch, fb, hidden) if self.state.is_last_stage else (None, None)
-        )
-        if future is not None and tokens is not None:
-            future.store(fb.future_slots, tokens)
-        synchronize(self.device)
-        end = now()
-        batch.stage_times.append(end - start)
-        if result is not None:
-            result.stage_times = batch.stage_times
-        self.recorder.add("forward", start, end, batch)
-        held, expected = self.weight_bytes()
-        self.recorder.add("weights", end, end, nbytes=held, nbytes_recv=expected)
-        return StageOutput(hidden, residual, result)
+        pending = PendingResult(batch, timer, self.recorder, self.weight_bytes(), keep)
+        if self.state.is_last_stage:
+            pending.sampled = self._sample(batch, fb, hidden)
+            if future is not None:
+                future.store(fb.future_slots, pending.sampled.ids)
+            pending.host = self.streams.to_host(pending.sampled.flat())
+        timer.stop()
+        out = StageOutput(hidden, residual, pending=pending)
+        if self.streams.api is None:
+            out.wait()  # a CPU has finished: record the time where it ends
+        return out
 
     def close(self) -> None:
         """Write the per-operation profile, when one was asked for; give HiCache's disk
@@ -330,11 +335,12 @@ class ModelRunner:
         hidden: torch.Tensor | None,
         residual: torch.Tensor | None,
         future: FutureMap | None,
+        keep: list[ForwardBatch],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch as micro-batches A and B whose layers interleave (two-batch overlap)."""
         assert batch.two_batch is not None
         strategy = DECODE if batch.two_batch.decode else PREFILL
-        return self._forward_parts(split_batch(batch), strategy, hidden, residual, future)
+        return self._forward_parts(split_batch(batch), strategy, hidden, residual, future, keep)
 
     def _forward_parts(
         self,
@@ -343,10 +349,15 @@ class ModelRunner:
         hidden: torch.Tensor | None,
         residual: torch.Tensor | None,
         future: FutureMap | None,
+        keep: list[ForwardBatch],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch's parts (micro-batches, some may be empty) run with their layers
-        interleaved under `strategy`; the rows come back in the batch's order."""
+        interleaved under `strategy`; the rows come back in the batch's order. Their inputs
+        join `keep`."""
         fbs = [self.prepare(p) for p in parts]
+        for fb in fbs:
+            self.streams.wait(fb.ready, fb.uploaded)
+        keep += fbs
         if future is not None and self.state.is_first_stage:
             for fb in fbs:
                 fb.input_ids = future.resolve(fb.input_ids)
@@ -390,7 +401,8 @@ class ModelRunner:
         hidden = None
         if not self.state.is_first_stage:
             hidden = torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
-        self.execute(batch, fb, hidden, None if hidden is None else torch.zeros_like(hidden))
+        out = self.execute(batch, fb, hidden, None if hidden is None else torch.zeros_like(hidden))
+        out.wait()
         return batch.stage_times[-1]
 
     def _zero_slots(self, runs: list[Run]) -> None:
@@ -412,53 +424,40 @@ class ModelRunner:
 
     def _sample(
         self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor
-    ) -> tuple[BatchResult, torch.Tensor]:
+    ) -> SampledTensors:
+        """Sampled tokens and the logprobs asked for, left on the device (no host sync)."""
         self.sampler.release(batch.released)
         samples = [s for s in batch.slices if s.sample]
-        tokens: list[int] = []
-        out_lps: list[float] = []
-        tops: list[list[tuple[int, float]]] = []
-        ids = torch.empty(0, dtype=torch.long, device=self.device)
-        if samples:
-            logits = self.model.compute_logits(hidden[fb.sample_rows])
-            params = [s.sampling for s in samples]
-            ids = self.sampler.sample(logits, params, [s.rid for s in samples])  # type: ignore[arg-type]
-            tokens = ids.tolist()
-            out_lps, tops = self._output_logprobs(logits, ids, samples)
         prompt = self._prompt_logprobs(fb, hidden)
-        per_slice, start = [], 0
-        for s in batch.slices:
-            per_slice.append(prompt[start : start + len(s.logprob_targets)])
-            start += len(s.logprob_targets)
-        return BatchResult(batch.batch_id, tokens, out_lps, per_slice, top_logprobs=tops), ids
+        if not samples:
+            ids = torch.empty(0, dtype=torch.long, device=self.device)
+            return SampledTensors(ids, None, None, prompt)
+        logits = self.model.compute_logits(hidden[fb.sample_rows])
+        params = [s.sampling for s in samples]
+        ids = self.sampler.sample(logits, params, [s.rid for s in samples])  # type: ignore[arg-type]
+        chosen, top = self._output_logprobs(logits, ids, samples)
+        return SampledTensors(ids, chosen, top, prompt)
 
     @staticmethod
     def _output_logprobs(
         logits: torch.Tensor,
         ids: torch.Tensor,
         samples: list[ReqSlice],
-    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """Log-probabilities (of the raw model distribution, before temperature and cuts) of
-        the sampled tokens, and of the k most likely where asked."""
+        the sampled tokens, and the k most likely with their ids, where asked."""
         if not any(s.return_logprob for s in samples):
-            return [math.nan] * len(samples), [[] for _ in samples]
+            return None, None
         logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
-        lps = [lp if s.return_logprob else math.nan for lp, s in zip(chosen, samples, strict=True)]
+        chosen = logp.gather(1, ids[:, None])[:, 0]
         k = max(s.top_logprobs for s in samples)
-        tops: list[list[tuple[int, float]]] = [[] for _ in samples]
-        if k > 0:
-            values, indices = logp.topk(k, dim=-1)
-            for i, s in enumerate(samples):
-                n = s.top_logprobs
-                tops[i] = list(zip(indices[i, :n].tolist(), values[i, :n].tolist(), strict=True))
-        return lps, tops
+        return chosen, (tuple(logp.topk(k, dim=-1)) if k > 0 else None)  # type: ignore[return-value]
 
-    def _prompt_logprobs(self, fb: ForwardBatch, hidden: torch.Tensor) -> list[float]:
-        out: list[float] = []
-        for i in range(0, fb.logprob_rows.numel(), LOGPROB_ROWS_PER_PASS):
+    def _prompt_logprobs(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        out = [torch.empty(0, dtype=torch.float32, device=hidden.device)]
+        for i in range(0, fb.logprob_rows.shape[0], LOGPROB_ROWS_PER_PASS):
             rows = fb.logprob_rows[i : i + LOGPROB_ROWS_PER_PASS]
             targets = fb.logprob_targets[i : i + LOGPROB_ROWS_PER_PASS]
             logits = self.model.compute_logits(hidden[rows])
-            out += torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
-        return out
+            out.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0])
+        return torch.cat(out).float()

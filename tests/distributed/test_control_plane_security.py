@@ -199,6 +199,14 @@ def test_with_an_auth_key_only_the_right_key_gets_through() -> None:
 
 
 def agree(rank: int, store: str, results: Any) -> None:
+    try:
+        _agree(rank, store, results)
+    except BaseException as exc:  # reported, so the test fails with it instead of waiting
+        results.put((rank, None, None, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _agree(rank: int, store: str, results: Any) -> None:
     import torch.distributed as dist
 
     from pipeserve.config import EngineConfig
@@ -210,12 +218,12 @@ def agree(rank: int, store: str, results: Any) -> None:
 
     dist.broadcast_object_list = no_pickles
     dist.broadcast_object = no_pickles
-    worker.kv_pool_pages = lambda *args: 1000 + rank  # rank 0 decides
+    worker.kv_pool_pages = lambda *args: 1000 + rank  # the fewest any rank has room for
     init_parallel_groups(rank, 1, 2, "gloo", f"file://{store}", 60)
     cpu, arch = torch.device("cpu"), SimpleNamespace(num_layers=4)
     good = EngineConfig.from_flags(pp_size=2, pp_layer_partition="3,1")
     partition = worker._agree_on_partition(good, arch, cpu)  # type: ignore[arg-type]
-    pages = worker._agree_on_pages(good, arch, 2, partition)  # type: ignore[arg-type]
+    pages = worker._agree_on_pages(good, arch, 2, partition, cpu)  # type: ignore[arg-type]
     bad = EngineConfig.from_flags(pp_size=2, pp_layer_partition="2,1")
     try:
         worker._agree_on_partition(bad, arch, cpu)  # type: ignore[arg-type]

@@ -199,7 +199,7 @@ def test_kv_pool_size_by_hand(models, monkeypatch) -> None:
     x 2 heads x 16 dims x 4 B = 1024 B, (1,048,576 - 667,428.6) // 1024 = 372 tokens, plus
     the padding page: 373 pages (page size 1). Split 2,2,3: 500,571.4 B of weights, 768 B
     per token, 713 tokens, 714 pages."""
-    monkeypatch.setattr("pipeserve.runner.model_runner.total_memory", lambda device: 300 * 2**20)
+    monkeypatch.setattr("pipeserve.device.total_memory", lambda device: 300 * 2**20)
     arch = ArchConfig.load(models["dense"])
     assert param_count(arch) == 292_000
     flags: dict[str, Any] = {"model_path": str(models["dense"]), "dtype": "float32",

@@ -14,6 +14,7 @@ import torch
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
+from pipeserve.layers import indexer as indexer_mod
 from pipeserve.layers.indexer import Indexer, selection_mask, top_positions
 from pipeserve.layers.mla import LatentSegment
 from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary_part
@@ -254,3 +255,22 @@ def test_selection_mask_of_two_segments_in_one_batch(setup: Setup) -> None:
         )
     assert torch.equal(picked[:PROMPT], alone[0])
     assert torch.equal(picked[PROMPT:], alone[1])
+
+
+def test_index_scores_in_query_blocks_equal_one_block(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a small logit budget the per-head logits are formed a few queries at a time
+    (never [heads, queries, keys] at once, as on a GPU at long contexts): the same scores."""
+    layer, (x, q_latent) = setup.layer(), inputs()
+    (whole,), picked, _ = run_chunks(layer, setup, x, q_latent, [PROMPT])
+    rows: list[int] = []
+    head_sum = indexer_mod._head_sum
+    monkeypatch.setattr(indexer_mod, "LOGIT_BLOCK_ELEMENTS", INDEX_HEADS * PROMPT * 3)
+    monkeypatch.setattr(
+        indexer_mod, "_head_sum", lambda q, *a: rows.append(q.shape[0]) or head_sum(q, *a)
+    )
+    (blocked,), blocked_picked, _ = run_chunks(layer, setup, x, q_latent, [PROMPT])
+    assert max(rows) == 3
+    torch.testing.assert_close(blocked, whole, atol=1e-6, rtol=0)
+    assert torch.equal(blocked_picked, picked)

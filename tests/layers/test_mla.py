@@ -16,6 +16,7 @@ from pipeserve.distributed import parallel_state
 from pipeserve.distributed.parallel_state import ParallelState
 from pipeserve.layers import linear
 from pipeserve.layers import mla as mla_mod
+from pipeserve.layers.attention_backends import chunked_attention_with_lse
 from pipeserve.layers.indexer import selection_mask
 from pipeserve.layers.mla import (
     LatentSegment,
@@ -350,3 +351,27 @@ def test_sparse_absorbed_reads_only_chosen_rows_like_masked_expanded(
         keep = selection_mask(chosen, length)
         expected = layer.expanded(q, cache[slots], length - q_len, keep)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["expanded", "absorbed", "auto"])
+def test_chunks_on_accelerator_kernels_match_cpu_kernels(
+    setup: Setup, mode: Mode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernels off the CPU (PyTorch's chunked fallback, small blocks, forced on CPU
+    tensors) give what the CPU kernel gives; an absorbed chunk's causal mask covers only its
+    own keys (heads x chunk x chunk), never the prefix."""
+    layer, x, slots = setup.layer(), rand(PROMPT, HIDDEN, seed=1), scattered_slots(PROMPT, 2)
+    chunks = [13, 1, 15, 11]
+    want = run_chunks(layer, setup, x, slots, chunks, new_cache(), mode)
+    mask_widths: list[int] = []
+
+    def accelerator(q, k, v, causal, scale, mask=None):  # type: ignore[no-untyped-def]
+        if mask is not None:
+            mask_widths.append(mask.shape[-1])
+        return chunked_attention_with_lse(q, k, v, causal, scale, mask, block_q=7, block_k=5)
+
+    monkeypatch.setattr(mla_mod, "attention_with_lse", accelerator)
+    got = run_chunks(layer, setup, x, slots, chunks, new_cache(), mode)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    if mode == "absorbed":
+        assert sorted(mask_widths) == [11, 13, 15]

@@ -67,10 +67,10 @@ class PathRecorder:
             return blockwise(q, k, v, cached, scale)
 
         def fused_spy(layer: attn_mod.PagedAttention, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, cached: list) -> torch.Tensor:
+                      v: torch.Tensor, cached: list, *kernels: Any) -> torch.Tensor:
             self.seen["fused"] += 1
             self.seen["fused_with_prefix"] += bool(cached)
-            return fused(layer, q, k, v, cached)
+            return fused(layer, q, k, v, cached, *kernels)
 
         mp.setattr(forward_batch, "plan_attention", plan_spy)
         mp.setattr(attn_mod, "blockwise_prefill", blockwise_spy)

@@ -1,0 +1,82 @@
+"""Paged attention through FlashInfer (--attention-backend flashinfer; CUDA, float16/bfloat16).
+
+The pool keeps each layer's K and V as [kv_heads, slots, head_dim], which is FlashInfer's HND
+layout for one request's keys: a long run of slots is handed over in place (a strided view; the
+kernel reads the head and token strides) and the gathered rest as one tensor, each part through
+`single_prefill_with_kv_cache(..., return_lse=True)`, GQA inside the kernel. A prompt chunk also
+attends to itself from its fresh k/v ([n, kv_heads, d], NHD, causal: query and key lengths are
+equal, so FlashInfer's bottom-right causal mask is the engine's top-left one). The parts merge by
+log-sum-exp (`merge_partials`); FlashInfer's is base 2, the engine's natural.
+
+A decode step is the same call with one query, per request (its gathered keys, then its long
+runs). FlashInfer's batch wrappers (one plan for all requests of a step) would launch fewer
+kernels; the single-request calls are the part of its API that is stable across versions.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+
+from pipeserve.layers.attention import DecodePlan, KVPart, merge_partials
+
+LN2 = math.log(2.0)
+
+
+class FlashInferKernels:
+    """`PagedKernels` (pipeserve/layers/attention_backends.py) over a flashinfer module."""
+
+    name = "flashinfer"
+
+    def __init__(self, module: ModuleType) -> None:
+        self.fi = module
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: str,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, heads, d] over one KV part (k/v [kv_heads, L, d] for "HND", [L, kv_heads, d]
+        for "NHD") -> (out [n, heads, d], lse [n, heads] float32, natural log)."""
+        out, lse = self.fi.single_prefill_with_kv_cache(
+            q, k, v, causal=causal, kv_layout=layout, sm_scale=scale, return_lse=True
+        )
+        return out, lse * LN2
+
+    def prompt_chunk(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list[KVPart], scale: float
+    ) -> torch.Tensor:
+        """q [n, heads, d], the chunk's k/v [n, kv_heads, d], cached parts [kv_heads, L_i, d]
+        -> [n, heads, d]."""
+        q = q.contiguous()
+        parts = [self.attend(q, kc, vc, "HND", False, scale) for kc, vc in cached]
+        parts.append(self.attend(q, k.contiguous(), v.contiguous(), "NHD", True, scale))
+        return merge_partials(parts)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [b, heads, d] of the plan's steps -> [b, heads, d]."""
+        assert plan.gather is not None
+        k_rows, v_rows = k_cache[:, plan.gather], v_cache[:, plan.gather]  # [kv_heads, b, n, d]
+        views = dict(plan.views)
+        out = torch.empty_like(q)
+        for i, n in enumerate(plan.lengths):
+            qi = q[i : i + 1].contiguous()
+            parts = [self.attend(qi, k_rows[:, i, :n], v_rows[:, i, :n], "HND", False, scale)]
+            for s, m in views.get(i, []):
+                kc, vc = k_cache[:, s : s + m], v_cache[:, s : s + m]
+                parts.append(self.attend(qi, kc, vc, "HND", False, scale))
+            out[i] = merge_partials(parts)[0]
+        return out

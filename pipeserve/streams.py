@@ -1,0 +1,187 @@
+"""Streams and events between the host and one worker's device (spec 01, "Streams").
+
+Three streams per worker: the compute stream, on which the forward runs (whatever stream
+is current where `ModelRunner.execute` runs: `device.ComputeStream`'s own on CUDA), a copy
+stream for a batch's inputs, and the host, which waits on events only when it needs
+values. Per batch:
+
+    host:    build inputs in pinned memory ─┐
+    copy:    non-blocking host->device ─────┴─ record `ready`
+    compute: wait `ready` ── forward ── sample ── device->host into pinned buffers ── record `done`
+    host:    ... schedules the next batch ...  wait `done` only when the tokens are needed
+
+On a CPU every op has finished when it returns: no copy stream, no events, and the same
+calls cost nothing. CUDA is reached through `CudaApi`, six one-line methods, so that tests
+can drive the same protocol with a fake that checks the order of events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+
+from pipeserve.timeline import now
+
+
+class DeviceApi(Protocol):
+    """What the protocol needs of a device runtime (torch.cuda, or a test's fake)."""
+
+    def new_stream(self, device: torch.device) -> Any: ...
+    def current_stream(self, device: torch.device) -> Any: ...
+    def use_stream(self, stream: Any) -> Any: ...  # a context manager
+    def new_event(self, timing: bool) -> Any: ...
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None: ...
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+class CudaApi:
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def use_stream(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def new_event(self, timing: bool) -> Any:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)  # the allocator must not reuse it before `stream` is done
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+
+class Upload:
+    """Inputs of one batch on their way to the device: `move()` takes a host tensor, pins
+    it and queues its copy on the copy stream; `ready` (an event, None on a CPU) marks the
+    end of them all. `tensors` lists what was copied, for `DeviceStreams.wait`."""
+
+    def __init__(self, device: torch.device, api: DeviceApi | None) -> None:
+        self.device, self.api = device, api
+        self.ready: Any = None
+        self.tensors: list[torch.Tensor] = []
+
+    def move(self, host: torch.Tensor) -> torch.Tensor:
+        if self.api is None:
+            return host.to(self.device)
+        moved = self.api.pin(host).to(self.device, non_blocking=True)
+        self.tensors.append(moved)
+        return moved
+
+
+class HostCopy:
+    """Device tensors copied to the host without blocking it; `get()` waits for them (on a
+    CPU they are the tensors themselves, ready at once)."""
+
+    def __init__(self, tensors: list[torch.Tensor], done: Any = None) -> None:
+        self._tensors, self._done = tensors, done
+
+    def get(self) -> list[torch.Tensor]:
+        if self._done is not None:
+            self._done.synchronize()  # this batch's copies only, never the whole device
+            self._done = None
+        return self._tensors
+
+
+class StageTimer:
+    """A forward's duration. On a CPU: wall time (ops are synchronous). On a device: events
+    on the compute stream around the forward, read once the host waits for the batch anyway;
+    the start is the launch's wall time."""
+
+    def __init__(self, api: DeviceApi | None, stream: Any) -> None:
+        self.api, self.stream = api, stream
+        self.start_wall = now()
+        self.end_wall: float | None = None
+        self._events: tuple[Any, Any] | None = None
+        if api is not None:
+            start = api.new_event(timing=True)
+            start.record(stream)
+            self._events = (start, api.new_event(timing=True))
+
+    def stop(self) -> None:
+        if self._events is None:
+            self.end_wall = now()
+        else:
+            self._events[1].record(self.stream)
+
+    def seconds(self) -> float:
+        """The forward's seconds; on a device, waits for the end event."""
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()
+            self.end_wall = self.start_wall + start.elapsed_time(end) / 1000
+            self._events = None
+        assert self.end_wall is not None, "stop() the timer first"
+        return self.end_wall - self.start_wall
+
+
+class DeviceStreams:
+    """One worker's copy stream and the events that order it against the compute stream."""
+
+    def __init__(self, device: torch.device, api: DeviceApi | None = None) -> None:
+        if api is None and device.type == "cuda":
+            api = CudaApi()
+        self.device, self.api = device, api
+        self.copy_stream = api.new_stream(device) if api is not None else None
+
+    @contextmanager
+    def upload(self) -> Iterator[Upload]:
+        """Build a batch's inputs inside: copies (and any device op) go to the copy stream,
+        whose `ready` event is recorded on the way out."""
+        up = Upload(self.device, self.api)
+        if self.api is None:
+            yield up
+            return
+        with self.api.use_stream(self.copy_stream):
+            yield up
+            up.ready = self.api.new_event(timing=False)
+            up.ready.record(self.copy_stream)
+
+    def wait(self, ready: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """The compute (current) stream waits for an upload's copies; without blocking the
+        host. Its tensors are marked in use by the compute stream until it is past them."""
+        if self.api is None or ready is None:
+            return
+        compute = self.api.current_stream(self.device)
+        compute.wait_event(ready)
+        for t in tensors:
+            self.api.keep_for(t, compute)
+
+    def timer(self) -> StageTimer:
+        stream = self.api.current_stream(self.device) if self.api is not None else None
+        return StageTimer(self.api, stream)
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        """Queue device->host copies of `tensors` on the compute stream, into pinned buffers,
+        and record the event `HostCopy.get` waits on."""
+        if self.api is None:
+            return HostCopy(list(tensors))
+        compute = self.api.current_stream(self.device)
+        out = []
+        for t in tensors:
+            host = self.api.pin(torch.empty(t.shape, dtype=t.dtype))
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        done = self.api.new_event(timing=False)
+        done.record(compute)
+        return HostCopy(out, done)
+
+    def forward_done(self) -> Any:
+        """An event at this point of the compute stream (None on a CPU): what another stream
+        (a send's) waits on before it reads the forward's outputs."""
+        if self.api is None:
+            return None
+        event = self.api.new_event(timing=False)
+        event.record(self.api.current_stream(self.device))
+        return event
+
+    def after(self, event: Any) -> None:
+        """The current stream waits for `event` (e.g. a send for its forward)."""
+        if self.api is not None and event is not None:
+            self.api.current_stream(self.device).wait_event(event)

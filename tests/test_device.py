@@ -1,0 +1,84 @@
+"""Device choice and memory budget (pipeserve/device.py) against a stand-in for torch.cuda:
+one GPU per worker, CUDA_VISIBLE_DEVICES's count respected, the KV budget from the worker's
+own GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pipeserve import device as dev
+
+
+class FakeGpus:
+    """`count` visible GPUs of `total` bytes, `used` of each in use; records set_device."""
+
+    def __init__(self, count: int, total: int = 80 * 2**30, used: int = 0) -> None:
+        self.count, self.total, self.used = count, total, used
+        self.current = 0
+        self.set_to: list[torch.device] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        cuda: Any = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: self.count > 0)
+        monkeypatch.setattr(cuda, "device_count", lambda: self.count)
+        monkeypatch.setattr(cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(cuda, "set_device", self._set)
+        monkeypatch.setattr(
+            cuda, "mem_get_info", lambda d=None: (self.total - self.used, self.total)
+        )
+
+    def _set(self, device: torch.device) -> None:
+        self.set_to.append(device)
+        self.current = device.index
+
+
+def test_each_worker_takes_its_own_gpu(monkeypatch) -> None:
+    gpus = FakeGpus(4)
+    gpus.install(monkeypatch)
+    for i in range(4):
+        got = dev.bind_device("cuda", i)
+        assert got == torch.device("cuda", i)
+        assert gpus.set_to[-1] == got  # made current before anything is allocated
+        assert dev.resolve_device("cuda") == got  # later lookups find the same GPU
+        assert dev.resolve_device("auto") == got
+
+
+def test_more_workers_than_visible_gpus_is_refused(monkeypatch) -> None:
+    FakeGpus(2).install(monkeypatch)
+    with pytest.raises(ValueError, match="worker 2 of this node has no GPU of its own: 2 visible"):
+        dev.bind_device("cuda", 2)
+
+
+def test_a_fixed_gpu_index_for_workers_is_refused(monkeypatch) -> None:
+    FakeGpus(2).install(monkeypatch)
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        dev.bind_device("cuda:1", 0)
+
+
+def test_cpu_workers_share_the_cpu(monkeypatch) -> None:
+    FakeGpus(0).install(monkeypatch)
+    assert dev.bind_device("auto", 3) == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        dev.bind_device("cuda", 0)
+
+
+def test_gpu_budget_is_the_fraction_less_what_is_already_used(monkeypatch) -> None:
+    gpu = torch.device("cuda", 0)
+    FakeGpus(1, total=100, used=0).install(monkeypatch)
+    assert dev.memory_budget(gpu, 0.8, local_workers=8) == pytest.approx(80)  # its own GPU
+    FakeGpus(1, total=100, used=30).install(monkeypatch)  # another process holds 30
+    assert dev.memory_budget(gpu, 0.8, local_workers=1) == pytest.approx(50)
+
+
+def test_cpu_budget_splits_ram_among_local_workers(monkeypatch) -> None:
+    monkeypatch.setattr(dev, "total_memory", lambda d: 1000)
+    assert dev.memory_budget(torch.device("cpu"), 0.5, local_workers=4) == pytest.approx(125)
+
+
+def test_collective_backend_per_tensor_device() -> None:
+    assert dev.dist_backend(torch.device("cpu")) == "gloo"
+    assert dev.dist_backend(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
+    assert dev.comm_group_options("gloo", 8) is None
