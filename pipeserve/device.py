@@ -51,10 +51,15 @@ def bind_device(name: str, local_index: int) -> torch.device:
     return device
 
 
-def bind_thread(device: torch.device) -> None:
-    """A thread that launches device work starts on GPU 0: point it at this worker's GPU."""
+def bind_thread(device: torch.device, own_stream: bool = False) -> None:
+    """A thread that launches device work starts on GPU 0: point it at this worker's GPU.
+    `own_stream`: give the thread a stream of its own, so that what it waits for (a receive
+    blocks its stream until the message arrives) never holds up another thread's work, as a
+    stream shared by all threads (CUDA's default) would."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if own_stream:
+            torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str) -> torch.dtype:
@@ -133,6 +138,7 @@ def memory_budget(device: torch.device, fraction: float, local_workers: int) -> 
     process's, the CUDA context) — the free memory minus the (1 - fraction) share left
     unused. A CPU's RAM is split among the node's workers."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # what this process freed (e.g. a cost probe) is free again
         free, total = torch.cuda.mem_get_info(device)
         return free - total * (1 - fraction)
     return total_memory(device) * fraction / local_workers
@@ -221,9 +227,7 @@ class ComputeStream:
     @staticmethod
     def _init(device: torch.device, num_threads: int) -> None:
         set_threads(num_threads)
-        if device.type == "cuda":
-            bind_thread(device)
-            torch.cuda.set_stream(torch.cuda.Stream(device))
+        bind_thread(device, own_stream=True)
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         return self._pool.submit(fn, *args, **kwargs)

@@ -15,10 +15,12 @@ from pipeserve import device as dev
 class FakeGpus:
     """`count` visible GPUs of `total` bytes, `used` of each in use; records set_device."""
 
-    def __init__(self, count: int, total: int = 80 * 2**30, used: int = 0) -> None:
+    def __init__(self, count: int, total: int = 80 * 2**30, used: int = 0, cached: int = 0) -> None:
         self.count, self.total, self.used = count, total, used
+        self.cached = cached  # of `used`: freed by this process, kept by its allocator
         self.current = 0
         self.set_to: list[torch.device] = []
+        self.streams: list[str] = []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         cuda: Any = torch.cuda
@@ -29,6 +31,13 @@ class FakeGpus:
         monkeypatch.setattr(
             cuda, "mem_get_info", lambda d=None: (self.total - self.used, self.total)
         )
+        monkeypatch.setattr(cuda, "empty_cache", self._empty_cache)
+        monkeypatch.setattr(cuda, "Stream", lambda device: f"stream on {device}")
+        monkeypatch.setattr(cuda, "set_stream", self.streams.append)
+
+    def _empty_cache(self) -> None:
+        self.used -= self.cached
+        self.cached = 0
 
     def _set(self, device: torch.device) -> None:
         self.set_to.append(device)
@@ -73,6 +82,24 @@ def test_gpu_budget_is_the_fraction_less_what_is_already_used(monkeypatch) -> No
     assert dev.memory_budget(gpu, 0.8, local_workers=1) == pytest.approx(50)
 
 
+def test_gpu_budget_counts_what_this_process_freed_as_free(monkeypatch) -> None:
+    # 30 in use, 20 of them freed by this process (a layer-cost probe) but still cached
+    FakeGpus(1, total=100, used=30, cached=20).install(monkeypatch)
+    assert dev.memory_budget(torch.device("cuda", 0), 0.8, 1) == pytest.approx(70)
+
+
+def test_threads_get_the_worker_gpu_and_their_own_stream(monkeypatch) -> None:
+    gpus = FakeGpus(2)
+    gpus.install(monkeypatch)
+    gpu = torch.device("cuda", 1)
+    dev.bind_thread(gpu)
+    assert gpus.set_to == [gpu] and gpus.streams == []
+    dev.bind_thread(gpu, own_stream=True)  # a receive on it holds up no other thread
+    assert gpus.streams == ["stream on cuda:1"]
+    dev.bind_thread(torch.device("cpu"), own_stream=True)
+    assert len(gpus.set_to) == 2 and len(gpus.streams) == 1
+
+
 def test_cpu_budget_splits_ram_among_local_workers(monkeypatch) -> None:
     monkeypatch.setattr(dev, "total_memory", lambda d: 1000)
     assert dev.memory_budget(torch.device("cpu"), 0.5, local_workers=4) == pytest.approx(125)
@@ -82,3 +109,15 @@ def test_collective_backend_per_tensor_device() -> None:
     assert dev.dist_backend(torch.device("cpu")) == "gloo"
     assert dev.dist_backend(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
     assert dev.comm_group_options("gloo", 8) is None
+
+
+def test_attention_ffn_disaggregation_is_refused_on_gpus() -> None:
+    from types import SimpleNamespace
+
+    from pipeserve.config import EngineConfig
+    from pipeserve.distributed import worker
+
+    config = EngineConfig.from_flags(afd_attention_size=1, afd_ffn_size=1)
+    args: Any = SimpleNamespace(rank=0, init_method="file:///nonexistent")
+    with pytest.raises(ValueError, match="attention-FFN disaggregation runs on CPU workers"):
+        worker._init_groups(args, config, torch.device("cuda", 0))

@@ -389,16 +389,21 @@ def _join(
 ) -> None:
     import datetime
 
+    import torch
     import torch.distributed as dist
 
     if _one_machine(tuple(range(world)), ranks_per_node or world):
         _gloo_on_loopback()
+    # NCCL: communicators made now, for this worker's GPU, not lazily by whichever thread
+    # first uses a group while other NCCL kernels run
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else None
     dist.init_process_group(
         backend,
         init_method=init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device,
     )
 
 

@@ -114,6 +114,12 @@ def worker_main(args: WorkerArgs) -> None:
 def _init_groups(args: WorkerArgs, config: EngineConfig, device: torch.device) -> None:
     p, backend = config.parallel, dist_backend(device)
     per_node = p.world_size // p.nnodes
+    if p.afd_enabled and device.type == "cuda":
+        raise ValueError(
+            "attention-FFN disaggregation runs on CPU workers (gloo) only: its receiver "
+            "thread posts receives ahead of the compute thread's sends, which NCCL would "
+            "serialise on one stream; use --device cpu"
+        )
     if p.afd_enabled:
         init_afd_groups(
             args.rank,
@@ -215,6 +221,9 @@ class StageWorker:
         self.links = get_stage_links()
         self.shard = p2p.Shard(state.tp_rank, state.tp_size, self.links.gather_group)
         self.device = runner.device
+        # three threads, three streams: this one (sends, control messages, profiles), the
+        # receiver's (a posted receive blocks it) and the compute stream's (forwards)
+        bind_thread(self.device, own_stream=True)
         self.stream = ComputeStream(self.device, args.threads)
         self.future = FutureMap(args.future_ring, self.device) if args.future_ring else None
         self.inbox: queue.Queue[p2p.StageMessage | BaseException] = queue.Queue()
@@ -274,7 +283,7 @@ class StageWorker:
     def _receive(self) -> None:
         """Fetch the next message while the current forward runs."""
         try:
-            bind_thread(self.device)
+            bind_thread(self.device, own_stream=True)
             while True:
                 msg = self._next_message()
                 self.inbox.put(msg)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeserve.device import overlap_schedule_pays, resolve_device
+from pipeserve.device import overlap_schedule_pays, resolve_device, synchronize
 
 if TYPE_CHECKING:
     from pipeserve.config import EngineConfig
@@ -44,6 +44,7 @@ class FutureMap(SlotRing):
     def __init__(self, size: int, device: torch.device) -> None:
         super().__init__(size)
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
+        synchronize(device)  # zeroed before the compute stream (another stream) reads it
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """Replace every -slot by the token stored in that slot."""

@@ -28,6 +28,7 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens
+
         def index(x: list[int]) -> torch.Tensor:
             return small_tensor(x, torch.long, logits.device)
 

@@ -25,6 +25,7 @@ from pipeserve.device import (
     native_prefill_kernel,
     resolve_device,
     resolve_dtype,
+    synchronize,
 )
 from pipeserve.disaggregation.afd.micro_batches import split_micro_batches
 from pipeserve.disaggregation.pd.kv_remap import SideLayout
@@ -153,6 +154,7 @@ class ModelRunner:
         self.op_profile = OpProfile.from_env(name, self.device)
         self.tiers = self._tier_store(num_pages, name) if c.enable_hierarchical_cache else None
         self._init_disaggregation()
+        synchronize(self.device)  # weights and pool set-up ran on this thread's stream
 
     def _init_disaggregation(self) -> None:
         """Prefill/decode disaggregation: a prefill worker sends each layer's new KV from the
