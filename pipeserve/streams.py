@@ -171,17 +171,3 @@ class DeviceStreams:
         done = self.api.new_event(timing=False)
         done.record(compute)
         return HostCopy(out, done)
-
-    def forward_done(self) -> Any:
-        """An event at this point of the compute stream (None on a CPU): what another stream
-        (a send's) waits on before it reads the forward's outputs."""
-        if self.api is None:
-            return None
-        event = self.api.new_event(timing=False)
-        event.record(self.api.current_stream(self.device))
-        return event
-
-    def after(self, event: Any) -> None:
-        """The current stream waits for `event` (e.g. a send for its forward)."""
-        if self.api is not None and event is not None:
-            self.api.current_stream(self.device).wait_event(event)
