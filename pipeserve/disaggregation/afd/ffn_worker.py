@@ -25,7 +25,7 @@ from pipeserve.batch_overlap.operations import (
 )
 from pipeserve.batch_overlap.strategies import AFD_FFN_DELAY, AFD_FFN_LAYER
 from pipeserve.config import EngineConfig
-from pipeserve.device import bind_thread, resolve_device, resolve_dtype, stream_synchronize
+from pipeserve.device import resolve_device, resolve_dtype, synchronize
 from pipeserve.disaggregation.afd.transport import receive_rows, send_partials
 from pipeserve.disaggregation.afd.two_stage import TwoStage
 from pipeserve.distributed.parallel_state import (
@@ -147,7 +147,7 @@ class FfnRunner:
         receiver.join()
         for work in pending:
             work.wait()
-        stream_synchronize(self.device)  # this step's work only
+        synchronize(self.device)
         end = now()
         batch.stage_times.append(end - start)
         self.recorder.add("forward", start, end, batch)
@@ -189,7 +189,6 @@ class FfnRunner:
         """The receiver thread: each (layer, micro-batch)'s rows in order (two-stage: stage 1,
         forwarded inside the node source by source as they come)."""
         try:
-            bind_thread(self.device)
             for _ in range(count):
                 if self.two_stage is not None:
                     arrived.put(self.two_stage.receive())
