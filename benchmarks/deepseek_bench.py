@@ -24,17 +24,21 @@ from typing import Any
 import torch
 
 from pipeserve.bench.offline import make_prompts
+from pipeserve.device import DTYPES, best_dtype
 from pipeserve.engine.engine import Engine
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.presets import preset_path
 from pipeserve.runner.kv_layout import kv_bytes_per_token
 
 PRESET = "bench-deepseek"
+# what the engine computes in here by default (bf16 with native bf16 products, else float32)
+DTYPE_NAME = best_dtype(torch.device("cpu"))
+DTYPE = DTYPES[DTYPE_NAME]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 def kv_report(arch: ArchConfig) -> dict[str, Any]:
-    dtype, layers = torch.bfloat16, arch.num_layers
+    dtype, layers = DTYPE, arch.num_layers
     gqa = dataclasses.replace(arch, mla=None, indexer=None, num_kv_heads=4, head_dim=64)
     mha = dataclasses.replace(gqa, num_kv_heads=16)
     rows = {
@@ -63,7 +67,7 @@ def hf_model() -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(preset_path(PRESET), dtype=torch.bfloat16).eval()
+    return AutoModelForCausalLM.from_pretrained(preset_path(PRESET), dtype=DTYPE).eval()
 
 
 @torch.inference_mode()
@@ -185,7 +189,7 @@ def main() -> None:
     arch = ArchConfig.load(preset_path(PRESET))
     report: dict[str, Any] = {
         "model": PRESET,
-        "dtype": "bfloat16",
+        "dtype": DTYPE_NAME,
         "threads": 1,
         "kv_bytes": kv_report(arch),
     }

@@ -129,7 +129,7 @@ def multiturn(args: argparse.Namespace, storage: str, hicache: bool) -> dict[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="best")
     ap.add_argument("--prefix-len", type=int, default=16384)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--conversations", type=int, default=8)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pipeserve.device import native_prefill_kernel
+from pipeserve.device import DTYPES, best_dtype, native_prefill_kernel
 from pipeserve.layers.mla import LatentSegment, MLAttention, Mode
 from pipeserve.layers.rotary import RotaryEmbedding
 from pipeserve.models.arch import MLAConfig
@@ -42,8 +42,12 @@ def timed(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+# the dtype the engine computes in here by default (bf16 with native bf16 products, else fp32)
+DTYPE = DTYPES[best_dtype(torch.device("cpu"))]
+
+
 def measure(layer: MLAttention, prefix: int, chunk: int, repeats: int) -> dict[str, float]:
-    dtype = torch.bfloat16
+    dtype = DTYPE
     total = prefix + chunk
     cache = torch.randn(total + 1, MLA.kv_lora_rank + MLA.qk_rope_head_dim, dtype=dtype)
     seg = LatentSegment(0, chunk, torch.arange(1, total + 1), runs=((1, total),))
@@ -51,7 +55,7 @@ def measure(layer: MLAttention, prefix: int, chunk: int, repeats: int) -> dict[s
     rope = RotaryEmbedding(MLA.qk_rope_head_dim, 10000.0, None).cos_sin(
         torch.arange(prefix, total), dtype
     )
-    native = native_prefill_kernel() is not None  # as the engine runs expanded chunks
+    native = native_prefill_kernel(dtype) is not None  # as the engine runs expanded chunks
 
     def run(mode: Mode) -> None:
         layer(x, rope, cache, [seg], mode, native=native)
@@ -66,7 +70,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
-    layer = MLAttention(HIDDEN, HEADS, MLA, None, torch.bfloat16)
+    layer = MLAttention(HIDDEN, HEADS, MLA, None, DTYPE)
     for p in layer.parameters():
         p.normal_(0.0, 0.02)
     rows = []
@@ -78,8 +82,8 @@ def main() -> None:
             print(f"prefix {prefix:6d} chunk {chunk:5d}  expanded {t['expanded'] * 1e3:9.2f} ms  "
                   f"absorbed {t['absorbed'] * 1e3:9.2f} ms  absorbed/expanded {ratio:6.2f}",
                   flush=True)
-    report = {"threads": torch.get_num_threads(), "native": native_prefill_kernel() is not None,
-              "rows": rows}
+    report = {"threads": torch.get_num_threads(), "dtype": str(DTYPE),
+              "native": native_prefill_kernel(DTYPE) is not None, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

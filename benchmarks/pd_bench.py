@@ -336,7 +336,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("measure", choices=("transfer", "tpot"))
     ap.add_argument("--model", default="bench")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="best")
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--pool", type=int, default=65536, help="KV tokens of each server")
     ap.add_argument("--input-len", type=int, default=16384)

@@ -76,7 +76,7 @@ CASES = [
 
 def measure(case: Case, out: Path, repeat: int) -> None:
     path = out / f"{case.name}.json"
-    common = ["--model", "bench", "--output-len", "1", "--dtype", "bfloat16", *case.args]
+    common = ["--model", "bench", "--output-len", "1", *case.args]  # the default dtype (best)
     if case.netlab:
         if os.geteuid() != 0:
             print(f"skipping {case.name}: needs root for the emulated link", file=sys.stderr)
@@ -112,7 +112,7 @@ def sim_inputs(
         "cpu",
         cal,
         devices_per_node=1 if case.netlab else None,
-        dtype="bfloat16",
+        dtype=data["dtype"],  # what the engine computed in
         input_len=data["input_len"],
         output_len=data["output_len"],
         num_prompts=data["num_prompts"],

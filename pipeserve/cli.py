@@ -57,10 +57,11 @@ def run_as_worker_node(args: argparse.Namespace) -> bool:
     if not args.node_rank:
         return False
     from pipeserve.config import EngineConfig
+    from pipeserve.device import with_compute_dtype
     from pipeserve.distributed.launcher import run_worker_node
-    from pipeserve.engine.engine import resolve_model_path
+    from pipeserve.models.resolve import resolve_model_path
 
-    config = EngineConfig.from_flags(**engine_flags(args))
+    config = with_compute_dtype(EngineConfig.from_flags(**engine_flags(args)))
     path = resolve_model_path(config.model.model_path, config.model.dtype)
     sys.exit(run_worker_node(config, str(path)))
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeserve import envs
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPES = ("best", "auto", "bfloat16", "float16", "float32")
 DYNAMIC_CHUNKING_MODELS = ("prefix-quadratic", "quadratic")
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 ATTENTION_BACKENDS = ("auto", "native", "torch", "flashinfer")
@@ -33,7 +33,11 @@ class ModelConfig:
         "`bench` (bench, tune)",
     )
     dtype: str = _flag(
-        "bfloat16", "weight and activation dtype ('auto' = the checkpoint's)", choices=DTYPES
+        "best",
+        "weight, activation and KV cache dtype. 'best': bfloat16 on GPUs and on CPUs with "
+        "native bf16 products (AVX512-BF16, AMX), float32 on other CPUs (chosen once where the "
+        "run starts, logged); 'auto': the checkpoint's",
+        choices=DTYPES,
     )
     context_length: int | None = _flag(
         None, "maximum tokens per request (prompt + output); default: the model's"

@@ -3,14 +3,24 @@ memory size, collective backend, and the attention kernel that returns log-sum-e
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from functools import cache
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from pipeserve import envs
+
+if TYPE_CHECKING:
+    from pipeserve.config import EngineConfig
+
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -62,10 +72,89 @@ def bind_thread(device: torch.device, own_stream: bool = False) -> None:
             torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str) -> torch.dtype:
+def cpu_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX tiles),
+    read from its feature flags (PIPESERVE_CPU_BF16 overrides). Without either, torch
+    emulates bf16 products: ~100x slower than float32 (an AMD Zen 3, AVX2 only: 0.8-1.4 vs
+    53-117 GFLOP/s). Other architectures count as without."""
+    forced = envs.cpu_native_bf16()
+    return _cpu_flags_bf16() if forced is None else forced
+
+
+@cache
+def _cpu_flags_bf16() -> bool:
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def best_dtype(device: torch.device) -> str:
+    """What `--dtype best` computes in on `device`: bfloat16 on GPUs that have it (float16 on
+    older ones) and on CPUs with native bf16 products; float32 on other CPUs, whose bf16
+    matmul is emulated (weights and KV cache are then float32 too)."""
+    if device.type == "cpu":
+        return "bfloat16" if cpu_native_bf16() else "float32"
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "float16"
+    return "bfloat16"
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: str = "auto") -> torch.dtype:
+    """The torch dtype of a --dtype value: 'best' for `device` (see `best_dtype`), 'auto' the
+    checkpoint's."""
+    if name == "best":
+        name = best_dtype(resolve_device(device))
     if name == "auto":
         name = checkpoint_dtype if checkpoint_dtype in DTYPES else "bfloat16"
     return DTYPES[name]
+
+
+def with_compute_dtype(config: EngineConfig) -> EngineConfig:
+    """`config` with --dtype best made concrete for its device. Called once where a run is
+    launched; workers get the concrete name with the other flags, and workers on other
+    nodes take rank 0's (distributed/worker.py), so nodes with different CPUs agree."""
+    m = config.model
+    if m.dtype != "best":
+        return config
+    device = resolve_device(m.device)
+    dtype = best_dtype(device)
+    log.info("compute dtype: %s (%s)", dtype, _dtype_reason(device, dtype))
+    return dataclasses.replace(config, model=dataclasses.replace(m, dtype=dtype))
+
+
+def _dtype_reason(device: torch.device, dtype: str) -> str:
+    if device.type != "cpu":
+        return f"--dtype best on {device.type}"
+    forced = " (PIPESERVE_CPU_BF16)" if envs.cpu_native_bf16() is not None else ""
+    if dtype == "bfloat16":
+        return f"--dtype best: this CPU multiplies bfloat16 natively{forced}"
+    return f"--dtype best: this CPU has no native bfloat16 matmul{forced}"
+
+
+def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
+    """A bfloat16 run on a CPU that emulates bf16 products works, slowly: say by how much."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or cpu_native_bf16():
+        return
+    log.warning(
+        "bfloat16 on a CPU without native bf16 products (AVX512-BF16 or AMX): its matmul "
+        "measured %.0fx slower than float32 here just now; --dtype best (the default) or "
+        "float32 computes in float32",
+        bf16_slowdown(),
+    )
+
+
+def bf16_slowdown(size: int = 256, repeats: int = 2) -> float:
+    """How many times slower a bfloat16 size^3 matmul runs than a float32 one on this CPU
+    (best of `repeats` each: ~0.1 s where bf16 is emulated, for a warning only)."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size).to(dtype)
+        torch.matmul(a, a)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.matmul(a, a)
+            times.append(time.perf_counter() - start)
+        best[dtype] = min(times)
+    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
 
 
 def synchronize(device: torch.device) -> None:
@@ -192,14 +281,20 @@ def native_decode_kernel() -> Callable[..., torch.Tensor] | None:
     return None if module is None else module.paged_decode_attention
 
 
-def native_prefill_kernel() -> Callable[..., torch.Tensor] | None:
-    """The compiled CPU prefill-attention kernel (bfloat16, AVX512-BF16), or None."""
+def native_prefill_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU prefill-attention kernel for `dtype`, or None: bfloat16 products on
+    CPUs with AVX512-BF16; else float32 arithmetic on CPUs with AVX2 and FMA, for float32
+    and (widened on load) bfloat16."""
     from pipeserve.kernels import native
 
     module = native()
-    if module is None or not module.prefill_attention_supported():
+    if module is None or dtype not in (torch.bfloat16, torch.float32):
         return None
-    return module.paged_prefill_attention
+    if dtype == torch.bfloat16 and module.prefill_attention_supported():
+        return module.paged_prefill_attention
+    if module.prefill_attention_avx2_supported():
+        return module.paged_prefill_attention_avx2
+    return None
 
 
 def prefers_blockwise_attention(device: torch.device) -> bool:

@@ -51,6 +51,19 @@ def native_kernels_enabled() -> bool:
     return os.environ.get("PIPESERVE_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no")
 
 
+def cpu_native_bf16() -> bool | None:
+    """PIPESERVE_CPU_BF16: 0 hides the CPU's native bfloat16 matmul from `--dtype best` (the
+    float32 rule on any CPU), 1 claims it (the bfloat16 rule); unset: read the CPU's flags."""
+    raw = os.environ.get("PIPESERVE_CPU_BF16", "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable PIPESERVE_CPU_BF16={raw!r} is not 0, 1 or auto")
+
+
 def num_threads() -> int | None:
     """PIPESERVE_NUM_THREADS: the thread budget to split among local workers (default: all
     cores). --threads-per-worker overrides it."""

@@ -242,11 +242,11 @@ def test_bench_worker_node_gets_the_cp_layout(monkeypatch) -> None:
     """`--nnodes 2 --node-rank 1` (what benchmarks/netlab.sh --layouts runs on node 1):
     the worker node starts the one layout's workers, CP size included."""
     from pipeserve.distributed import launcher
-    from pipeserve.engine import engine
+    from pipeserve.models import resolve
 
     started = []
     monkeypatch.setattr(launcher, "run_worker_node", lambda config, path: started.append(config))
-    monkeypatch.setattr(engine, "resolve_model_path", lambda path, dtype=None: Path("model"))
+    monkeypatch.setattr(resolve, "resolve_model_path", lambda path, dtype=None: Path("model"))
     node = ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:29500"]
     with pytest.raises(SystemExit):
         main(["bench", *node, "--layouts", "pp2cp2"])

@@ -62,7 +62,7 @@ def test_config_is_frozen() -> None:
     [
         ({"page_size": 3}, "--page-size 3 must be a power of two"),
         ({"page_size": 0}, "--page-size 0 must be a power of two"),
-        ({"dtype": "int8"}, "--dtype 'int8' is not one of auto, bfloat16, float16, float32"),
+        ({"dtype": "int8"}, "--dtype 'int8' is not one of best, auto, bfloat16, float16, float32"),
         ({"mem_fraction_static": 0.0}, r"--mem-fraction-static 0.0 must be in \(0, 1\]"),
         ({"mem_fraction_static": 1.5}, r"--mem-fraction-static 1.5 must be in \(0, 1\]"),
         ({"max_total_tokens": 0}, "--max-total-tokens 0 must be positive"),

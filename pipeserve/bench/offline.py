@@ -121,7 +121,9 @@ def kv_bytes_per_device(engine: Engine, prompt_lens: list[int], output_len: int)
     layers (the largest stage), its TP share of the heads, and under context parallelism
     the pages it holds of each request (every N-th, rounded up)."""
     p, page = engine.config.parallel, engine.config.cache.page_size
-    dtype = resolve_dtype(engine.config.model.dtype, engine.arch.torch_dtype)
+    dtype = resolve_dtype(
+        engine.config.model.dtype, engine.arch.torch_dtype, engine.config.model.device
+    )
     partition = getattr(engine.backend, "partition", None) or [engine.arch.num_layers]
     per_token = kv_bytes_per_token(engine.arch, max(partition), p.tp_size, dtype)
     pages = sum(_ceil(_ceil(n + output_len, page), p.cp_size) for n in prompt_lens)
@@ -262,7 +264,7 @@ def _mean_forward(events: list[Event]) -> float:
 def _describe(
     engine: Engine, config: EngineConfig, input_len: int, output_len: int, num_prompts: int
 ) -> dict[str, Any]:
-    dtype = resolve_dtype(config.model.dtype, engine.arch.torch_dtype)
+    dtype = resolve_dtype(config.model.dtype, engine.arch.torch_dtype, config.model.device)
     threads = threads_per_worker(config)
     set_threads(threads)
     peak = matmul_peak_flops(dtype, resolve_device(config.model.device))
@@ -367,7 +369,7 @@ def _add_hf_baseline(
     from pipeserve.bench.hf_baseline import run_hf
 
     config = EngineConfig.from_flags(**flags)
-    dtype = resolve_dtype(config.model.dtype, "bfloat16")
+    dtype = resolve_dtype(config.model.dtype, "bfloat16", config.model.device)
     device = resolve_device(config.model.device)
     base = run_hf(Path(report["model"]), prompts, output_len, dtype, device)
     name = "hf-transformers" + ("+sdpa" if device.type == "cuda" else "")

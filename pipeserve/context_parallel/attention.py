@@ -789,7 +789,7 @@ def _causal(
     if native:
         from pipeserve.device import native_prefill_kernel
 
-        kernel = native_prefill_kernel()
+        kernel = native_prefill_kernel(q.dtype)
         assert kernel is not None
         runs = torch.tensor([[0, end]], dtype=torch.long)
         return kernel(q, keys, values, runs, first, attn.scale)

@@ -11,6 +11,7 @@ Loop per micro-batch:
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import traceback
@@ -44,12 +45,14 @@ from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.lifetime import exit_with_parent
 from pipeserve.models.arch import ArchConfig
+from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.layer_costs import measure_layer_costs
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.batch import BatchResult
 from pipeserve.timeline import now
 
 INIT_TIMEOUT_S = 600
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,17 +79,18 @@ def worker_main(args: WorkerArgs) -> None:
         channels = WorkerChannels(
             args.rank, args.endpoints, batch_url, p.heartbeat_interval, p.heartbeat_timeout
         )
-        arch = ArchConfig.load(args.model_path)
         device = bind_device(config.model.device, args.local_index)
         _init_groups(args, config, device)
+        config, model_path = _agree_on_dtype(config, args.model_path, device)
+        arch = ArchConfig.load(model_path)
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
         num_pages = _agree_on_pages(config, arch, args.local_workers, partition, device)
         runner: ModelRunner | FfnRunner
         if state.is_ffn_worker:
-            runner = FfnRunner(config, arch, args.model_path)
+            runner = FfnRunner(config, arch, model_path)
         else:
-            runner = ModelRunner(config, arch, args.model_path, num_pages)
+            runner = ModelRunner(config, arch, model_path, num_pages)
         channels.send_status(
             "ready",
             {
@@ -154,6 +158,25 @@ def _all_reduce_kind(state: ParallelState) -> str:
     return "shared memory" if state.tp_shm is not None else "torch.distributed"
 
 
+def _agree_on_dtype(
+    config: EngineConfig, model_path: str, device: torch.device
+) -> tuple[EngineConfig, str]:
+    """Every rank computes in rank 0's dtype: node 0's launching process chose it (`--dtype
+    best` for its device), and a node whose CPU would choose otherwise takes it too, with
+    its checkpoint resolved for it (a GGUF file is converted for the agreed dtype)."""
+    agreed = broadcast_text(config.model.dtype, device)
+    if agreed == config.model.dtype:
+        return config, model_path
+    log.warning(
+        "rank %d: computing in rank 0's %s (this node chose %s)",
+        dist.get_rank(),
+        agreed,
+        config.model.dtype,
+    )
+    config = EngineConfig.from_flags(**{**config.flags(), "dtype": agreed})
+    return config, str(resolve_model_path(config.model.model_path, agreed))
+
+
 def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.device) -> list[int]:
     """Rank 0 resolves the layer partition (measuring layer costs for 'auto') for all; a
     partition it rejects fails every rank with its message."""
@@ -163,7 +186,7 @@ def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.de
     if dist.get_rank() == 0:
 
         def measure() -> tuple[list[float], float, float]:
-            dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
+            dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
             chunk = min(config.scheduler.chunk_size or 2048, 2048)
             costs = measure_layer_costs(arch, dtype, device, chunk)
             return costs.per_layer, costs.embed, costs.head

@@ -6,19 +6,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pipeserve import kernels
 from pipeserve.config import EngineConfig
-from pipeserve.device import resolve_device, resolve_dtype
+from pipeserve.device import (
+    resolve_device,
+    resolve_dtype,
+    warn_if_emulated,
+    with_compute_dtype,
+)
 from pipeserve.disaggregation.pd.kv_remap import SideLayout
 from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
 from pipeserve.models.arch import ArchConfig
-from pipeserve.models.default_model import ALIAS as DEFAULT_MODEL_ALIAS
-from pipeserve.models.default_model import default_model_file
-from pipeserve.models.gguf import converted_checkpoint, find_gguf
-from pipeserve.models.presets import PRESETS, preset_path
+from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.kv_layout import kv_bytes_per_token
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.scheduler.scheduler import RequestUpdate
@@ -53,32 +54,13 @@ class _Pending:
             self.error = u.error
 
 
-def resolve_model_path(model_path: str | None, dtype: str = "bfloat16") -> Path:
-    """The checkpoint directory a --model names: a Hugging Face directory as it is, a built-in
-    preset made on first use, a GGUF file (or a directory holding one) converted once into the
-    cache (for a run in `dtype`); no model: the built-in default model (a GGUF)."""
-    path = Path(model_path) if model_path is not None else None
-    if path is None or (not path.exists() and model_path == DEFAULT_MODEL_ALIAS):
-        return converted_checkpoint(default_model_file(), dtype)
-    if not path.exists() and model_path in PRESETS:  # a built-in model, made on first use
-        return preset_path(str(model_path))
-    gguf = find_gguf(path)
-    if gguf is not None:
-        return converted_checkpoint(gguf, dtype)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json), "
-            f"a .gguf file nor a built-in model ({', '.join(PRESETS)})"
-        )
-    return path
-
-
 class Engine:
     def __init__(self, model_path: str | None = None, **flags: Any) -> None:
-        self.config = EngineConfig.from_flags(model_path=model_path, **flags)
+        self.config = with_compute_dtype(EngineConfig.from_flags(model_path=model_path, **flags))
         m = self.config.model
         self.model_path = resolve_model_path(m.model_path, m.dtype)
         self.arch = ArchConfig.load(self.model_path)
+        warn_if_emulated(resolve_dtype(m.dtype, self.arch.torch_dtype), resolve_device(m.device))
         self.tokenizer = load_tokenizer(self.config.model, self.model_path)
         self.context_len = self.arch.context_length(self.config.model.context_length)
         if resolve_device(self.config.model.device).type == "cpu":
@@ -90,7 +72,9 @@ class Engine:
         self._log_kv_cache()
 
     def _log_kv_cache(self) -> None:
-        dtype = resolve_dtype(self.config.model.dtype, self.arch.torch_dtype)
+        dtype = resolve_dtype(
+            self.config.model.dtype, self.arch.torch_dtype, self.config.model.device
+        )
         per_layer = kv_bytes_per_token(self.arch, 1, self.config.parallel.tp_size, dtype)
         stats = self.backend.stats()
         ranks = stats["attention_ranks"]

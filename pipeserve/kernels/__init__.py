@@ -23,9 +23,15 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [
     HERE / n
-    for n in ("decode_attention.cpp", "prefill_attention.cpp", "shm_allreduce.cpp", "bindings.cpp")
+    for n in (
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "prefill_attention_avx2.cpp",
+        "shm_allreduce.cpp",
+        "bindings.cpp",
+    )
 ]
-HEADERS = [HERE / "kernels.h"]
+HEADERS = [HERE / "kernels.h", HERE / "prefill_common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
 

@@ -1,5 +1,7 @@
 // Python bindings of the native CPU kernels. Every kernel runs without the GIL (none touches a
 // Python object), so the scheduler's thread works while attention runs, as during any torch op.
+#include <torch/csrc/utils/pybind.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -11,6 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of a prompt chunk over runs of KV slots (CPU, bfloat16, AVX512-BF16)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention_avx2", &paged_prefill_attention_avx2,
+        "causal attention of a prompt chunk over runs of KV slots (CPU, float32 or bfloat16 "
+        "storage computed in float32, AVX2 + FMA)",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<ShmAllReduce>(m, "ShmAllReduce")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())
       .def("all_reduce_", &ShmAllReduce::all_reduce_, "sum in place across the ranks",
@@ -18,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink", &ShmAllReduce::unlink);
   m.def("prefill_attention_supported", &prefill_attention_supported,
         "whether this build has the native prefill kernel (needs AVX512-BF16)");
+  m.def("prefill_attention_avx2_supported", &prefill_attention_avx2_supported,
+        "whether this build has the AVX2 prefill kernel (needs AVX2 and FMA)");
 }

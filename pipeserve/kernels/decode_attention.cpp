@@ -6,12 +6,18 @@
 // k_cache  [Hk, N, D]     v_cache the same
 // runs     [R, 2] int64   (first slot, length); request b owns runs[offsets[b]:offsets[b+1]]
 // out      [B, Hk, G, D]  same dtype as q
-#include "kernels.h"
-
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/zeros.h>
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#include "kernels.h"
 
 namespace {
 
@@ -111,11 +117,11 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* run
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor runs, torch::Tensor offsets, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor runs, at::Tensor offsets, double scale) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 3, "q [B,Hk,G,D], k_cache [Hk,N,D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
-  TORCH_CHECK(runs.scalar_type() == torch::kInt64 && offsets.scalar_type() == torch::kInt64,
+  TORCH_CHECK(runs.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong,
               "runs and offsets must be int64");
   q = q.contiguous();
   runs = runs.contiguous();
@@ -123,7 +129,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t B = q.size(0), Hk = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t N = k_cache.size(1);
   TORCH_CHECK(k_cache.size(0) == Hk && k_cache.size(2) == D, "q and k_cache disagree on heads/dim");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t* run_ptr = runs.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
@@ -145,13 +151,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // The same computation with the two products done by the BLAS library per run and head
 // (memory-bound at long contexts): scores = q K^T per run, one softmax over all runs of the
 // request, out = sum over runs of P V.
-torch::Tensor paged_decode_attention_gemm(torch::Tensor q, torch::Tensor k_cache,
-                                          torch::Tensor v_cache, torch::Tensor runs,
-                                          torch::Tensor offsets, double scale) {
+at::Tensor paged_decode_attention_gemm(at::Tensor q, at::Tensor k_cache,
+                                          at::Tensor v_cache, at::Tensor runs,
+                                          at::Tensor offsets, double scale) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 3, "q [B,Hk,G,D], k_cache [Hk,N,D] expected");
   const int64_t B = q.size(0), Hk = q.size(1);
-  auto qs = (q * scale).contiguous();
-  auto out = torch::empty_like(q);
+  auto qs = q.mul(scale).contiguous();
+  auto out = at::empty_like(q);
   auto runs_cpu = runs.contiguous();
   const int64_t* rp = runs_cpu.data_ptr<int64_t>();
   const int64_t* off = offsets.contiguous().data_ptr<int64_t>();
@@ -159,7 +165,7 @@ torch::Tensor paged_decode_attention_gemm(torch::Tensor q, torch::Tensor k_cache
     for (int64_t h = 0; h < Hk; ++h) {
       auto qbh = qs[b][h];  // [G, D]
       auto kh = k_cache[h], vh = v_cache[h];
-      std::vector<torch::Tensor> parts;
+      std::vector<at::Tensor> parts;
       for (int64_t r = off[b]; r < off[b + 1]; ++r) {
         parts.push_back(at::mm(qbh, kh.narrow(0, rp[2 * r], rp[2 * r + 1]).t()));
       }

@@ -1,19 +1,27 @@
-// Declarations shared by the kernel sources and their Python bindings.
+// Declarations shared by the kernel sources and their Python bindings. The kernel sources
+// include ATen's tensor and the operators they call, not <torch/extension.h>: that header
+// (all of libtorch and pybind11) takes ~45 s to compile per source, ATen's tensor ~4 s;
+// only bindings.cpp needs it.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <string>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor runs, torch::Tensor offsets, double scale);
-torch::Tensor paged_decode_attention_gemm(torch::Tensor q, torch::Tensor k_cache,
-                                          torch::Tensor v_cache, torch::Tensor runs,
-                                          torch::Tensor offsets, double scale);
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor runs, int64_t prefix,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor runs, at::Tensor offsets, double scale);
+at::Tensor paged_decode_attention_gemm(at::Tensor q, at::Tensor k_cache,
+                                          at::Tensor v_cache, at::Tensor runs,
+                                          at::Tensor offsets, double scale);
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
+                                      at::Tensor v_cache, at::Tensor runs, int64_t prefix,
                                       double scale);
 bool prefill_attention_supported();
+at::Tensor paged_prefill_attention_avx2(at::Tensor q, at::Tensor k_cache,
+                                           at::Tensor v_cache, at::Tensor runs,
+                                           int64_t prefix, double scale);
+bool prefill_attention_avx2_supported();
 
 // Sum all-reduce among the TP ranks of one machine over a POSIX shared-memory segment (see
 // shm_allreduce.cpp). Rank 0 creates the segment; the others open it by name.
@@ -22,7 +30,7 @@ class ShmAllReduce {
   ShmAllReduce(const std::string& name, int64_t rank, int64_t world, int64_t slot_bytes,
                bool create, double timeout_s);
   ~ShmAllReduce();
-  void all_reduce_(torch::Tensor x);
+  void all_reduce_(at::Tensor x);
   void unlink();  // the name goes; mappings stay valid until every rank has closed
 
  private:

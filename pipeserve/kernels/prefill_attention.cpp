@@ -16,16 +16,13 @@
 //
 // Query row r of a task is (query t, head g) = (r / G, r % G): a KV head's G query heads
 // sit side by side, so its keys are read once for all of them.
-#include "kernels.h"
-
-#include <ATen/Parallel.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "prefill_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -45,9 +42,6 @@ namespace {
 
 constexpr int kRows = 6;           // query rows per register tile
 constexpr int kKeyBlock = 256;     // keys per packed block
-constexpr int kTargetRows = 768;   // query rows per task: a packed key block serves them all
-constexpr int kTasksPerThread = 4;  // but at least this many tasks per thread, for balance
-constexpr float kLog2e = 1.4426950408889634f;
 
 using bf16 = uint16_t;
 
@@ -58,12 +52,8 @@ inline __m512 exp2_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.3333558146e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(prefill::kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(prefill::kExp2Poly[i]));
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
@@ -238,25 +228,14 @@ void softmax_rows(int R, float* scores, int keys, int padded, int64_t key_pos0,
   }
 }
 
-// Queries per task: about kTargetRows rows (each packed key block is used by more rows, so
-// the cache is read fewer times), fewer when that would leave threads without enough tasks,
-// rounded so rows fill whole register tiles.
-int64_t queries_per_task(int64_t n, int64_t Hk, int64_t G, int64_t threads) {
-  const int64_t blocks = (kTasksPerThread * threads + Hk - 1) / Hk;  // query blocks wanted
-  int64_t per = std::min<int64_t>(std::max<int64_t>(1, kTargetRows / G), (n + blocks - 1) / blocks);
-  while (per > 1 && (per * G) % kRows != 0 && per * G > kRows) --per;
-  return std::max<int64_t>(1, std::min(per, n));
-}
-
-struct Problem {
-  const bf16* q;
-  const bf16* k_cache;
-  const bf16* v_cache;
-  bf16* out;
+struct Problem : prefill::Shape {
+  const bf16* q = nullptr;
+  const bf16* k_cache = nullptr;
+  const bf16* v_cache = nullptr;
+  bf16* out = nullptr;
   std::vector<int64_t> slots;  // slot of each key position 0 .. total - 1
-  int64_t n, H, Hk, G, D, N, prefix;
-  int64_t queries_per_task;
-  float c;  // softmax scale in base 2: scale * log2(e)
+  int64_t prefix = 0;
+  float c = 0;  // softmax scale in base 2: scale * log2(e)
 };
 
 struct Scratch {
@@ -344,58 +323,30 @@ void run_task(const Problem& p, Scratch& s, int64_t head, int64_t t0, int64_t t1
 }
 
 void run_all(const Problem& p) {
-  const int64_t qblocks = (p.n + p.queries_per_task - 1) / p.queries_per_task;
-  const int64_t tasks = p.Hk * qblocks;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      Scratch s(p, p.queries_per_task * p.G);
-      for (int64_t i = next++; i < tasks; i = next++) {
-        const int64_t head = i / qblocks, qb = qblocks - 1 - i % qblocks;  // longest first
-        const int64_t t0 = qb * p.queries_per_task;
-        run_task(p, s, head, t0, std::min(p.n, t0 + p.queries_per_task));
-      }
-    }
-  });
+  const int64_t per = prefill::queries_per_task(p.n, p.Hk, p.G, at::get_num_threads(), kRows);
+  prefill::run_tasks(
+      p.n, p.Hk, per, [&] { return Scratch(p, per * p.G); },
+      [&](Scratch& s, int64_t head, int64_t t0, int64_t t1) { run_task(p, s, head, t0, t1); });
 }
 
 }  // namespace
 #endif
 
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor runs, int64_t prefix,
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
+                                      at::Tensor v_cache, at::Tensor runs, int64_t prefix,
                                       double scale) {
 #ifdef PIPESERVE_PREFILL_NATIVE
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "q [n,H,D], k_cache [Hk,N,D] expected");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "the native prefill kernel takes bfloat16");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
-  TORCH_CHECK(runs.scalar_type() == torch::kInt64 && runs.dim() == 2 && runs.size(1) == 2,
-              "runs must be int64 [R, 2]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "the native prefill kernel takes bfloat16");
   q = q.contiguous();
-  runs = runs.contiguous();
   Problem p;
-  p.n = q.size(0), p.H = q.size(1), p.D = q.size(2);
-  p.Hk = k_cache.size(0), p.N = k_cache.size(1);
-  TORCH_CHECK(p.H % p.Hk == 0 && k_cache.size(2) == p.D, "q and k_cache disagree on heads/dim");
-  TORCH_CHECK(p.D % 16 == 0, "head dim must be a multiple of 16");
-  p.G = p.H / p.Hk;
+  static_cast<prefill::Shape&>(p) = prefill::check_inputs(q, k_cache, v_cache, runs, prefix, 16, p.slots);
   p.prefix = prefix;
-  const int64_t* rp = runs.data_ptr<int64_t>();
-  for (int64_t r = 0; r < runs.size(0); ++r)
-    for (int64_t i = 0; i < rp[2 * r + 1]; ++i) p.slots.push_back(rp[2 * r] + i);
-  TORCH_CHECK(static_cast<int64_t>(p.slots.size()) == prefix + p.n,
-              "KV runs must cover exactly the prefix and the chunk");
-  for (int64_t s : p.slots) TORCH_CHECK(0 <= s && s < p.N, "KV slot outside the pool");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   p.q = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   p.k_cache = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
   p.v_cache = reinterpret_cast<const bf16*>(v_cache.data_ptr<at::BFloat16>());
   p.out = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
-  p.c = static_cast<float>(scale) * kLog2e;
-  p.queries_per_task = queries_per_task(p.n, p.Hk, p.G, at::get_num_threads());
+  p.c = static_cast<float>(scale) * prefill::kLog2e;
   run_all(p);
   return out;
 #else

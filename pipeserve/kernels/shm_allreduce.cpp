@@ -8,8 +8,7 @@
 // the core from other processes when there are more processes than cores.
 //
 // Segment layout: [flags: 2 per rank, 64 bytes apart][input buffer per rank][result area].
-#include "kernels.h"
-
+#include <ATen/Dispatch.h>
 #include <fcntl.h>
 #include <immintrin.h>
 #include <sched.h>
@@ -22,6 +21,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "kernels.h"
 
 namespace {
 
@@ -152,7 +153,7 @@ void ShmAllReduce::reduce_slice(T* data, int64_t count) {
   std::memcpy(data, buffer(world_), bytes);
 }
 
-void ShmAllReduce::all_reduce_(torch::Tensor x) {
+void ShmAllReduce::all_reduce_(at::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "shm all-reduce takes contiguous CPU tensors");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "shm_allreduce", [&] {
     scalar_t* data = x.data_ptr<scalar_t>();

@@ -7,9 +7,10 @@ request's KV is copied whole.
 
 Kernels (which ones run is decided once per model runner: `NativeKernels`, and for the other
 steps its `backend`, see pipeserve/layers/attention_backends.py):
-- native (CPU, compiled, see pipeserve/kernels): prompt chunks in bfloat16 read their whole
-  KV along the request's slot runs in one flash-style pass that stays in cache and uses every
-  thread (`paged_prefill_attention`); decode steps likewise (`paged_decode_attention`).
+- native (CPU, compiled, see pipeserve/kernels): prompt chunks in bfloat16 or float32 read
+  their whole KV along the request's slot runs in one flash-style pass that stays in cache
+  and uses every thread (`device.native_prefill_kernel`: AVX512-BF16 or AVX2); decode steps
+  likewise (`paged_decode_attention`).
 - a kernel library (FlashInfer on CUDA): its own prompt-chunk and decode kernels per KV part.
 - long prompt chunks on a CPU otherwise (`blockwise_prefill`): per KV head and block of
   queries, the scores against all key parts are written side by side into one buffer,
@@ -228,7 +229,7 @@ class PagedAttention(nn.Module):
         for p in plan.chunks:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.runs is not None:
-                prefill = native_prefill_kernel()
+                prefill = native_prefill_kernel(q.dtype)
                 assert prefill is not None
                 out[rows] = prefill(q[rows], k_cache, v_cache, p.runs, p.prefix_len, self.scale)
                 continue

@@ -171,7 +171,7 @@ class MLAttention(nn.Module):
         """x [tokens, hidden]; cache [slots, latent_width] of this layer (index_cache [slots,
         index_head_dim] with an indexer), written at each segment's new slots, then read at
         all its slots -> [tokens, hidden], all-reduced. native: expanded prompt chunks may run
-        the compiled CPU prefill kernel (bfloat16)."""
+        the compiled CPU prefill kernel (bfloat16 or float32)."""
         with region("mla.query"):
             q_latent = self.query_latent(x)
             q = self.query(x, rope, q_latent)
@@ -388,7 +388,7 @@ class ExpandedKeys:
         self.k, self.v = k, v
         self.dv = v.shape[-1]
         self.pools: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        if native and k.dtype == torch.bfloat16:
+        if native and native_prefill_kernel(k.dtype) is not None:
             width = -(-max(k.shape[-1], self.dv) // 16) * 16  # the kernel's multiple of 16
             with region("mla.key_pools"):
                 k_pool, v_pool = (_pad(t, width).transpose(0, 1).contiguous() for t in (k, v))
@@ -407,7 +407,7 @@ class ExpandedKeys:
             if self.pools is None or keep is not None:
                 return causal_attention(q, self.k[:end], self.v[:end], first, scale, keep)
             k_pool, v_pool, width = self.pools
-            kernel = native_prefill_kernel()
+            kernel = native_prefill_kernel(q.dtype)
             assert kernel is not None
             runs = torch.tensor([[0, end]], dtype=torch.long)  # the kernel is CPU-only
             out = kernel(_pad(q, width).contiguous(), k_pool, v_pool, runs, first, scale)
@@ -441,12 +441,14 @@ def causal_attention(
     """q [n, h, d]; k [L, hk, d], v [L, hk, dv] with hk = h or 1 (one head shared by all);
     key j is position j, query i position prefix_len + i; keep: optional [n, L] bool of the
     keys each query may read, causality included -> [n, h, dv]. Runs a fused softmax-attention
-    kernel: with `native`, per-head keys, no mask and bfloat16, pipeserve's compiled prefill
-    kernel (pipeserve/kernels), else `attention_with_lse`. Both want one head width: the
+    kernel: with `native`, per-head keys, no mask and a dtype it takes, pipeserve's compiled
+    prefill kernel (pipeserve/kernels), else `attention_with_lse`. Both want one head width: the
     narrower of q/k and v is zero-padded, which changes no score and no output column."""
     n, h, d = q.shape
     dv = v.shape[-1]
-    native = native and k.shape[1] == h and keep is None and q.dtype == torch.bfloat16
+    native = (
+        native and k.shape[1] == h and keep is None and native_prefill_kernel(q.dtype) is not None
+    )
     width = -(-max(d, dv) // 16) * 16 if native else max(d, dv)  # the kernel's multiple of 16
     q, k, v = _pad(q, width), _pad(k, width), _pad(v, width)
     if native:
@@ -535,7 +537,7 @@ def _native_prefill(
 ) -> torch.Tensor:
     """The paged prefill kernel over the freshly expanded keys and values, laid out as a
     one-run pool [h, L, d]."""
-    kernel = native_prefill_kernel()
+    kernel = native_prefill_kernel(q.dtype)
     assert kernel is not None
     k_pool, v_pool = (t.transpose(0, 1).contiguous() for t in (k, v))
     runs = torch.tensor([[0, k.shape[0]]], dtype=torch.long)  # the kernel is CPU-only

@@ -64,7 +64,7 @@ def kv_pool_pages(
     if config.cache.max_total_tokens is not None:
         return config.cache.max_total_tokens // page + 1
     device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
+    dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
     p = config.parallel
     budget = memory_budget(device, config.cache.mem_fraction_static, local_workers)
     if partition is None:  # an explicit list in the config, else the default rule
@@ -89,9 +89,9 @@ def use_native_kernels(
     backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> NativeKernels:
     """Which steps run the native CPU kernels (--attention-backend): decode steps wherever
-    the kernels build; prompt chunks in bfloat16 on CPUs with AVX512-BF16 (head dim a
-    multiple of 16). The other steps run the backend's kernels: FlashInfer's or PyTorch's
-    (`select_attention_kernels`)."""
+    the kernels build; prompt chunks in bfloat16 or float32 wherever a prefill kernel builds
+    for the dtype (AVX512-BF16 or AVX2; head dim a multiple of 16). The other steps run the
+    backend's kernels: FlashInfer's or PyTorch's (`select_attention_kernels`)."""
     kernels = select_attention_kernels(backend, device.type, dtype, head_dim)
     if backend not in ("auto", "native") or device.type != "cpu":
         return NativeKernels(backend=kernels)
@@ -101,13 +101,22 @@ def use_native_kernels(
             "--attention-backend native: the native CPU kernel could not be built "
             "(see the warning above); use --attention-backend torch"
         )
-    prefill = (
-        available
-        and dtype == torch.bfloat16
-        and head_dim % 16 == 0
-        and native_prefill_kernel() is not None
-    )
+    prefill = available and head_dim % 16 == 0 and native_prefill_kernel(dtype) is not None
     return NativeKernels(decode=available, prefill=prefill, backend=kernels)
+
+
+def _missing_native(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype) -> str:
+    """Which condition of the native kernels this run fails (for a refusal's message)."""
+    if config.model.attention_backend not in ("auto", "native"):
+        return f"--attention-backend {config.model.attention_backend} chose others (use auto)"
+    if native_decode_kernel() is None:
+        return "they could not be built here (see the warning above)"
+    if arch.head_dim % 16:
+        return f"head dim {arch.head_dim} is not a multiple of 16"
+    return (
+        f"no prefill kernel takes {str(dtype).removeprefix('torch.')} on this CPU (float32 "
+        "needs AVX2 and FMA; bfloat16 AVX2 or AVX512-BF16)"
+    )
 
 
 class ModelRunner:
@@ -116,7 +125,7 @@ class ModelRunner:
     ) -> None:
         self.config, self.arch = config, arch
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
+        self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
         self.state = get_parallel_state()
         set_single_batch_overlap(SingleBatchOverlap.from_config(config.parallel))
         self.model = build_model(arch, self.dtype, self.device)
@@ -238,10 +247,10 @@ class ModelRunner:
                 f"attention ({self.arch.architecture}): its batch-invariant kernels are GQA's"
             )
         if not (self.native.decode and self.native.prefill):
+            missing = _missing_native(self.config, self.arch, self.dtype)
             raise ValueError(
                 "--enable-deterministic-inference needs the native attention kernels for "
-                "prompts and decode steps: a CPU with AVX512-BF16, a bfloat16 model with a "
-                "head dim that is a multiple of 16, and --attention-backend auto or native"
+                f"prompts and decode steps, and {missing}"
             )
         self.native = NativeKernels(decode=True, prefill=True, deterministic=True)
         batch_invariant.set_enabled(True)

@@ -10,7 +10,8 @@ from typing import Any
 import uvicorn
 
 from pipeserve.config import EngineConfig
-from pipeserve.engine.engine import resolve_model_path
+from pipeserve.device import with_compute_dtype
+from pipeserve.models.resolve import resolve_model_path
 from pipeserve.server.app import ServerState, create_app
 
 GRACEFUL_SHUTDOWN_S = 3
@@ -37,9 +38,10 @@ class _Server(uvicorn.Server):
 
 
 def serve(flags: dict[str, Any]) -> int:
-    config = EngineConfig.from_flags(**flags)
+    config = with_compute_dtype(EngineConfig.from_flags(**flags))
     model_path = resolve_model_path(config.model.model_path, config.model.dtype)
-    state = ServerState.for_model(config, {**flags, "model_path": str(model_path)}, model_path)
+    flags = {**flags, "model_path": str(model_path), "dtype": config.model.dtype}
+    state = ServerState.for_model(config, flags, model_path)
     app = create_app(state)
     c = config.server
     server = _Server(

@@ -3,7 +3,9 @@
 On this machine (`pipeserve simulate --calibrate`): the real engine times single prompt
 chunks on a grid of (prefix, chunk) points, in three set-ups a two-core machine runs — a
 one-thread worker alone, a two-thread worker alone, and two one-thread workers timing at
-once (every core busy: what PP2 and TP2 stages see) — and measures the bf16 matmul peak.
+once (every core busy: what PP2 and TP2 stages see) — in the dtype `--dtype best` computes
+in here (bfloat16 with native bf16 products, else float32), and measures that dtype's
+matmul peak.
 Per set-up a non-negative least-squares fit of relative errors gives 1 / efficiency for the
 gemm, MoE and attention classes and a per-layer overhead: each point's seconds are
 sum_class (the class's seconds at efficiency 1) / efficiency_class + layers x overhead.
@@ -77,7 +79,9 @@ def fit_efficiency(
     its experts alike with the chunk, so it cannot tell the two apart: fit the gemm class on
     a dense model and free only `moe` on the MoE one."""
     unit = replace(hw, thread_efficiency={}, efficiency=UNIT)
-    cm = CostModel(arch, unit, SimLayout(threads=threads), Precision(), [arch.num_layers])
+    dtype = hw.compute_dtype or "bfloat16"
+    precision = Precision(dtype, dtype)
+    cm = CostModel(arch, unit, SimLayout(threads=threads), precision, [arch.num_layers])
     rows = []
     for L, x in points:
         c = cm.forward(0, [[SliceWork(L, x)]]).seconds
@@ -96,7 +100,7 @@ def fit_efficiency(
         elif v > 0:
             values[TERMS[i]] = 1.0 / float(v)
     eff = Efficiency(**values)
-    model = CostModel(arch, replace(unit, efficiency=eff), cm.layout, Precision(), cm.partition)
+    model = CostModel(arch, replace(unit, efficiency=eff), cm.layout, precision, cm.partition)
     predicted = [model.forward(0, [[SliceWork(L, x)]]).total for L, x in points]
     errors = [p / t - 1 for p, t in zip(predicted, seconds, strict=True)]
     return Fit(eff, errors)
@@ -107,6 +111,7 @@ def fit_efficiency(
 
 def _time_worker(
     model: str,
+    dtype: str,
     threads: int,
     spawn: bool,
     points: list[tuple[int, int]],
@@ -116,6 +121,7 @@ def _time_worker(
     import torch
 
     from pipeserve.bench.peak import matmul_peak_flops
+    from pipeserve.device import DTYPES
     from pipeserve.engine.engine import Engine
 
     tokens = max(p + x for p, x in points) + 64
@@ -124,25 +130,30 @@ def _time_worker(
         threads_per_worker=threads,
         spawn_workers=spawn,
         max_total_tokens=tokens,
-        dtype="bfloat16",
+        dtype=dtype,
     ) as e:
         barrier.wait()
         torch.set_num_threads(threads)  # this process's: the model may be in a worker
-        peak = matmul_peak_flops(torch.bfloat16, torch.device("cpu"))
+        peak = matmul_peak_flops(DTYPES[dtype], torch.device("cpu"))
         seconds = e.backend.profile_chunks(points)[0]
         out.put((seconds, peak))
 
 
 def time_points(
-    model: str, threads: int, workers: int, spawn: bool, points: list[tuple[int, int]]
+    model: str,
+    dtype: str,
+    threads: int,
+    workers: int,
+    spawn: bool,
+    points: list[tuple[int, int]],
 ) -> tuple[list[float], float]:
-    """Seconds per point and the bf16 matmul FLOP/s of an engine with `threads` threads
+    """Seconds per point and the `dtype` matmul FLOP/s of an engine with `threads` threads
     (its model in a worker process when `spawn`), `workers` engines timing at once (each
     its own process, started together); per point the mean over the engines."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(workers), ctx.Queue()
     procs = [
-        ctx.Process(target=_time_worker, args=(model, threads, spawn, points, barrier, out))
+        ctx.Process(target=_time_worker, args=(model, dtype, threads, spawn, points, barrier, out))
         for _ in range(workers)
     ]
     for p in procs:
@@ -171,7 +182,7 @@ MOE_MAX_LEN = 8192  # the MoE model's grid: one efficiency to fit, shorter promp
 
 
 def _measure(
-    model: str, points: list[tuple[int, int]], rounds: int
+    model: str, dtype: str, points: list[tuple[int, int]], rounds: int
 ) -> dict[str, tuple[int, list[float], float]]:
     """Per set-up: threads, seconds per point (median over the rounds, the set-ups
     interleaved so a machine whose speed drifts affects all alike), matmul FLOP/s."""
@@ -181,7 +192,7 @@ def _measure(
             key = efficiency_key(threads, busy)
             log.info("calibrating %s on %s (round %d of %d)", key, model, r + 1, rounds)
             runs.setdefault(key, []).append(
-                time_points(model, threads, 2 if busy else 1, spawn, points)
+                time_points(model, dtype, threads, 2 if busy else 1, spawn, points)
             )
     threads_of = {efficiency_key(t, b): t for t, b, _ in SETUPS}
     return {
@@ -205,16 +216,20 @@ def calibrate_cpu(
     per-layer overhead on a dense `model`, then the routed experts' class on `moe_model`
     with those held. Returns the calibration (for hardware.apply_calibration) with the
     measurements and each fit's errors."""
+    import torch
+
+    from pipeserve.device import best_dtype
     from pipeserve.models.config_presets import load_config
 
     arch = ArchConfig.from_dict(load_config(model)[0])
     if arch.num_experts:
         raise ValueError(f"calibrate on a dense model ({model} has experts); MoE goes second")
     points = calibration_points(max_len)
-    measured = _measure(model, points, rounds)
-    # efficiencies are shares of the bf16 matmul peak of one core, measured alone
+    dtype = best_dtype(torch.device("cpu"))  # what the engine computes in here by default
+    measured = _measure(model, dtype, points, rounds)
+    # efficiencies are shares of the matmul peak of one core in that dtype, measured alone
     peak = measured[efficiency_key(1, False)][2]
-    hw = replace(hw, peak_flops=hw.peak_flops | {"bfloat16": peak})
+    hw = replace(hw, peak_flops=hw.peak_flops | {dtype: peak}, compute_dtype=dtype)
     report: dict[str, Any] = {"model": model, "points": points, "rounds": rounds, "setups": {}}
     fits = {}
     for key, (threads, seconds, flops) in measured.items():
@@ -226,6 +241,7 @@ def calibrate_cpu(
     return report | {
         "hardware": hw.name,
         "peak_flops": hw.peak_flops,
+        "compute_dtype": dtype,
         "thread_efficiency": {k: asdict(v) for k, v in fits.items()},
     }
 
@@ -239,7 +255,8 @@ def _calibrate_moe(
     arch = ArchConfig.from_dict(load_config(model)[0])
     points = calibration_points(max_len)
     report: dict[str, Any] = {"model": model, "points": points, "setups": {}}
-    for key, (threads, seconds, flops) in _measure(model, points, rounds).items():
+    measured = _measure(model, hw.compute_dtype or "bfloat16", points, rounds)
+    for key, (threads, seconds, flops) in measured.items():
         fit = fit_efficiency(arch, hw, threads, points[1:], seconds[1:], fits[key], free=("moe",))
         fits[key] = fit.efficiency
         report["setups"][key] = _setup_report(seconds, flops, fit)
@@ -407,7 +424,8 @@ def _print_cpu(report: dict[str, Any]) -> None:
                 else ""
             )
         )
-    print(f"bf16 matmul peak {report['peak_flops']['bfloat16'] / 1e9:.0f} GFLOP/s per core")
+    dtype = report["compute_dtype"]
+    print(f"{dtype} matmul peak {report['peak_flops'][dtype] / 1e9:.0f} GFLOP/s per core")
 
 
 def _print_gpu(report: dict[str, Any]) -> None:

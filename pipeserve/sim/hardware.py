@@ -63,6 +63,9 @@ class Hardware:
     thread_efficiency: dict[str, Efficiency] = field(default_factory=dict)
     source: str = ""  # where the figures come from
     calibration: str = ""  # the calibration applied (a file, or what was fitted)
+    # what the engine computes in here when the run names no dtype (a CPU calibration's:
+    # `--dtype best` on the machine measured); None: the checkpoint's weights decide
+    compute_dtype: str | None = None
 
     def peak(self, dtype: str, threads: int = 1) -> float:
         if dtype not in self.peak_flops:
@@ -223,6 +226,7 @@ def apply_calibration(hw: Hardware, data: dict[str, Any]) -> Hardware:
         peak_flops=hw.peak_flops | data.get("peak_flops", {}),
         intra_node=intra,
         inter_node=inter,
+        compute_dtype=data.get("compute_dtype", hw.compute_dtype),
     )
 
 
@@ -234,5 +238,6 @@ def calibration_json(hw: Hardware, **extra: Any) -> dict[str, Any]:
         "thread_efficiency": {k: asdict(v) for k, v in hw.thread_efficiency.items()},
         "intra_node": asdict(hw.intra_node),
         "inter_node": asdict(hw.inter_node),
+        "compute_dtype": hw.compute_dtype,
         **extra,
     }

@@ -11,12 +11,15 @@ import pytest
 import torch
 from engine_helpers import random_prompts
 
-from pipeserve.device import native_decode_kernel, native_prefill_kernel
+from pipeserve.device import DTYPES, best_dtype, native_decode_kernel, native_prefill_kernel
 from pipeserve.engine.engine import Engine
 from pipeserve.layers import batch_invariant
 
-# the bench model's matrix shapes (LM head, MLP, attention projections), bf16
+# the bench model's matrix shapes (LM head, MLP, attention projections)
 BENCH_SHAPES = [(8192, 768), (2048, 768), (768, 2048), (768, 768), (256, 768)]
+# the runs' dtype: what the engine computes in here by default (bf16 with native bf16
+# products, else float32), so the mode is tested where users run it
+DTYPE = best_dtype(torch.device("cpu"))
 
 
 def blas_is_row_invariant() -> bool:
@@ -25,7 +28,7 @@ def blas_is_row_invariant() -> bool:
     library picks kernels by row count and the engine refuses the mode, tested below)."""
     batch_invariant.set_enabled(True)
     try:
-        batch_invariant.check_linear_rows(torch.randn(s).bfloat16() for s in BENCH_SHAPES)
+        batch_invariant.check_linear_rows(torch.randn(s).to(DTYPES[DTYPE]) for s in BENCH_SHAPES)
         return True
     except RuntimeError:
         return False
@@ -33,7 +36,7 @@ def blas_is_row_invariant() -> bool:
         batch_invariant.set_enabled(False)
 
 
-NATIVE = native_decode_kernel() is not None and native_prefill_kernel() is not None
+NATIVE = native_decode_kernel() is not None and native_prefill_kernel(DTYPES[DTYPE]) is not None
 ROW_INVARIANT = NATIVE and blas_is_row_invariant()
 pytestmark = [
     pytest.mark.timeout(600),
@@ -43,6 +46,7 @@ needs_row_invariant_blas = pytest.mark.skipif(
     not ROW_INVARIANT, reason="this machine's BLAS sums a row differently by row count"
 )
 
+
 @pytest.fixture(scope="module")
 def model_path(model_dir: Any) -> Any:
     """The 8-layer bench model: wide enough that BLAS computes a one-row product of its MLP
@@ -51,7 +55,7 @@ def model_path(model_dir: Any) -> Any:
     return model_dir("bench")
 
 
-BASE_FLAGS: dict[str, Any] = {"dtype": "bfloat16", "max_total_tokens": 16384}
+BASE_FLAGS: dict[str, Any] = {"dtype": DTYPE, "max_total_tokens": 16384}
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 
 

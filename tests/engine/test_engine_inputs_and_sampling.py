@@ -18,8 +18,8 @@ import torch
 from engine_helpers import Outputs, generate, random_prompts, tokens
 from safetensors.torch import load_file, save_file
 
-from pipeserve.engine import engine as engine_mod
 from pipeserve.engine.engine import Engine, resolve_model_path
+from pipeserve.models import resolve as resolve_mod
 from pipeserve.scheduler.request import Req, SamplingParams, Status
 from pipeserve.scheduler.scheduler import RequestUpdate
 
@@ -123,7 +123,7 @@ def test_model_may_name_a_built_in_preset(
     """--model NAME, with no directory of that name here, is the preset NAME (made on first
     use); an existing directory of that name is still read as a checkpoint."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(engine_mod, "preset_path", lambda name: tmp_path / "cache" / name)
+    monkeypatch.setattr(resolve_mod, "preset_path", lambda name: tmp_path / "cache" / name)
     assert resolve_model_path("tiny-qwen3") == tmp_path / "cache" / "tiny-qwen3"
     (tmp_path / "tiny-qwen3").mkdir()
     with pytest.raises(FileNotFoundError, match=r"tiny-qwen3: not a Hugging Face checkpoint"):

@@ -1,5 +1,7 @@
-"""The native CPU prefill-attention kernel (bfloat16, AVX512-BF16) against a float64 softmax
-attention, and through `PagedAttention` against the torch kernels."""
+"""The native CPU prefill-attention kernels — AVX512-BF16 (bfloat16 products) and AVX2
+(float32 arithmetic on float32 or bfloat16 storage) — against a float64 softmax attention,
+and through `PagedAttention` against the torch kernels. Each kernel runs on every machine
+that has its instructions (an AVX512 machine runs both)."""
 
 from __future__ import annotations
 
@@ -7,14 +9,48 @@ import pytest
 import torch
 
 from pipeserve.device import native_prefill_kernel
+from pipeserve.kernels import native as native_module
 from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
 from pipeserve.mem_cache.kv_pool import KVPool
 
-pytestmark = pytest.mark.skipif(
-    native_prefill_kernel() is None, reason="native prefill kernel unavailable (needs AVX512-BF16)"
-)
 CPU = torch.device("cpu")
 TOL = 2e-2  # bfloat16 output
+# (kernel, storage dtype, tolerance of the output, of its mean error)
+KERNELS = {
+    "avx512-bf16": ("paged_prefill_attention", torch.bfloat16, TOL, 2e-3),
+    "avx2-fp32": ("paged_prefill_attention_avx2", torch.float32, 1e-4, 1e-6),
+    "avx2-bf16": ("paged_prefill_attention_avx2", torch.bfloat16, TOL, 2e-3),
+}
+SUPPORTED = {
+    "paged_prefill_attention": "prefill_attention_supported",
+    "paged_prefill_attention_avx2": "prefill_attention_avx2_supported",
+}
+
+
+def kernel_params() -> list:
+    module = native_module()
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                module is None or not getattr(module, SUPPORTED[KERNELS[name][0]])(),
+                reason=f"this CPU or build has no {name} prefill kernel",
+            ),
+        )
+        for name in KERNELS
+    ]
+
+
+@pytest.fixture(params=kernel_params())
+def kernel(request):
+    """(the kernel, its storage dtype, output tolerance, mean-error bound)."""
+    name, dtype, tol, mean_tol = KERNELS[request.param]
+    return getattr(native_module(), name), dtype, tol, mean_tol
+
+
+needs_engine_kernel = pytest.mark.skipif(
+    native_prefill_kernel(torch.bfloat16) is None, reason="no native prefill kernel here"
+)
 
 
 def reference(q, k_cache, v_cache, runs, prefix):
@@ -52,63 +88,86 @@ CASES = {
     "odd-group-d80": (77, 513, 3, 5, 80, True),
     "mha-d48": (33, 257, 2, 1, 48, True),
     "decode-like-pair": (2, 700, 1, 8, 32, False),
+    "long-context": (40, 16000, 1, 2, 64, True),
+    "gqa-8-many-strips": (130, 260, 1, 8, 64, False),
 }
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_matches_float64_attention(case) -> None:
+def test_kernel_matches_float64_attention(kernel, case) -> None:
+    fn, dtype, tol, mean_tol = kernel
     n, prefix, kv_heads, group, d, scattered = case
     gen = torch.Generator().manual_seed(n * 1000 + prefix)
     pool_slots = 2 * (prefix + n) + 4000
-    k_cache = torch.randn(kv_heads, pool_slots, d, generator=gen).bfloat16()
-    v_cache = torch.randn(kv_heads, pool_slots, d, generator=gen).bfloat16()
+    k_cache = torch.randn(kv_heads, pool_slots, d, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, pool_slots, d, generator=gen).to(dtype)
     runs = scattered_runs(prefix + n, gen) if scattered else [(11, prefix + n)]
-    q = (2 * torch.randn(n, kv_heads * group, d, generator=gen)).bfloat16()
-    kernel = native_prefill_kernel()
-    assert kernel is not None
-    out = kernel(q, k_cache, v_cache, torch.tensor(runs), prefix, d**-0.5)
+    q = (2 * torch.randn(n, kv_heads * group, d, generator=gen)).to(dtype)
+    out = fn(q, k_cache, v_cache, torch.tensor(runs), prefix, d**-0.5)
     ref = reference(q, k_cache, v_cache, runs, prefix)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    assert torch.allclose(out.double(), ref, atol=TOL, rtol=TOL)
-    assert (out.double() - ref).abs().mean() < 2e-3  # errors are rounding, not a wrong key
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol)
+    assert (out.double() - ref).abs().mean() < mean_tol  # rounding, not a wrong key
 
 
-def test_kernel_is_the_same_with_one_or_two_threads() -> None:
+def test_a_row_does_not_depend_on_the_chunking(kernel) -> None:
+    """Batch invariance (deterministic inference): a chunk computed whole or as two chunks,
+    the second over the first as its prefix, gives bitwise the same rows."""
+    fn, dtype, _, _ = kernel
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(2, 2000, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(2, 2000, 64, generator=gen).to(dtype)
+    q = torch.randn(301, 6, 64, generator=gen).to(dtype)
+    runs = [(0, 500), (700, 300), (1200, 301)]  # prefix 800, chunk 301
+    whole = fn(q, k_cache, v_cache, torch.tensor(runs), 800, 0.125)
+    first = fn(
+        q[:77], k_cache, v_cache, torch.tensor([(0, 500), (700, 300), (1200, 77)]), 800, 0.125
+    )
+    second = fn(q[77:], k_cache, v_cache, torch.tensor(runs), 877, 0.125)
+    assert torch.equal(torch.cat([first, second]), whole)
+
+
+def test_kernel_is_the_same_with_one_or_two_threads(kernel) -> None:
+    fn, dtype, _, _ = kernel
     gen = torch.Generator().manual_seed(7)
-    k_cache = torch.randn(2, 3000, 64, generator=gen).bfloat16()
-    v_cache = torch.randn(2, 3000, 64, generator=gen).bfloat16()
-    q = torch.randn(400, 6, 64, generator=gen).bfloat16()
+    k_cache = torch.randn(2, 3000, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(2, 3000, 64, generator=gen).to(dtype)
+    q = torch.randn(400, 6, 64, generator=gen).to(dtype)
     runs = torch.tensor([(0, 900), (1000, 500)])
-    kernel = native_prefill_kernel()
-    assert kernel is not None
     before = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(kernel(q, k_cache, v_cache, runs, 1000, 0.125))
+            outs.append(fn(q, k_cache, v_cache, runs, 1000, 0.125))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])  # each task's arithmetic does not depend on threads
 
 
-def test_kernel_rejects_runs_that_do_not_cover_the_chunk() -> None:
-    k_cache = torch.zeros(1, 100, 16).bfloat16()
-    q = torch.zeros(4, 2, 16).bfloat16()
-    kernel = native_prefill_kernel()
-    assert kernel is not None
+def test_kernel_rejects_runs_that_do_not_cover_the_chunk(kernel) -> None:
+    fn, dtype, _, _ = kernel
+    k_cache = torch.zeros(1, 100, 16).to(dtype)
+    q = torch.zeros(4, 2, 16).to(dtype)
     with pytest.raises(RuntimeError, match="cover exactly"):
-        kernel(q, k_cache, k_cache, torch.tensor([(0, 10)]), 3, 0.25)
+        fn(q, k_cache, k_cache, torch.tensor([(0, 10)]), 3, 0.25)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        kernel(q, k_cache, k_cache, torch.tensor([(98, 7)]), 3, 0.25)
+        fn(q, k_cache, k_cache, torch.tensor([(98, 7)]), 3, 0.25)
+    with pytest.raises(RuntimeError, match="one dtype|takes"):
+        fn(q.half(), k_cache.half(), k_cache.half(), torch.tensor([(0, 7)]), 3, 0.25)
 
 
-def test_paged_attention_native_and_torch_prefill_agree() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_attention_native_and_torch_prefill_agree(dtype) -> None:
     """A batch of two prompt chunks (one with a scattered prefix) and a decode step, through
-    `PagedAttention` with the native prefill kernel and with the torch kernels."""
+    `PagedAttention` with the native prefill kernel the engine picks for the dtype and with
+    the torch kernels."""
+    if native_prefill_kernel(dtype) is None:
+        pytest.skip(f"no native prefill kernel for {dtype} here")
+    tol = TOL if dtype == torch.bfloat16 else 1e-4
     gen = torch.Generator().manual_seed(3)
     kv_heads, group, d = 2, 3, 64
-    pool = KVPool(6000, range(1), kv_heads, d, torch.bfloat16, CPU, 1)
+    pool = KVPool(6000, range(1), kv_heads, d, dtype, CPU, 1)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
     chunk_a = [(10, 700), (900, 300), (1300, 150)]  # prefix 1000, chunk 150
@@ -116,22 +175,23 @@ def test_paged_attention_native_and_torch_prefill_agree() -> None:
     step = [(3000, 40)]  # decode: prefix 39
     segments = [(0, 150, 1000, chunk_a), (150, 96, 0, chunk_b), (246, 1, 39, step)]
     tokens = 247
-    q = torch.randn(tokens, kv_heads * group, d, generator=gen).bfloat16()
-    k = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
-    v = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
+    q = torch.randn(tokens, kv_heads * group, d, generator=gen).to(dtype)
+    k = torch.randn(tokens, kv_heads, d, generator=gen).to(dtype)
+    v = torch.randn(tokens, kv_heads, d, generator=gen).to(dtype)
     slots = torch.cat([torch.arange(1300, 1450), torch.arange(2000, 2096), torch.tensor([3039])])
     attn = PagedAttention(0, kv_heads * group, kv_heads, d)
     outs = {}
     for native in (False, True):
-        plan = plan_attention(segments, CPU, torch.bfloat16, NativeKernels(prefill=native))
+        plan = plan_attention(segments, CPU, dtype, NativeKernels(prefill=native))
         assert all((c.runs is not None) == native for c in plan.chunks)
         outs[native] = attn(q, k, v, pool, slots, plan).float()
-    assert torch.allclose(outs[True], outs[False], atol=TOL, rtol=TOL)
+    assert torch.allclose(outs[True], outs[False], atol=tol, rtol=tol)
     k_cache, v_cache = pool.buffers(0)
     ref_a = reference(q[:150], k_cache, v_cache, chunk_a, 1000).float().reshape(150, -1)
-    assert torch.allclose(outs[True][:150], ref_a, atol=TOL, rtol=TOL)
+    assert torch.allclose(outs[True][:150], ref_a, atol=tol, rtol=tol)
 
 
+@needs_engine_kernel
 def test_engine_in_bfloat16_is_as_close_to_float32_as_the_torch_kernels(model_dir) -> None:
     """The default dtype end to end: prompt logprobs of chunked prompts (later chunks read a
     long cached prefix) with the native prefill kernel are as close to a float32 run as
@@ -156,3 +216,30 @@ def test_engine_in_bfloat16_is_as_close_to_float32_as_the_torch_kernels(model_di
     torch_err = (logprobs["torch", "bfloat16"] - exact).abs()
     assert native_err.mean() <= 1.25 * torch_err.mean()
     assert native_err.max() <= 2 * torch_err.max()
+
+
+@pytest.mark.skipif(
+    native_prefill_kernel(torch.float32) is None, reason="no float32 prefill kernel here"
+)
+def test_engine_in_float32_matches_the_torch_kernels(model_dir) -> None:
+    """The float32 rule's path end to end (what `--dtype best` runs on CPUs without native
+    bf16): chunked prompts over cached prefixes give the prompt logprobs of the torch
+    kernels to float32 rounding."""
+    from pipeserve.engine.engine import Engine
+
+    path = model_dir("tiny-qwen3")
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (300, 150, 37)]
+    sp = {"max_new_tokens": 4, "temperature": 0.0}
+    runs = {}
+    for backend in ("torch", "auto"):
+        flags = {"dtype": "float32", "chunked_prefill_size": 64, "max_total_tokens": 4096}
+        with Engine(str(path), attention_backend=backend, **flags) as engine:
+            assert engine.backend.runner.native.prefill == (backend == "auto")
+            runs[backend] = engine.generate(
+                input_ids=prompts, sampling_params=sp, return_logprob=True
+            )
+    for native, torch_run in zip(runs["auto"], runs["torch"], strict=True):
+        got, want = (torch.tensor(o["prompt_logprobs"]) for o in (native, torch_run))
+        assert torch.allclose(got, want, atol=1e-4, rtol=0)
+        assert native["output_ids"] == torch_run["output_ids"]

@@ -271,20 +271,21 @@ def test_auto_mode_takes_the_cheaper_form() -> None:
     assert not layer.absorbs("expanded", LatentSegment(0, 1, slots))
 
 
-def test_native_prefill_kernel_matches_transformers(setup: Setup) -> None:
-    """bfloat16 expanded chunks on pipeserve's compiled prefill kernel (keys of qk_head_dim,
-    values zero-padded to it) agree with transformers as the torch path does."""
-    if native_prefill_kernel() is None:
-        pytest.skip("the native prefill kernel needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_native_prefill_kernel_matches_transformers(setup: Setup, dtype, atol) -> None:
+    """Expanded chunks on pipeserve's compiled prefill kernel for the dtype (keys of
+    qk_head_dim, values zero-padded to it) agree with transformers as the torch path does."""
+    if native_prefill_kernel(dtype) is None:
+        pytest.skip(f"no native prefill kernel for {dtype} on this CPU")
     x, slots = rand(PROMPT, HIDDEN, seed=1), scattered_slots(PROMPT, 2)
     calls: list[int] = []
     kernel = mla_mod._native_prefill
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mla_mod, "_native_prefill", lambda *a: calls.append(1) or kernel(*a))
-        got = run_chunks(setup.layer(torch.bfloat16), setup, x.bfloat16(), slots, [30, 10],
-                         new_cache(torch.bfloat16), "expanded", native=True)
+        got = run_chunks(setup.layer(dtype), setup, x.to(dtype), slots, [30, 10],
+                         new_cache(dtype), "expanded", native=True)
     assert len(calls) == 2
-    torch.testing.assert_close(got.float(), setup.reference(x), atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.float(), setup.reference(x), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -292,9 +293,9 @@ def test_expanded_keys_serve_blocks_as_expanded_does(setup: Setup, native: bool)
     """Context parallelism's ExpandedKeys: a request's positions up-projected once (for the
     compiled kernel padded and laid out once) serve each block of queries [first, end) as
     `expanded` over positions [0, end) does, bitwise."""
-    if native and native_prefill_kernel() is None:
-        pytest.skip("the native prefill kernel needs a CPU with AVX512-BF16")
-    dtype = torch.bfloat16 if native else torch.float32
+    if native and native_prefill_kernel(torch.float32) is None:
+        pytest.skip("no native float32 prefill kernel on this CPU (it needs AVX2 and FMA)")
+    dtype = torch.float32
     layer = setup.layer(dtype)
     kv = rand(96, RANK + ROPE, seed=8).to(dtype)
     q = rand(96, HEADS * (NOPE + ROPE), seed=9).to(dtype).view(96, HEADS, NOPE + ROPE)

@@ -56,7 +56,8 @@ def test_the_capital_of_france_is_paris(engine: Engine) -> None:
 
 def test_weights_equal_transformers_gguf_loader(engine: Engine) -> None:
     """Dequantised in float32 (for float32 runs): bitwise transformers' GGUF loader; the
-    default run's bfloat16 conversion is that, rounded."""
+    bfloat16 conversion is that, rounded; the default run reads the one for the dtype
+    `--dtype best` chose here."""
     from transformers import AutoModelForCausalLM
 
     f = default_model_file()
@@ -67,9 +68,10 @@ def test_weights_equal_transformers_gguf_loader(engine: Engine) -> None:
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied to the embedding
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, theirs[name]), name
-    bf16 = load_file(engine.model_path / "model.safetensors")
+    bf16 = load_file(converted_checkpoint(f, "bfloat16") / "model.safetensors")
     for name, tensor in bf16.items():
         assert torch.equal(tensor, ours[name].to(torch.bfloat16)), name
+    assert engine.model_path == converted_checkpoint(f, engine.config.model.dtype)
 
 
 def test_token_ids_are_transformers_gguf_tokenizers(engine: Engine) -> None:

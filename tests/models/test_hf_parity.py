@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeserve.device import native_prefill_kernel
 from pipeserve.engine.engine import Engine
 from pipeserve.layers import attention as attn_mod
 from pipeserve.layers.rotary import inverse_frequencies
@@ -30,7 +31,10 @@ PROMPT_LENS = (40, 600)
 NEW_TOKENS = 32
 LOGPROB_ATOL = 1e-4
 LAYOUTS: dict[str, dict[str, Any]] = {
-    "chunk128": {"chunked_prefill_size": 128},  # blockwise kernel, cached prefixes
+    # the native kernels (prompt chunks and decode) where they build, cached prefixes
+    "chunk128": {"chunked_prefill_size": 128},
+    # blockwise torch kernel for chunks over cached prefixes
+    "chunk128-torch": {"chunked_prefill_size": 128, "attention_backend": "torch"},
     # fused kernel for chunks; decode on the pure-torch path (views + batched gather)
     "chunk16-page16": {"chunked_prefill_size": 16, "page_size": 16, "attention_backend": "torch"},
 }
@@ -58,6 +62,10 @@ class PathRecorder:
             self.seen["chunk_prefix_gathered"] += any(c.gather is not None for c in p.chunks)
             self.seen["decode_view"] += bool(p.decode and p.decode.views)
             self.seen["decode_native"] += bool(p.decode and p.decode.runs is not None)
+            self.seen["chunk_native"] += any(c.runs is not None for c in p.chunks)
+            self.seen["chunk_native_with_prefix"] += any(
+                c.runs is not None and c.prefix_len > 0 for c in p.chunks
+            )
             return p
 
         def blockwise_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list,
@@ -158,10 +166,14 @@ def test_every_attention_path_ran(engine_run, layout: str) -> None:
     _, seen = engine_run("tiny-qwen3", layout)
     if LAYOUTS[layout].get("attention_backend") == "torch":
         assert seen["decode_view"] > 0 and seen["decode_native"] == 0, seen
+        assert seen["chunk_native"] == 0, seen
+    elif native_prefill_kernel(torch.float32) is not None:  # AVX2: every x86 CPU here
+        assert seen["decode_native"] > 0 and seen["chunk_native_with_prefix"] > 0, seen
+        return
     else:
         assert seen["decode_native"] > 0, seen
     assert seen["chunk_prefix_view"] > 0 and seen["chunk_prefix_gathered"] > 0, seen
-    if layout == "chunk128":
+    if layout.startswith("chunk128"):
         assert seen["blockwise_with_prefix"] > 0, seen
     else:
         assert seen["blockwise"] == 0 and seen["fused_with_prefix"] > 0, seen

@@ -1,5 +1,5 @@
 """Two-batch overlap through the engine at EP2 (and PP2 x EP2): the greedy tokens of one
-in-process engine and its logprobs within 1e-5 (float32), on Qwen3-MoE and DeepSeek-V3.
+in-process engine and its logprobs within 2e-5 (float32), on Qwen3-MoE and DeepSeek-V3.
 Prompt chunks of one request are cut in two (two-chunk split: B's part attends to A's as its
 prefix), decode batches split in half, requests finish mid-batch. The trace shows the two
 micro-batches interleaved inside a forward (a serial A-then-B run fails the test)."""
@@ -31,7 +31,10 @@ run = WORK.run
 
 
 def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
-    WORK.assert_matches(got, want, atol=1e-5)
+    # 2e-5: where B's half of a split DeepSeek chunk is short enough for absorbed attention
+    # but the one-process run's whole chunk took the expanded path (the native kernel moves
+    # that threshold), the two sum in another order (seen: 1.1e-5 in float32)
+    WORK.assert_matches(got, want, atol=2e-5)
 
 
 def interleaved_forwards(events: list[Event]) -> list[Event]:

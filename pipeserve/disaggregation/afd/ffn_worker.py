@@ -99,7 +99,7 @@ class FfnRunner:
         self.afd: AfdState = afd
         self.arch = arch
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype)
+        self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
         self.state = get_parallel_state()
         with torch.device(self.device):
             self.model = FfnModel(arch, self.dtype)

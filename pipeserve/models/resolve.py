@@ -1,0 +1,34 @@
+"""Where a --model's checkpoint is: a directory as it is, a built-in preset made on first
+use, a GGUF file converted once for the run's dtype, or the built-in default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeserve.device import best_dtype, resolve_device
+from pipeserve.models.default_model import ALIAS as DEFAULT_MODEL_ALIAS
+from pipeserve.models.default_model import default_model_file
+from pipeserve.models.gguf import converted_checkpoint, find_gguf
+from pipeserve.models.presets import PRESETS, preset_path
+
+
+def resolve_model_path(model_path: str | None, dtype: str = "best") -> Path:
+    """The checkpoint directory a --model names: a Hugging Face directory as it is, a built-in
+    preset made on first use, a GGUF file (or a directory holding one) converted once into the
+    cache (for a run in `dtype`); no model: the built-in default model (a GGUF)."""
+    if dtype == "best":
+        dtype = best_dtype(resolve_device())
+    path = Path(model_path) if model_path is not None else None
+    if path is None or (not path.exists() and model_path == DEFAULT_MODEL_ALIAS):
+        return converted_checkpoint(default_model_file(), dtype)
+    if not path.exists() and model_path in PRESETS:  # a built-in model, made on first use
+        return preset_path(str(model_path))
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return converted_checkpoint(gguf, dtype)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json), "
+            f"a .gguf file nor a built-in model ({', '.join(PRESETS)})"
+        )
+    return path
