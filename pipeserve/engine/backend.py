@@ -35,7 +35,7 @@ from pipeserve.mem_cache.hicache import DISK, HOST, HiCache, tier_pages
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.batch import Run
-from pipeserve.scheduler.chunk_cost import Point
+from pipeserve.scheduler.chunk_cost import PROFILE_BUDGET_S, Point
 from pipeserve.scheduler.data_parallel import DataParallelScheduler
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req
@@ -202,17 +202,28 @@ class Backend:
             s.set_chunking(lead.prefill.chunk_sizer, lead.refit)
         return self.chunking
 
-    def profile_chunks(self, points: list[Point]) -> list[list[float]]:
+    def profile_chunks(
+        self, points: list[Point], budget_s: float = PROFILE_BUDGET_S
+    ) -> list[list[float]]:
         """Every stage's seconds of one chunk per (prefix_len, chunk_len) point (the chunk
-        policy's profiler; the simulator's calibration times with it too). Profile chunks
-        write their KV into slots lent by the allocators, so cached prefixes and running
-        requests are never touched."""
+        policy's profiler; the simulator's calibration times with it too), for the first
+        points: they are timed one at a time, in order, until a stage has spent `budget_s`
+        (every rank runs the same points: TP ranks and attention-FFN pairs step together).
+        Profile chunks write their KV into slots lent by the allocators, so cached prefixes
+        and running requests are never touched."""
         tokens = max(p + n for p, n in points)
         lent = []
         try:
             for s in self.schedulers:
                 lent.append(s.kv.lend(tokens))
-            return self.profile_stages(points, [runs for runs, _ in lent])
+            runs = [r for r, _ in lent]
+            stages: list[list[float]] = []
+            for point in points:
+                times = self.profile_stages([point], runs)
+                stages = [a + b for a, b in zip(stages, times, strict=True)] if stages else times
+                if max(sum(s) for s in stages) > budget_s:
+                    break
+            return stages
         finally:
             for _, give_back in lent:
                 give_back()

@@ -26,7 +26,14 @@ import torch
 from pipeserve import envs
 from pipeserve.config import EngineConfig
 from pipeserve.device import min_pipeline_chunk, resolve_device
-from pipeserve.scheduler.chunk_cost import COEFFICIENTS, Point, profile_grid, profile_lengths
+from pipeserve.scheduler.chunk_cost import (
+    AUTO_CHUNK_BUDGET_S,
+    COEFFICIENTS,
+    PROFILE_BUDGET_S,
+    Point,
+    profile_grid,
+    profile_lengths,
+)
 from pipeserve.scheduler.dynamic_chunking import (
     ChunkSizePredictor,
     OnlineRefit,
@@ -39,7 +46,9 @@ from pipeserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-Profiler = Callable[[list[Point]], list[list[float]]]  # seconds per point, a list per stage
+# (points, budget_s) -> seconds per point, a list per stage: of the first points, timed in
+# order until a stage has spent the budget
+Profiler = Callable[[list[Point], float], list[list[float]]]
 
 
 AUTO_CANDIDATES = (256, 512, 1024, 2048, 4096)
@@ -132,8 +141,12 @@ def pick_chunk_size(
     free = scheduler.kv.allocator.num_free * scheduler.kv.page_size
     sizes = [n for n in AUTO_CANDIDATES if n <= min(free, scheduler.context_len)] or [free]
     points = [(0, sizes[0]), *((0, n) for n in sizes)]  # the first one twice: a warm-up
-    stages = cached_profile(_extended(key, auto_chunk_points=points), lambda: profile(points))
-    slowest = [max(per_stage) for per_stage in zip(*stages, strict=True)][1:]
+    key = _extended(key, auto_chunk_points=points)
+    stages = cached_profile(key, lambda: profile(points, AUTO_CHUNK_BUDGET_S))
+    _note_budget(len(stages[0]), len(points), AUTO_CHUNK_BUDGET_S, "chunk-size")
+    slowest = [max(per_stage) for per_stage in zip(*stages, strict=True)]
+    slowest = slowest[1:] or slowest  # past the warm-up, unless the budget allowed no more
+    sizes = sizes[: len(slowest)]
     per_token = [t / n for n, t in zip(sizes, slowest, strict=True)]
     best = min(per_token)
     knee = next(n for n, t in zip(sizes, per_token, strict=True) if t <= (1 + AUTO_SLACK) * best)
@@ -171,7 +184,9 @@ def run_profile(
     timed before), and per point the slowest stage's."""
     points = profile_points(policy, size, scheduler)
     key = _extended(key, cost_model=policy.model, points=points)
-    stages = cached_profile(key, lambda: profile(points)) if points else [[]]
+    stages = cached_profile(key, lambda: profile(points, PROFILE_BUDGET_S)) if points else [[]]
+    _note_budget(len(stages[0]), len(points), PROFILE_BUDGET_S, "dynamic-chunking")
+    points = points[: len(stages[0])]
     return {
         "mode": "dynamic",
         "model": policy.model,
@@ -191,6 +206,18 @@ def profile_points(policy: ChunkPolicy, size: int, scheduler: Scheduler) -> list
     kv = scheduler.kv
     free = kv.allocator.num_free * kv.page_size  # the profile evicts no cached prefix
     return profile_grid(size, min(policy.profile_max_len, scheduler.context_len, free))
+
+
+def _note_budget(timed: int, planned: int, budget_s: float, what: str) -> None:
+    if timed < planned:
+        log.warning(
+            "the %s profile timed %d of its %d points: a stage spent its %.0f s budget (a slow "
+            "device or dtype); the choice rests on those",
+            what,
+            timed,
+            planned,
+            budget_s,
+        )
 
 
 def make_sizer(predictor: ChunkSizePredictor, scheduler: Scheduler) -> ChunkSizer:

@@ -399,7 +399,7 @@ class ModelRunner:
         (a later stage gets zero hidden states). The KV lives in `runs`, slots the scheduler
         lent for the purpose; the prefix is never computed: attention over zeroed slots costs
         what it costs over real keys, so a point costs one chunk's forward."""
-        self._zero_slots(runs)
+        self._zero_slots(runs_prefix(runs, max(p + n for p, n in points)))  # those read
         times = [self._time_chunk(prefix, n, runs) for prefix, n in points]
         self.recorder.take()
         return times

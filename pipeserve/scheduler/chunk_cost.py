@@ -31,6 +31,12 @@ MIN_GRID_POINTS = 6  # the prefix grid, after the warm-up sample
 GRID_CHUNK_DIVISORS = (4, 2, 1)  # the grid times chunks of C/4, C/2 and C
 COEFFICIENTS = ("c", "g", "b", "a")
 OUTLIER_MADS = 3.0  # a point this many (normal-scaled) median absolute deviations off is dropped
+# Seconds the slowest stage may spend on one start-up profile: points are timed one at a time,
+# in order (they grow), until a stage's sum passes the budget, so a slow device or dtype (bf16
+# emulated on a CPU without it: ~100x slower) starts in bounded time with the points it had
+# time for.
+PROFILE_BUDGET_S = 120.0  # the dynamic-chunking profile
+AUTO_CHUNK_BUDGET_S = 30.0  # the chunk-size choice of a PP/TP layout
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,21 @@ def test_layer_costs_are_measured_per_layer_kind(models) -> None:
 
 
 @pytest.mark.parametrize(
+    ("pilot_s", "chunk", "expected"),
+    [
+        (0.5, 2048, 2048),  # 2 x 0.5 s x 16 = 16 s: within the 20 s budget
+        (2.0, 2048, 512),  # 64 s at 2048, 32 s at 1024, 16 s at 512
+        (30.0, 2048, 128),  # even the pilot is over: its measurement stands
+        (0.5, 64, 64),  # a chunk under the pilot's size is the pilot
+    ],
+)
+def test_layer_costs_measure_a_chunk_that_fits_the_budget(pilot_s, chunk, expected) -> None:
+    from pipeserve.runner.layer_costs import affordable_chunk
+
+    assert affordable_chunk(pilot_s, chunk, budget_s=20.0) == expected
+
+
+@pytest.mark.parametrize(
     ("spec", "via_env", "message"),
     [
         ("1,2,4", False, "--pp-layer-partition 1,2,4 has 3 parts but --pp-size is 2"),

@@ -15,6 +15,7 @@ import pytest
 from pipeserve.config import SchedulerConfig
 from pipeserve.engine.chunking import ChunkPolicy, setup_chunking
 from pipeserve.scheduler.batch import BatchResult
+from pipeserve.scheduler.chunk_cost import AUTO_CHUNK_BUDGET_S, PROFILE_BUDGET_S, profile_grid
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.scheduler.scheduler import Scheduler
@@ -22,7 +23,7 @@ from pipeserve.scheduler.scheduler import Scheduler
 EOS = 10**6
 C = 2048
 PREFIX = {"c": 0.01, "g": 2e-6, "b": 1e-4, "a": 4e-9}  # prefix-dominated beyond ~8 C
-Profiler = Callable[[list[tuple[int, int]]], list[list[float]]]
+Profiler = Callable[[list[tuple[int, int]], float], list[list[float]]]
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +37,7 @@ def t(L: float, x: float, coef: dict[str, float] = PREFIX) -> float:
 
 def synthetic(*scales: float) -> Profiler:
     """One stage per scale, each timing t(L, x) times its scale."""
-    return lambda points: [[k * t(L, x) for L, x in points] for k in scales or (1.0,)]
+    return lambda points, budget_s: [[k * t(L, x) for L, x in points] for k in scales or (1.0,)]
 
 
 def make_scheduler(tokens: int = 1 << 17, page_size: int = 1, radix: bool = False) -> Scheduler:
@@ -180,7 +181,7 @@ def test_stages_slowest_at_different_points() -> None:
     heavy_prefix = {**PREFIX, "g": 3 * PREFIX["g"], "a": 3 * PREFIX["a"]}
     heavy_tokens = {**PREFIX, "b": 3 * PREFIX["b"]}
 
-    def profile(points: list[tuple[int, int]]) -> list[list[float]]:
+    def profile(points: list[tuple[int, int]], budget_s: float) -> list[list[float]]:
         return [[t(L, x, heavy_tokens) for L, x in points],
                 [t(L, x, heavy_prefix) for L, x in points]]
 
@@ -201,7 +202,7 @@ def test_profile_points_fit_in_free_kv_and_context() -> None:
 
 
 def test_an_unusable_profile_falls_back_to_fixed_chunks(caplog: pytest.LogCaptureFixture) -> None:
-    def flat(points: list[tuple[int, int]]) -> list[list[float]]:
+    def flat(points: list[tuple[int, int]], budget_s: float) -> list[list[float]]:
         return [[0.01 + 1e-4 * x for _, x in points]]
 
     sched = make_scheduler()
@@ -217,9 +218,9 @@ def test_the_profile_cache_keys_on_the_points(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setenv("PIPESERVE_CACHE_DIR", str(tmp_path))
     calls: list[list[tuple[int, int]]] = []
 
-    def profile(points: list[tuple[int, int]]) -> list[list[float]]:
+    def profile(points: list[tuple[int, int]], budget_s: float) -> list[list[float]]:
         calls.append(points)
-        return synthetic(1.0, 1.2)(points)
+        return synthetic(1.0, 1.2)(points, budget_s)
 
     policies = [ChunkPolicy(C, dynamic=True), ChunkPolicy(C, dynamic=True, smooth_factor=0.5),
                 ChunkPolicy(C, dynamic=True, profile_max_len=8192),
@@ -242,7 +243,7 @@ def test_no_room_to_profile_falls_back_to_fixed_chunks() -> None:
 def per_token_profile(per_token: dict[int, float]) -> Profiler:
     """Prefix-0 chunks of n tokens cost n * per_token[n] on each of two stages (the second
     a little slower: the slowest stage counts)."""
-    return lambda points: [[x * per_token[x] * k for _, x in points] for k in (1.0, 1.1)]
+    return lambda points, budget_s: [[x * per_token[x] * k for _, x in points] for k in (1.0, 1.1)]
 
 
 FLAT = {256: 1e-4, 512: 1e-4, 1024: 0.99e-4, 2048: 1e-4, 4096: 1.02e-4}  # a CPU: no knee
@@ -290,3 +291,71 @@ def test_profile_cache_key_names_the_code_that_ran(tmp_path) -> None:
     assert key["code"] == code_fingerprint() and len(key["code"]) == 16
     assert key["attention_backend"] == "torch"
     assert profile_key(EngineConfig.from_flags(), tmp_path, 1, [4]) != key
+
+
+# -- bounded start-up profiles ----------------------------------------------------------------
+
+
+def budgeted(per_point: Callable[[int, int], float]) -> Profiler:
+    """One stage timing points in order until its seconds pass the budget (as
+    Backend.profile_chunks stops), in simulated seconds."""
+
+    def profile(points: list[tuple[int, int]], budget_s: float) -> list[list[float]]:
+        times: list[float] = []
+        for L, x in points:
+            times.append(per_point(L, x))
+            if sum(times) > budget_s:
+                break
+        return [times]
+
+    return profile
+
+
+def test_a_slow_device_s_dynamic_profile_stops_at_its_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """100x slower than PREFIX's device: the grid's points are timed until the budget is
+    spent, and the fit rests on those (here too few: fixed chunks, with a warning)."""
+    slow = budgeted(lambda L, x: 100 * t(L, x))
+    with caplog.at_level(logging.WARNING, logger="pipeserve.engine.chunking"):
+        info = setup_chunking(ChunkPolicy(C, dynamic=True), make_scheduler(), slow, {})
+    timed = info["profile_points"]
+    spent = sum(100 * t(L, x) for L, x in timed)
+    assert 0 < len(timed) < len(profile_grid(C, ChunkPolicy(C).profile_max_len))
+    assert spent - 100 * t(*timed[-1]) <= PROFILE_BUDGET_S < spent  # stopped on passing it
+    assert f"timed {len(timed)} of its" in caplog.text
+
+
+def test_a_slow_device_picks_among_the_chunk_sizes_it_timed() -> None:
+    """Per-token time falls to 4096 (STEEP), but only the warm-up and 256..1024 fit the
+    budget (each of those takes 1/3.75 of it): the pick is the best of those, never an
+    untimed size."""
+    scale = AUTO_CHUNK_BUDGET_S / 3.75 / (256 * STEEP[256])
+    profile = budgeted(lambda L, x: scale * x * STEEP[x])
+    sched = make_scheduler()
+    info = setup_chunking(ChunkPolicy(2048, auto=True, device_type="cpu"), sched, profile, {})
+    assert info["auto"]["sizes"] == [256, 512, 1024]
+    assert info["chunk_size"] == 1024
+
+
+def test_backend_profiles_one_point_at_a_time_until_a_stage_passes_the_budget() -> None:
+    """Backend.profile_chunks: every stage gets the same points (TP ranks and attention-FFN
+    pairs step together); it stops once the slowest stage's sum passes the budget."""
+    from types import SimpleNamespace
+
+    from pipeserve.engine.backend import Backend
+
+    given_back: list[bool] = []
+    kv = SimpleNamespace(lend=lambda tokens: ([(0, tokens)], lambda: given_back.append(True)))
+    sent: list[list[tuple[int, int]]] = []
+
+    def profile_stages(points, runs):
+        sent.append(points)
+        return [[1.0], [3.0]]  # stage 1 is the slow one: 3 s a point
+
+    fake = SimpleNamespace(schedulers=[SimpleNamespace(kv=kv)], profile_stages=profile_stages)
+    points = [(0, 256 * (i + 1)) for i in range(10)]
+    stages = Backend.profile_chunks(fake, points, budget_s=10.0)  # type: ignore[arg-type]
+    assert sent == [[p] for p in points[:4]]  # 3 + 3 + 3 + 3 > 10 after the fourth
+    assert stages == [[1.0] * 4, [3.0] * 4]
+    assert given_back == [True]  # the lent slots are returned
