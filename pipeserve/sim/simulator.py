@@ -164,8 +164,7 @@ class SimBackend(Backend):
             start, end = self._profiled, self._profiled + len(points)
             if any(len(stage) < end for stage in self.stage_profile):
                 raise ValueError(
-                    f"the given profile has fewer than the {end} points this chunk policy "
-                    "profiles"
+                    f"the given profile has fewer than the {end} points this chunk policy profiles"
                 )
             self._profiled = end
             return [list(stage[start:end]) for stage in self.stage_profile]
