@@ -233,29 +233,6 @@ def memory_budget(device: torch.device, fraction: float, local_workers: int) -> 
     return total_memory(device) * fraction / local_workers
 
 
-def attention_with_lse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention that also returns the log-sum-exp of the scores, so partial results
-    over disjoint key sets can be merged exactly. q [B, H, Lq, D], k/v [B, H, Lk, D] ->
-    out [B, H, Lq, D], lse [B, H, Lq] (float32). `causal` aligns the mask top-left. CPU:
-    PyTorch's fused CPU kernel; elsewhere PyTorch's fused CUDA kernels or a chunked fallback
-    that never holds [Lq, Lk] scores (pipeserve/layers/attention_backends.py)."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
-        )
-        return out, lse
-    from pipeserve.layers.attention_backends import SDPA  # imports this module
-
-    return SDPA(q, k, v, causal, scale, mask)
-
-
 def overlap_schedule_pays(device: torch.device, in_process: bool) -> bool:
     """Whether the CPU/device overlap loop is the faster default. It pays when the forward
     runs outside the scheduler's interpreter: on an accelerator (kernels queue

@@ -43,14 +43,10 @@ import torch.distributed as dist
 
 from pipeserve.context_parallel.layout import PageStriping
 from pipeserve.context_parallel.zigzag import rank_blocks
-from pipeserve.device import attention_with_lse, prefers_blockwise_attention
-from pipeserve.layers.attention import (
-    BLOCKWISE_MIN_TOKENS,
-    KVPart,
-    blockwise_prefill,
-    merge_partials,
-    merge_partials_lse,
-)
+from pipeserve.device import prefers_blockwise_attention
+from pipeserve.layers.attention import BLOCKWISE_MIN_TOKENS, blockwise_prefill
+from pipeserve.layers.attention_backends import attention_with_lse
+from pipeserve.layers.attention_parts import KVPart, merge_partials, merge_partials_lse
 from pipeserve.scheduler.batch import ScheduledBatch
 from pipeserve.timeline import now, record_comm
 

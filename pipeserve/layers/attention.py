@@ -30,14 +30,13 @@ from torch import nn
 
 from pipeserve.device import native_decode_kernel, native_prefill_kernel
 from pipeserve.layers.attention_backends import AttentionKernels, default_kernels
+from pipeserve.layers.attention_parts import DecodePlan, KVPart, merge_partials
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run
 
 VIEW_MIN_TOKENS = 256  # shorter runs are cheaper to gather than to attend to separately
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
 SCORE_BLOCK_ELEMENTS = 2**20  # bound on one score buffer (query rows x keys); ~L2-sized blocks
-
-KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv_heads, n, d]
 
 
 @dataclass(frozen=True)
@@ -65,21 +64,6 @@ class ChunkPlan:
     views: list[Run] = field(default_factory=list)  # long slot runs of the prefix, in place
     gather: torch.Tensor | None = None  # slot ids of the rest of the prefix
     runs: torch.Tensor | None = None  # native: [r, 2] runs of positions [0, prefix + q_len)
-
-
-@dataclass
-class DecodePlan:
-    """All single-token steps of a batch. With the native kernel: every step's runs of KV
-    slots, read in one pass. Otherwise: one batched call over their short KV parts (padded
-    gather + mask), plus per-request calls over long runs read in place."""
-
-    rows: torch.Tensor  # [b] token rows of the steps
-    gather: torch.Tensor | None = None  # [b, n] slot ids of each step's short part (pad: 0)
-    mask: torch.Tensor | None = None  # [b, 1, 1, n] additive: 0 real keys, -inf padding
-    views: list[tuple[int, list[Run]]] = field(default_factory=list)  # (step, long runs)
-    runs: torch.Tensor | None = None  # native: [r, 2] (first slot, length), steps in order
-    offsets: torch.Tensor | None = None  # native: [b + 1] where each step's runs start
-    lengths: list[int] = field(default_factory=list)  # each step's real keys in `gather`
 
 
 @dataclass
@@ -354,22 +338,3 @@ def blockwise_prefill(
                 offset += vc.shape[1]
             out[s:e, heads] = o.view(e - s, group, d)
     return out
-
-
-def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine attention over disjoint key sets: weights exp(lse_i - lse_total)."""
-    return merge_partials_lse(parts)[0]
-
-
-def merge_partials_lse(
-    parts: list[tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge_partials` and the merged log-sum-exp (to merge the result again later)."""
-    if len(parts) == 1:
-        return parts[0]
-    lse_all = torch.stack([lse for _, lse in parts])
-    total = torch.logsumexp(lse_all, dim=0)
-    out = torch.zeros_like(parts[0][0], dtype=torch.float32)
-    for (o, _), lse in zip(parts, lse_all, strict=True):
-        out += o.float() * torch.exp(lse - total)[..., None]
-    return out.to(parts[0][0].dtype), total

@@ -3,7 +3,7 @@ once (`select_attention_kernels`, from --attention-backend) and handed to every 
 the attention plan (`AttentionKernels`).
 
 - torch: `attention_with_lse` (softmax attention returning its log-sum-exp, so results over
-  disjoint key sets merge exactly). CPU: PyTorch's fused CPU kernel (pipeserve.device).
+  disjoint key sets merge exactly). CPU: PyTorch's fused CPU kernel.
   Accelerators (`SdpaAttention`): PyTorch's fused flash or memory-efficient CUDA kernel where it
   takes the inputs (`fused_kernels`), else `chunked_attention_with_lse`, plain PyTorch that holds
   one block of float32 scores at a time, never [heads, queries, keys].
@@ -30,7 +30,7 @@ from pipeserve import device as device_mod
 from pipeserve.config import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:
-    from pipeserve.layers.attention import DecodePlan, KVPart
+    from pipeserve.layers.attention_parts import DecodePlan, KVPart
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class AttentionKernels:
         self.device_type = device_type
         self.paged = paged
         cpu = device_type == "cpu"
-        self.dense: Attention = dense or (device_mod.attention_with_lse if cpu else SDPA)
+        self.dense: Attention = dense or (attention_with_lse if cpu else SDPA)
         self.blockwise_prompts = device_mod.prefers_blockwise_attention(torch.device(device_type))
 
     @property
@@ -413,3 +413,24 @@ def _mask_block(
 
 
 SDPA = SdpaAttention()  # the process's accelerator kernels (remembers what they refused)
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of the scores, so partial results
+    over disjoint key sets can be merged exactly. q [B, H, Lq, D], k/v [B, H, Lk, D] ->
+    out [B, H, Lq, D], lse [B, H, Lq] (float32). `causal` aligns the mask top-left. CPU:
+    PyTorch's fused CPU kernel; elsewhere PyTorch's fused CUDA kernels or a chunked fallback
+    that never holds [Lq, Lk] scores (`SdpaAttention`)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
+        return out, lse
+    return SDPA(q, k, v, causal, scale, mask)

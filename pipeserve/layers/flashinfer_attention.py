@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from pipeserve.layers.attention import DecodePlan, KVPart, merge_partials
+from pipeserve.layers.attention_parts import DecodePlan, KVPart, merge_partials
 
 LN2 = math.log(2.0)
 

@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from pipeserve.device import attention_with_lse, native_prefill_kernel
+from pipeserve.device import native_prefill_kernel
 from pipeserve.distributed.parallel_state import get_tp_size
-from pipeserve.layers.attention import merge_partials, split_runs
+from pipeserve.layers.attention import split_runs
+from pipeserve.layers.attention_backends import attention_with_lse
+from pipeserve.layers.attention_parts import merge_partials
 from pipeserve.layers.indexer import (
     Indexer,
     causal_index_scores,

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeserve.device import attention_with_lse
 from pipeserve.layers import attention as attn_mod
 from pipeserve.layers.attention import (
     BLOCKWISE_MIN_TOKENS,
     VIEW_MIN_TOKENS,
     PagedAttention,
     blockwise_prefill,
-    merge_partials,
     plan_attention,
 )
+from pipeserve.layers.attention_backends import attention_with_lse
+from pipeserve.layers.attention_parts import merge_partials
 from pipeserve.mem_cache.kv_pool import KVPool
 
 D = 16  # head dim

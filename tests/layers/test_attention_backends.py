@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipeserve.device import attention_with_lse
 from pipeserve.layers import attention as attn_mod
 from pipeserve.layers import attention_backends as backends
 from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
@@ -24,6 +23,7 @@ from pipeserve.layers.attention_backends import (
     AttentionKernels,
     SdpaAttention,
     SdpaOps,
+    attention_with_lse,
     chunked_attention_with_lse,
     efficient_bias,
     fused_kernels,
@@ -156,7 +156,7 @@ def test_chunked_never_holds_queries_by_keys_in_float32(causal: bool) -> None:
 def test_device_attention_off_the_cpu_is_not_the_math_version(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """pipeserve.device.attention_with_lse on a non-CPU tensor goes to the accelerator
+    """attention_with_lse on a non-CPU tensor goes to the accelerator
     kernels (here on the meta device: the real fused ops' schemas, shapes only)."""
     calls: list[str] = []
     sdpa = SdpaAttention()

@@ -1,0 +1,48 @@
+"""What the attention kernels exchange with the paged attention layer: parts of a request's
+cached K/V, the plan of a batch's decode steps, and merging attention results over disjoint
+key sets by their log-sum-exp. Imported by the layer and by every kernel backend, so neither
+imports the other for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeserve.scheduler.batch import Run
+
+KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv_heads, n, d]
+
+
+@dataclass
+class DecodePlan:
+    """All single-token steps of a batch. With the native kernel: every step's runs of KV
+    slots, read in one pass. Otherwise: one batched call over their short KV parts (padded
+    gather + mask), plus per-request calls over long runs read in place."""
+
+    rows: torch.Tensor  # [b] token rows of the steps
+    gather: torch.Tensor | None = None  # [b, n] slot ids of each step's short part (pad: 0)
+    mask: torch.Tensor | None = None  # [b, 1, 1, n] additive: 0 real keys, -inf padding
+    views: list[tuple[int, list[Run]]] = field(default_factory=list)  # (step, long runs)
+    runs: torch.Tensor | None = None  # native: [r, 2] (first slot, length), steps in order
+    offsets: torch.Tensor | None = None  # native: [b + 1] where each step's runs start
+    lengths: list[int] = field(default_factory=list)  # each step's real keys in `gather`
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine attention over disjoint key sets: weights exp(lse_i - lse_total)."""
+    return merge_partials_lse(parts)[0]
+
+
+def merge_partials_lse(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_partials` and the merged log-sum-exp (to merge the result again later)."""
+    if len(parts) == 1:
+        return parts[0]
+    lse_all = torch.stack([lse for _, lse in parts])
+    total = torch.logsumexp(lse_all, dim=0)
+    out = torch.zeros_like(parts[0][0], dtype=torch.float32)
+    for (o, _), lse in zip(parts, lse_all, strict=True):
+        out += o.float() * torch.exp(lse - total)[..., None]
+    return out.to(parts[0][0].dtype), total
