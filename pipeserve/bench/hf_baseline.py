@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pipeserve.bench.offline import summarize
+from pipeserve.bench.summary import summarize
 from pipeserve.device import synchronize
 
 

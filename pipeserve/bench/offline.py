@@ -18,6 +18,7 @@ import torch
 
 from pipeserve.bench.flops import prefill_flops
 from pipeserve.bench.peak import matmul_peak_flops
+from pipeserve.bench.summary import summarize
 from pipeserve.config import EngineConfig, ParallelConfig
 from pipeserve.device import resolve_device, resolve_dtype, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
@@ -61,24 +62,6 @@ TIMING_KEYS = (
 def make_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (length,), generator=gen).tolist() for _ in range(num)]
-
-
-def summarize(
-    ttfts: list[float], total_s: float, input_tokens: int, output_tokens: int, num_prompts: int
-) -> dict[str, float]:
-    """Prefill span = until the last request has its first token; decode span = the rest."""
-    prefill_s = max(ttfts)
-    decode_s = total_s - prefill_s
-    decode_tokens = output_tokens - num_prompts
-    return {
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p50_s": statistics.median(ttfts),
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "total_s": total_s,
-        "input_throughput_tok_s": input_tokens / prefill_s,
-        "output_throughput_tok_s": decode_tokens / decode_s if decode_tokens > 0 else 0.0,
-    }
 
 
 def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
