@@ -13,21 +13,22 @@ FIRST_SIZE = 256
 # there by 2048^3; a large GPU is not (an H200 reads 332 TFLOP/s at 2048^3 in bf16 and
 # ~790 at 8192^3).
 MAX_SIZE = {"cpu": 2048, "cuda": 8192}
-PRODUCT_BUDGET_S = 0.25  # the size doubles only while one product is predicted to fit this
+PRODUCT_BUDGET_S = 0.5  # the size doubles only while one product is predicted to fit this
 
 
 def matmul_peak_flops(
     dtype: torch.dtype,
     device: torch.device,
-    repeats: int = 5,
+    repeats: int = 8,
     timer: Callable[[int], float] | None = None,
 ) -> float:
     """Best FLOP/s of a square matmul over `repeats` timings at the largest size whose
     product takes at most PRODUCT_BUDGET_S (up to the device's MAX_SIZE). Sizes double from
     FIRST_SIZE while 8x the last product's time fits the budget, so no product timed takes
     much over it, and there are at most 2 per size (an untimed first call and a timing) plus
-    the repeats: ~3 s at most, also where the dtype is emulated (bf16 on a CPU without
-    AVX512-BF16 or AMX: ~1 GFLOP/s). `timer(size)`: seconds of one product (default: timed
+    the repeats: ~6 s at most, also where the dtype is emulated (bf16 on a CPU without
+    AVX512-BF16 or AMX: ~1 GFLOP/s); a float32 core takes ~2 s. The best of the repeats
+    counts: a shared machine's slow moments do not. `timer(size)`: seconds of one product (default: timed
     here, after an untimed first call at each size)."""
     time_one = timer or _product_timer(dtype, device)
     cap = MAX_SIZE.get(device.type, MAX_SIZE["cuda"])

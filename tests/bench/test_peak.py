@@ -24,7 +24,7 @@ def fake_timer(flops_per_s: float, calls: list[int]):
     ("device", "rate", "final"),
     [
         ("cpu", 80e9, 2048),  # float32 on a core: every doubling fits
-        ("cpu", 1e9, 256),  # emulated bf16: 512^3 would take 0.27 s, over the budget
+        ("cpu", 1e9, 512),  # emulated bf16: 1024^3 would take 2.1 s, over the budget
         ("cpu", 30e9, 1024),
         ("cuda", 790e12, 8192),  # a large GPU: grows to the size that reaches its peak
     ],
