@@ -28,8 +28,8 @@ def matmul_peak_flops(
     much over it, and there are at most 2 per size (an untimed first call and a timing) plus
     the repeats: ~6 s at most, also where the dtype is emulated (bf16 on a CPU without
     AVX512-BF16 or AMX: ~1 GFLOP/s); a float32 core takes ~2 s. The best of the repeats
-    counts: a shared machine's slow moments do not. `timer(size)`: seconds of one product (default: timed
-    here, after an untimed first call at each size)."""
+    counts: a shared machine's slow moments do not. `timer(size)`: seconds of one product
+    (default: timed here, after an untimed first call at each size)."""
     time_one = timer or _product_timer(dtype, device)
     cap = MAX_SIZE.get(device.type, MAX_SIZE["cuda"])
     size = FIRST_SIZE
