@@ -1,5 +1,5 @@
-"""Everything that differs between CPU and CUDA lives here: device choice, thread budget,
-memory size, collective backend, and the attention kernel that returns log-sum-exp."""
+"""Everything that differs between CPU and CUDA lives here: device choice, the compute dtype
+(`--dtype best`), thread budget, memory size, collective backend, the native kernels."""
 
 from __future__ import annotations
 
