@@ -18,11 +18,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -32,10 +30,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeserve.config import EngineConfig
 from pipeserve.disaggregation.pd.http import PREFILL_HEADER, add_prefill_route
 from pipeserve.server import protocol as P
-from pipeserve.server.admission import Admission, Ticket
+from pipeserve.server.admission import Ticket
 from pipeserve.server.body_limit import BodySizeLimit
 from pipeserve.server.checks import (
     check_engine,
@@ -47,46 +44,15 @@ from pipeserve.server.checks import (
 )
 from pipeserve.server.engine_client import EngineClient, EngineFailed
 from pipeserve.server.errors import RETRY_UNAVAILABLE_S, ApiError, error_response, unavailable
-from pipeserve.server.metrics import Metrics
 from pipeserve.server.request_run import RequestRun
-from pipeserve.tokenizer import ChatTemplateMissing, Tokenizer, load_tokenizer
+from pipeserve.server.responses import until_done
+from pipeserve.server.state import ServerState
+from pipeserve.tokenizer import ChatTemplateMissing, Tokenizer
 
 log = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FAILURE_GRACE_S = 2.0  # after an engine failure: time to answer clients before exiting
-DISCONNECT_POLL_S = 0.25
-CLIENT_GONE = 499  # status of a request whose client disconnected (never seen by it)
-TOKENIZE_CONCURRENCY = 2 * (os.cpu_count() or 1)  # prompts tokenized at once
-
-
-class ServerState:
-    def __init__(
-        self,
-        config: EngineConfig,
-        client: EngineClient,
-        tokenizer: Tokenizer | None,
-        model_name: str,
-    ) -> None:
-        """`tokenizer` None: --skip-tokenizer-init (token-id prompts only)."""
-        self.config = config
-        self.client = client
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.metrics = Metrics()
-        capacity = config.scheduler.max_running_requests + config.server.max_queued_requests
-        self.admission = Admission(capacity)
-        self.tokenize_slots = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
-        self.context_len = 0
-        self.vocab_size = 0
-        self.on_failure: Callable[[], None] | None = None  # set by the launcher: asks to exit
-
-    @classmethod
-    def for_model(
-        cls, config: EngineConfig, flags: dict[str, Any], model_path: Path
-    ) -> ServerState:
-        name = config.server.served_model_name or model_path.name
-        return cls(config, EngineClient(flags), load_tokenizer(config.model, model_path), name)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -370,20 +336,6 @@ def _error_event(exc: ApiError | EngineFailed) -> str:
     error = exc if isinstance(exc, ApiError) else unavailable(exc)
     body = P.error_body(error.message, error.kind, error.param, error.code)
     return f"data: {json.dumps(body)}\n\n"
-
-
-async def until_done(request: Request, work: Any) -> Response:
-    """Await a non-streamed response; abort it if the client disconnects meanwhile (then
-    nobody reads the answer: an empty 499, as proxies log a client that went away)."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return Response(status_code=CLIENT_GONE)
-    return JSONResponse(task.result())
 
 
 async def _watch_failure(state: ServerState) -> None:

@@ -9,7 +9,7 @@ from pipeserve.server import protocol as P
 from pipeserve.server.errors import ApiError, unavailable
 
 if TYPE_CHECKING:
-    from pipeserve.server.app import ServerState
+    from pipeserve.server.state import ServerState
 
 
 def check_model(state: ServerState, name: str) -> None:

@@ -12,7 +12,8 @@ import uvicorn
 from pipeserve.config import EngineConfig
 from pipeserve.device import with_compute_dtype
 from pipeserve.models.resolve import resolve_model_path
-from pipeserve.server.app import ServerState, create_app
+from pipeserve.server.app import create_app
+from pipeserve.server.state import ServerState
 
 GRACEFUL_SHUTDOWN_S = 3
 

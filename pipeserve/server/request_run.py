@@ -19,7 +19,7 @@ from pipeserve.server.streams import StreamDelta
 from pipeserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pipeserve.server.app import ServerState
+    from pipeserve.server.state import ServerState
 
 
 class RequestRun:

@@ -14,8 +14,9 @@ import httpx
 from fastapi import FastAPI
 
 from pipeserve.config import EngineConfig
-from pipeserve.server.app import ServerState, create_app
+from pipeserve.server.app import create_app
 from pipeserve.server.engine_client import EngineFailed
+from pipeserve.server.state import ServerState
 from pipeserve.server.streams import StreamDelta
 
 NAME = "tiny"

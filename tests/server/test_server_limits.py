@@ -16,7 +16,7 @@ import pytest
 from fake_engine import NAME, error_of, make_state, serving, wait_until
 
 from pipeserve.config import ServerConfig
-from pipeserve.server.app import ServerState
+from pipeserve.server.state import ServerState
 
 pytestmark = pytest.mark.timeout(60)
 

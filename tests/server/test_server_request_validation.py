@@ -14,7 +14,7 @@ import pytest
 from fake_engine import NAME, error_of, make_state, serving
 
 from pipeserve.server import protocol as P
-from pipeserve.server.app import ServerState
+from pipeserve.server.state import ServerState
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from fake_engine import NAME, FakeEngine, serving
 
 from pipeserve.config import EngineConfig
 from pipeserve.scheduler.scheduler import RequestUpdate
-from pipeserve.server.app import ServerState
+from pipeserve.server.state import ServerState
 from pipeserve.server.streams import OutputStream
 from pipeserve.tokenizer import Tokenizer
 
@@ -38,15 +38,17 @@ async def _skip_tokenizer_init() -> None:
         chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
         r = await http.post("/v1/chat/completions", json=chat)
         assert r.status_code == 400 and "token ids" in r.text
-        r = await http.post("/v1/completions",
-                            json={"model": NAME, "prompt": [1, 2], "logprobs": 1})
+        r = await http.post(
+            "/v1/completions", json={"model": NAME, "prompt": [1, 2], "logprobs": 1}
+        )
         assert r.status_code == 400 and "logprobs" in r.text
         r = await http.post("/v1/completions", json={"model": NAME, "prompt": [1, 2, 3]})
         assert r.status_code == 200
         choice = r.json()["choices"][0]
         assert choice["token_ids"] == [97, 97, 97]
-        r = await http.post("/v1/completions",
-                            json={"model": NAME, "prompt": [1, 2, 3], "stream": True})
+        r = await http.post(
+            "/v1/completions", json={"model": NAME, "prompt": [1, 2, 3], "stream": True}
+        )
         chunks = [line for line in r.text.splitlines() if line.startswith("data: {")]
         assert len(chunks) == 3 and all('"token_ids": [97]' in c for c in chunks)
 

@@ -25,7 +25,7 @@ from pipeserve.server.errors import ApiError, unavailable
 from pipeserve.server.streams import StreamDelta
 
 if TYPE_CHECKING:
-    from pipeserve.server.app import ServerState
+    from pipeserve.server.state import ServerState
 
 __all__ = ["PREFILL_HEADER", "add_prefill_route", "prefill_call"]
 
@@ -74,7 +74,7 @@ def _error_message(r: httpx.Response) -> str:
 def add_prefill_route(app: FastAPI, state: ServerState, authorize: Any) -> None:
     from fastapi import Depends
 
-    from pipeserve.server.app import until_done
+    from pipeserve.server.responses import until_done
 
     @app.post(PREFILL_PATH, dependencies=[Depends(authorize)], include_in_schema=False)
     async def prefill(request: Request) -> Response:
