@@ -12,10 +12,11 @@ Loop per micro-batch:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from pipeserve.distributed.parallel_state import (
 )
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
-from pipeserve.lifetime import exit_with_parent
+from pipeserve.lifetime import WORKER_NAME, exit_with_parent, name_process
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.layer_costs import measure_layer_costs
@@ -66,10 +67,15 @@ class WorkerArgs:
     local_workers: int
     local_index: int  # this worker's place among its node's workers (its GPU's index)
     future_ring: int  # > 0: the scheduler feeds future-token placeholders (overlap, PP = 1)
+    env: dict[str, str] = field(default_factory=dict)  # the launching process's environment
 
 
 def worker_main(args: WorkerArgs) -> None:
     exit_with_parent()
+    name_process(f"{WORKER_NAME}{args.rank}")
+    if args.env:  # a fork server's environment is the one it started with, not the launcher's
+        os.environ.clear()
+        os.environ.update(args.env)
     channels = None
     try:
         set_threads(args.threads)

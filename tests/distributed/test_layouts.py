@@ -123,9 +123,9 @@ def test_layout_gives_the_same_tokens_and_logprobs(models, reference, kind: str,
     assert not any(p.is_alive() for p in procs)
 
 
-# Loaded at start-up by every Python process with its directory on PYTHONPATH, the engine's
-# spawned workers included: `--pp-layer-partition auto` then balances these per-layer costs
-# instead of timed ones.
+# Loaded at start-up by every Python process with its directory on PYTHONPATH, the fork
+# server the engine's workers come from included: `--pp-layer-partition auto` then balances
+# these per-layer costs instead of timed ones.
 INJECT_LAYER_COSTS = """
 from pipeserve.distributed import worker
 from pipeserve.runner.layer_costs import LayerCosts
@@ -150,10 +150,22 @@ def test_auto_partition_follows_the_measured_costs(models, reference, monkeypatc
     (tmp_path / "sitecustomize.py").write_text(INJECT_LAYER_COSTS.format(costs=costs))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    with Engine(str(models["moe"]), **FLAGS, pp_size=3, pp_layer_partition="auto") as engine:
-        assert worker_backend(engine).partition == partition
-        assert_same_outputs(run(engine), reference["moe"])
-        assert_pages_back(engine)
+    restart_fork_server()  # workers fork from a server started with this PYTHONPATH
+    try:
+        with Engine(str(models["moe"]), **FLAGS, pp_size=3, pp_layer_partition="auto") as e:
+            assert worker_backend(e).partition == partition
+            assert_same_outputs(run(e), reference["moe"])
+            assert_pages_back(e)
+    finally:
+        restart_fork_server()  # later tests' workers: without the injection
+
+
+def restart_fork_server() -> None:
+    """The next worker starts a fork server of its own: a fresh interpreter that imports its
+    sitecustomize (multiprocessing keeps one server per process, started on first use)."""
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
 
 
 def test_layer_costs_are_measured_per_layer_kind(models) -> None:

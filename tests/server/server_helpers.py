@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from pipeserve.lifetime import WORKER_NAME
+
 PIPESERVE = Path(sys.executable).parent / "pipeserve"
 READY_TIMEOUT_S = 180.0  # two slow cores, other jobs: start-up of a PP server can be slow
 POOL_TOKENS = 32768  # a small KV pool: the default takes half of the machine's RAM
@@ -78,6 +80,40 @@ def process_tree(root: int) -> list[Pid]:
             found.append((pid, st[1]))
             todo += children.get(pid, [])
     return found
+
+
+def worker_pids(root: int) -> list[int]:
+    """The engine workers among `root`'s descendants (named by the worker at start-up; they
+    are the children of the engine process's fork server)."""
+    found = []
+    for pid, _ in process_tree(root):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith(WORKER_NAME):
+            found.append(pid)
+    return sorted(found)
+
+
+def engine_and_workers(server: Server, workers: int = 2) -> tuple[int, list[int]]:
+    """The engine process (the server's spawned child) and its workers."""
+    engines = []
+    for child in os.listdir("/proc"):
+        if not child.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text()
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if parent == server.proc.pid and b"spawn_main" in cmd:
+            engines.append(int(child))
+    assert len(engines) == 1, engines
+    found = worker_pids(engines[0])
+    assert len(found) == workers, found
+    return engines[0], found
 
 
 def alive(p: Pid) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_helpers import Server, drained, running_server, wait_for, wait_gone
+from server_helpers import Server, drained, engine_and_workers, running_server, wait_for, wait_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -70,30 +70,6 @@ def test_client_disconnect_during_prefill_frees_kv(server: Server) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 5
     assert wait_for(lambda: drained(server), timeout_s=10)
-
-
-def engine_and_workers(server: Server) -> tuple[int, list[int]]:
-    """The engine process (the server's spawned child) and its spawned children."""
-
-    def spawned_children(pid: int) -> list[int]:
-        out = []
-        for child in os.listdir("/proc"):
-            if not child.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{child}/stat").read_text()
-                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid and b"spawn_main" in cmd:
-                out.append(int(child))
-        return out
-
-    engines = spawned_children(server.proc.pid)
-    assert len(engines) == 1, engines
-    workers = spawned_children(engines[0])
-    assert len(workers) == 2, workers
-    return engines[0], workers
 
 
 def test_killed_worker_fails_the_stream_and_the_server_exits(server: Server) -> None:

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import Server, running_server, wait_for, wait_gone
+from server_helpers import (
+    Server,
+    engine_and_workers,
+    running_server,
+    wait_for,
+    wait_gone,
+    worker_pids,
+)
 
 from pipeserve.config import ParallelConfig
 
@@ -37,26 +44,9 @@ def test_pp_server_still_serves_after_idling(server: Server) -> None:
     assert r.json()["usage"]["completion_tokens"] == 4
 
 
-def worker_pids(server: Server) -> list[int]:
-    tree = server.tree()
-    pids = {pid for pid, _ in tree}
-    parents = {}
-    for pid in pids:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        parents[pid] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    engine = [
-        p
-        for p in pids
-        if parents[p] == server.proc.pid
-        and b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
-    assert len(engine) == 1, tree
-    return sorted(p for p in pids if parents[p] == engine[0])
-
-
 def test_health_notices_a_worker_killed_while_idle(server: Server) -> None:
     assert server.get("/health").status_code == 200
-    workers = worker_pids(server)
+    workers = worker_pids(server.proc.pid)
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGKILL)
 
@@ -70,11 +60,9 @@ def test_health_notices_a_worker_killed_while_idle(server: Server) -> None:
 
 
 def test_workers_exit_within_2s_of_an_engine_sigkill(server: Server) -> None:
-    """The engine process asks the kernel to kill its workers when it dies (they used to
-    wait 15 s for missing keepalives)."""
-    workers = worker_pids(server)
-    stat = Path(f"/proc/{workers[0]}/stat").read_text()
-    engine = int(stat.rsplit(")", 1)[1].split()[1])
+    """Workers end when their engine process dies (they watch its pid: they are forked by the
+    engine's fork server, their OS parent; they used to wait 15 s for missing keepalives)."""
+    engine, workers = engine_and_workers(server)
     tree = {pid: start for pid, start in server.tree()}
     os.kill(engine, signal.SIGKILL)
     left = wait_gone([(w, tree[w]) for w in workers], timeout_s=2.0)
@@ -93,7 +81,7 @@ def test_a_stopped_worker_is_noticed_within_the_heartbeat_timeout(
 ) -> None:
     server = fast_heartbeat_server
     assert server.post("/v1/completions", REQUEST).status_code == 200
-    os.kill(worker_pids(server)[-1], signal.SIGSTOP)
+    os.kill(worker_pids(server.proc.pid)[-1], signal.SIGSTOP)
 
     def unhealthy() -> bool:
         try:
