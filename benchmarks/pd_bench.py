@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -167,7 +168,9 @@ def transfer(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     d_host = ADDR1 if args.in_netlab else "127.0.0.1"
     p_url, d_url, r_url = f"http://{p_host}:8201", "http://127.0.0.1:8202", "http://127.0.0.1:8200"
     prefill_flags = ["--disaggregation-mode", "prefill", "--host", p_host, *args.prefill_flags]
+    prefill_flags += ["--disaggregation-decode-host", d_host]
     decode_flags = ["--disaggregation-mode", "decode", "--disaggregation-host", d_host]
+    decode_flags += ["--disaggregation-prefill-url", p_url]
     netns = args.in_netlab  # the prefill node's namespace
     with running(
         lambda: serve(args, 8201, log_dir / "prefill.log", prefill_flags, 0, netns),
@@ -315,9 +318,12 @@ def tpot(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     mixed = ["--enable-mixed-chunk"]  # decode steps ride along each prefill chunk
     with running(lambda: serve(args, 8212, log_dir / "colocated-mixed.log", mixed, 0)):
         colocated_mixed = decode_under_prefills(args, "http://127.0.0.1:8212")
+    prefill_flags = ["--disaggregation-mode", "prefill"]
+    decode_flags = ["--disaggregation-mode", "decode"]
+    decode_flags += ["--disaggregation-prefill-url", "http://127.0.0.1:8201"]
     with running(
-        lambda: serve(args, 8201, log_dir / "prefill.log", ["--disaggregation-mode", "prefill"], 0),
-        lambda: serve(args, 8202, log_dir / "decode.log", ["--disaggregation-mode", "decode"], 1),
+        lambda: serve(args, 8201, log_dir / "prefill.log", prefill_flags, 0),
+        lambda: serve(args, 8202, log_dir / "decode.log", decode_flags, 1),
         lambda: router(
             "http://127.0.0.1:8201", "http://127.0.0.1:8202", 8200, log_dir / "router.log"
         ),
@@ -349,6 +355,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--in-netlab", default=None, help=argparse.SUPPRESS)  # the prefill ns
     args = ap.parse_args()
+    # every server and the router share the disaggregation's secret (a fresh one per run
+    # unless given); children inherit it through the environment, never the command line
+    os.environ.setdefault("PIPESERVE_PD_AUTH_KEY", secrets.token_hex(32))
     if args.measure == "transfer" and args.netlab and not args.in_netlab:
         with netlab(args.netlab):  # the rest runs beside the decode server, in its node
             cmd = ["ip", "netns", "exec", NS1, sys.executable, *sys.argv, "--in-netlab", NS0]

@@ -33,6 +33,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(
                     *names, dest=f.name, action="store_true", default=None, help=help_text
                 )
+            elif str(f.type).startswith("tuple["):  # a list: the flag repeated
+                values = f.default if isinstance(f.default, tuple) else ()
+                help_text = f"{f.metadata['help']} (default: {', '.join(values) or 'none'})"
+                group.add_argument(
+                    *names, dest=f.name, action="append", default=None, help=help_text
+                )
             else:
                 base = str(f.type).split(" | ")[0]
                 group.add_argument(
@@ -459,6 +465,7 @@ def cmd_router(args: argparse.Namespace) -> None:
             request_timeout_s=args.request_timeout,
             api_key=args.api_key,
             max_request_bytes=args.max_request_bytes,
+            pd_auth_key=args.disaggregation_auth_key,
         )
     except ValueError as exc:
         sys.exit(f"pipeserve router: {exc}")
@@ -711,6 +718,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=64 * 2**20,
         help="largest request body in bytes (64 MiB); larger ones get HTTP 413",
+    )
+    router.add_argument(
+        "--disaggregation-auth-key",
+        default=None,
+        metavar="KEY",
+        help="shared secret of disaggregation, the same on the router and every prefill and "
+        "decode server; prefer env PIPESERVE_PD_AUTH_KEY, which the process list does not show",
     )
     router.set_defaults(func=cmd_router)
     return parser

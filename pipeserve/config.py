@@ -23,6 +23,11 @@ def _flag(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+def _secret_flag(help: str) -> Any:
+    """A secret's flag: None by default, kept out of printed configs."""
+    return field(default=None, repr=False, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str | None = _flag(
@@ -308,14 +313,10 @@ class ParallelConfig:
     nnodes: int = _flag(1, "number of nodes")
     node_rank: int = _flag(0, "rank of this node")
     dist_init_addr: str | None = _flag(None, "host:port of node 0 for multi-node launch")
-    dist_auth_key: str | None = field(
-        default=None,
-        repr=False,  # a secret: kept out of printed configs
-        metadata={
-            "help": "multi-node: a shared secret (give every node the same) that authenticates "
-            "and encrypts the scheduler's ZMQ channels (CURVE); prefer env "
-            "PIPESERVE_DIST_AUTH_KEY, which the process list does not show"
-        },
+    dist_auth_key: str | None = _secret_flag(
+        "multi-node: a shared secret (give every node the same) that authenticates and "
+        "encrypts the scheduler's ZMQ channels (CURVE); prefer env PIPESERVE_DIST_AUTH_KEY, "
+        "which the process list does not show"
     )
     heartbeat_interval: float = _flag(
         0.5, "seconds between a worker's heartbeats (sent by a thread of their own)"
@@ -382,6 +383,11 @@ class ServerConfig:
         "largest HTTP request body in bytes (64 MiB); larger ones, by Content-Length or as a "
         "chunked body arrives, get HTTP 413",
     )
+    enable_api_docs: bool = _flag(
+        False,
+        "serve /docs, /redoc and /openapi.json (off by default: they map the API for anyone "
+        "who can reach the port, key or not)",
+    )
 
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -418,6 +424,27 @@ class DisaggregationConfig:
         "prompt's compute; a prefill server that dies or a client that leaves ends the wait "
         "at once); beyond, the request fails and its pages are freed",
     )
+    disaggregation_prefill_url: tuple[str, ...] = _flag(
+        (),
+        "decode side: a prefill server this decode server may call (http://HOST:PORT; repeat "
+        "the flag for several, the router's --prefill list). The router names one per request "
+        "in X-Pipeserve-Prefill; a name not on this list is refused, nothing else is called",
+    )
+    disaggregation_decode_host: tuple[str, ...] = _flag(
+        ("127.0.0.1",),
+        "prefill side: an address of decode servers' KV receivers (their --disaggregation-host) "
+        "this prefill server may send KV to (repeat the flag for several); a destination "
+        "elsewhere is refused",
+    )
+    disaggregation_auth_key: str | None = _secret_flag(
+        "prefill/decode disaggregation's shared secret (the same on the router and every "
+        "prefill and decode server): it authenticates the internal HTTP calls and encrypts the "
+        "KV link (CURVE); prefer env PIPESERVE_PD_AUTH_KEY, which the process list does not show"
+    )
+
+    @property
+    def pd_auth_key(self) -> str | None:
+        return self.disaggregation_auth_key or envs.pd_auth_key()
 
 
 @dataclass(frozen=True)
@@ -437,6 +464,8 @@ class EngineConfig:
             raise TypeError(f"unknown engine flag(s): {', '.join(sorted(unknown))}")
         parts: dict[str, dict[str, Any]] = {}
         for name, value in flags.items():
+            if name in LIST_FLAGS and not isinstance(value, tuple):  # one value, or a list
+                value = (value,) if isinstance(value, str) else tuple(value)
             parts.setdefault(FLAG_AREAS[name], {})[name] = value
         areas = {f.name: f.type for f in dataclasses.fields(cls)}
         built = {area: AREA_TYPES[area](**kw) for area, kw in parts.items() if area in areas}
@@ -460,6 +489,12 @@ AREA_TYPES: dict[str, type] = {
     "parallel": ParallelConfig,
     "server": ServerConfig,
     "disaggregation": DisaggregationConfig,
+}
+LIST_FLAGS = {  # flags that take several values (the CLI flag repeated)
+    f.name
+    for kind in AREA_TYPES.values()
+    for f in dataclasses.fields(kind)
+    if str(f.type).startswith("tuple[")
 }
 FLAG_AREAS: dict[str, str] = {
     f.name: area for area, kind in AREA_TYPES.items() for f in dataclasses.fields(kind)
@@ -614,7 +649,37 @@ def _disaggregation_checks(config: EngineConfig) -> list[tuple[bool, str]]:
         ),
         (d.disaggregation_transfer_timeout > 0, "--disaggregation-transfer-timeout must be > 0"),
         (d.disaggregation_prefill_timeout > 0, "--disaggregation-prefill-timeout must be > 0"),
+        (d.pd_auth_key is not None, MISSING_PD_KEY),
+        *[
+            (valid_server_url(u), f"--disaggregation-prefill-url {u!r}: {URL_FORM}")
+            for u in d.disaggregation_prefill_url
+        ],
+        (
+            mode == "decode" or not d.disaggregation_prefill_url,
+            "--disaggregation-prefill-url is a decode server's flag",
+        ),
     ]
+
+
+URL_FORM = "write a server's base URL as http://HOST:PORT (no path, query or fragment)"
+MISSING_PD_KEY = (
+    "prefill/decode disaggregation needs a shared secret: set PIPESERVE_PD_AUTH_KEY (or "
+    "--disaggregation-auth-key) to the same value on the router and on every prefill and "
+    "decode server, e.g. `export PIPESERVE_PD_AUTH_KEY=$(openssl rand -hex 32)`"
+)
+
+
+def valid_server_url(url: str) -> bool:
+    """Whether `url` is a bare http(s)://host:port base URL (a trailing / allowed)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return False
+    bare = parts.path in ("", "/") and not (parts.query or parts.fragment or parts.username)
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port is not None and bare
 
 
 def _dynamic_chunking_checks(s: SchedulerConfig) -> list[tuple[bool, str]]:

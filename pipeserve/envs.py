@@ -90,6 +90,12 @@ def dist_auth_key() -> str | None:
     return os.environ.get("PIPESERVE_DIST_AUTH_KEY") or None
 
 
+def pd_auth_key() -> str | None:
+    """PIPESERVE_PD_AUTH_KEY: the shared secret of prefill/decode disaggregation (router,
+    prefill and decode servers), when --disaggregation-auth-key is not given."""
+    return os.environ.get("PIPESERVE_PD_AUTH_KEY") or None
+
+
 def torch_profiler_dir() -> Path | None:
     """PIPESERVE_TORCH_PROFILER_DIR: every model runner profiles its forwards per operation
     and writes a table and a trace here when it closes (see pipeserve/op_profile)."""

@@ -91,15 +91,16 @@ class CurveKeys:
     client_secret: bytes
 
     @classmethod
-    def derive(cls, auth_key: str) -> CurveKeys:
-        """The same pairs on every node that holds `auth_key`."""
-        server, client = _secret(auth_key, "server"), _secret(auth_key, "client")
+    def derive(cls, auth_key: str, purpose: str = "control plane") -> CurveKeys:
+        """The same pairs on every node that holds `auth_key`; another `purpose` (a link of
+        its own, e.g. disaggregation's KV link) gets pairs unrelated to these."""
+        server, client = _secret(auth_key, purpose, "server"), _secret(auth_key, purpose, "client")
         return cls(zmq.curve_public(server), server, zmq.curve_public(client), client)
 
 
-def _secret(auth_key: str, role: str) -> bytes:
-    digest = hmac.new(auth_key.encode(), f"pipeserve control plane {role}".encode(), hashlib.sha256)
-    return z85.encode(digest.digest())
+def _secret(auth_key: str, purpose: str, role: str) -> bytes:
+    label = f"pipeserve {purpose} {role}".encode()
+    return z85.encode(hmac.new(auth_key.encode(), label, hashlib.sha256).digest())
 
 
 def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:
@@ -116,8 +117,8 @@ def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.curve_serverkey = keys.server_public
 
 
-class _ClientKey:
-    """ZAP credentials: only the key derived for workers gets in."""
+class ClientKey:
+    """ZAP credentials: only the one client key gets in."""
 
     def __init__(self, public: bytes) -> None:
         self.public = public
@@ -184,7 +185,7 @@ class SchedulerChannels:
             return None
         auth = ThreadAuthenticator(self.ctx)
         auth.start()
-        auth.configure_curve_callback("*", _ClientKey(self._keys.client_public))
+        auth.configure_curve_callback("*", ClientKey(self._keys.client_public))
         return auth
 
     def _init_sockets(self) -> None:

@@ -514,6 +514,7 @@ READY_FIELDS = (
     "expert_bytes",
     "tp_all_reduce",
     "kv_endpoint",
+    "kv_control",
 )
 
 
@@ -524,8 +525,8 @@ def _encode_ready(info: dict[str, Any]) -> list[Any]:
 
 
 def _decode_ready(v: Any) -> dict[str, Any]:
-    pages, partition, stage, tp_rank, ep_rank, expert_bytes, all_reduce, endpoint = _fields(
-        v, 8, "ready"
+    pages, partition, stage, tp_rank, ep_rank, expert_bytes, all_reduce, endpoint, control = (
+        _fields(v, 9, "ready")
     )
     ranks = (_int(stage), _int(tp_rank), _int(ep_rank))
     values = (
@@ -535,6 +536,7 @@ def _decode_ready(v: Any) -> dict[str, Any]:
         _int(expert_bytes),
         _str(all_reduce),
         _str(endpoint),
+        _str(control),
     )
     return dict(zip(READY_FIELDS, values, strict=True))
 

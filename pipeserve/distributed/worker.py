@@ -109,6 +109,7 @@ def worker_main(args: WorkerArgs) -> None:
                 "tp_all_reduce": _all_reduce_kind(state),
                 # prefill/decode disaggregation, decode side: where this rank takes KV
                 "kv_endpoint": getattr(getattr(runner, "kv_receiver", None), "endpoint", ""),
+                "kv_control": getattr(getattr(runner, "kv_receiver", None), "control_endpoint", ""),
             },
         )
         StageWorker(runner, state, channels, args).run()

@@ -180,6 +180,11 @@ class Backend:
         order."""
         raise NotImplementedError
 
+    def kv_controls(self) -> tuple[str, ...]:
+        """Decode side of disaggregation: every rank's KV receiver's control socket, in the
+        same order."""
+        raise NotImplementedError
+
     def expert_bytes_per_rank(self) -> int:
         """Bytes of routed-expert weights on the rank that holds most."""
         raise NotImplementedError
@@ -293,6 +298,10 @@ class InProcessBackend(Backend):
         assert self.runner.kv_receiver is not None, "not a decode server"
         return (self.runner.kv_receiver.endpoint,)
 
+    def kv_controls(self) -> tuple[str, ...]:
+        assert self.runner.kv_receiver is not None, "not a decode server"
+        return (self.runner.kv_receiver.control_endpoint,)
+
     def shutdown(self) -> None:
         super().shutdown()
         self.runner.close()
@@ -373,6 +382,9 @@ class WorkerBackend(Backend):
 
     def kv_endpoints(self) -> tuple[str, ...]:
         return tuple(self.workers.info[r]["kv_endpoint"] for r in sorted(self.workers.info))
+
+    def kv_controls(self) -> tuple[str, ...]:
+        return tuple(self.workers.info[r]["kv_control"] for r in sorted(self.workers.info))
 
     def expert_bytes_per_rank(self) -> int:
         return max(i["expert_bytes"] for i in self.workers.info.values())

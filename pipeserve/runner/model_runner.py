@@ -28,6 +28,7 @@ from pipeserve.device import (
     synchronize,
 )
 from pipeserve.disaggregation.afd.micro_batches import split_micro_batches
+from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.kv_remap import SideLayout
 from pipeserve.disaggregation.pd.transfer import KVReceiver, KVSender
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
@@ -176,14 +177,25 @@ class ModelRunner:
         partition = list(state.partition) or [a.num_layers]
         layout = SideLayout.of(partition, state.tp_size, a.num_kv_heads, a.mla is not None)
         me = (state.pp_rank, state.tp_rank)
+        key = auth.pd_key(d.pd_auth_key)
         if d.disaggregation_mode == "prefill":
             layers = stage_layers(a.num_layers)
             timeout = d.disaggregation_transfer_timeout
             striping = self.cp.striping if self.cp is not None else None
-            self.kv_sender = KVSender(self.kv_pool, layout, me, layers, timeout, striping)
+            keys = auth.kv_link_keys(key)
+            self.kv_sender = KVSender(self.kv_pool, layout, me, layers, timeout, striping, keys)
             self.model.layer_hooks = self.kv_sender
         else:
-            self.kv_receiver = KVReceiver(self.kv_pool, layout, me, d.disaggregation_host)
+            # the engine process is on node 0: other nodes' control sockets need tcp
+            remote = self.config.parallel.node_rank != 0
+            self.kv_receiver = KVReceiver(
+                self.kv_pool,
+                layout,
+                me,
+                d.disaggregation_host,
+                auth.kv_link_keys(key),
+                auth.kv_control_keys(key) if remote else None,
+            )
 
     def _tier_store(self, num_pages: int, name: str) -> TierStore:
         """HiCache's host (and disk) copies of this worker's part of the KV pool."""

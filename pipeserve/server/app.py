@@ -30,7 +30,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeserve.disaggregation.pd.http import PREFILL_HEADER, add_prefill_route
+from pipeserve.disaggregation.pd.http import add_prefill_route, prefill_target
 from pipeserve.server import protocol as P
 from pipeserve.server.admission import Ticket
 from pipeserve.server.body_limit import BodySizeLimit
@@ -68,7 +68,14 @@ def create_app(state: ServerState) -> FastAPI:
             watcher.cancel()
             await state.client.shutdown()
 
-    app = FastAPI(title="pipeserve", lifespan=lifespan)
+    docs = state.config.server.enable_api_docs  # off: they map the API for anyone
+    app = FastAPI(
+        title="pipeserve",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.pipeserve = state
     app.add_middleware(BodySizeLimit, limit=state.config.server.max_request_bytes)
     _install_error_handlers(app)
@@ -76,7 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_info_routes(app, state, authorize)
     _add_generation_routes(app, state, authorize)
     if state.config.disaggregation.disaggregation_mode == "prefill":
-        add_prefill_route(app, state, authorize)
+        add_prefill_route(app, state)
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     return app
 
@@ -176,6 +183,7 @@ def _add_generation_routes(
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
         check_model(state, body.model)
+        prefill = prefill_target(state, request)
         check_prompt_size(state, body.prompt)
         check_engine(state)
         ticket = state.admission.admit(state.metrics)
@@ -197,7 +205,7 @@ def _add_generation_routes(
                 body.sampling(max_new),
                 body.logprobs is not None,
                 top,
-                request.headers.get(PREFILL_HEADER),
+                prefill,
             )
         if body.stream:
             return _sse(run.stream_completion(body))
@@ -206,6 +214,7 @@ def _add_generation_routes(
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: P.ChatCompletionRequest, request: Request) -> Response:
         check_model(state, body.model)
+        prefill = prefill_target(state, request)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
         check_engine(state)
@@ -216,7 +225,6 @@ def _add_generation_routes(
             max_new = max_new_tokens(state, body, len(ids), None, "messages")
             check_vocab(state, ids)
             top = body.top_logprobs or 0 if body.logprobs else 0
-            prefill = request.headers.get(PREFILL_HEADER)
             run = RequestRun(
                 state, ticket, ids, body.sampling(max_new), body.logprobs, top, prefill
             )

@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, plan
 from pipeserve.disaggregation.pd.transfer import ReceiverControl
@@ -88,9 +89,15 @@ class EngineLoop:
         d = engine.config.disaggregation
         if d.disaggregation_mode != "decode":
             return None
-        control = ReceiverControl(engine.backend.kv_endpoints())
-        scheduler = engine.backend.schedulers[0]
         timeouts = (d.disaggregation_prefill_timeout, d.disaggregation_transfer_timeout)
+        control = ReceiverControl(
+            engine.backend.kv_endpoints(),
+            engine.backend.kv_controls(),
+            auth.kv_control_keys(auth.pd_key(d.pd_auth_key)),
+            # a room outlives its request only if this process dies: then it expires
+            room_ttl_s=sum(timeouts) + d.disaggregation_transfer_timeout,
+        )
+        scheduler = engine.backend.schedulers[0]
         return DecodeTransfers(scheduler, control, engine.kv_layout(), *timeouts)
 
     def run(self) -> None:
@@ -211,9 +218,16 @@ class EngineLoop:
     def _destination(self, transfer: dict[str, Any]) -> KVDestination:
         """Where a prefill server sends a request's KV; ValueError unless this server is a
         prefill server whose layers and heads map onto the decode side's."""
-        if self.engine.config.disaggregation.disaggregation_mode != "prefill":
+        d = self.engine.config.disaggregation
+        if d.disaggregation_mode != "prefill":
             raise ValueError("not a prefill server (--disaggregation-mode prefill)")
-        dest = KVDestination.from_json(transfer)
+        arch = self.engine.arch
+        dest = KVDestination.from_json(
+            transfer,
+            hosts=d.disaggregation_decode_host,
+            max_stages=arch.num_layers,
+            max_tp=arch.num_heads,
+        )
         plan(self.engine.kv_layout(), dest.layout)  # raises on a model mismatch
         return dest
 

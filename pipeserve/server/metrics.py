@@ -109,6 +109,13 @@ class Metrics:
             "behind prefill), since start",
             registry=r,
         )
+        self.pd_dropped = Gauge(
+            "pipeserve_pd_kv_messages_dropped",
+            "KV messages the receivers refused since start (no such room, another stage's "
+            "layer or rank's heads, positions outside the room, a wrong size, malformed): "
+            "late ones of aborted requests, or forged",
+            registry=r,
+        )
 
     def update(self, stats: dict[str, Any], healthy: bool) -> None:
         self.healthy.set(1 if healthy else 0)
@@ -136,6 +143,7 @@ class Metrics:
             self.pd_bytes.set(stats["pd_transfer_bytes"])
             self.pd_wire.set(stats["pd_transfer_wire_s"])
             self.pd_exposed.set(stats["pd_transfer_exposed_s"])
+            self.pd_dropped.set(stats["pd_kv_messages_dropped"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

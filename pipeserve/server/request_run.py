@@ -37,8 +37,8 @@ class RequestRun:
         top: int,
         prefill_url: str | None = None,
     ) -> None:
-        """`prefill_url`: a decode server's request whose prompt that prefill server
-        computes (prefill/decode disaggregation)."""
+        """`prefill_url`: a decode server's request whose prompt that prefill server (one it
+        was configured with: http.prefill_target) computes (prefill/decode disaggregation)."""
         self.state, self.ticket, self.ids, self.params = state, ticket, ids, params
         self.logprobs, self.top = logprobs, top
         self.prefill_url = prefill_url
@@ -53,9 +53,8 @@ class RequestRun:
         reason = "abort"  # unless the engine says how the request ended
         prefill = None
         if self.prefill_url is not None:
-            timeout = self.state.config.disaggregation.disaggregation_prefill_timeout
-            args = (self.ids, self.params, self.logprobs, self.top, timeout)
-            prefill = prefill_call(self.prefill_url, *args)
+            args = (self.ids, self.params, self.logprobs, self.top)
+            prefill = prefill_call(self.state, self.prefill_url, *args)
         deltas = self.state.client.generate(
             self.ids, self.params, self.logprobs, self.top, prefill=prefill
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve.config import EngineConfig
+from pipeserve.disaggregation.pd import auth
 from pipeserve.server.admission import Admission
 from pipeserve.server.engine_client import EngineClient
 from pipeserve.server.metrics import Metrics
@@ -39,6 +40,13 @@ class ServerState:
         self.context_len = 0
         self.vocab_size = 0
         self.on_failure: Callable[[], None] | None = None  # set by the launcher: asks to exit
+        # disaggregation's internal credential (None when this server serves whole requests)
+        d = config.disaggregation
+        self.pd_token = (
+            auth.internal_token(auth.pd_key(d.pd_auth_key))
+            if d.disaggregation_mode != "null"
+            else None
+        )
 
     @classmethod
     def for_model(

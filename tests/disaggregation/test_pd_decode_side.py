@@ -21,6 +21,7 @@ LAYOUT = SideLayout(((0, 2),), 1, 2)
 
 class FakeControl:
     endpoints = ("tcp://127.0.0.1:1",)
+    dropped = 0
 
     def __init__(self, kv: KVManager) -> None:
         self.kv = kv

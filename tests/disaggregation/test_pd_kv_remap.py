@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeserve.disaggregation.pd.kv_remap import Piece, SideLayout, copy_pieces, plan
+from pipeserve.disaggregation.pd.kv_remap import (
+    KVDestination,
+    Piece,
+    SideLayout,
+    copy_pieces,
+    plan,
+)
 from pipeserve.mem_cache.kv_pool import KVPool
 
 LAYERS, HEADS, DIM, PAGE, SLOTS = 6, 2, 4, 4, 64
@@ -129,3 +135,41 @@ def test_sides_of_different_models_are_refused() -> None:
         plan(SideLayout(split(6), 1, HEADS), SideLayout(split(4), 1, HEADS))
     with pytest.raises(ValueError, match="KV shapes"):
         plan(SideLayout(split(6), 1, 2), SideLayout(split(6), 1, 4))
+
+
+def destination(**change: object) -> dict:
+    dest = KVDestination("0" * 32, ("tcp://127.0.0.1:5000",) * 2, CASES["pp1->tp2"][1])
+    return {**dest.to_json(), **change}
+
+
+ALLOWED = ("127.0.0.1", "10.0.0.7")
+
+
+def test_a_destination_from_a_peer_is_checked_like_client_input() -> None:
+    """The prefill side checks what a decode server (or whoever calls /pd/prefill) names:
+    endpoint schemes and hosts, a layout no larger than the model allows (a tp_size of
+    16000 is refused before any planning), the room's form; messages do not repeat the
+    peer's values."""
+    limits = {"hosts": ALLOWED, "max_stages": LAYERS, "max_tp": 8}
+    good = KVDestination.from_json(destination(), **limits)
+    assert good.endpoints == ("tcp://127.0.0.1:5000",) * 2
+    ten = KVDestination.from_json(destination(endpoints=["tcp://10.0.0.7:1"] * 2), **limits)
+    assert ten.endpoints[0] == "tcp://10.0.0.7:1"
+    bad = {
+        "tp_size": (destination(tp_size=16000, endpoints=["tcp://127.0.0.1:1"] * 16000), "tp_size"),
+        "stages": (destination(stage_layers=[[i, i + 1] for i in range(LAYERS + 1)]), "stages"),
+        "scheme": (destination(endpoints=["foo://bar"] * 2), "tcp://HOST:PORT"),
+        "path": (destination(endpoints=["tcp://127.0.0.1:5/x"] * 2), "tcp://HOST:PORT"),
+        "port": (destination(endpoints=["tcp://127.0.0.1:70000"] * 2), "tcp://HOST:PORT"),
+        "host": (destination(endpoints=["tcp://169.254.169.254:80"] * 2), "does not send to"),
+        "count": (destination(endpoints=["tcp://127.0.0.1:5000"]), "one endpoint per"),
+        "room": (destination(room="../../x"), "32 hex digits"),
+        "types": (destination(tp_size="2"), "wrong type"),
+        "missing": ({"room": "0" * 32}, "missing"),
+        "not a dict": ([1, 2], "missing"),
+    }
+    for what, (d, message) in bad.items():
+        with pytest.raises(ValueError, match=message) as info:
+            KVDestination.from_json(d, **limits)
+        assert "169.254" not in str(info.value), what
+

@@ -18,10 +18,20 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.datastructures import Headers
 
-from pipeserve.disaggregation.pd.router import PREFILL_HEADER, create_router_app
+from pipeserve.disaggregation.pd import auth
+from pipeserve.disaggregation.pd.router import (
+    FORWARDED_HEADERS,
+    MAX_EVENT_BYTES,
+    PREFILL_HEADER,
+    create_router_app,
+)
 
 WAIT_S = 10.0  # longest any step may take: a hang fails fast
+PD_KEY = "test-pd-key"
+HEALTH_GAUGE = "pipeserve_router_server_healthy"
 
 
 class ServerThread:
@@ -51,12 +61,14 @@ class FakeDecode:
     """A decode server's HTTP face. `fake` in a request body picks the answer: json (the
     default), sse, sse_gated (the last event waits for `gate`), sse_break (the connection
     breaks after one event), sse_hang (one event, then nothing until the client leaves),
-    json_hang (nothing until the client leaves) or bad (a 400)."""
+    sse_endless (one event that never ends: `data: ` and 64 KiB pieces until the client
+    leaves), json_hang (nothing until the client leaves) or bad (a 400). Headers are
+    recorded as received, repeats included."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.healthy = True
-        self.received: list[tuple[dict[str, str], bytes]] = []
+        self.received: list[tuple[Headers, bytes]] = []
         self.gate = threading.Event()
         self.closed = threading.Event()  # an sse_hang stream was cancelled or closed
         self.app = FastAPI()
@@ -69,12 +81,12 @@ class FakeDecode:
         return Response(status_code=200 if self.healthy else 503)
 
     async def models(self, request: Request) -> dict[str, Any]:
-        self.received.append((dict(request.headers), b""))
+        self.received.append((request.headers, b""))
         return {"object": "list", "data": [{"id": self.name, "object": "model"}]}
 
     async def complete(self, request: Request) -> Response:
         body = await request.body()
-        self.received.append((dict(request.headers), body))
+        self.received.append((request.headers, body))
         fake = json.loads(body).get("fake", "json")
         if fake == "bad":
             error = {"error": {"message": "prompt: bad", "type": "invalid_request_error"}}
@@ -83,7 +95,21 @@ class FakeDecode:
             return JSONResponse({"server": self.name, "path": request.url.path})
         if fake == "json_hang":
             return await self._until_client_leaves(request)
+        if fake == "sse_endless":
+            return StreamingResponse(self._endless_event(), media_type="text/event-stream")
         return StreamingResponse(self._events(fake), media_type="text/event-stream")
+
+    async def _endless_event(self) -> AsyncIterator[bytes]:
+        """`data: xxx...` without the blank line that would end it, until the client leaves
+        (starlette then cancels this) or WAIT_S * 3 passed."""
+        deadline = time.monotonic() + WAIT_S * 3
+        try:
+            yield b"data: "
+            while time.monotonic() < deadline:
+                yield b"x" * 2**16
+                await asyncio.sleep(0)
+        finally:
+            self.closed.set()
 
     async def _until_client_leaves(self, request: Request) -> Response:
         """A non-streamed answer that never comes: waits for the client to disconnect."""
@@ -145,19 +171,33 @@ class Setup:
         self.fakes = [FakeDecode(f"d{i}") for i in range(decodes)]
         self.decodes = [stack.enter_context(serving(f.app)) for f in self.fakes]
         urls = [d.url for d in self.decodes]
-        app = create_router_app([self.prefill.url], urls, **{"health_interval_s": 0.2, **router})
+        router = {"health_interval_s": 0.2, "pd_auth_key": PD_KEY, **router}
+        app = create_router_app([self.prefill.url], urls, **router)
         self.router = stack.enter_context(serving(app))
         self.client = stack.enter_context(httpx.Client(base_url=self.router.url, timeout=5.0))
 
     def complete(self, fake: str = "json", **kw: Any) -> httpx.Response:
         return self.client.post("/v1/completions", json={"prompt": "hi", "fake": fake}, **kw)
 
-    def wait_health(self, role: str, url: str, healthy: bool) -> dict[str, Any]:
-        def seen() -> bool:
-            return self.client.get("/health").json()[role][url] is healthy
+    def wait_health(self, role: str, index: int, healthy: bool) -> dict[str, Any]:
+        """Waits until /metrics shows the `index`-th server of `role` (un)healthy; /health."""
 
-        wait_until(seen, f"the router to see {url} {'healthy' if healthy else 'unhealthy'}")
+        def seen() -> bool:
+            return self.health_gauges()[role, index] is healthy
+
+        state = "healthy" if healthy else "unhealthy"
+        wait_until(seen, f"the router to see {role} server #{index} {state}")
         return self.client.get("/health").json()
+
+    def health_gauges(self) -> dict[tuple[str, int], bool]:
+        """The per-server health gauges of /metrics, by (role, index)."""
+        text = self.client.get("/metrics").text
+        [family] = [f for f in text_string_to_metric_families(text) if f.name == HEALTH_GAUGE]
+        return {(m.labels["role"], int(m.labels["index"])): m.value == 1 for m in family.samples}
+
+    def upstream_addresses(self) -> list[str]:
+        """host:port of every upstream server: what no client-facing answer may contain."""
+        return [server.url.removeprefix("http://") for server in [self.prefill, *self.decodes]]
 
 
 @pytest.fixture
@@ -217,12 +257,12 @@ def test_decode_servers_take_turns(setup: Callable[..., Setup]) -> None:
 def test_a_server_failing_its_health_probe_is_skipped(setup: Callable[..., Setup]) -> None:
     s = setup(decodes=2)
     s.fakes[1].healthy = False
-    health = s.wait_health("decode", s.decodes[1].url, False)
+    health = s.wait_health("decode", 1, False)
     assert health["status"] == "ok"
-    assert health["decode"] == {s.decodes[0].url: True, s.decodes[1].url: False}
+    assert health["decode"] == {"healthy": 1, "total": 2}
     assert [s.complete().json()["server"] for _ in range(3)] == ["d0"] * 3
     s.fakes[1].healthy = True
-    s.wait_health("decode", s.decodes[1].url, True)
+    s.wait_health("decode", 1, True)
     assert {s.complete().json()["server"] for _ in range(2)} == {"d0", "d1"}
 
 
@@ -230,21 +270,22 @@ def test_a_server_failing_its_health_probe_is_skipped(setup: Callable[..., Setup
 def test_no_healthy_decode_server_is_a_503(setup: Callable[..., Setup]) -> None:
     s = setup()
     s.fakes[0].healthy = False
-    s.wait_health("decode", s.decodes[0].url, False)
+    s.wait_health("decode", 0, False)
     health = s.client.get("/health")
     assert health.status_code == 503
     assert health.json() == {
         "status": "unhealthy",
-        "prefill": {s.prefill.url: True},
-        "decode": {s.decodes[0].url: False},
+        "prefill": {"healthy": 1, "total": 1},
+        "decode": {"healthy": 0, "total": 1},
     }
     answer = s.complete()
     assert answer.status_code == 503
     assert int(answer.headers["retry-after"]) >= 1
     error = answer.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert "no healthy decode server" in error["message"]
+    assert "no healthy decode server (0 of 1)" in error["message"]
     assert "prefill" not in error["message"]
+    assert not any(address in answer.text for address in s.upstream_addresses())
     assert s.fakes[0].received == []
 
 
@@ -252,7 +293,7 @@ def test_no_healthy_decode_server_is_a_503(setup: Callable[..., Setup]) -> None:
 def test_no_healthy_prefill_server_is_a_503(setup: Callable[..., Setup]) -> None:
     s = setup()
     s.prefill_state["healthy"] = False
-    s.wait_health("prefill", s.prefill.url, False)
+    s.wait_health("prefill", 0, False)
     answer = s.complete()
     assert answer.status_code == 503
     assert "no healthy prefill server" in answer.json()["error"]["message"]
@@ -268,8 +309,9 @@ def test_an_unreachable_decode_server_leaves_the_rotation_at_once(
     answer = s.complete()
     assert answer.status_code == 503
     assert "retry-after" in answer.headers
-    assert s.decodes[0].url in answer.json()["error"]["message"]
-    assert s.client.get("/health").json()["decode"][s.decodes[0].url] is False
+    assert "decode server #0 cannot be reached" in answer.json()["error"]["message"]
+    assert not any(address in answer.text for address in s.upstream_addresses())
+    assert s.health_gauges()["decode", 0] is False
     assert [s.complete().json()["server"] for _ in range(2)] == ["d1", "d1"]
 
 
@@ -280,7 +322,9 @@ def test_a_stream_that_breaks_ends_with_an_error_event(setup: Callable[..., Setu
         assert answer.status_code == 200
         events = list(sse_events(answer))
     assert json.loads(events[0]) == {"server": "d0", "n": 0}
-    assert "broke off" in json.loads(events[1])["error"]["message"]
+    message = json.loads(events[1])["error"]["message"]
+    assert "decode server #0 broke off" in message
+    assert not any(address in message for address in s.upstream_addresses())
     assert events[2:] == ["[DONE]"]
     metrics = s.client.get("/metrics").text
     assert "pipeserve_router_errors_total 1.0" in metrics
@@ -341,17 +385,92 @@ def test_models_are_proxied_and_metrics_rendered(setup: Callable[..., Setup]) ->
     assert models.json()["data"][0]["id"] == "d0"
     assert s.fakes[0].received[0][0]["authorization"] == "Bearer k"
     s.complete()
+    assert s.health_gauges() == {("prefill", 0): True, ("decode", 0): True}
     metrics = s.client.get("/metrics").text
-    assert f'pipeserve_router_server_healthy{{role="prefill",url="{s.prefill.url}"}} 1.0' in metrics
-    assert f'pipeserve_router_server_healthy{{role="decode",url="{s.decodes[0].url}"}} 1.0' in (
-        metrics
-    )
     assert "pipeserve_router_requests_total 1.0" in metrics
     assert "pipeserve_router_errors_total 0.0" in metrics
 
 
+@pytest.mark.timeout(60)
 def test_bad_settings_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="--decode 'localhost:1' is not a URL"):
         create_router_app(["http://127.0.0.1:1"], ["localhost:1"])
     with pytest.raises(ValueError, match="--prefill needs at least one"):
         create_router_app([], ["http://127.0.0.1:1"])
+
+
+@pytest.mark.timeout(60)
+def test_decode_calls_carry_the_internal_credential_and_not_the_clients(
+    setup: Callable[..., Setup],
+) -> None:
+    s = setup()
+    assert not {auth.INTERNAL_HEADER.lower(), PREFILL_HEADER.lower()} & set(FORWARDED_HEADERS)
+    forged = {auth.INTERNAL_HEADER: "forged", PREFILL_HEADER: "http://attacker.invalid:1"}
+    assert s.complete(headers=forged).status_code == 200
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert s.client.post("/v1/chat/completions", json=body, headers=forged).status_code == 200
+    assert s.client.get("/v1/models", headers=forged).status_code == 200
+    token = auth.internal_token(PD_KEY)
+    [completion, chat, models] = [headers for headers, _ in s.fakes[0].received]
+    for headers in (completion, chat, models):
+        assert headers.getlist(auth.INTERNAL_HEADER) == [token]
+    for headers in (completion, chat):
+        assert headers.getlist(PREFILL_HEADER) == [s.prefill.url]
+    assert PREFILL_HEADER not in models
+
+
+@pytest.mark.timeout(60)
+def test_the_router_needs_the_pd_key(
+    setup: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PIPESERVE_PD_AUTH_KEY", raising=False)
+    with pytest.raises(ValueError, match="PIPESERVE_PD_AUTH_KEY"):
+        create_router_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "env-pd-key")
+    s = setup(pd_auth_key=None)
+    assert s.complete().status_code == 200
+    [(headers, _)] = s.fakes[0].received
+    assert headers[auth.INTERNAL_HEADER] == auth.internal_token("env-pd-key")
+
+
+@pytest.mark.timeout(60)
+def test_health_and_metrics_count_servers_and_name_none(setup: Callable[..., Setup]) -> None:
+    s = setup(decodes=2)
+    s.fakes[1].healthy = False
+    s.wait_health("decode", 1, False)
+    health = s.client.get("/health")
+    assert health.json() == {
+        "status": "ok",
+        "prefill": {"healthy": 1, "total": 1},
+        "decode": {"healthy": 1, "total": 2},
+    }
+    metrics = s.client.get("/metrics").text
+    for text in (health.text, metrics):
+        assert not any(address in text for address in s.upstream_addresses())
+        assert "127.0.0.1" not in text
+    assert s.health_gauges() == {("prefill", 0): True, ("decode", 0): True, ("decode", 1): False}
+
+
+@pytest.mark.timeout(60)
+def test_the_api_docs_are_off(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert s.client.get(path).status_code == 404, path
+
+
+@pytest.mark.timeout(60)
+def test_an_endless_event_ends_the_stream_with_an_error_event(
+    setup: Callable[..., Setup],
+) -> None:
+    s = setup()
+    # the router buffers at most MAX_EVENT_BYTES of one event: if it kept reading, this
+    # stream would never end (the fake sends until the router leaves)
+    with s.client.stream("POST", "/v1/completions", json={"fake": "sse_endless"}) as answer:
+        assert answer.status_code == 200
+        events = list(sse_events(answer))
+    error = json.loads(events[0])["error"]
+    assert error["code"] == "upstream_event_too_large"
+    assert f"decode server #0 sent an event of over {MAX_EVENT_BYTES} bytes" in error["message"]
+    assert events[1:] == ["[DONE]"]
+    assert s.fakes[0].closed.wait(WAIT_S), "the router never closed the endless stream"
+    assert "pipeserve_router_errors_total 1.0" in s.client.get("/metrics").text

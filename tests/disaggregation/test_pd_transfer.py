@@ -1,30 +1,44 @@
 """The tcp transfer engine: prefill ranks' senders, fed batches chunk by chunk and called
 layer by layer as the model's hook does, write every decode rank's layers x heads of a
 request into the pages its room names (checked against one whole-model KV for each layout
-pair of the plan's tests); the room is reported done exactly when all of it has arrived;
-data for a room that is closed, or never opened, writes nothing."""
+pair of the plan's tests, over the CURVE link); the room is reported done exactly when all
+of it has arrived; data for a room that is closed, never opened or expired writes nothing.
+
+Hostile peers: a peer without the PD key gets nothing in; forged messages (an `open` on the
+data socket, kv for another stage, heads, positions or size) change nothing and are
+counted; an oversized message is refused at its header; a destination that cannot be
+reached, or never takes anything, holds no other destination up."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 from collections.abc import Iterator
 
+import msgpack
 import pytest
 import torch
 import zmq
 from test_pd_kv_remap import CASES, pools_for, whole_kv
 
 from pipeserve.context_parallel.layout import PageStriping
+from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
 from pipeserve.disaggregation.pd.transfer import (
+    MAX_MESSAGE_POSITIONS,
     KVReceiver,
     KVSender,
     ReceiverControl,
     new_room,
+    split_positions,
 )
+from pipeserve.distributed.channels import secure_client
 from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
 
 pytestmark = pytest.mark.timeout(60)
+
+KEYS = auth.kv_link_keys("test-pd-key")
 
 
 def run_prefill(
@@ -61,20 +75,29 @@ def sides(request):
         (obj.shutdown if isinstance(obj, ReceiverControl) else obj.close)()
 
 
-def build(case: str, sides: list, cached_prefix: int = 0):
+def build(case: str, sides: list, room_ttl_s: float = 3600.0):
     src, dst = CASES[case]
     whole = whole_kv(src.latent)
     # the same 40 positions sit in different slots on the two sides
     src_slots, dst_slots = torch.arange(8, 48), torch.arange(20, 60)
     src_pools = pools_for(src, whole, src_slots)
     dst_pools = pools_for(dst, None, None)
-    receivers = {r: KVReceiver(dst_pools[r], dst, r, "127.0.0.1") for r in dst.ranks()}
+    receivers = {r: KVReceiver(dst_pools[r], dst, r, "127.0.0.1", KEYS) for r in dst.ranks()}
     senders = {
-        r: KVSender(src_pools[r], src, r, range(*src.stage_layers[r[0]]), 5.0) for r in src.ranks()
+        r: KVSender(src_pools[r], src, r, range(*src.stage_layers[r[0]]), 5.0, keys=KEYS)
+        for r in src.ranks()
     }
-    control = ReceiverControl(tuple(receivers[r].endpoint for r in dst.ranks()))
+    control = control_of([receivers[r] for r in dst.ranks()], room_ttl_s)
     sides += [*receivers.values(), *senders.values(), control]
     return src, dst, whole, dst_pools, senders, control, dst_slots
+
+
+def control_of(receivers: list[KVReceiver], room_ttl_s: float = 3600.0) -> ReceiverControl:
+    return ReceiverControl(
+        tuple(r.endpoint for r in receivers),
+        tuple(r.control_endpoint for r in receivers),
+        room_ttl_s=room_ttl_s,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -125,25 +148,6 @@ def test_a_closed_room_takes_nothing(sides: list) -> None:
             assert torch.isnan(buf[:, dst_slots]).all()
 
 
-def test_a_send_to_nobody_gives_up_after_the_timeout() -> None:
-    """A receiver that is gone: the sender's queue for it is bounded, the room given up."""
-    src, dst = CASES["pp1->tp2"]
-    whole = whole_kv(False)
-    pool = pools_for(src, whole, torch.arange(8, 48))[(0, 0)]
-    sender = KVSender(pool, src, (0, 0), range(6), 0.3)
-    try:
-        dest = KVDestination(new_room(), ("tcp://127.0.0.1:9", "tcp://127.0.0.1:9"), dst)
-        for _ in range(30):  # far more than the high-water mark
-            list(run_prefill({(0, 0): sender}, src, dest, [(8, 40)], [40]))
-        deadline = time.monotonic() + 20
-        while sender._out.qsize() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sender._out.qsize() == 0, "the sender stays stuck on a dead receiver"
-        assert dest.room in sender._failed
-    finally:
-        sender.close()
-
-
 def test_context_parallel_ranks_each_send_the_pages_they_hold(sides: list) -> None:
     """Prefill CP2 (pages striped over the two ranks) -> decode TP2."""
     src, dst = SideLayout(((0, 6),), 1, 2), CASES["pp1->tp2"][1]
@@ -157,10 +161,10 @@ def test_context_parallel_ranks_each_send_the_pages_they_hold(sides: list) -> No
         for layer in range(6):
             for a, b in zip(whole.buffers(layer), pool.buffers(layer), strict=True):
                 b[:, local] = a[:, src_slots[mine]]
-        senders[r] = KVSender(pool, src, (0, 0), range(6), 5.0, striping[r])
+        senders[r] = KVSender(pool, src, (0, 0), range(6), 5.0, striping[r], KEYS)
     dst_pools = pools_for(dst, None, None)
-    receivers = [KVReceiver(dst_pools[r], dst, r, "127.0.0.1") for r in dst.ranks()]
-    control = ReceiverControl(tuple(r.endpoint for r in receivers))
+    receivers = [KVReceiver(dst_pools[r], dst, r, "127.0.0.1", KEYS) for r in dst.ranks()]
+    control = control_of(receivers)
     sides += [*receivers, *senders.values(), control]
     room = new_room()
     control.open(room, [(20, 40)], 40)
@@ -175,16 +179,180 @@ def test_context_parallel_ranks_each_send_the_pages_they_hold(sides: list) -> No
                 assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])
 
 
-def test_garbage_on_the_receiver_is_dropped_and_it_keeps_serving(sides: list) -> None:
-    src, dst, whole, dst_pools, senders, control, dst_slots = build("pp1->tp2", sides)
+def peer(endpoint: str, keys=KEYS) -> zmq.Socket:
+    """A DEALER to a receiver: with the link's keys (a prefill worker, or someone holding
+    the PD key), other keys, or none."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.connect(control.endpoints[0])
-        for frames in ([b"kv"], [b"kv", b"\xc1"], [b"open", b"\x93\x01"], [b"?", b""]):
-            sock.send_multipart(frames)
-    finally:
-        sock.close(linger=1000)
+    sock.setsockopt(zmq.LINGER, 1000)
+    if keys is not None:
+        secure_client(sock, keys)
+    sock.connect(endpoint)
+    return sock
+
+
+def kv_message(room: str, layer: int, heads: tuple, runs: list, nbytes: int) -> list[bytes]:
+    header = msgpack.packb([room, layer, *heads, runs, time.time()], use_bin_type=True)
+    frame = torch.ones(nbytes // 4).numpy().tobytes()
+    return [b"kv", header, frame, frame]
+
+
+def untouched(pools: dict, slots: torch.Tensor) -> bool:
+    return all(torch.isnan(b[:, slots]).all() for p in pools.values() for b, _ in p.slot_buffers())
+
+
+def wait_dropped(control: ReceiverControl, n: int, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while control.dropped < n and time.monotonic() < deadline:
+        control.poll()
+        time.sleep(0.05)
+    return control.dropped
+
+
+def test_a_peer_without_the_key_gets_nothing_in(sides: list) -> None:
+    src, dst, _whole, dst_pools, senders, control, dst_slots = build("pp1->tp2", sides)
     room = new_room()
     control.open(room, [(20, 40)], 40)
+    # 40 positions of one head, float32, head_dim 4: what rank (0, 0) expects per layer
+    forged = kv_message(room, 0, (0, 1), [[0, 40]], 40 * 4 * 4)
+    wrong_keys = auth.kv_link_keys("another key")
+    for keys in (None, wrong_keys):
+        sock = peer(control.endpoints[0], keys)
+        sock.send_multipart([b"open", msgpack.packb([new_room(), [[0, 64]], 64, 1e9])])
+        sock.send_multipart(forged)
+        time.sleep(0.5)
+        sock.close()
+    assert untouched(dst_pools, dst_slots)
+    assert control.dropped == 0 or wait_dropped(control, 1, 2.0) == 0  # never got in
+    # the receivers keep serving the real prefill side
     list(run_prefill(senders, src, KVDestination(room, control.endpoints, dst), [(8, 40)], [40]))
     assert [r for r, _ in wait_done(control, room)] == [room]
+
+
+def test_forged_messages_change_nothing_and_are_counted(sides: list) -> None:
+    """Even from a peer holding the key: every check of a kv message drops what fails it."""
+    src, dst, whole, dst_pools, senders, control, dst_slots = build("pp1->tp2", sides)
+    room = new_room()
+    control.open(room, [(20, 40)], 40)
+    size = 40 * 4 * 4  # one head x 40 positions x head_dim 4 x float32
+    forged = [
+        [b"open", msgpack.packb([new_room(), [[0, 64]], 64, 1e9])],  # rooms are not opened here
+        kv_message(new_room(), 0, (0, 1), [[0, 40]], size),  # no such room
+        kv_message(room, 6, (0, 1), [[0, 40]], size),  # a layer this stage does not hold
+        kv_message(room, 0, (1, 2), [[0, 40]], size),  # heads of the other rank
+        kv_message(room, 0, (0, 1), [[30, 20]], 20 * 16),  # positions past the room's 40
+        kv_message(room, 0, (0, 1), [[-4, 8]], 8 * 16),  # before its start
+        kv_message(room, 0, (0, 1), [[0, 40]], size - 16),  # the wrong byte size
+        kv_message(room, 0, (0, 1), [[0, MAX_MESSAGE_POSITIONS + 1]], 16),  # too many
+        [b"kv", b"\xc1", b""],  # a header that does not decode
+        [b"kv", msgpack.packb([room, "0", 0, 1, [[0, 40]], 0.0]), b"", b""],  # wrong types
+    ]
+    sock = peer(control.endpoints[0])
+    try:
+        for frames in forged:
+            sock.send_multipart(frames)
+        assert wait_dropped(control, len(forged)) == len(forged)
+    finally:
+        sock.close()
+    assert untouched(dst_pools, dst_slots)
+    assert control.poll() == []  # nothing counted towards the room
+    list(run_prefill(senders, src, KVDestination(room, control.endpoints, dst), [(8, 40)], [40]))
+    assert [r for r, _ in wait_done(control, room)] == [room]
+    src_slots = torch.arange(8, 48)
+    for (_, tp), pool in dst_pools.items():
+        h0, h1 = dst.heads(tp)
+        for layer in range(6):
+            for got, want in zip(pool.buffers(layer), whole.buffers(layer), strict=True):
+                assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])
+
+
+def zmtp_null_handshake() -> bytes:
+    """A ZMTP 3.0 peer's opening under the NULL mechanism, as a DEALER."""
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00")
+    greeting += b"\x00" * 32  # as-server 0, filler
+    prop = bytes([11]) + b"Socket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+    ready = b"\x05READY" + prop
+    return greeting + b"\x04" + bytes([len(ready)]) + ready
+
+
+def test_an_oversized_message_is_refused_at_its_header(sides: list) -> None:
+    """A frame declaring 4 GiB: the receiver closes the connection on reading the header
+    (before the body arrives, so nothing of it is held); without the limit it would take
+    every byte sent. On the plain link: under CURVE no such peer gets in at all."""
+    src, dst = CASES["pp1->tp2"]
+    pool = pools_for(dst, None, None)[(0, 0)]
+    receiver = KVReceiver(pool, dst, (0, 0), "127.0.0.1")
+    sides.append(receiver)
+    host, port = receiver.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    sent = 0
+    try:
+        conn.sendall(zmtp_null_handshake())
+        conn.sendall(b"\x02" + (4 << 30).to_bytes(8, "big"))  # one long frame of 4 GiB
+        chunk = bytes(1 << 20)
+        with contextlib.suppress(OSError):
+            while sent < 256 << 20:
+                conn.sendall(chunk)
+                sent += len(chunk)
+    finally:
+        conn.close()
+    assert sent < 256 << 20, "the receiver kept reading a 4 GiB message"
+
+
+def test_a_room_expires_with_its_request(sides: list) -> None:
+    src, dst, _whole, dst_pools, senders, control, dst_slots = build(
+        "pp1->tp2", sides, room_ttl_s=0.3
+    )
+    room = new_room()
+    control.open(room, [(20, 40)], 40)
+    time.sleep(0.8)  # the request is long over: nobody closed the room, it went by itself
+    list(run_prefill(senders, src, KVDestination(room, control.endpoints, dst), [(8, 40)], [40]))
+    assert wait_dropped(control, 1) >= 1
+    assert control.poll() == [] and untouched(dst_pools, dst_slots)
+
+
+def test_unreachable_and_silent_destinations_hold_up_no_other(sides: list) -> None:
+    """A destination ZeroMQ cannot connect to fails its room at once; 20 that take nothing
+    wait out their timeout (30 s) each on their own: a room to a live receiver queued after
+    all of them arrives meanwhile, while none of theirs has been given up yet."""
+    src, dst, _whole, _dst_pools, _senders, control, _dst_slots = build("pp1->tp2", sides)
+    whole = whole_kv(False)
+    pool = pools_for(src, whole, torch.arange(8, 48))[(0, 0)]
+    sender = KVSender(pool, src, (0, 0), range(6), 30.0, keys=KEYS)
+    sides.append(sender)
+    bad = KVDestination(new_room(), ("foo://bar", "foo://bar"), dst)
+    list(run_prefill({(0, 0): sender}, src, bad, [(8, 40)], [40]))
+    silent = []
+    for _ in range(20):
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dest = KVDestination(new_room(), (f"tcp://127.0.0.1:{port}",) * 2, dst)
+        silent.append(dest.room)
+        list(run_prefill({(0, 0): sender}, src, dest, [(8, 40)], [40]))
+    room = new_room()
+    control.open(room, [(20, 40)], 40)
+    live = KVDestination(room, control.endpoints, dst)
+    list(run_prefill({(0, 0): sender}, src, live, [(8, 40)], [40]))
+    assert [r for r, _ in wait_done(control, room)] == [room]
+    assert bad.room in sender._failed and sender.given_up == 1
+    assert not set(silent) & set(sender._failed)  # still waiting out their own timeout
+    assert sender.alive
+
+
+def test_a_sender_that_stopped_fails_the_forward() -> None:
+    """The worker fails (so the server's /health does) rather than dropping KV silently."""
+    src, dst = CASES["pp1->tp2"]
+    pool = pools_for(src, whole_kv(False), torch.arange(8, 48))[(0, 0)]
+    sender = KVSender(pool, src, (0, 0), range(6), 1.0, keys=KEYS)
+    sender.close()
+    dest = KVDestination(new_room(), ("tcp://127.0.0.1:9",) * 2, dst)
+    with pytest.raises(RuntimeError, match="sender thread has stopped"):
+        list(run_prefill({(0, 0): sender}, src, dest, [(8, 40)], [40]))
+
+
+def test_messages_carry_at_most_max_positions() -> None:
+    slots = torch.arange(100, 113)
+    parts = split_positions([(0, 5), (10, 8)], slots, 4)
+    assert [runs for runs, _ in parts] == [[(0, 4)], [(4, 1), (10, 3)], [(13, 4)], [(17, 1)]]
+    assert torch.equal(torch.cat([s for _, s in parts]), slots)
+    assert [len(s) for _, s in parts] == [4, 4, 4, 1]

@@ -279,3 +279,37 @@ def error_message(response: httpx.Response) -> str:
     message = body["error"].get("message")
     assert isinstance(message, str) and message, body
     return message
+
+
+class Router:
+    """One `pipeserve router` process in front of `prefill` and `decode` servers (the PD key
+    comes from the environment), with `extra` flags."""
+
+    def __init__(
+        self, prefill: list[str], decode: list[str], log: Path, extra: list[str] | None = None
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(PIPESERVE), "router", "--port", str(self.port), "--health-interval", "0.3"]
+        cmd += ["--prefill", *prefill, "--decode", *decode, *(extra or [])]
+        self.log = log
+        self._file = log.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT)
+        ready = wait_for(lambda: "router ready" in self.output() or self.proc.poll(), 60)
+        assert ready and self.proc.poll() is None, self.output()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(self.base_url + "/health", timeout=10).json()
+
+    def complete(self, body: dict[str, Any], timeout: float = 120) -> httpx.Response:
+        return httpx.post(self.base_url + "/v1/completions", json=body, timeout=timeout)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self.proc.kill()
+        self._file.close()

@@ -122,8 +122,12 @@ def normal_requests(engine: Engine) -> list[tuple[list[int], dict[str, Any]]]:
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip() and "\ufffd" not in stop, text
     limits = {"stop": ["\u2603" * 256] * 16, "stop_token_ids": [10**6 + i for i in range(256)]}
-    return [(ps[0], GREEDY), (ps[1], GREEDY), (ps[2], {**GREEDY, **limits}),
-            (ps[3], {**GREEDY, "stop": ["zzzzzz", stop]})]
+    return [
+        (ps[0], GREEDY),
+        (ps[1], GREEDY),
+        (ps[2], {**GREEDY, **limits}),
+        (ps[3], {**GREEDY, "stop": ["zzzzzz", stop]}),
+    ]
 
 
 def assert_all_pages_free(engine: Engine) -> None:

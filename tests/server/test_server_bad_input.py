@@ -35,6 +35,7 @@ def server(tiny_model: Path, tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("bad-input-server") / "server.log"
     args = ["--context-length", str(CONTEXT), "--served-model-name", NAME]
     args += ["--max-request-bytes", str(MAX_BYTES)]
+    args += ["--enable-api-docs"]  # the fuzzing reads the schema
     with running_server(tiny_model, args, log) as srv:
         yield srv
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +22,9 @@ from typing import Any
 import httpx
 import pytest
 from server_helpers import (
-    PIPESERVE,
+    Router,
     Server,
     drained,
-    free_port,
     kill_pids,
     wait_for,
     wait_gone,
@@ -37,32 +35,6 @@ pytestmark = pytest.mark.timeout(600)
 CHUNK = 32
 SETTLE_S = 60.0
 TIMEOUT_FLAGS = ["--disaggregation-transfer-timeout", "60", "--watchdog-timeout", "60"]
-
-
-class Router:
-    def __init__(self, prefill: list[str], decode: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(PIPESERVE), "router", "--port", str(self.port), "--health-interval", "0.3"]
-        cmd += ["--prefill", *prefill, "--decode", *decode]
-        self.log = log
-        self._file = log.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT)
-        ready = wait_for(lambda: "router ready" in log.read_text(errors="replace"), 60)
-        assert ready, log.read_text(errors="replace")
-
-    def health(self) -> dict[str, Any]:
-        return httpx.get(self.base_url + "/health", timeout=10).json()
-
-    def complete(self, body: dict[str, Any], timeout: float = 120) -> httpx.Response:
-        return httpx.post(self.base_url + "/v1/completions", json=body, timeout=timeout)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self.proc.kill()
-        self._file.close()
 
 
 @contextlib.contextmanager
@@ -76,6 +48,7 @@ def servers(
             model, [*common, "--disaggregation-mode", "prefill", *prefill_args], tmp / "p.log"
         )
         made.append(prefill)
+        decode_args = ["--disaggregation-prefill-url", prefill.base_url, *decode_args]
         decode = Server(
             model, [*common, "--disaggregation-mode", "decode", *decode_args], tmp / "d.log"
         )
@@ -144,6 +117,12 @@ def check_same_tokens(prefill: Server, decode: Server, router: Router) -> None:
     assert wait_for(lambda: settled(prefill, decode), SETTLE_S)
 
 
+@pytest.fixture(autouse=True)
+def pd_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router and the servers (children: they inherit it) share the PD key."""
+    monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "test-pd-key")
+
+
 def test_prefill_pp2_to_decode_pp1_then_faults(model_dir, tmp_path: Path) -> None:
     model = model_dir("tiny-llama")
     # tiny chunks: the long prompts stay mid-prefill for seconds (metrics lag up to 0.5 s)
@@ -205,7 +184,7 @@ def prefill_killed_mid_transfer(prefill: Server, decode: Server, router: Router)
     assert "prefill server" in result[0].json()["error"]["message"]
     assert wait_for(lambda: settled(decode), SETTLE_S), decode.metrics()
     assert pd_stats(decode)["failed"] == 0  # ended by the failed call, not a timeout
-    assert wait_for(lambda: router.health()["prefill"][prefill.base_url] is False, 20)
+    assert wait_for(lambda: router.health()["prefill"]["healthy"] == 0, 20)
     r = router.complete(body(prompts()[0]))
     assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
     # the decode server itself keeps serving
@@ -233,7 +212,7 @@ def decode_killed_mid_decode(prefill: Server, decode: Server, router: Router) ->
     t.join(timeout=90)
     assert not t.is_alive(), "the client hangs after the decode server died"
     assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
-    assert wait_for(lambda: router.health()["decode"][decode.base_url] is False, 20)
+    assert wait_for(lambda: router.health()["decode"]["healthy"] == 0, 20)
     assert wait_for(lambda: settled(prefill), SETTLE_S), prefill.metrics()
     assert prefill.post("/v1/completions", body(prompts()[1])).status_code == 200
 

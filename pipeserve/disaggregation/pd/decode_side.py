@@ -171,7 +171,8 @@ class DecodeTransfers:
         t.exposed_s += s.exposed_s
 
     def stats(self) -> dict[str, Any]:
-        return self.totals.stats(len(self.pending), len(self.waiting))
+        stats = self.totals.stats(len(self.pending), len(self.waiting))
+        return stats | {"pd_kv_messages_dropped": self.control.dropped}
 
     def shutdown(self) -> None:
         self.control.shutdown()

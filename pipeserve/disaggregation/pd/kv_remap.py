@@ -13,6 +13,7 @@ a transfer backend sends the same slices for, and what the tests check the plan 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,19 +93,71 @@ class KVDestination:
         }
 
     @classmethod
-    def from_json(cls, d: Any) -> KVDestination:
-        """ValueError names what is wrong (it arrives over HTTP)."""
+    def from_json(
+        cls,
+        d: Any,
+        hosts: tuple[str, ...] | None = None,
+        max_stages: int | None = None,
+        max_tp: int | None = None,
+    ) -> KVDestination:
+        """A destination that arrived over HTTP from a peer, checked like client input:
+        ValueError names what is wrong. `hosts`: the addresses KV may go to (None: any);
+        `max_stages` and `max_tp` bound the layout (a model's layers and attention heads:
+        no real decode side has more), so planning it is bounded work."""
         try:
-            layers = tuple((int(a), int(b)) for a, b in d["stage_layers"])
-            layout = SideLayout(layers, int(d["tp_size"]), int(d["num_kv_heads"]), d["latent"])
-            dest = cls(str(d["room"]), tuple(str(e) for e in d["endpoints"]), layout)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed KV transfer destination: {exc!r}") from None
+            room, endpoints = d["room"], d["endpoints"]
+            raw_layers, tp_size, kv_heads, latent = (
+                d["stage_layers"],
+                d["tp_size"],
+                d["num_kv_heads"],
+                d["latent"],
+            )
+            typed = isinstance(room, str) and isinstance(endpoints, list)
+            typed = typed and isinstance(raw_layers, list) and isinstance(latent, bool)
+            typed = typed and type(tp_size) is int and type(kv_heads) is int
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed KV transfer destination: missing {exc}") from None
+        if not typed:
+            raise ValueError("malformed KV transfer destination: a field has the wrong type")
+        if not ROOM_FORM.fullmatch(room):
+            raise ValueError("malformed KV transfer destination: the room is not 32 hex digits")
+        if max_stages is not None and not 0 < len(raw_layers) <= max_stages:
+            raise ValueError(f"a KV transfer destination has 1 to {max_stages} stages")
+        if max_tp is not None and not 0 < tp_size <= max_tp:
+            raise ValueError(f"a KV transfer destination's tp_size is 1 to {max_tp}")
+        try:
+            layers = tuple((int(a), int(b)) for a, b in raw_layers)
+        except (TypeError, ValueError):
+            raise ValueError("malformed KV transfer destination: stage_layers") from None
+        layout = SideLayout(layers, tp_size, kv_heads, latent)
         layout.check()
-        ranks = len(layout.stage_layers) * layout.tp_size  # not layout.ranks(): tp_size is
-        if len(dest.endpoints) != ranks or not isinstance(layout.latent, bool):  # untrusted
+        if len(endpoints) != len(layers) * tp_size:  # not layout.ranks(): tp_size is untrusted
             raise ValueError("a KV transfer destination needs one endpoint per decode rank")
-        return dest
+        for e in endpoints:
+            check_endpoint(e, hosts)
+        return cls(room, tuple(endpoints), layout)
+
+
+ROOM_FORM = re.compile(r"[0-9a-f]{32}")
+
+
+def check_endpoint(endpoint: Any, hosts: tuple[str, ...] | None) -> None:
+    """ValueError unless `endpoint` is tcp://HOST:PORT with HOST among `hosts` (None: any).
+    The message does not repeat the endpoint: a peer's input is not reflected."""
+    m = ENDPOINT_FORM.fullmatch(endpoint) if isinstance(endpoint, str) else None
+    if m is None or not 0 < int(m["port"]) < 65536:
+        raise ValueError("a KV transfer endpoint must be tcp://HOST:PORT")
+    host = m["host"].strip("[]")
+    if hosts is not None and host not in hosts:
+        raise ValueError(
+            "a KV transfer endpoint names a host this prefill server does not send to (see "
+            "--disaggregation-decode-host)"
+        )
+
+
+ENDPOINT_FORM = re.compile(
+    r"tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(?P<port>[0-9]{1,5})"
+)
 
 
 def plan(src: SideLayout, dst: SideLayout) -> list[Piece]:

@@ -3,14 +3,21 @@ front of separate prefill servers and decode servers.
 
 For each completion the router picks a healthy decode server and a healthy prefill server
 (round-robin each) and forwards the request, its body bytes untouched, to the decode server
-with the prefill server's URL in `X-Pipeserve-Prefill`. The decode server has that prefill
-server compute the prompt's KV and send it over, so the router never talks to a prefill
-server about a request. The answer streams back as it arrives: the client sees one stream.
+with the prefill server's URL in `X-Pipeserve-Prefill` and the internal credential (derived
+from the PD key, see `auth`) in `X-Pipeserve-Internal`; the decode server follows the prefill
+header only with that credential, and a client's own copies of either header are never
+passed on. The decode server has that prefill server compute the prompt's KV and send it
+over, so the router never talks to a prefill server about a request. The answer streams
+back as it arrives: the client sees one stream.
 
 The router checks only what is cheap (the API key, the body size); the decode server
 validates the request, and whatever status it answers is relayed as is. Every server is
 probed on `/health` in the background; one that fails a probe, or refuses a connection,
 gets no requests until a probe succeeds again.
+
+What a client can read names no backend: /health and /metrics count servers or number them
+by their place in --prefill/--decode, and errors say "decode server #1"; the URLs are in the
+log only. The API docs (/docs, /redoc, /openapi.json) are off.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from pipeserve.disaggregation.pd import auth
 from pipeserve.server.body_limit import BodySizeLimit
 from pipeserve.server.protocol import error_body
 
@@ -50,20 +58,29 @@ KEEPALIVE_EXPIRY_S = 2.0
 RETRY_OTHER_SERVER_S = 1  # Retry-After when one decode server failed: others may be healthy
 GRACEFUL_SHUTDOWN_S = 3
 CLIENT_GONE = 499  # status of a request whose client disconnected (never seen by it)
+# the client's headers passed on; never PREFILL_HEADER or auth.INTERNAL_HEADER, which only
+# the router may set
 FORWARDED_HEADERS = ("authorization", "content-type")
 RELAYED_HEADERS = ("content-type", "retry-after", "cache-control")
 SSE_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+LONGEST_EVENT_END = max(len(end) for end in SSE_EVENT_ENDS)
+MAX_EVENT_BYTES = 4 * 2**20  # one event larger than this ends the relay (bounds its buffer)
 
 T = TypeVar("T")
 
 
 class Upstream:
-    """One prefill or decode server as the router sees it. `healthy` is None until the first
-    probe answers; unknown counts as unhealthy."""
+    """One prefill or decode server as the router sees it: the `index`-th of its role's list.
+    `healthy` is None until the first probe answers; unknown counts as unhealthy."""
 
-    def __init__(self, role: str, url: str) -> None:
-        self.role, self.url = role, url
+    def __init__(self, role: str, index: int, url: str) -> None:
+        self.role, self.index, self.url = role, index, url
         self.healthy: bool | None = None
+
+    @property
+    def name(self) -> str:
+        """How clients hear of it: by its place in --prefill/--decode, never its URL."""
+        return f"{self.role} server #{self.index}"
 
     @property
     def up(self) -> bool:
@@ -86,7 +103,7 @@ class Pool:
 
     def __init__(self, role: str, urls: list[str]) -> None:
         self.role = role
-        self.servers = [Upstream(role, url) for url in urls]
+        self.servers = [Upstream(role, i, url) for i, url in enumerate(urls)]
         self._next = 0
 
     def pick(self) -> Upstream | None:
@@ -101,8 +118,12 @@ class Pool:
     def any_up(self) -> bool:
         return any(server.up for server in self.servers)
 
-    def status(self) -> dict[str, bool]:
-        return {server.url: server.up for server in self.servers}
+    def n_up(self) -> int:
+        return sum(server.up for server in self.servers)
+
+    def status(self) -> dict[str, int]:
+        """Counts only: which server is where is no business of a client's."""
+        return {"healthy": self.n_up(), "total": len(self.servers)}
 
 
 class RouterMetrics:
@@ -113,7 +134,7 @@ class RouterMetrics:
         self.healthy = Gauge(
             "pipeserve_router_server_healthy",
             "1 while the server's last health probe succeeded",
-            ["role", "url"],
+            ["role", "index"],  # the index in --prefill/--decode, not the URL
             registry=r,
         )
         self.requests = Counter(
@@ -130,7 +151,8 @@ class RouterMetrics:
 
     def render(self, pools: list[Pool]) -> bytes:
         for server in (server for pool in pools for server in pool.servers):
-            self.healthy.labels(role=server.role, url=server.url).set(1 if server.up else 0)
+            labels = self.healthy.labels(role=server.role, index=str(server.index))
+            labels.set(1 if server.up else 0)
         return generate_latest(self.registry)
 
 
@@ -142,6 +164,7 @@ class RouterState:
         health_interval_s: float,
         request_timeout_s: float,
         api_key: str | None,
+        pd_key: str,
     ) -> None:
         self.prefill = Pool("prefill", prefill_urls)
         self.decode = Pool("decode", decode_urls)
@@ -150,6 +173,7 @@ class RouterState:
         self.retry_after_s = max(1, math.ceil(health_interval_s))  # until the next probe
         self.request_timeout_s = request_timeout_s
         self.api_key = api_key.encode() if api_key is not None else None
+        self.internal_headers = auth.internal_headers(pd_key)
         self.metrics = RouterMetrics()
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S),
@@ -169,9 +193,12 @@ def create_router_app(
     request_timeout_s: float = 600.0,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    pd_auth_key: str | None = None,
 ) -> FastAPI:
     """The router as a FastAPI app. Its startup probes every server once, so a router
-    started against running servers routes at once."""
+    started against running servers routes at once. `pd_auth_key` is the PD key (else env
+    PIPESERVE_PD_AUTH_KEY; ValueError if neither): the decode servers act only on requests
+    that carry its internal credential."""
     _check_settings(
         prefill_urls, decode_urls, health_interval_s, request_timeout_s, max_request_bytes
     )
@@ -181,6 +208,7 @@ def create_router_app(
         health_interval_s,
         request_timeout_s,
         api_key,
+        auth.pd_key(pd_auth_key),
     )
 
     @asynccontextmanager
@@ -195,7 +223,14 @@ def create_router_app(
                 await prober
             await state.client.aclose()
 
-    app = FastAPI(title="pipeserve router", lifespan=lifespan)
+    # no API docs: they would only tell a stranger what there is to try
+    app = FastAPI(
+        title="pipeserve router",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.router = state
     app.add_middleware(BodySizeLimit, limit=max_request_bytes)
     _install_error_handlers(app)
@@ -231,10 +266,17 @@ def run_router(
     request_timeout_s: float = 600.0,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    pd_auth_key: str | None = None,
 ) -> None:
     """Serve the router with uvicorn until SIGINT/SIGTERM."""
     app = create_router_app(
-        prefill_urls, decode_urls, health_interval_s, request_timeout_s, api_key, max_request_bytes
+        prefill_urls,
+        decode_urls,
+        health_interval_s,
+        request_timeout_s,
+        api_key,
+        max_request_bytes,
+        pd_auth_key=pd_auth_key,
     )
     config = uvicorn.Config(
         app,
@@ -303,7 +345,8 @@ def _add_info_routes(app: FastAPI, state: RouterState) -> None:
         if decode is None:
             return _no_server(state, [state.decode])
         try:
-            answer = await state.client.get(f"{decode.url}/v1/models", headers=_pass(request))
+            headers = _pass(state, request)
+            answer = await state.client.get(f"{decode.url}/v1/models", headers=headers)
         except httpx.HTTPError as exc:
             return _upstream_failed(state, decode, exc)
         return Response(answer.content, answer.status_code, _relayed_headers(answer))
@@ -334,7 +377,7 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
         body = await request.body()
     except ClientDisconnect:  # gone, or its body passed the size limit (413 already sent)
         return Response(status_code=CLIENT_GONE)
-    headers = {**_pass(request), PREFILL_HEADER: prefill.url}
+    headers = {**_pass(state, request), PREFILL_HEADER: prefill.url}
     sent = state.client.build_request("POST", decode.url + path, content=body, headers=headers)
     try:
         upstream = await _unless_client_leaves(request, state.client.send(sent, stream=True))
@@ -345,11 +388,12 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
     return _relay(state, decode, upstream)
 
 
-def _pass(request: Request) -> dict[str, str]:
-    """The client's headers the decode server needs; identity encoding, so that the bytes
-    relayed are the bytes received."""
+def _pass(state: RouterState, request: Request) -> dict[str, str]:
+    """The headers of a call of a decode server: the client's that it needs (FORWARDED_HEADERS
+    only), the router's internal credential, and identity encoding, so that the bytes relayed
+    are the bytes received."""
     headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
-    return {**headers, "accept-encoding": "identity"}
+    return {**headers, "accept-encoding": "identity", **state.internal_headers}
 
 
 def _check_key(state: RouterState, request: Request) -> Response | None:
@@ -434,39 +478,68 @@ async def _relay_body(
 async def _relay_events(
     state: RouterState, decode: Upstream, upstream: httpx.Response
 ) -> AsyncIterator[bytes]:
-    """The upstream server-sent events as they arrive, whole events only. On a break the
-    client gets an error event and `[DONE]`: a stream that ends the way a failed pipeserve
-    stream ends, with no half event before it."""
-    pending = b""
+    """The upstream server-sent events as they arrive, whole events only. On a break, or an
+    event over MAX_EVENT_BYTES (the buffer of a half event is bounded), the client gets an
+    error event and `[DONE]`: a stream that ends the way a failed pipeserve stream ends, with
+    no half event before it."""
+    pending = bytearray()  # the start of an event; never holds a whole one between chunks
     try:
         async for chunk in upstream.aiter_raw():
             pending += chunk
-            whole = _whole_events(pending)
+            whole = _whole_events(pending, len(pending) - len(chunk))
             if whole:
-                yield pending[:whole]
-                pending = pending[whole:]
+                yield bytes(pending[:whole])
+                del pending[:whole]
+            if len(pending) > MAX_EVENT_BYTES:
+                yield _event_too_large(state, decode)
+                return
     except httpx.HTTPError as exc:
-        _stream_broke(state, decode, exc)
-        message = (
-            f"the decode server {decode.url} broke off the stream ({_describe(exc)}); "
-            "the completion is incomplete: retry the request"
-        )
-        body = error_body(message, "server_error", code="upstream_stream_broken")
-        yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+        yield _stream_broke(state, decode, exc)
         return
     if pending:
-        yield pending
+        yield bytes(pending)
 
 
-def _whole_events(buffer: bytes) -> int:
-    """The length of the start of `buffer` made of whole events (each ends in a blank line)."""
-    ends = (buffer.rfind(end) + len(end) for end in SSE_EVENT_ENDS if end in buffer)
-    return max(ends, default=0)
+def _whole_events(buffer: bytearray, new: int) -> int:
+    """The length of the start of `buffer` made of whole events (each ends in a blank line),
+    given that no event ended before its `new`-th byte: only the new bytes are searched, so
+    relaying a long event costs linear time."""
+    start = max(0, new - LONGEST_EVENT_END + 1)
+    whole = 0
+    for end in SSE_EVENT_ENDS:
+        at = buffer.rfind(end, start)
+        if at >= 0:
+            whole = max(whole, at + len(end))
+    return whole
 
 
-def _stream_broke(state: RouterState, decode: Upstream, exc: httpx.HTTPError) -> None:
+def _stream_broke(state: RouterState, decode: Upstream, exc: httpx.HTTPError) -> bytes:
     state.metrics.errors.inc()
     log.warning("the stream from decode server %s broke off: %s", decode.url, _describe(exc))
+    message = (
+        f"{decode.name} broke off the stream ({type(exc).__name__}); the completion is "
+        "incomplete: retry the request"
+    )
+    return _final_error_event(message, "upstream_stream_broken")
+
+
+def _event_too_large(state: RouterState, decode: Upstream) -> bytes:
+    state.metrics.errors.inc()
+    log.warning(
+        "decode server %s sent an event of over %d bytes: relay stopped",
+        decode.url,
+        MAX_EVENT_BYTES,
+    )
+    message = (
+        f"{decode.name} sent an event of over {MAX_EVENT_BYTES} bytes; the completion is "
+        "incomplete: retry the request"
+    )
+    return _final_error_event(message, "upstream_event_too_large")
+
+
+def _final_error_event(message: str, code: str) -> bytes:
+    body = error_body(message, "server_error", code=code)
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -486,7 +559,7 @@ def _error(
 def _no_server(state: RouterState, empty: list[Pool]) -> Response:
     state.metrics.errors.inc()
     what = " and ".join(
-        f"no healthy {pool.role} server (of {', '.join(pool.status())})" for pool in empty
+        f"no healthy {pool.role} server ({pool.n_up()} of {len(pool.servers)})" for pool in empty
     )
     message = f"{what}: retry after the next health check"
     return _error(503, message, "server_error", "no_healthy_server", state.retry_after_s)
@@ -495,18 +568,19 @@ def _no_server(state: RouterState, empty: list[Pool]) -> Response:
 def _upstream_failed(state: RouterState, decode: Upstream, exc: httpx.HTTPError) -> Response:
     """Before any answer: a timeout is the decode server being slow (504; the health probe
     judges it); anything else (refused, reset, closed) means it is gone, so it leaves the
-    rotation at once (503). Not retried elsewhere: the request may have started there."""
+    rotation at once (503). Not retried elsewhere: the request may have started there. The
+    client hears only the error's type: its text may name the server's address."""
     state.metrics.errors.inc()
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        log.warning("decode server %s timed out: %s", decode.url, _describe(exc))
         message = (
-            f"the decode server {decode.url} did not answer within --request-timeout "
-            f"({state.request_timeout_s:g} s)"
+            f"{decode.name} did not answer within --request-timeout ({state.request_timeout_s:g} s)"
         )
         return _error(504, message, "server_error", "upstream_timeout")
     decode.mark(False, _describe(exc))
     message = (
-        f"the decode server {decode.url} cannot be reached ({_describe(exc)}); it gets no "
-        "requests until its health check passes: retry the request"
+        f"{decode.name} cannot be reached ({type(exc).__name__}); it gets no requests until "
+        "its health check passes: retry the request"
     )
     return _error(503, message, "server_error", "upstream_unavailable", RETRY_OTHER_SERVER_S)
 

@@ -8,29 +8,39 @@ local processes and between machines, and a peer that dies or restarts breaks no
 beyond its own requests, where a torch.distributed group spanning both sides would fail
 for good and tie their start-up together). An RDMA engine would implement the same three:
 
-- `KVReceiver`, one per decode worker: registers its KV pool, accepts `open(room, slots)`
-  and `close(room)` from its engine process, writes arriving KV into the room's slots and
-  reports the room done once every piece it expects has come. Data for a room that is not
-  open (never, or no longer: an aborted request whose pages went to someone else) is
-  dropped, so a late or duplicated message can never write into another request's pages.
+- `KVReceiver`, one per decode worker, with two sockets. Its control socket (ipc:// in a
+  directory only this user can enter; across nodes tcp:// under CURVE) takes `open(room,
+  slots)` and `close(room)` from its engine process alone. Its data socket (tcp://, a CURVE
+  server that lets in only holders of the PD key: auth.py) takes `kv` messages and writes
+  each into the room's slots once it has checked it (an open room, a layer of this stage,
+  heads of this rank, positions within the room, the exact byte size); anything else is
+  dropped and counted, so neither a late message of an aborted request (whose pages went
+  to someone else) nor a forged one can write into any request's pages. A room reports done
+  once every piece it expects has come, and expires with its request.
 - `ReceiverControl`, in the decode engine process: opens and closes a room on every
   decode rank (waiting for each to confirm, so a closed room's pages are safe to reuse)
-  and collects the done notices.
+  and collects the done notices and the ranks' dropped-message counts.
 - `KVSender`, one per prefill worker: for a batch's slices that carry a `KVDestination`,
   copies its share of a layer's new KV (`kv_remap.plan`: its layers x heads needed by each
-  decode rank) out of the pool and queues it to a sender thread, which never blocks the
-  forward; a destination that stops taking data is given up after a timeout and the
-  request's queued messages are dropped (bounded memory, nothing stranded).
+  decode rank) out of the pool, in messages of at most MAX_MESSAGE_POSITIONS positions, and
+  queues it to a sender thread, which never blocks the forward. The thread keeps a queue
+  per destination and never waits on one: a destination that takes nothing for the
+  transfer timeout (dead, cut off, or one that cannot even be connected to) has its rooms
+  given up (their messages dropped: bounded memory, nothing stranded) while the others
+  flow.
 
 A room is a random 128-bit id the decode side makes: it is also the capability that lets a
-prefill worker write into those pages.
+prefill worker write into those pages, so it is never logged.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import queue
 import secrets
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,18 +49,33 @@ from typing import Any
 import msgpack
 import torch
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from pipeserve.context_parallel.layout import PageStriping, runs_of
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, Piece, Rank, SideLayout, plan
+from pipeserve.distributed.channels import (
+    ClientKey,
+    CurveKeys,
+    private_directory,
+    secure_client,
+    secure_server,
+)
 from pipeserve.layers.attention import gather_index
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
 
 log = logging.getLogger(__name__)
 
-SEND_HWM = 64  # messages queued per destination before a send waits
+SEND_HWM = 64  # messages queued per destination in ZeroMQ before a send would wait
+RECV_HWM = 16  # messages ZeroMQ holds per sending peer before it stops reading that peer
 CONTROL_TIMEOUT_S = 10.0  # a decode rank must confirm open/close within this
 MAX_FAILED_ROOMS = 4096  # given-up rooms a sender remembers (to drop their later messages)
+MAX_MESSAGE_POSITIONS = 8192  # positions one kv message carries at most (a chunk's layer)
+MAX_CONTROL_BYTES = 16 * 2**20  # an open message lists a request's slot runs
+HANDSHAKE_MS = 5000  # a connection that has not authenticated by then is closed
+HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 5000, 30000  # a silent peer's connection is closed
+IDLE_SOCKET_S = 60.0  # a sender closes its socket to a destination unused this long
+STATS_EVERY_S = 1.0  # how often the control asks the ranks for their dropped counts
 
 
 def new_room() -> str:
@@ -62,6 +87,26 @@ def slot_index(runs: list[Run]) -> torch.Tensor:
     return gather_index([runs], torch.device("cpu"))[0][0]
 
 
+def split_positions(
+    positions: list[Run], slots: torch.Tensor, limit: int
+) -> list[tuple[list[Run], torch.Tensor]]:
+    """`positions` (runs) and their `slots`, cut into parts of at most `limit` positions."""
+    parts: list[tuple[list[Run], torch.Tensor]] = []
+    runs: list[Run] = []
+    taken, start = 0, 0
+    for a, n in positions:
+        while n:
+            k = min(n, limit - taken)
+            runs.append((a, k))
+            a, n, taken = a + k, n - k, taken + k
+            if taken == limit:
+                parts.append((runs, slots[start : start + taken]))
+                runs, start, taken = [], start + taken, 0
+    if runs:
+        parts.append((runs, slots[start : start + taken]))
+    return parts
+
+
 # -- the prefill side ------------------------------------------------------------------------
 
 
@@ -70,6 +115,16 @@ class _Outgoing:
     endpoint: str
     room: str
     frames: list[Any]
+
+
+@dataclass
+class _Destination:
+    """The sender thread's view of one decode rank's receiver."""
+
+    sock: zmq.Socket | None
+    queue: collections.deque[_Outgoing] = field(default_factory=collections.deque)
+    progress_at: float = 0.0  # the last send, or when the queue last went from empty to not
+    used_at: float = 0.0
 
 
 class KVSender:
@@ -84,18 +139,25 @@ class KVSender:
         layers: range,
         timeout_s: float,
         striping: PageStriping | None = None,
+        keys: CurveKeys | None = None,
     ) -> None:
         """`striping`: under context parallelism, which pages this rank holds (each CP rank
-        of a stage sends its own positions, as the stage's TP rank 0 would)."""
+        of a stage sends its own positions, as the stage's TP rank 0 would). `keys`: the KV
+        link's CURVE pairs (auth.kv_link_keys); None only in tests of the plain link."""
         self.pool, self.layout, self.me, self.layers = pool, layout, me, layers
-        self.timeout_s, self.striping = timeout_s, striping
+        self.timeout_s, self.striping, self.keys = timeout_s, striping, keys
         self._plans: dict[SideLayout, dict[int, list[tuple[int, Piece]]]] = {}
         # per request of the batch: its destination, position runs and their slots here
         self._work: list[tuple[KVDestination, list[Run], torch.Tensor]] = []
         self._out: queue.Queue[_Outgoing | None] = queue.Queue()
         self._failed: dict[str, None] = {}  # rooms given up, oldest first
+        self.given_up = 0  # rooms given up since start
         self._thread = threading.Thread(target=self._send_loop, daemon=True, name="kv-sender")
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def before(self, n: int) -> None:
         pass
@@ -104,6 +166,8 @@ class KVSender:
         """Note which positions of which requests this forward makes KV for: a request's
         first chunk sends from position 0 (the prefix it took from the cache too); under
         context parallelism each rank sends the positions whose pages it holds."""
+        if not self.alive:  # fails the worker, so the server reports unhealthy
+            raise RuntimeError("the KV sender thread has stopped: no KV can be sent")
         self._work = []
         for s in batch.slices:
             if s.kv_dest is None:
@@ -126,21 +190,21 @@ class KVSender:
         layer = self.layers[n]
         for dest, positions, slots in self._work:
             for dst_index, piece in self._pieces(dest.layout).get(layer, []):
-                frames = self._frames(layer, piece, slots)
-                header = [dest.room, layer, *piece.heads, positions, time.time()]
-                self._out.put(
-                    _Outgoing(dest.endpoints[dst_index], dest.room, [_pack(header), *frames])
-                )
+                endpoint = dest.endpoints[dst_index]
+                for part, part_slots in split_positions(positions, slots, MAX_MESSAGE_POSITIONS):
+                    frames = self._frames(layer, piece, part_slots)
+                    header = [dest.room, layer, *piece.heads, part, time.time()]
+                    self._out.put(_Outgoing(endpoint, dest.room, [_pack(header), *frames]))
 
     def _pieces(self, dst: SideLayout) -> dict[int, list[tuple[int, Piece]]]:
         """Per layer of this stage: (decode rank index, piece) this rank sends."""
         if dst not in self._plans:
-            ranks = dst.ranks()
+            index = {rank: i for i, rank in enumerate(dst.ranks())}
             by_layer: dict[int, list[tuple[int, Piece]]] = {}
             for p in plan(self.layout, dst):
                 if p.src == self.me:
                     for layer in range(*p.layers):
-                        by_layer.setdefault(layer, []).append((ranks.index(p.dst), p))
+                        by_layer.setdefault(layer, []).append((index[p.dst], p))
             self._plans[dst] = by_layer
         return self._plans[dst]
 
@@ -158,46 +222,108 @@ class KVSender:
         ]
 
     def _send_loop(self) -> None:
+        """Move queued messages to their destinations, never waiting on any one of them."""
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        sockets: dict[str, zmq.Socket] = {}
-        while (item := self._out.get()) is not None:
-            if item.room in self._failed:
-                continue
-            sock = sockets.get(item.endpoint)
-            if sock is None:
-                sock = sockets[item.endpoint] = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(item.endpoint)
-            try:
-                self._send(sock, item)
-            except zmq.ZMQError:  # this room is lost; the thread serves the others
-                log.exception("KV transfer to %s failed; room %s given up", *where_of(item))
-                self._give_up(item.room)
-        for sock in sockets.values():
-            sock.close(linger=0)
+        dests: dict[str, _Destination] = {}
+        running = True
+        while running:
+            busy = any(d.queue for d in dests.values())
+            running = self._take(dests, ctx, wait_s=0.002 if busy else 0.1)
+            now = time.monotonic()
+            for endpoint, d in list(dests.items()):
+                try:
+                    self._flush(endpoint, d, now)
+                except Exception:  # whatever went wrong, it stays with this destination
+                    log.exception("KV sender: destination %s failed", endpoint)
+                    self._drop_destination(endpoint, d)
+                if not d.queue and now - d.used_at > IDLE_SOCKET_S:
+                    self._close(dests.pop(endpoint))
+        for d in dests.values():
+            self._close(d)
 
-    def _send(self, sock: zmq.Socket, item: _Outgoing) -> None:
-        """Send, waiting at most the transfer timeout for room; a destination that takes
-        nothing for that long (dead, or cut off) fails the room: its further messages go."""
-        deadline = time.monotonic() + self.timeout_s
-        where = where_of(item)
-        while True:
+    def _take(self, dests: dict[str, _Destination], ctx: zmq.Context, wait_s: float) -> bool:
+        """Move what the forward queued into the destinations' queues; False on close()."""
+        try:
+            item = self._out.get(timeout=wait_s)
+        except queue.Empty:
+            return True
+        while item is not None:
+            if item.room not in self._failed:
+                d = dests.get(item.endpoint)
+                if d is None:
+                    d = dests[item.endpoint] = _Destination(self._connect(ctx, item))
+                now = time.monotonic()
+                if not d.queue:
+                    d.progress_at = now
+                d.used_at = now
+                d.queue.append(item)
             try:
-                sock.send_multipart([b"kv", *item.frames], flags=zmq.NOBLOCK, copy=False)
-                return
+                item = self._out.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _connect(self, ctx: zmq.Context, item: _Outgoing) -> zmq.Socket | None:
+        """A socket to the item's destination; None if it cannot be connected (an endpoint
+        ZeroMQ rejects): its rooms are then given up when flushed."""
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            if self.keys is not None:
+                secure_client(sock, self.keys)
+            sock.connect(item.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            log.warning("KV sender: cannot connect to %s (%s)", item.endpoint, exc)
+            return None
+        return sock
+
+    def _flush(self, endpoint: str, d: _Destination, now: float) -> None:
+        """Send what the destination takes now; if it has taken nothing for the transfer
+        timeout (or cannot be connected at all), give up every room queued to it."""
+        while d.queue:
+            item = d.queue[0]
+            if item.room in self._failed:
+                d.queue.popleft()
+                continue
+            if d.sock is None:
+                break
+            try:
+                d.sock.send_multipart([b"kv", *item.frames], flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                if time.monotonic() > deadline:
-                    log.warning("KV transfer to %s timed out; room %s given up", *where)
-                    self._give_up(item.room)
-                    return
-                time.sleep(0.01)
+                break
+            d.queue.popleft()
+            d.progress_at = d.used_at = now
+        if d.queue and (d.sock is None or now - d.progress_at > self.timeout_s):
+            log.warning(
+                "KV transfer to %s took nothing for %gs; its %d queued room(s) given up",
+                endpoint,
+                self.timeout_s,
+                len({item.room for item in d.queue}),
+            )
+            self._drop_destination(endpoint, d)
+
+    def _drop_destination(self, endpoint: str, d: _Destination) -> None:
+        for item in d.queue:
+            self._give_up(item.room)
+        d.queue.clear()
 
     def _give_up(self, room: str) -> None:
         """Drop the room's further messages; the oldest given-up rooms are forgotten."""
+        if room in self._failed:
+            return
         self._failed[room] = None
+        self.given_up += 1
         while len(self._failed) > MAX_FAILED_ROOMS:
             del self._failed[next(iter(self._failed))]
+
+    @staticmethod
+    def _close(d: _Destination) -> None:
+        if d.sock is not None:
+            d.sock.close(linger=0)
 
     def close(self) -> None:
         self._out.put(None)
@@ -211,7 +337,8 @@ class KVSender:
 class _Room:
     slots: torch.Tensor  # slot of every position of the request
     expected: int  # layer x head x position units this rank must receive
-    owner: bytes  # the control socket that opened it (gets the done notice)
+    owner: bytes  # the control connection that opened it (gets the done notice)
+    expires: float  # monotonic time: the room is closed then if nothing closed it before
     received: int = 0
     nbytes: int = 0
     wire_s: float = 0.0  # time the link spent on this room's messages (arrival gaps)
@@ -228,78 +355,175 @@ class RoomStats:
     exposed_s: float = 0.0  # last arrival after the prefill side's last send (its last layer)
 
 
-class KVReceiver:
-    """A decode worker's receiving end: a ZMQ ROUTER on `endpoint`, served by a thread."""
+class Dropped(Exception):
+    """A kv message the receiver does not take (the reason is counted, not logged per
+    message: a flood must not flood the log)."""
 
-    def __init__(self, pool: KVPool, layout: SideLayout, me: Rank, host: str) -> None:
+
+class KVReceiver:
+    """A decode worker's receiving end: a data socket (tcp on `host`) and a control socket,
+    served by one thread."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        layout: SideLayout,
+        me: Rank,
+        host: str,
+        keys: CurveKeys | None = None,
+        control_keys: CurveKeys | None = None,
+    ) -> None:
+        """`keys`: the KV link's CURVE pairs (auth.kv_link_keys); None only in tests of the
+        plain link. `control_keys`: None when the engine process is on this node (the control
+        socket is ipc:// in a private directory), else the control link's CURVE pairs (it is
+        tcp:// on `host`)."""
         self.pool, self.layout, self.me = pool, layout, me
-        first, end = layout.stage_layers[me[0]]
-        self.units_per_position = (end - first) * (
-            1 if layout.latent else layout.heads(me[1])[1] - layout.heads(me[1])[0]
+        self.first_layer, self.end_layer = layout.stage_layers[me[0]]
+        self.my_heads = layout.heads(me[1])
+        self.units_per_position = (self.end_layer - self.first_layer) * (
+            self.my_heads[1] - self.my_heads[0]
         )
-        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://{host}:*")
-        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # bytes one position of one layer takes in each target buffer, for all of my heads
+        self.row_bytes = [
+            (b[0] if b.dim() == 2 else b[:, 0]).numel() * b.element_size()
+            for b in self._targets(self.first_layer)
+        ]
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._auth = self._authenticator([k for k in (keys, control_keys) if k is not None])
+        self._data = self._socket(max(self.row_bytes) * MAX_MESSAGE_POSITIONS, keys)
+        self._data.bind(f"tcp://{host}:*")
+        self.endpoint: str = self._data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._control = self._socket(MAX_CONTROL_BYTES, control_keys)
+        self._control_dir = private_directory() if control_keys is None else None
+        if self._control_dir is not None:
+            self._control.bind(f"ipc://{self._control_dir}/kv-control")
+        else:
+            self._control.bind(f"tcp://{host}:*")
+        self.control_endpoint: str = self._control.getsockopt_string(zmq.LAST_ENDPOINT)
         self._rooms: dict[str, _Room] = {}
+        self.dropped: collections.Counter[str] = collections.Counter()
         self._last_arrival = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="kv-receiver")
         self._thread.start()
 
+    def _authenticator(self, keys: list[CurveKeys]) -> ThreadAuthenticator | None:
+        """ZAP for the CURVE sockets: only the client key of their link gets in."""
+        if not keys:
+            return None
+        auth = ThreadAuthenticator(self._ctx)
+        auth.start()
+        allowed = {k.client_public for k in keys}
+        auth.configure_curve_callback("*", _AnyOf(allowed))
+        return auth
+
+    def _socket(self, max_bytes: int, keys: CurveKeys | None) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # a larger message drops its connection
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        if keys is not None:
+            secure_server(sock, keys)
+        return sock
+
     def _serve(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._data, zmq.POLLIN)
+        poller.register(self._control, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                ident, kind, *rest = frames
-                self._handle(ident.bytes, kind.bytes, rest)
-            except Exception:  # a malformed message is dropped; the receiver keeps serving
-                log.exception("dropped a malformed KV transfer message")
-        self._sock.close(linger=0)
+            ready = dict(poller.poll(100))
+            if self._control in ready:
+                self._on_control(self._control.recv_multipart())
+            if self._data in ready:
+                self._on_data(self._data.recv_multipart(copy=False))
+            self._expire(time.monotonic())
+        self._data.close(linger=0)
+        self._control.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+        if self._control_dir is not None:
+            shutil.rmtree(self._control_dir, ignore_errors=True)
 
-    def _handle(self, ident: bytes, kind: bytes, rest: list[Any]) -> None:
-        if kind == b"kv":
-            self._write(_unpack(rest[0].bytes), rest[1:])
-        elif kind == b"open":
-            room, runs, num_tokens = _unpack(rest[0].bytes)
-            slots = slot_index([(int(a), int(n)) for a, n in runs])
-            expected = num_tokens * self.units_per_position
-            self._rooms[room] = _Room(slots, expected, ident)
-            self._sock.send_multipart([ident, b"opened", room.encode()])
-        elif kind == b"close":
-            room = _unpack(rest[0].bytes)
-            self._rooms.pop(room, None)
-            self._sock.send_multipart([ident, b"closed", room.encode()])
+    def _on_control(self, frames: list[bytes]) -> None:
+        """open / close / stats from the engine process (the only peer of this socket)."""
+        try:
+            ident, kind, body = frames
+            if kind == b"open":
+                room, runs, num_tokens, ttl_s = _unpack(body)
+                slots = slot_index([(int(a), int(n)) for a, n in runs])
+                if len(slots) != num_tokens:
+                    raise ValueError("an open's slot runs do not cover its tokens")
+                expected = num_tokens * self.units_per_position
+                self._rooms[room] = _Room(slots, expected, ident, time.monotonic() + ttl_s)
+                self._reply(ident, b"opened", room)
+            elif kind == b"close":
+                room = _unpack(body)
+                self._rooms.pop(room, None)
+                self._reply(ident, b"closed", room)
+            elif kind == b"stats":
+                self._reply(ident, b"stats", "")
+        except Exception:  # a bug of ours: log it, keep serving
+            log.exception("KV receiver: a malformed control message")
+
+    def _reply(self, ident: bytes, kind: bytes, room: str) -> None:
+        self._control.send_multipart([ident, kind, _pack([room, sum(self.dropped.values())])])
+
+    def _on_data(self, frames: list[Any]) -> None:
+        """One kv message: written if every check passes, else dropped and counted."""
+        try:
+            if len(frames) < 3 or frames[1].bytes != b"kv":
+                raise Dropped("not a kv message")
+            self._write(_header(frames[2].bytes), frames[3:])
+        except Dropped as exc:
+            self.dropped[str(exc)] += 1
 
     def _write(self, header: list[Any], frames: list[Any]) -> None:
         room_id, layer, h0, h1, positions, sent = header
         room = self._rooms.get(room_id)
         arrival = time.time()
-        if room is None:  # not open here (any more): dropped
-            return
-        slots = room.slots[slot_index([(int(a), int(n)) for a, n in positions])]
-        for buf, frame in zip(self._targets(layer), frames, strict=True):
+        if room is None:  # not open here (never, or no more): dropped
+            raise Dropped("no such room")
+        if not self.first_layer <= layer < self.end_layer:
+            raise Dropped("a layer of another stage")
+        d0, d1 = self.my_heads
+        if not d0 <= h0 < h1 <= d1:
+            raise Dropped("heads of another rank")
+        count = sum(n for _, n in positions)
+        if count > MAX_MESSAGE_POSITIONS:
+            raise Dropped("too many positions")
+        if not all(a >= 0 and n > 0 and a + n <= len(room.slots) for a, n in positions):
+            raise Dropped("positions outside the room")
+        targets = self._targets(layer)
+        sizes = [row // (d1 - d0) * (h1 - h0) * count for row in self.row_bytes]
+        if len(frames) != len(targets) or [len(f.buffer) for f in frames] != sizes:
+            raise Dropped("the wrong byte size")
+        slots = room.slots[slot_index(positions)]
+        for buf, frame in zip(targets, frames, strict=True):
             data = torch.frombuffer(bytearray(frame.buffer), dtype=buf.dtype)
             if self.layout.latent:
                 buf[slots.to(buf.device)] = data.view(len(slots), -1).to(buf.device)
             else:
-                d0 = self.layout.heads(self.me[1])[0]
                 view = data.view(h1 - h0, len(slots), -1).to(buf.device)
                 buf[h0 - d0 : h1 - d0, slots.to(buf.device)] = view
             room.nbytes += len(frame.buffer)
         room.wire_s += arrival - max(sent, self._last_arrival)
         room.last_sent, room.last_arrival = max(room.last_sent, sent), arrival
         self._last_arrival = arrival
-        room.received += (h1 - h0) * len(slots)
+        room.received += (h1 - h0) * count
         if room.received >= room.expected:
             del self._rooms[room_id]
             exposed = max(0.0, room.last_arrival - room.last_sent)
             stats = [room.nbytes, room.wire_s, exposed]
-            self._sock.send_multipart([room.owner, b"done", _pack([room_id, *stats])])
+            self._control.send_multipart([room.owner, b"done", _pack([room_id, *stats])])
+
+    def _expire(self, now: float) -> None:
+        """Rooms past their time go (their request is over: failed or timed out)."""
+        for room_id in [r for r, room in self._rooms.items() if room.expires < now]:
+            del self._rooms[room_id]
 
     def _targets(self, layer: int) -> list[torch.Tensor]:
         if self.layout.latent:
@@ -313,29 +537,64 @@ class KVReceiver:
         self._thread.join(timeout=5)
 
 
+class _AnyOf:
+    """ZAP credentials: any of a set of client keys gets in."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = [ClientKey(k) for k in keys]
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return any(k.callback(domain, key) for k in self.keys)
+
+
+def _header(data: bytes) -> list[Any]:
+    """A kv message's header, its types checked: [room, layer, h0, h1, runs, sent]."""
+    try:
+        room, layer, h0, h1, runs, sent = _unpack(data)
+        runs = [(a, n) for a, n in runs]
+        ok = isinstance(room, str) and all(type(v) is int for v in (layer, h0, h1))
+        ok = ok and all(type(v) is int for run in runs for v in run)
+        ok = ok and isinstance(sent, float) and math.isfinite(sent)
+    except Exception:
+        ok = False
+    if not ok:
+        raise Dropped("a malformed header")
+    return [room, layer, h0, h1, runs, sent]
+
+
 class TransferError(RuntimeError):
     pass
 
 
 @dataclass
 class ReceiverControl:
-    """The decode engine's handle on its ranks' receivers."""
+    """The decode engine's handle on its ranks' receivers: `endpoints` are their data
+    sockets (told to the prefill side), `controls` their control sockets."""
 
     endpoints: tuple[str, ...]
+    controls: tuple[str, ...]
+    keys: CurveKeys | None = field(default=None, repr=False)  # for tcp control sockets
+    room_ttl_s: float = 3600.0  # a room not closed by then closes itself
     _socks: list[zmq.Socket] = field(default_factory=list)
     _done: dict[str, list[RoomStats]] = field(default_factory=dict)
     _acks: set[tuple[int, bytes, str]] = field(default_factory=set)
+    _dropped: list[int] = field(default_factory=list)
+    _stats_at: float = 0.0
 
     def __post_init__(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        for e in self.endpoints:
+        for e in self.controls:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.keys is not None and e.startswith("tcp://"):
+                secure_client(sock, self.keys)
             sock.connect(e)
             self._socks.append(sock)
+        self._dropped = [0] * len(self._socks)
 
     def open(self, room: str, runs: list[Run], num_tokens: int) -> None:
-        self._ask(b"open", room, [room, [list(r) for r in runs], num_tokens], b"opened")
+        body = [room, [list(r) for r in runs], num_tokens, self.room_ttl_s]
+        self._ask(b"open", room, body, b"opened")
 
     def close(self, room: str) -> None:
         """After this returns no receiver writes into the room's slots any more."""
@@ -355,6 +614,11 @@ class ReceiverControl:
 
     def poll(self) -> list[tuple[str, RoomStats]]:
         """Rooms whose KV every rank has now received, with their summed costs."""
+        now = time.monotonic()
+        if now - self._stats_at > STATS_EVERY_S:  # answered whenever: read by later polls
+            self._stats_at = now
+            for sock in self._socks:
+                sock.send_multipart([b"stats", _pack(None)])
         self._read(timeout_ms=0)
         done = [r for r, got in self._done.items() if len(got) == len(self._socks)]
         out = []
@@ -372,6 +636,11 @@ class ReceiverControl:
             )
         return out
 
+    @property
+    def dropped(self) -> int:
+        """kv messages the ranks dropped (forged, stray, late or malformed), as last heard."""
+        return sum(self._dropped)
+
     def _read(self, timeout_ms: int) -> None:
         for i, sock in enumerate(self._socks):
             while sock.poll(timeout_ms if i == 0 else 0):
@@ -380,16 +649,14 @@ class ReceiverControl:
                     room, nbytes, wire_s, exposed_s = _unpack(body)
                     self._done.setdefault(room, []).append(RoomStats(nbytes, wire_s, exposed_s))
                 else:
-                    self._acks.add((i, kind, body.decode()))
+                    room, self._dropped[i] = _unpack(body)
+                    if kind != b"stats":
+                        self._acks.add((i, kind, room))
                 timeout_ms = 0
 
     def shutdown(self) -> None:
         for sock in self._socks:
             sock.close(linger=0)
-
-
-def where_of(item: _Outgoing) -> tuple[str, str]:
-    return item.endpoint, item.room
 
 
 def _pack(value: Any) -> bytes:

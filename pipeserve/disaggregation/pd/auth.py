@@ -1,0 +1,65 @@
+"""The credentials of prefill/decode disaggregation.
+
+One shared secret, the PD key (`--disaggregation-auth-key`, or env PIPESERVE_PD_AUTH_KEY
+which the process list does not show), is given to the router and to every prefill and
+decode server; nothing of disaggregation runs without it. From it, by HMAC-SHA256 under
+labels of their own (never the multi-node control plane's, so neither key opens the other's
+link):
+
+- the internal HTTP credential, sent in `X-Pipeserve-Internal` on the router's calls of a
+  decode server and the decode server's calls of a prefill server. A decode server follows
+  `X-Pipeserve-Prefill` only with it, and a prefill server's `POST /pd/prefill` needs it;
+  the client API key (`--api-key`) opens neither.
+- the CURVE key pairs of the KV data link: the decode workers' receivers are CURVE servers
+  that let in only the prefill workers' client key, so a peer without the PD key can neither
+  connect nor read what travels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+
+from pipeserve import envs
+from pipeserve.config import MISSING_PD_KEY as MISSING_KEY
+from pipeserve.distributed.channels import CurveKeys
+
+INTERNAL_HEADER = "X-Pipeserve-Internal"
+KV_LINK = "disaggregation kv link"  # the CURVE keys' purpose labels
+KV_CONTROL = "disaggregation kv control"
+
+
+def pd_key(flag: str | None) -> str:
+    """The PD key: the flag's value, else the environment's; ValueError if neither."""
+    key = flag or envs.pd_auth_key()
+    if not key:
+        raise ValueError(MISSING_KEY)
+    return key
+
+
+def internal_token(key: str) -> str:
+    """The value of `X-Pipeserve-Internal` that every holder of `key` computes alike."""
+    label = b"pipeserve disaggregation internal http"
+    return hmac.new(key.encode(), label, hashlib.sha256).hexdigest()
+
+
+def internal_headers(key: str) -> dict[str, str]:
+    return {INTERNAL_HEADER: internal_token(key)}
+
+
+def is_internal(headers: Mapping[str, str], token: str) -> bool:
+    """Whether a request carries the internal credential (compared in constant time)."""
+    given = headers.get(INTERNAL_HEADER.lower(), headers.get(INTERNAL_HEADER, ""))
+    return hmac.compare_digest(given.encode("latin-1", "replace"), token.encode())
+
+
+def kv_link_keys(key: str) -> CurveKeys:
+    """The KV link's CURVE pairs: receivers are the servers, senders the clients."""
+    return CurveKeys.derive(key, KV_LINK)
+
+
+def kv_control_keys(key: str) -> CurveKeys:
+    """The CURVE pairs of a receiver's control socket on another node than its engine
+    process (on the same node it is ipc:// in a private directory)."""
+    return CurveKeys.derive(key, KV_CONTROL)
