@@ -164,6 +164,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back to the device (CUDA), so memory a
+    finished engine freed is free for the next one's budget (`memory_budget` reads the
+    device's free memory). A no-op on CPU."""
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def stream_synchronize(device: torch.device) -> None:
     """Wait for the work queued on this thread's current stream only (e.g. a receive, before
     another thread's stream reads what it received)."""

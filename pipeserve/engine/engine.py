@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pipeserve import kernels
 from pipeserve.config import EngineConfig
 from pipeserve.device import (
+    release_cached_memory,
     resolve_device,
     resolve_dtype,
     warn_if_emulated,
@@ -93,7 +95,20 @@ class Engine:
         self.shutdown()
 
     def shutdown(self) -> None:
-        self.backend.shutdown()
+        """Stop the workers and give back everything this engine put on its device (KV
+        pool, weights, the future-token ring, the allocator's cached blocks), so the next
+        engine of this process finds the memory free, though this object may live on. Calls
+        after the first do nothing; using the engine after it raises."""
+        backend = self.backend
+        if isinstance(backend, _ShutDown):
+            return
+        self.backend = cast(Backend, _ShutDown())
+        try:
+            backend.shutdown()
+        finally:
+            del backend  # the last reference: pool, model and loop go with it
+            gc.collect()  # the backend's reference cycles (scheduler <-> chunking hooks)
+            release_cached_memory(resolve_device(self.config.model.device))
 
     def generate(
         self,
@@ -197,3 +212,10 @@ class Engine:
             out["prompt_logprobs"] = p.prompt_logprobs
             out["output_logprobs"] = p.output_logprobs
         return out
+
+
+class _ShutDown:
+    """An engine's backend after `shutdown()`: every use says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the engine is shut down (engine.backend.{name} used after shutdown)")
