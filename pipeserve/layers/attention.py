@@ -23,6 +23,7 @@ steps its `backend`, see pipeserve/layers/attention_backends.py):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,9 +31,9 @@ from torch import nn
 
 from pipeserve.device import native_decode_kernel, native_prefill_kernel
 from pipeserve.layers.attention_backends import AttentionKernels, default_kernels
-from pipeserve.layers.attention_parts import DecodePlan, KVPart, merge_partials
+from pipeserve.layers.attention_parts import DecodePlan, ExtendPlan, KVPart, merge_partials
 from pipeserve.mem_cache.kv_pool import KVPool
-from pipeserve.scheduler.batch import Run
+from pipeserve.scheduler.batch import Run, runs_prefix
 
 VIEW_MIN_TOKENS = 256  # shorter runs are cheaper to gather than to attend to separately
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
@@ -48,6 +49,7 @@ class NativeKernels:
     prefill: bool = False
     deterministic: bool = False  # one-token prompt chunks run the prefill kernel too
     backend: AttentionKernels | None = None  # the other steps; None: PyTorch's, per device
+    batched: bool = False  # accelerators: the Triton kernels, one launch for all steps
 
 
 TORCH_KERNELS = NativeKernels()  # every step on the torch kernels
@@ -71,6 +73,7 @@ class AttentionPlan:
     chunks: list[ChunkPlan]
     decode: DecodePlan | None
     kernels: AttentionKernels | None = None  # the runner's choice; None: PyTorch's, per device
+    extend: ExtendPlan | None = None  # batched: every prompt chunk, for one launch
 
 
 def split_runs(runs: list[Run], num: int) -> tuple[list[Run], list[Run]]:
@@ -126,6 +129,8 @@ def plan_attention(
     every key from the pool (its own was just written; it always lands in the gathered part,
     so no padded row is empty); a prompt chunk reads its prefix from the pool and attends to
     itself from the fresh k/v."""
+    if native.batched:
+        return _batched_plan(segments, native)
     chunks: list[ChunkPlan] = []
     rows: list[int] = []
     shorts: list[list[Run]] = []
@@ -175,6 +180,53 @@ def plan_attention(
     return AttentionPlan(chunks, decode, native.backend)
 
 
+def _batched_plan(
+    segments: list[tuple[int, int, int, list[Run]]], native: NativeKernels
+) -> AttentionPlan:
+    """The batched kernels' plan: each step's and each chunk's KV as exactly the runs covering
+    its sequence (its prefix and its new tokens, which the layer writes first), as int32
+    tables built here on the host (moved to the device once per step, read by every layer)."""
+    steps: list[tuple[int, list[Run]]] = []
+    chunks: list[tuple[int, int, int, list[Run]]] = []
+    for q_start, q_len, prefix_len, kv_runs in segments:
+        covering = runs_prefix(kv_runs, prefix_len + q_len)
+        if q_len == 1:
+            steps.append((q_start, covering))
+        else:
+            chunks.append((q_start, q_len, prefix_len, covering))
+    decode = None
+    if steps:
+        step_runs, step_offsets = _run_table([r for _, r in steps])
+        rows = torch.tensor([row for row, _ in steps], dtype=torch.long)
+        decode = DecodePlan(rows, runs=step_runs, offsets=step_offsets, batched=True)
+    extend = None
+    if chunks:
+        chunk_runs, chunk_offsets = _run_table([c[3] for c in chunks])
+        table = torch.tensor([c[:3] for c in chunks], dtype=torch.int32)
+        block_chunk, block_first = triton_blocks([c[1] for c in chunks])
+        extend = ExtendPlan(chunk_runs, chunk_offsets, table, block_chunk, block_first)
+    return AttentionPlan([], decode, native.backend, extend)
+
+
+def _run_table(per_seq: list[list[Run]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of several sequences as one int32 [r, 2] table and the [n + 1] offsets of each
+    sequence's first run."""
+    flat = [r for runs in per_seq for r in runs]
+    offsets = [0]
+    for runs in per_seq:
+        offsets.append(offsets[-1] + len(runs))
+    table = torch.tensor(flat, dtype=torch.int32).view(-1, 2)
+    return table, torch.tensor(offsets, dtype=torch.int32)
+
+
+def triton_blocks(q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The extend launch's blocks of query rows (the kernel module imports triton, which only
+    a batched plan may need)."""
+    from pipeserve.kernels.triton_attention import extend_blocks
+
+    return extend_blocks(q_lens)
+
+
 def _last_slot(runs: list[Run], num: int) -> int:
     """Slot of position num - 1."""
     for start, length in runs:
@@ -207,6 +259,12 @@ class PagedAttention(nn.Module):
         v_cache[:, out_slots] = v.transpose(0, 1)
         kernels = plan.kernels or default_kernels(q)
         out = torch.empty_like(q)
+        if plan.extend is not None:
+            from pipeserve.kernels.triton_attention import paged_extend
+
+            e = plan.extend
+            tables = (e.runs, e.offsets, e.chunks, e.block_chunk, e.block_first)
+            paged_extend(q, k_cache, v_cache, *tables, self.scale, out=out)
         if plan.decode is not None:
             steps = plan.decode.rows
             out[steps] = self._decode(q[steps], k_cache, v_cache, plan.decode, kernels)
@@ -245,7 +303,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
         if plan.runs is not None:
-            kernel = native_decode_kernel()
+            kernel = _triton_decode() if plan.batched else native_decode_kernel()
             assert kernel is not None and plan.offsets is not None
             q = q.reshape(b, hk, self.group, d)  # GQA: the group's queries share their KV head
             o = kernel(q.contiguous(), k_cache, v_cache, plan.runs, plan.offsets, self.scale)
@@ -292,6 +350,12 @@ class PagedAttention(nn.Module):
         parts.append((o.reshape(1, hk, self.group * n, d), lse.reshape(1, hk, self.group * n)))
         o = merge_partials(parts)  # [1, hk, group * n, d]
         return o.reshape(h, n, d).transpose(0, 1)
+
+
+def _triton_decode() -> Callable[..., torch.Tensor]:
+    from pipeserve.kernels.triton_attention import paged_decode
+
+    return paged_decode
 
 
 def _cached_parts(

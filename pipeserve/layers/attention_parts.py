@@ -16,9 +16,10 @@ KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv
 
 @dataclass
 class DecodePlan:
-    """All single-token steps of a batch. With the native kernel: every step's runs of KV
-    slots, read in one pass. Otherwise: one batched call over their short KV parts (padded
-    gather + mask), plus per-request calls over long runs read in place."""
+    """All single-token steps of a batch. With the native kernel (or the batched Triton one):
+    every step's runs of KV slots, read in one pass. Otherwise: one batched call over their
+    short KV parts (padded gather + mask), plus per-request calls over long runs read in
+    place."""
 
     rows: torch.Tensor  # [b] token rows of the steps
     gather: torch.Tensor | None = None  # [b, n] slot ids of each step's short part (pad: 0)
@@ -27,6 +28,20 @@ class DecodePlan:
     runs: torch.Tensor | None = None  # native: [r, 2] (first slot, length), steps in order
     offsets: torch.Tensor | None = None  # native: [b + 1] where each step's runs start
     lengths: list[int] = field(default_factory=list)  # each step's real keys in `gather`
+    batched: bool = False  # runs/offsets (int32) are for the Triton kernel, not the native one
+
+
+@dataclass
+class ExtendPlan:
+    """All prompt chunks of a batch for the batched accelerator kernel (one launch per layer):
+    each chunk's KV runs (its prefix and itself, in order), its rows and positions, and the
+    launch's blocks of query rows (pipeserve/kernels/triton_attention.py)."""
+
+    runs: torch.Tensor  # [r, 2] int32 (first slot, length), chunks in order
+    offsets: torch.Tensor  # [c + 1] int32: where each chunk's runs start
+    chunks: torch.Tensor  # [c, 3] int32: (first row, rows, prefix length)
+    block_chunk: torch.Tensor  # [blocks] int32: the chunk of each block of query rows
+    block_first: torch.Tensor  # [blocks] int32: its first row within the chunk
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

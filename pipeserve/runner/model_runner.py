@@ -3,6 +3,7 @@ the last stage compute logits, sample, and gather logprobs."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers import batch_invariant
 from pipeserve.layers.attention import NativeKernels
-from pipeserve.layers.attention_backends import select_attention_kernels
+from pipeserve.layers.attention_backends import AttentionKernels, select_attention_kernels
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler
 from pipeserve.mem_cache.hicache import tier_pages
@@ -92,7 +93,12 @@ def use_native_kernels(
     """Which steps run the native CPU kernels (--attention-backend): decode steps wherever
     the kernels build; prompt chunks in bfloat16 or float32 wherever a prefill kernel builds
     for the dtype (AVX512-BF16 or AVX2; head dim a multiple of 16). The other steps run the
-    backend's kernels: FlashInfer's or PyTorch's (`select_attention_kernels`)."""
+    backend's kernels: FlashInfer's or PyTorch's (`select_attention_kernels`). On an
+    accelerator, the batched Triton kernels take every decode step and prompt chunk (GQA
+    models; MLA and context parallelism have their own paths) where triton imports, under
+    auto or triton."""
+    if use_triton_kernels(backend, device):
+        return NativeKernels(batched=True, backend=AttentionKernels(device.type))
     kernels = select_attention_kernels(backend, device.type, dtype, head_dim)
     if backend not in ("auto", "native") or device.type != "cpu":
         return NativeKernels(backend=kernels)
@@ -104,6 +110,31 @@ def use_native_kernels(
         )
     prefill = available and head_dim % 16 == 0 and native_prefill_kernel(dtype) is not None
     return NativeKernels(decode=available, prefill=prefill, backend=kernels)
+
+
+def use_triton_kernels(backend: str, device: torch.device) -> bool:
+    """--attention-backend triton (ValueError where it cannot run), or auto on CUDA where
+    triton imports. On a CPU, triton runs only in its interpreter (TRITON_INTERPRET=1: the
+    tests' way to run the engine's Triton path without a GPU)."""
+    if backend not in ("auto", "triton"):
+        return False
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "auto" and device.type != "cuda":
+        return False
+    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not interpreted):
+        raise ValueError(
+            f"--attention-backend triton runs on CUDA devices (the device is {device.type}; "
+            "on a CPU only under TRITON_INTERPRET=1, for tests); use auto or torch"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        if backend == "triton":
+            raise ValueError(
+                f"--attention-backend triton: triton does not import ({e}); use auto or torch"
+            ) from None
+        return False
+    return True
 
 
 def _missing_native(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype) -> str:

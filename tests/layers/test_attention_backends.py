@@ -7,6 +7,7 @@ path. The `cuda` tests compare the real kernels on a GPU at 32K keys (make test-
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -349,11 +350,24 @@ def test_backend_errors_say_what_to_do(
 
 
 def test_model_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """use_native_kernels: on CUDA no native step, the backend's kernels for all of them."""
+    """use_native_kernels: on CUDA no native step; under auto the batched Triton kernels
+    where triton imports, else the backend's kernels for all of them."""
     monkeypatch.setattr(backends, "import_flashinfer", no_flashinfer)
-    native = use_native_kernels("auto", torch.device("cuda"), torch.bfloat16, 128)
-    assert not (native.decode or native.prefill)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda")
+    native = use_native_kernels("auto", cuda, torch.bfloat16, 128)
+    assert native.batched and not (native.decode or native.prefill)
     assert native.backend is not None and native.backend.device_type == "cuda"
+    assert not use_native_kernels("torch", cuda, torch.bfloat16, 128).batched
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        use_native_kernels("triton", CPU, torch.float32, 64)
+    assert not use_native_kernels("auto", CPU, torch.float32, 64).batched
+    monkeypatch.setitem(sys.modules, "triton", None)  # triton not installed: import fails
+    native = use_native_kernels("auto", cuda, torch.bfloat16, 128)
+    assert not (native.batched or native.decode or native.prefill)
+    assert native.backend is not None and native.backend.device_type == "cuda"
+    with pytest.raises(ValueError, match="triton does not import"):
+        use_native_kernels("triton", cuda, torch.bfloat16, 128)
     assert use_native_kernels("torch", CPU, torch.float32, 64).backend.device_type == "cpu"
     with pytest.raises(ValueError, match="pip install flashinfer-python"):
         use_native_kernels("flashinfer", torch.device("cuda"), torch.bfloat16, 128)

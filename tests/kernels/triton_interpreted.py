@@ -1,0 +1,217 @@
+"""The Triton attention kernels on CPU tensors through Triton's interpreter, against float64
+references: ragged batches, KV as scattered slots (runs of 1), pages of 16 and one long run,
+GQA groups of 1, 3 (padded) and 4, head dims 16, 24 (padded) and 32, split-KV shares, chunks
+with and without a cached prefix, float32 and float16 (the interpreter computes bfloat16
+wrongly without an explicit upcast: bfloat16 and long contexts are checked on a GPU).
+
+Run by test_triton_attention.py in a process of its own with TRITON_INTERPRET=1 (it must be
+set before triton is imported); not collected on its own (no test_ prefix)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_attention.py"
+
+from pipeserve.kernels.triton_attention import extend_blocks, paged_decode, paged_extend  # noqa: E402
+
+SLOTS = 1024
+
+
+def layout(lengths: list[int], page: int, seed: int) -> tuple[list[list[tuple[int, int]]], int]:
+    """Each request's KV as runs over a shuffled pool: `page` slots per run (0: one run)."""
+    rng = random.Random(seed)
+    size = page or max(lengths)
+    pages = list(range(SLOTS // size))
+    rng.shuffle(pages)
+    out = []
+    for n in lengths:
+        runs = []
+        while n > 0:
+            take = min(size, n)
+            runs.append((pages.pop() * size, take))
+            n -= take
+        out.append(runs)
+    return out, size
+
+
+def tables(per_request: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = [r for runs in per_request for r in runs]
+    offsets = [0]
+    for runs in per_request:
+        offsets.append(offsets[-1] + len(runs))
+    return (
+        torch.tensor(flat, dtype=torch.int32).view(-1, 2),
+        torch.tensor(offsets, dtype=torch.int32),
+    )
+
+
+def slots_of(runs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(s, s + n) for s, n in runs])
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float):
+    """q [n, h, d] at positions q_pos over keys k/v [hk, L, d] (position = index), causal."""
+    h, hk = q.shape[1], k.shape[0]
+    kk = k.double().repeat_interleave(h // hk, dim=0)  # [h, L, d]
+    vv = v.double().repeat_interleave(h // hk, dim=0)
+    s = torch.einsum("nhd,hld->hnl", q.double(), kk) * scale
+    keys = torch.arange(k.shape[1])
+    s = s.masked_fill(keys[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hnl,hld->nhd", torch.softmax(s, dim=-1), vv)
+
+
+def pool(hk: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(hk * 100 + d)
+    return (
+        torch.randn(hk, SLOTS, d, generator=g).to(dtype),
+        torch.randn(hk, SLOTS, d, generator=g).to(dtype),
+    )
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+F32, F16 = torch.float32, torch.float16
+
+# (dtype, run length (0: one run per request), kv heads, group, head dim, splits, lengths)
+DECODE = [
+    (F32, 1, 2, 3, 16, 1, [1, 9, 40]),
+    (F32, 16, 1, 4, 24, 3, [1, 17, 70, 130]),  # shares of 44: three key blocks' worth
+    (F16, 0, 4, 1, 16, 3, [2, 70]),  # fewer keys than shares for the first
+    (F16, 16, 2, 3, 16, 1, [3, 33]),
+]
+# (dtype, run length, kv heads, group, head dim, chunks as (prefix_len, q_len))
+EXTEND = [
+    (F32, 1, 2, 3, 16, [(0, 9), (5, 1), (20, 12)]),
+    (F32, 16, 1, 4, 24, [(0, 19), (37, 70), (150, 3)]),  # 70 rows: five blocks of queries
+    (F16, 0, 2, 1, 32, [(64, 33), (0, 5)]),
+    (F16, 16, 2, 3, 16, [(7, 20), (33, 2)]),
+]
+
+
+@pytest.mark.parametrize(("dtype", "page", "hk", "group", "d", "splits", "lengths"), DECODE)
+def test_decode(dtype, page, hk, group, d, splits, lengths) -> None:
+    per_request, _ = layout(lengths, page, seed=page + hk)
+    runs, offsets = tables(per_request)
+    k_cache, v_cache = pool(hk, d, dtype)
+    q = torch.randn(len(lengths), hk, group, d).to(dtype)
+    scale = d**-0.5
+    got = paged_decode(q, k_cache, v_cache, runs, offsets, scale, splits=splits)
+    for i, req_runs in enumerate(per_request):
+        slots = slots_of(req_runs)
+        qi = q[i].reshape(1, hk * group, d)
+        want = reference(
+            qi, k_cache[:, slots], v_cache[:, slots], torch.tensor([len(slots)]), scale
+        )
+        torch.testing.assert_close(
+            got[i].reshape(hk * group, d).double(), want[0], atol=TOL[dtype], rtol=TOL[dtype]
+        )
+
+
+@pytest.mark.parametrize(("dtype", "page", "hk", "group", "d", "chunks"), EXTEND)
+def test_extend(dtype, page, hk, group, d, chunks) -> None:
+    """Chunks of one batch: no prefix, a prefix shorter than a key block, a long prefix,
+    one-token chunks, a chunk longer than a block of query rows."""
+    per_request, _ = layout([p + n for p, n in chunks], page, seed=7 + page)
+    runs, offsets = tables(per_request)
+    k_cache, v_cache = pool(hk, d, dtype)
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, hk * group, d).to(dtype)
+    starts, at = [], 0
+    for _, n in chunks:
+        starts.append(at)
+        at += n
+    table = torch.tensor(
+        [(s, n, p) for s, (p, n) in zip(starts, chunks, strict=True)], dtype=torch.int32
+    )
+    chunk, first = extend_blocks([n for _, n in chunks])
+    got = paged_extend(q, k_cache, v_cache, runs, offsets, table, chunk, first, d**-0.5)
+    for (p, n), s, req_runs in zip(chunks, starts, per_request, strict=True):
+        slots = slots_of(req_runs)
+        want = reference(
+            q[s : s + n], k_cache[:, slots], v_cache[:, slots], torch.arange(p, p + n), d**-0.5
+        )
+        torch.testing.assert_close(got[s : s + n].double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_an_empty_batch_launches_nothing() -> None:
+    k_cache, v_cache = pool(2, 16, torch.float32)
+    runs, offsets = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    out = paged_decode(torch.zeros(0, 2, 1, 16), k_cache, v_cache, runs, offsets, 0.25)
+    assert out.shape == (0, 2, 1, 16)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_the_engine_on_the_triton_path_serves_the_same_tokens(model_dir, preset: str) -> None:
+    """The whole engine with --attention-backend triton (its plans, int32 run tables, one
+    launch per layer for the decode steps and one for the prompt chunks) against the torch
+    kernels: prompts of several chunks decoded together, one sharing a cached prefix."""
+    from pipeserve import Engine
+
+    model = str(model_dir(preset))
+    base = [(7 * j) % 300 + 1 for j in range(40)]
+    prompts = [base, base[:24] + [9, 8, 7], [(5 * j) % 300 + 2 for j in range(5)]]
+    params = {"max_new_tokens": 4, "temperature": 0}
+    outs = {}
+    for backend in ("torch", "triton"):
+        flags = {"dtype": "float32", "chunked_prefill_size": 16, "attention_backend": backend}
+        with Engine(model, **flags) as engine:
+            assert engine.backend.runner.native.batched == (backend == "triton")
+            outs[backend] = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=True
+            )
+    for got, want in zip(outs["triton"], outs["torch"], strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        torch.testing.assert_close(
+            torch.tensor(got["output_logprobs"]),
+            torch.tensor(want["output_logprobs"]),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
+class Counted:
+    """A Triton kernel whose launches are counted."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("requests", [2, 7])
+def test_one_launch_per_layer_however_many_requests(monkeypatch, requests: int) -> None:
+    """A layer's forward over a batch of decode steps and prompt chunks launches the decode
+    kernel once and the extend kernel once, for 2 requests of each kind as for 7."""
+    from pipeserve.kernels import triton_attention as ta
+    from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
+    from pipeserve.mem_cache.kv_pool import KVPool
+
+    counted = {name: Counted(getattr(ta, name)) for name in ("_decode_kernel", "_extend_kernel")}
+    for name, c in counted.items():
+        monkeypatch.setattr(ta, name, c)
+    hk, group, d = 2, 2, 16
+    pool = KVPool(SLOTS, range(1), hk, d, torch.float32, torch.device("cpu"), 16)
+    segments, row = [], 0
+    for i in range(requests):  # a decode step at position 30 + i, then a chunk of 5 after 8
+        segments.append((row, 1, 30 + i, [(64 * i, 31 + i)]))
+        segments.append((row + 1, 5, 8, [(64 * (i + 8), 13)]))
+        row += 6
+    plan = plan_attention(segments, torch.device("cpu"), torch.float32, NativeKernels(batched=True))
+    layer = PagedAttention(0, hk * group, hk, d)
+    q = torch.randn(row, hk * group, d)
+    k, v = torch.randn(row, hk, d), torch.randn(row, hk, d)
+    slots = torch.tensor(
+        [
+            s
+            for i in range(requests)
+            for s in [64 * i + 30 + i, *range(64 * (i + 8) + 8, 64 * (i + 8) + 13)]
+        ]
+    )
+    layer(q, k, v, pool, slots, plan)
+    assert [c.launches for c in counted.values()] == [1, 1]
