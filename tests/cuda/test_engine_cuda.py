@@ -4,8 +4,8 @@ with CUDA's own sync detector, the KV pool sized from the GPU, PP2/TP2 on two GP
 
 Tolerances: float32 prompt logprobs within 2e-3 of transformers' (both on the GPU, TF32
 off; the kernels differ: SDPA there, ours here) and greedy tokens identical; bfloat16
-prompt logprobs within a mean of 0.02 and a maximum of 0.25 (bf16 rounding of different
-summation orders, 2 layers of random weights)."""
+prompt logprobs no further from transformers' float32 ones, in the mean, than 1.25x
+transformers' own bfloat16 ones are (bf16 rounding of different summation orders)."""
 
 from __future__ import annotations
 
@@ -74,12 +74,16 @@ def test_float32_matches_transformers(model_dir, preset: str) -> None:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_bfloat16_within_rounding_of_transformers(model_dir, preset: str) -> None:
+    """Against transformers in float32, pipeserve in bfloat16 is off by at most 1.25x what
+    transformers in bfloat16 is (the rounding itself), in the mean over the prompt."""
     path = model_dir(preset)
     outs = engine_run(path, "bfloat16", chunked_prefill_size=256)
     for out, ids in zip(outs, prompts(), strict=True):
-        logprobs, _ = hf_run(path, ids, torch.bfloat16)
-        diff = (torch.tensor(out["prompt_logprobs"]) - logprobs).abs()
-        assert diff.mean() <= 0.02 and diff.max() <= 0.25, (diff.mean(), diff.max())
+        exact, _ = hf_run(path, ids, torch.float32)
+        rounded, _ = hf_run(path, ids, torch.bfloat16)
+        ours = (torch.tensor(out["prompt_logprobs"]) - exact).abs().mean().item()
+        theirs = (rounded - exact).abs().mean().item()
+        assert ours <= 1.25 * theirs + 1e-4, (ours, theirs)
 
 
 def test_overlap_loop_is_the_default_and_agrees_with_the_plain_loop(model_dir) -> None:
