@@ -14,7 +14,8 @@
 #    process: that file's tests not yet reported then run one per process).
 # 2. pipeserve bench, bench preset: prefill TTFT at 8K and 32K vs transformers + SDPA on the
 #    same GPU; decode throughput with 64 requests (1K prompts, 128 new tokens), overlap vs
-#    plain loop. 3. The same for bench-deepseek (MLA + MoE); QUICK: 8K and decode, bench only.
+#    plain loop, with the default attention kernels and with --attention-backend triton.
+# 3. The same for bench-deepseek (MLA + MoE); QUICK: 8K and decode, bench only.
 set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-gpu-check}
@@ -63,13 +64,18 @@ if [[ -n "${QUICK:-}" ]]; then
 fi
 for model in "${models[@]}"; do
     for len in "${lengths[@]}"; do
-        bench "$model" --input-len "$len" --output-len 1 --num-prompts 1 --repeat 3 \
-            --chunked-prefill-size 8192 --baseline hf --json "$OUT/$model-prefill-$len.json" \
-            > "$OUT/$model-prefill-$len.txt" 2>&1
+        for backend in auto triton; do
+            bench "$model" --input-len "$len" --output-len 1 --num-prompts 1 --repeat 3 \
+                --chunked-prefill-size 8192 --baseline hf --attention-backend "$backend" \
+                --json "$OUT/$model-prefill-$len-$backend.json" \
+                > "$OUT/$model-prefill-$len-$backend.txt" 2>&1
+        done
     done
-    bench "$model" --input-len 1024 --output-len 128 --num-prompts 64 --compare-loops \
-        --max-running-requests 64 --json "$OUT/$model-decode-64.json" \
-        > "$OUT/$model-decode-64.txt" 2>&1
+    for backend in auto triton; do  # auto: FlashInfer where installed, else torch
+        bench "$model" --input-len 1024 --output-len 128 --num-prompts 64 --compare-loops \
+            --max-running-requests 64 --attention-backend "$backend" \
+            --json "$OUT/$model-decode-64-$backend.json" > "$OUT/$model-decode-64-$backend.txt" 2>&1
+    done
 done
 
 # -- summary -----------------------------------------------------------------------------

@@ -50,12 +50,12 @@ class ModelConfig:
     device: str = _flag("auto", "'cpu', 'cuda' or 'auto' (cuda when available)")
     attention_backend: str = _flag(
         "auto",
-        "'auto': on a CPU the native kernels where they build, on CUDA the Triton kernels "
-        "where triton imports, else FlashInfer where it imports, else torch; 'native' (CPU); "
-        "'torch' (PyTorch's fused kernels, on CUDA a chunked fallback where they do not fit); "
-        "'flashinfer' (CUDA, float16/bfloat16; paged GQA attention, MLA stays on torch); "
-        "'triton' (batched paged GQA attention: one launch per layer for all decode steps and "
-        "one for all prompt chunks; MLA and context parallelism stay on torch)",
+        "'auto': on a CPU the native kernels where they build, on CUDA FlashInfer where it "
+        "imports, else torch; 'native' (CPU); 'torch' (PyTorch's fused kernels, on CUDA a "
+        "chunked fallback where they do not fit); 'flashinfer' (CUDA, float16/bfloat16; paged "
+        "GQA attention, MLA stays on torch); 'triton' (CUDA, new: batched paged attention, one "
+        "launch per layer for all decode steps and one for all prompt chunks, MLA's decode "
+        "steps too; context parallelism stays on torch)",
         choices=ATTENTION_BACKENDS,
     )
     enable_deterministic_inference: bool = _flag(

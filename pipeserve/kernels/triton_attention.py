@@ -1,26 +1,32 @@
 """Batched paged attention for accelerators, in Triton: a fixed number of kernel launches per
 layer however many requests a batch holds.
 
-Both kernels read the pool in place ([kv_heads, slots, head_dim] per layer) through the same
-metadata the native CPU kernels take, built once per step and shared by every layer: each
-request's KV as runs of consecutive slots (`runs` [R, 2]: first slot, length; `offsets`
-[n + 1]: where each request's runs start). A page table is the special case of runs one page
-long; the allocator keeps a request's KV in few long runs, so a program walks a handful of
-runs and loads whole rows of consecutive slots.
+Both kernels read the pool in place ([kv_heads, slots, head_dim] per layer) through a page
+table of one slot per page, built once per step on the host and shared by every layer:
+`kv_indices` holds every position's slot, request after request, and `kv_indptr` [n + 1]
+where each request's positions start (so its length too). Any placement of a request's KV
+reads the same way (the allocator's long runs, pages of 16, scattered slots), in one
+pipelined loop over blocks of positions.
 
 - `paged_decode`: one query token per request. A program takes one request, one KV head with
   all its query heads (GQA: the group's rows share every K/V load) and one of `splits` equal
   shares of the request's keys (split-KV: enough programs for a long context and a small
-  batch); the shares' partial results merge by their log-sum-exp.
+  batch); the shares' partial results merge by their log-sum-exp. With `rope` > 0 the key
+  rows are [d | rope] wide and the values their first d columns: MLA's absorbed attention
+  over the latent cache (one KV head shared by all heads).
 - `paged_extend`: prompt chunks, each attending to its cached prefix and, causally, to itself
-  (its own K/V are in the pool already: the layer writes them first). A program takes a block
-  of one chunk's query rows times the group's heads, so all chunks of a batch are one launch.
+  (its own K/V are in the pool already: the layer writes them first). A program takes 16 of
+  one chunk's query rows times the group's heads, so all chunks of a batch are one launch.
 
 Scores and the softmax run in float32 (float32 inputs multiply in IEEE float32, not TF32).
-`TRITON_INTERPRET=1` runs both on CPU tensors (the tests do, against float64 references).
+Launch-dependent integers (strides, split counts) are not specialised on, so a new batch
+size never compiles a new variant on the serving path. `TRITON_INTERPRET=1` runs both on CPU
+tensors (the tests do, against float64 references).
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import triton
@@ -28,16 +34,23 @@ import triton.language as tl
 
 BLOCK_N = 64  # keys per step of a program
 EXTEND_BLOCK_M = 16  # extend: query rows per program (times the group's heads)
+MAX_SPLITS = 16
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, valid, scale, m_i, l_i, acc, FP32: tl.constexpr):
-    """One block of keys into a running softmax (m_i: max, l_i: sum, acc: weighted values);
-    `valid` [rows, keys] says which scores count."""
+def _scores(q, k, FP32: tl.constexpr):
+    """q [rows, d] . k [keys, d]^T in float32."""
     if FP32:  # noqa: SIM108 (a constexpr branch: one of them is compiled)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def _online_softmax_step(s, v, valid, scale, m_i, l_i, acc, FP32: tl.constexpr):
+    """One block of scores `s` [rows, keys] into a running softmax (m_i: max, l_i: sum, acc:
+    weighted values); `valid` [rows, keys] says which scores count."""
     s = tl.where(valid, s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
@@ -51,24 +64,18 @@ def _online_softmax_step(q, k, v, valid, scale, m_i, l_i, acc, FP32: tl.constexp
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
-def _load_kv(K, V, sk_s, sv_s, slot, keys, d, dm):
-    """Rows `slot` of one KV head's K and V ([keys, d]; rows past `keys` and columns past
-    `dm` read as 0)."""
-    mask = keys[:, None] & dm[None, :]
-    row = slot.to(tl.int64)[:, None]  # a large pool's offsets pass 2^31 elements
-    k = tl.load(K + row * sk_s + d[None, :], mask=mask, other=0.0)
-    v = tl.load(V + row * sv_s + d[None, :], mask=mask, other=0.0)
-    return k, v
-
-
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "sq_b", "sq_h", "sq_g", "sk_h", "sk_s", "sv_h", "sv_s",
+        "so_b", "so_h", "so_g", "so_s", "sl_b", "sl_h", "sl_g", "splits",
+    ]
+)  # fmt: skip
 def _decode_kernel(
     Q,
     K,
     V,
-    RUNS,
-    OFFSETS,
+    KV_INDPTR,
+    KV_INDICES,
     O_PART,
     LSE_PART,
     scale,
@@ -86,47 +93,52 @@ def _decode_kernel(
     sl_b,
     sl_h,
     sl_g,
+    splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr,
     FP32: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    hk_off, hv_off = h.to(tl.int64) * sk_h, h.to(tl.int64) * sv_h
+    k_head = K + h.to(tl.int64) * sk_h
+    v_head = V + h.to(tl.int64) * sv_h
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     gm, dm = g < GROUP, d < D
-    q_ptr = Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :]
-    q = tl.load(q_ptr, mask=gm[:, None] & dm[None, :], other=0.0)
-    r0 = tl.load(OFFSETS + b)
-    r1 = tl.load(OFFSETS + b + 1)
-    total = 0
-    for r in range(r0, r1):
-        total += tl.load(RUNS + 2 * r + 1)
-    share = tl.cdiv(total, SPLITS)
+    q_rows = Q + b * sq_b + h * sq_h + g[:, None] * sq_g
+    q = tl.load(q_rows + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    if ROPE > 0:
+        e = tl.arange(0, ROPE_PAD)
+        em = e < ROPE
+        q_rope = tl.load(q_rows + D + e[None, :], mask=gm[:, None] & em[None, :], other=0.0)
+    start = tl.load(KV_INDPTR + b)
+    length = tl.load(KV_INDPTR + b + 1) - start
+    share = tl.cdiv(length, splits)
     lo = split * share
-    hi = tl.minimum(lo + share, total)
+    hi = tl.minimum(lo + share, length)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    pos = 0  # the position of run r's first slot
-    for r in range(r0, r1):
-        first = tl.load(RUNS + 2 * r)
-        n = tl.load(RUNS + 2 * r + 1)
-        a = tl.maximum(lo, pos)
-        e = tl.minimum(hi, pos + n)
-        for p0 in range(a, e, BLOCK):
-            at = p0 + tl.arange(0, BLOCK)
-            keys = at < e
-            k, v = _load_kv(K + hk_off, V + hv_off, sk_s, sv_s, first + at - pos, keys, d, dm)
-            valid = gm[:, None] & keys[None, :]
-            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, scale, m_i, l_i, acc, FP32)
-        pos += n
+    for p0 in range(lo, hi, BLOCK):
+        at = p0 + tl.arange(0, BLOCK)
+        keys = at < hi
+        row = tl.load(KV_INDICES + start + at, mask=keys, other=0).to(tl.int64)[:, None]
+        kv_mask = keys[:, None] & dm[None, :]
+        k = tl.load(k_head + row * sk_s + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + row * sv_s + d[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, FP32)
+        if ROPE > 0:  # MLA: the rows' rope columns score too; values are the latent part
+            k_rope_mask = keys[:, None] & em[None, :]
+            k_rope = tl.load(k_head + row * sk_s + D + e[None, :], mask=k_rope_mask, other=0.0)
+            s += _scores(q_rope, k_rope, FP32)
+        valid = gm[:, None] & keys[None, :]
+        m_i, l_i, acc = _online_softmax_step(s, v, valid, scale, m_i, l_i, acc, FP32)
     some = l_i > 0
     out = acc / tl.where(some, l_i, 1.0)[:, None]
     lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
@@ -135,17 +147,15 @@ def _decode_kernel(
     tl.store(LSE_PART + b * sl_b + h * sl_h + g * sl_g + split, lse, mask=gm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sq_t", "sq_h", "sk_h", "sk_s", "sv_h", "sv_s", "so_t", "so_h"])
 def _extend_kernel(
     Q,
     K,
     V,
     OUT,
-    RUNS,
-    OFFSETS,
-    Q_START,
-    Q_LEN,
-    PREFIX,
+    KV_INDPTR,
+    KV_INDICES,
+    CHUNKS,
     BLOCK_CHUNK,
     BLOCK_FIRST,
     scale,
@@ -167,12 +177,13 @@ def _extend_kernel(
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    hk_off, hv_off = h.to(tl.int64) * sk_h, h.to(tl.int64) * sv_h
+    k_head = K + h.to(tl.int64) * sk_h
+    v_head = V + h.to(tl.int64) * sv_h
     c = tl.load(BLOCK_CHUNK + pid)
     m0 = tl.load(BLOCK_FIRST + pid)
-    q_start = tl.load(Q_START + c)
-    q_len = tl.load(Q_LEN + c)
-    prefix = tl.load(PREFIX + c)
+    q_start = tl.load(CHUNKS + 3 * c)
+    q_len = tl.load(CHUNKS + 3 * c + 1)
+    prefix = tl.load(CHUNKS + 3 * c + 2)
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
     i = m0 + rows // GROUP_PAD  # the row's query within its chunk
     head = h * GROUP + rows % GROUP_PAD
@@ -180,27 +191,27 @@ def _extend_kernel(
     rm = (i < q_len) & (rows % GROUP_PAD < GROUP)
     dm = d < D
     token = (q_start + i).to(tl.int64)[:, None]  # a long prompt's rows pass 2^31 elements
-    q_ptr = Q + token * sq_t + head[:, None] * sq_h + d[None, :]
-    q = tl.load(q_ptr, mask=rm[:, None] & dm[None, :], other=0.0)
+    q = tl.load(
+        Q + token * sq_t + head[:, None] * sq_h + d[None, :],
+        mask=rm[:, None] & dm[None, :],
+        other=0.0,
+    )
     q_pos = prefix + i  # each query's position: it sees keys at positions <= this
     end = prefix + tl.minimum(m0 + BLOCK_M, q_len)  # keys any row of the block sees
+    start = tl.load(KV_INDPTR + c)
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
-    r0 = tl.load(OFFSETS + c)
-    r1 = tl.load(OFFSETS + c + 1)
-    pos = 0
-    for r in range(r0, r1):
-        first = tl.load(RUNS + 2 * r)
-        n = tl.load(RUNS + 2 * r + 1)
-        e = tl.minimum(end, pos + n)
-        for p0 in range(pos, e, BLOCK):
-            at = p0 + tl.arange(0, BLOCK)
-            keys = at < e
-            k, v = _load_kv(K + hk_off, V + hv_off, sk_s, sv_s, first + at - pos, keys, d, dm)
-            valid = rm[:, None] & keys[None, :] & (at[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, scale, m_i, l_i, acc, FP32)
-        pos += n
+    for p0 in range(0, end, BLOCK):
+        at = p0 + tl.arange(0, BLOCK)
+        keys = at < end
+        row = tl.load(KV_INDICES + start + at, mask=keys, other=0).to(tl.int64)[:, None]
+        kv_mask = keys[:, None] & dm[None, :]
+        k = tl.load(k_head + row * sk_s + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + row * sv_s + d[None, :], mask=kv_mask, other=0.0)
+        valid = rm[:, None] & keys[None, :] & (at[None, :] <= q_pos[:, None])
+        s = _scores(q, k, FP32)
+        m_i, l_i, acc = _online_softmax_step(s, v, valid, scale, m_i, l_i, acc, FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptr = OUT + token * so_t + head[:, None] * so_h + d[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=rm[:, None] & dm[None, :])
@@ -210,28 +221,36 @@ def _pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_splits(num_requests: int, kv_heads: int, device: torch.device) -> int:
-    """Shares per request's keys: enough programs to fill the device twice over, at most 16
-    (each share costs a partial result to merge)."""
+    """Shares per request's keys: enough programs to fill the device twice over, at most
+    MAX_SPLITS (each share costs a partial result to merge)."""
     if device.type != "cuda":
         return 1
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(16, -(-programs // max(1, num_requests * kv_heads))))
+    programs = 2 * _multiprocessors(device)
+    return max(1, min(MAX_SPLITS, -(-programs // max(1, num_requests * kv_heads))))
 
 
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    runs: torch.Tensor,
-    offsets: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    rope: int = 0,
 ) -> torch.Tensor:
-    """q [b, kv_heads, group, d] (one token per request) over each request's KV runs in
-    k/v_cache [kv_heads, slots, d] -> [b, kv_heads, group, d]. `runs` [R, 2] and `offsets`
-    [b + 1] int32 on q's device (the native CPU decode kernel's signature)."""
-    b, hk, group, d = q.shape
+    """q [b, kv_heads, group, d + rope] (one token per request) over each request's KV slots
+    (`kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, int32 on q's device) of k/v_cache
+    [kv_heads, slots, d (+ rope for k)] -> [b, kv_heads, group, d]. `rope` > 0: the keys'
+    last `rope` columns score too (MLA: k_cache = v_cache = the latent cache, one head)."""
+    b, hk, group, width = q.shape
+    d = width - rope
     splits = splits or decode_splits(b, hk, q.device)
     o_part = torch.empty(b, hk, group, splits, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hk, group, splits, dtype=torch.float32, device=q.device)
@@ -240,8 +259,8 @@ def paged_decode(
             q,
             k_cache,
             v_cache,
-            runs,
-            offsets,
+            kv_indptr,
+            kv_indices,
             o_part,
             lse_part,
             scale,
@@ -259,18 +278,21 @@ def paged_decode(
             lse_part.stride(0),
             lse_part.stride(1),
             lse_part.stride(2),
+            splits,
             GROUP=group,
             GROUP_PAD=_pow2(group, 16),
             D=d,
             D_PAD=_pow2(d, 16),
+            ROPE=rope,
+            ROPE_PAD=_pow2(rope, 16) if rope else 1,
             BLOCK=BLOCK_N,
-            SPLITS=splits,
             FP32=q.dtype == torch.float32,
+            num_stages=2 if q.dtype == torch.float32 else 3,
         )
     if splits == 1:
         return o_part[:, :, :, 0].to(q.dtype)
     lse = torch.logsumexp(lse_part, dim=-1, keepdim=True)  # the shares' partials merged
-    weights = torch.exp(lse_part - lse)
+    weights = torch.exp(lse_part - lse).nan_to_num_(0.0)  # a request with no key: zeros
     return (o_part * weights[..., None]).sum(dim=3).to(q.dtype)
 
 
@@ -287,8 +309,8 @@ def paged_extend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    runs: torch.Tensor,
-    offsets: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
     chunks: torch.Tensor,
     chunk: torch.Tensor,
     first: torch.Tensor,
@@ -296,26 +318,24 @@ def paged_extend(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prompt chunks: q [tokens, heads, d]; chunk c's queries are rows [q_start, q_start +
-    q_len) at positions prefix_len.. of its KV (runs offsets[c]..offsets[c + 1], covering its
-    prefix and itself). `chunks` [c, 3] int32: (q_start, q_len, prefix_len); `chunk` and
-    `first`: the blocks of `extend_blocks`. Writes the chunks' rows of `out` (default a new
-    [tokens, heads, d])."""
+    q_len) at positions prefix_len.. of its KV (slots kv_indices[kv_indptr[c]:], covering its
+    prefix and itself). `chunks` [c, 3] int32 contiguous: (q_start, q_len, prefix_len);
+    `chunk` and `first`: the blocks of `extend_blocks`. Writes the chunks' rows of `out`
+    (default a new [tokens, heads, d])."""
     t, h, d = q.shape
     hk = k_cache.shape[0]
     group = h // hk
     out = torch.empty_like(q) if out is None else out
-    q_start, q_len, prefix = chunks.t().contiguous()  # one int32 row each
+    rows = EXTEND_BLOCK_M * _pow2(group)
     if chunk.numel():
         _extend_kernel[(chunk.numel(), hk)](
             q,
             k_cache,
             v_cache,
             out,
-            runs,
-            offsets,
-            q_start,
-            q_len,
-            prefix,
+            kv_indptr,
+            kv_indices,
+            chunks,
             chunk,
             first,
             scale,
@@ -334,5 +354,23 @@ def paged_extend(
             BLOCK_M=EXTEND_BLOCK_M,
             BLOCK=BLOCK_N,
             FP32=q.dtype == torch.float32,
+            num_warps=8 if rows >= 128 else 4,
+            num_stages=2 if q.dtype == torch.float32 else 3,
         )
     return out
+
+
+def slot_table(per_seq: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences' KV runs (first slot, length) as the kernels' page table of one slot per
+    page: (kv_indptr [n + 1], kv_indices [total]) int32, on the host, in a few tensor ops
+    however many positions the runs cover."""
+    starts = [s for runs in per_seq for s, _ in runs]
+    counts = [n for runs in per_seq for _, n in runs]
+    lengths = torch.tensor([sum(n for _, n in runs) for runs in per_seq], dtype=torch.int64)
+    run_len = torch.tensor(counts, dtype=torch.int64)
+    first_pos = torch.cumsum(run_len, 0) - run_len  # position each run starts at, overall
+    indices = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - first_pos, run_len)
+    indices += torch.arange(indices.numel())
+    indptr = torch.zeros(len(per_seq) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=indptr[1:])
+    return indptr.to(torch.int32), indices.to(torch.int32)

@@ -23,7 +23,6 @@ steps its `backend`, see pipeserve/layers/attention_backends.py):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -130,7 +129,7 @@ def plan_attention(
     so no padded row is empty); a prompt chunk reads its prefix from the pool and attends to
     itself from the fresh k/v."""
     if native.batched:
-        return _batched_plan(segments, native)
+        return _batched_plan(segments, device, native)
     chunks: list[ChunkPlan] = []
     rows: list[int] = []
     shorts: list[list[Run]] = []
@@ -181,11 +180,14 @@ def plan_attention(
 
 
 def _batched_plan(
-    segments: list[tuple[int, int, int, list[Run]]], native: NativeKernels
+    segments: list[tuple[int, int, int, list[Run]]], device: torch.device, native: NativeKernels
 ) -> AttentionPlan:
-    """The batched kernels' plan: each step's and each chunk's KV as exactly the runs covering
-    its sequence (its prefix and its new tokens, which the layer writes first), as int32
-    tables built here on the host (moved to the device once per step, read by every layer)."""
+    """The batched kernels' plan: the slots of each step's and each chunk's sequence (its
+    prefix and its new tokens, which the layer writes first) as int32 page tables of one slot
+    per page, built once per step (on the host when the runner moves the batch) and read by
+    every layer."""
+    from pipeserve.kernels.triton_attention import extend_blocks, slot_table
+
     steps: list[tuple[int, list[Run]]] = []
     chunks: list[tuple[int, int, int, list[Run]]] = []
     for q_start, q_len, prefix_len, kv_runs in segments:
@@ -196,35 +198,19 @@ def _batched_plan(
             chunks.append((q_start, q_len, prefix_len, covering))
     decode = None
     if steps:
-        step_runs, step_offsets = _run_table([r for _, r in steps])
+        indptr, indices = slot_table([r for _, r in steps])
         rows = torch.tensor([row for row, _ in steps], dtype=torch.long)
-        decode = DecodePlan(rows, runs=step_runs, offsets=step_offsets, batched=True)
+        decode = DecodePlan(
+            rows.to(device), kv_indptr=indptr.to(device), kv_indices=indices.to(device)
+        )
     extend = None
     if chunks:
-        chunk_runs, chunk_offsets = _run_table([c[3] for c in chunks])
+        indptr, indices = slot_table([c[3] for c in chunks])
         table = torch.tensor([c[:3] for c in chunks], dtype=torch.int32)
-        block_chunk, block_first = triton_blocks([c[1] for c in chunks])
-        extend = ExtendPlan(chunk_runs, chunk_offsets, table, block_chunk, block_first)
+        blocks = extend_blocks([c[1] for c in chunks])
+        tensors = (indptr, indices, table, *blocks)
+        extend = ExtendPlan(*(t.to(device) for t in tensors))
     return AttentionPlan([], decode, native.backend, extend)
-
-
-def _run_table(per_seq: list[list[Run]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs of several sequences as one int32 [r, 2] table and the [n + 1] offsets of each
-    sequence's first run."""
-    flat = [r for runs in per_seq for r in runs]
-    offsets = [0]
-    for runs in per_seq:
-        offsets.append(offsets[-1] + len(runs))
-    table = torch.tensor(flat, dtype=torch.int32).view(-1, 2)
-    return table, torch.tensor(offsets, dtype=torch.int32)
-
-
-def triton_blocks(q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The extend launch's blocks of query rows (the kernel module imports triton, which only
-    a batched plan may need)."""
-    from pipeserve.kernels.triton_attention import extend_blocks
-
-    return extend_blocks(q_lens)
 
 
 def _last_slot(runs: list[Run], num: int) -> int:
@@ -263,7 +249,7 @@ class PagedAttention(nn.Module):
             from pipeserve.kernels.triton_attention import paged_extend
 
             e = plan.extend
-            tables = (e.runs, e.offsets, e.chunks, e.block_chunk, e.block_first)
+            tables = (e.kv_indptr, e.kv_indices, e.chunks, e.block_chunk, e.block_first)
             paged_extend(q, k_cache, v_cache, *tables, self.scale, out=out)
         if plan.decode is not None:
             steps = plan.decode.rows
@@ -302,8 +288,15 @@ class PagedAttention(nn.Module):
         kernels: AttentionKernels,
     ) -> torch.Tensor:
         b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
+        if plan.kv_indices is not None:
+            from pipeserve.kernels.triton_attention import paged_decode
+
+            assert plan.kv_indptr is not None
+            q = q.reshape(b, hk, self.group, d)
+            o = paged_decode(q, k_cache, v_cache, plan.kv_indptr, plan.kv_indices, self.scale)
+            return o.reshape(b, self.num_heads, d)
         if plan.runs is not None:
-            kernel = _triton_decode() if plan.batched else native_decode_kernel()
+            kernel = native_decode_kernel()
             assert kernel is not None and plan.offsets is not None
             q = q.reshape(b, hk, self.group, d)  # GQA: the group's queries share their KV head
             o = kernel(q.contiguous(), k_cache, v_cache, plan.runs, plan.offsets, self.scale)
@@ -350,12 +343,6 @@ class PagedAttention(nn.Module):
         parts.append((o.reshape(1, hk, self.group * n, d), lse.reshape(1, hk, self.group * n)))
         o = merge_partials(parts)  # [1, hk, group * n, d]
         return o.reshape(h, n, d).transpose(0, 1)
-
-
-def _triton_decode() -> Callable[..., torch.Tensor]:
-    from pipeserve.kernels.triton_attention import paged_decode
-
-    return paged_decode
 
 
 def _cached_parts(

@@ -28,17 +28,19 @@ class DecodePlan:
     runs: torch.Tensor | None = None  # native: [r, 2] (first slot, length), steps in order
     offsets: torch.Tensor | None = None  # native: [b + 1] where each step's runs start
     lengths: list[int] = field(default_factory=list)  # each step's real keys in `gather`
-    batched: bool = False  # runs/offsets (int32) are for the Triton kernel, not the native one
+    # the batched Triton kernel: each step's KV slots (int32) and where each step's start
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
 
 
 @dataclass
 class ExtendPlan:
     """All prompt chunks of a batch for the batched accelerator kernel (one launch per layer):
-    each chunk's KV runs (its prefix and itself, in order), its rows and positions, and the
+    each chunk's KV slots (its prefix and itself, in order), its rows and positions, and the
     launch's blocks of query rows (pipeserve/kernels/triton_attention.py)."""
 
-    runs: torch.Tensor  # [r, 2] int32 (first slot, length), chunks in order
-    offsets: torch.Tensor  # [c + 1] int32: where each chunk's runs start
+    kv_indptr: torch.Tensor  # [c + 1] int32: where each chunk's slots start in kv_indices
+    kv_indices: torch.Tensor  # int32: the slot of every position of each chunk's sequence
     chunks: torch.Tensor  # [c, 3] int32: (first row, rows, prefix length)
     block_chunk: torch.Tensor  # [blocks] int32: the chunk of each block of query rows
     block_first: torch.Tensor  # [blocks] int32: its first row within the chunk

@@ -33,7 +33,7 @@ from pipeserve.device import native_prefill_kernel
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention import split_runs
 from pipeserve.layers.attention_backends import attention_with_lse
-from pipeserve.layers.attention_parts import merge_partials
+from pipeserve.layers.attention_parts import DecodePlan, merge_partials
 from pipeserve.layers.indexer import (
     Indexer,
     causal_index_scores,
@@ -169,11 +169,14 @@ class MLAttention(nn.Module):
         mode: Mode = "auto",
         index_cache: torch.Tensor | None = None,
         native: bool = False,
+        batched: DecodePlan | None = None,
     ) -> torch.Tensor:
         """x [tokens, hidden]; cache [slots, latent_width] of this layer (index_cache [slots,
         index_head_dim] with an indexer), written at each segment's new slots, then read at
         all its slots -> [tokens, hidden], all-reduced. native: expanded prompt chunks may run
-        the compiled CPU prefill kernel (bfloat16 or float32)."""
+        the compiled CPU prefill kernel (bfloat16 or float32). batched: the decode steps' slot
+        tables for the batched Triton kernel, one absorbed launch for all of them (not with an
+        indexer, whose choices are per query)."""
         with region("mla.query"):
             q_latent = self.query_latent(x)
             q = self.query(x, rope, q_latent)
@@ -182,6 +185,10 @@ class MLAttention(nn.Module):
             cache[seg.new_slots] = new[seg.rows]
         selected = self.selections(x, q_latent, rope, index_cache, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
+        if batched is not None and self.indexer is None:
+            out[batched.rows] = self.absorbed_batch(q[batched.rows], cache, batched)
+            segments = [seg for seg in segments if seg.q_len != 1]
+            selected = [None] * len(segments)
         for seg, chosen in zip(segments, selected, strict=True):
             if self.absorbs(mode, seg, native):
                 out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, chosen)
@@ -370,6 +377,25 @@ class MLAttention(nn.Module):
             kv = seg.read(cache)[:, None]
             o = causal_attention(q_cat, kv, kv, seg.prefix_len, self.scale)
         o = o[..., : m.kv_lora_rank]  # [n, heads, rank]
+        return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def absorbed_batch(
+        self, q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan
+    ) -> torch.Tensor:
+        """`absorbed` for every decode step of a batch in one Triton launch: q [b, heads,
+        qk_head_dim] over each step's latent rows (plan.kv_indices) -> [b, heads, v_head_dim]."""
+        from pipeserve.kernels.triton_attention import paged_decode
+
+        m = self.mla
+        w_uk, w_uv = self.absorbed_weights()
+        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [b, heads, rank]
+        q_cat = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [b, 1 key head, heads, W]
+        assert plan.kv_indptr is not None and plan.kv_indices is not None
+        rows = cache[None]  # one key head: [latent | rope] rows, values their latent part
+        o = paged_decode(
+            q_cat, rows, rows, plan.kv_indptr, plan.kv_indices, self.scale, rope=m.qk_rope_head_dim
+        )[:, 0]  # [b, heads, rank]
         return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,7 +56,15 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
             return self.self_attn.forward_context_parallel(
                 x, rope, fb.cp, self.layer_id, cache, index, native
             )
-        return self.self_attn(x, rope, cache, fb.latent_segments, index_cache=index, native=native)
+        return self.self_attn(
+            x,
+            rope,
+            cache,
+            fb.latent_segments,
+            index_cache=index,
+            native=native,
+            batched=fb.attn.decode,  # set only for the batched Triton kernel
+        )
 
 
 def grouped_routing(arch: ArchConfig) -> GroupedRouting:

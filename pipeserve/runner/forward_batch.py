@@ -16,6 +16,7 @@ from pipeserve.layers.attention import (
     gather_index,
     plan_attention,
 )
+from pipeserve.layers.attention_parts import DecodePlan
 from pipeserve.layers.mla import LatentSegment
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
@@ -91,7 +92,7 @@ class ForwardBatch:
         if cp is not None:  # this rank's rows; its attention reads the cache through the plan
             cp_plan, ids, positions = CpPlan.build(batch, cp, device)
         if pool.latents:  # MLA reads the cache through latent segments, not a plan
-            attn = AttentionPlan([], None)
+            attn = AttentionPlan([], latent_decode_plan(segments, host) if native.batched else None)
             latent = [latent_segment(*seg, host) for seg in segments]
         else:
             attn = plan_attention(segments, host, pool.dtype, native, prompt_segments)
@@ -158,6 +159,23 @@ def latent_segment(
     else:
         slots = gather_index([used], device)[0][0]
     return LatentSegment(q_start, q_len, slots, runs=tuple(used))
+
+
+def latent_decode_plan(
+    segments: list[tuple[int, int, int, list[Run]]], device: torch.device
+) -> DecodePlan | None:
+    """MLA with the batched Triton kernel: the decode steps' slot tables, for one absorbed
+    launch per layer over all of them (MLAttention.forward's `batched`)."""
+    from pipeserve.kernels.triton_attention import slot_table
+
+    steps = [
+        (q_start, runs_prefix(runs, prefix + 1)) for q_start, n, prefix, runs in segments if n == 1
+    ]
+    if not steps:
+        return None
+    indptr, indices = slot_table([runs for _, runs in steps])
+    rows = torch.tensor([row for row, _ in steps], dtype=torch.long)
+    return DecodePlan(rows.to(device), kv_indptr=indptr.to(device), kv_indices=indices.to(device))
 
 
 def _tail_slots(runs: list[Run], n: int) -> list[int]:

@@ -93,10 +93,9 @@ def use_native_kernels(
     """Which steps run the native CPU kernels (--attention-backend): decode steps wherever
     the kernels build; prompt chunks in bfloat16 or float32 wherever a prefill kernel builds
     for the dtype (AVX512-BF16 or AVX2; head dim a multiple of 16). The other steps run the
-    backend's kernels: FlashInfer's or PyTorch's (`select_attention_kernels`). On an
-    accelerator, the batched Triton kernels take every decode step and prompt chunk (GQA
-    models; MLA and context parallelism have their own paths) where triton imports, under
-    auto or triton."""
+    backend's kernels: FlashInfer's or PyTorch's (`select_attention_kernels`). With
+    --attention-backend triton the batched Triton kernels take every decode step and prompt
+    chunk (GQA models; MLA decode steps too; context parallelism keeps its path)."""
     if use_triton_kernels(backend, device):
         return NativeKernels(batched=True, backend=AttentionKernels(device.type))
     kernels = select_attention_kernels(backend, device.type, dtype, head_dim)
@@ -113,15 +112,14 @@ def use_native_kernels(
 
 
 def use_triton_kernels(backend: str, device: torch.device) -> bool:
-    """--attention-backend triton (ValueError where it cannot run), or auto on CUDA where
-    triton imports. On a CPU, triton runs only in its interpreter (TRITON_INTERPRET=1: the
-    tests' way to run the engine's Triton path without a GPU)."""
-    if backend not in ("auto", "triton"):
+    """--attention-backend triton (ValueError where it cannot run). Not yet auto's choice: it
+    has not been compiled on a GPU (the GPU check measures it against the others first). On
+    a CPU, triton runs only in its interpreter (TRITON_INTERPRET=1: the tests' way to run the
+    engine's Triton path without a GPU)."""
+    if backend != "triton":
         return False
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "auto" and device.type != "cuda":
-        return False
-    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not interpreted):
+    if device.type != "cuda" and not (device.type == "cpu" and interpreted):
         raise ValueError(
             f"--attention-backend triton runs on CUDA devices (the device is {device.type}; "
             "on a CPU only under TRITON_INTERPRET=1, for tests); use auto or torch"
@@ -129,11 +127,9 @@ def use_triton_kernels(backend: str, device: torch.device) -> bool:
     try:
         import triton  # noqa: F401
     except ImportError as e:
-        if backend == "triton":
-            raise ValueError(
-                f"--attention-backend triton: triton does not import ({e}); use auto or torch"
-            ) from None
-        return False
+        raise ValueError(
+            f"--attention-backend triton: triton does not import ({e}); use auto or torch"
+        ) from None
     return True
 
 

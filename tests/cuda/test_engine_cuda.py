@@ -60,10 +60,11 @@ def engine_run(path: Path, dtype: str, **flags: Any) -> list[dict[str, Any]]:
     return out
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_float32_matches_transformers(model_dir, preset: str) -> None:
+def test_float32_matches_transformers(model_dir, preset: str, backend: str) -> None:
     path = model_dir(preset)
-    outs = engine_run(path, "float32", chunked_prefill_size=256)
+    outs = engine_run(path, "float32", chunked_prefill_size=256, attention_backend=backend)
     for out, ids in zip(outs, prompts(), strict=True):
         logprobs, greedy = hf_run(path, ids, torch.float32)
         torch.testing.assert_close(
@@ -72,12 +73,13 @@ def test_float32_matches_transformers(model_dir, preset: str) -> None:
         assert out["output_ids"] == greedy
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_bfloat16_within_rounding_of_transformers(model_dir, preset: str) -> None:
+def test_bfloat16_within_rounding_of_transformers(model_dir, preset: str, backend: str) -> None:
     """Against transformers in float32, pipeserve in bfloat16 is off by at most 1.25x what
     transformers in bfloat16 is (the rounding itself), in the mean over the prompt."""
     path = model_dir(preset)
-    outs = engine_run(path, "bfloat16", chunked_prefill_size=256)
+    outs = engine_run(path, "bfloat16", chunked_prefill_size=256, attention_backend=backend)
     for out, ids in zip(outs, prompts(), strict=True):
         exact, _ = hf_run(path, ids, torch.float32)
         rounded, _ = hf_run(path, ids, torch.bfloat16)

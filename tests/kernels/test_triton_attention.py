@@ -48,14 +48,42 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
 def test_triton_kernels_on_a_gpu(dtype: torch.dtype) -> None:
     """Compiled, bfloat16 included, long contexts (32K keys, split-KV), pages of 16 shuffled
     over the pool; GQA 4 heads per KV head, head dim 128."""
-    from pipeserve.kernels.triton_attention import extend_blocks, paged_decode, paged_extend
+    check_kernels(
+        torch.device("cuda"),
+        dtype,
+        lengths=[1, 300, 32768, 4000],
+        chunks=[(0, 512), (8000, 256), (100, 1), (20, 77)],
+        slots_total=48 * 1024,
+        shape=(8, 4, 128),
+    )
 
-    dev, hk, group, d, page = torch.device("cuda"), 8, 4, 128, 16
+
+TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+
+
+def check_kernels(
+    dev: torch.device,
+    dtype: torch.dtype,
+    lengths: list[int],
+    chunks: list[tuple[int, int]],
+    slots_total: int,
+    shape: tuple[int, int, int],
+) -> None:
+    """paged_decode over requests of `lengths` keys and paged_extend over `chunks` (prefix
+    length, query rows), KV in pages of 16 shuffled over a pool of `slots_total` slots;
+    shape: (kv heads, group, head dim). (Also run on small CPU shapes in the interpreter.)"""
+    from pipeserve.kernels.triton_attention import (
+        extend_blocks,
+        paged_decode,
+        paged_extend,
+        slot_table,
+    )
+
+    hk, group, d, page = *shape, 16
     g = torch.Generator(device=dev).manual_seed(0)
-    slots_total = 48 * 1024
     k_cache = torch.randn(hk, slots_total, d, device=dev, generator=g).to(dtype)
     v_cache = torch.randn(hk, slots_total, d, device=dev, generator=g).to(dtype)
-    pages = torch.randperm(slots_total // page, device="cpu").tolist()
+    pages = torch.randperm(slots_total // page).tolist()
 
     def runs_for(n: int) -> list[tuple[int, int]]:
         out = []
@@ -64,47 +92,32 @@ def test_triton_kernels_on_a_gpu(dtype: torch.dtype) -> None:
             n -= page
         return out
 
-    def table(per_seq):
-        flat = [r for runs in per_seq for r in runs]
-        offsets = [0]
-        for runs in per_seq:
-            offsets.append(offsets[-1] + len(runs))
-        return (
-            torch.tensor(flat, dtype=torch.int32, device=dev).view(-1, 2),
-            torch.tensor(offsets, dtype=torch.int32, device=dev),
-        )
+    def table(per_seq: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(dev) for t in slot_table(per_seq))
 
-    def slots_of(runs):
+    def slots_of(runs: list[tuple[int, int]]) -> torch.Tensor:
         return torch.cat([torch.arange(s, s + n, device=dev) for s, n in runs])
 
-    tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}[dtype]
-    lengths = [1, 300, 32768, 4000]
     per_request = [runs_for(n) for n in lengths]
-    runs, offsets = table(per_request)
+    indptr, indices = table(per_request)
     q = torch.randn(len(lengths), hk, group, d, device=dev, generator=g).to(dtype)
-    got = paged_decode(q, k_cache, v_cache, runs, offsets, d**-0.5)
+    got = paged_decode(q, k_cache, v_cache, indptr, indices, d**-0.5)
     for i, req_runs in enumerate(per_request):
         s = slots_of(req_runs)
-        want = _reference(
-            q[i].reshape(1, hk * group, d),
-            k_cache[:, s],
-            v_cache[:, s],
-            torch.tensor([len(s)], device=dev),
-            d**-0.5,
-        )[0]
-        close(got[i].reshape(hk * group, d), want, tol)
-    chunks = [(0, 512), (8000, 256), (100, 1), (20, 77)]  # (prefix_len, q_len)
+        one = torch.tensor([len(s)], device=dev)
+        q_i = q[i].reshape(1, hk * group, d)
+        want = _reference(q_i, k_cache[:, s], v_cache[:, s], one, d**-0.5)[0]
+        close(got[i].reshape(hk * group, d), want, TOL[dtype])
     per_chunk = [runs_for(p + n) for p, n in chunks]
-    runs, offsets = table(per_chunk)
-    total = sum(n for _, n in chunks)
-    q = torch.randn(total, hk * group, d, device=dev, generator=g).to(dtype)
+    indptr, indices = table(per_chunk)
+    q = torch.randn(sum(n for _, n in chunks), hk * group, d, device=dev, generator=g).to(dtype)
     starts = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
     rows = [(s, n, p) for s, (p, n) in zip(starts, chunks, strict=True)]
     spec = torch.tensor(rows, dtype=torch.int32, device=dev)
-    block_chunk, block_first = (t.to(dev) for t in extend_blocks([n for _, n in chunks]))
-    got = paged_extend(q, k_cache, v_cache, runs, offsets, spec, block_chunk, block_first, d**-0.5)
+    blocks = [t.to(dev) for t in extend_blocks([n for _, n in chunks])]
+    got = paged_extend(q, k_cache, v_cache, indptr, indices, spec, *blocks, d**-0.5)
     for (p, n), s, chunk_runs in zip(chunks, starts, per_chunk, strict=True):
         sl = slots_of(chunk_runs)
         pos = torch.arange(p, p + n, device=dev)
         want = _reference(q[s : s + n], k_cache[:, sl], v_cache[:, sl], pos, d**-0.5)
-        close(got[s : s + n], want, tol)
+        close(got[s : s + n], want, TOL[dtype])

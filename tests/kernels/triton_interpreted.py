@@ -17,7 +17,12 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_attention.py"
 
-from pipeserve.kernels.triton_attention import extend_blocks, paged_decode, paged_extend  # noqa: E402
+from pipeserve.kernels.triton_attention import (  # noqa: E402
+    extend_blocks,
+    paged_decode,
+    paged_extend,
+    slot_table,
+)
 
 SLOTS = 1024
 
@@ -37,17 +42,6 @@ def layout(lengths: list[int], page: int, seed: int) -> tuple[list[list[tuple[in
             n -= take
         out.append(runs)
     return out, size
-
-
-def tables(per_request: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    flat = [r for runs in per_request for r in runs]
-    offsets = [0]
-    for runs in per_request:
-        offsets.append(offsets[-1] + len(runs))
-    return (
-        torch.tensor(flat, dtype=torch.int32).view(-1, 2),
-        torch.tensor(offsets, dtype=torch.int32),
-    )
 
 
 def slots_of(runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -95,11 +89,11 @@ EXTEND = [
 @pytest.mark.parametrize(("dtype", "page", "hk", "group", "d", "splits", "lengths"), DECODE)
 def test_decode(dtype, page, hk, group, d, splits, lengths) -> None:
     per_request, _ = layout(lengths, page, seed=page + hk)
-    runs, offsets = tables(per_request)
+    indptr, indices = slot_table(per_request)
     k_cache, v_cache = pool(hk, d, dtype)
     q = torch.randn(len(lengths), hk, group, d).to(dtype)
     scale = d**-0.5
-    got = paged_decode(q, k_cache, v_cache, runs, offsets, scale, splits=splits)
+    got = paged_decode(q, k_cache, v_cache, indptr, indices, scale, splits=splits)
     for i, req_runs in enumerate(per_request):
         slots = slots_of(req_runs)
         qi = q[i].reshape(1, hk * group, d)
@@ -116,7 +110,7 @@ def test_extend(dtype, page, hk, group, d, chunks) -> None:
     """Chunks of one batch: no prefix, a prefix shorter than a key block, a long prefix,
     one-token chunks, a chunk longer than a block of query rows."""
     per_request, _ = layout([p + n for p, n in chunks], page, seed=7 + page)
-    runs, offsets = tables(per_request)
+    indptr, indices = slot_table(per_request)
     k_cache, v_cache = pool(hk, d, dtype)
     total = sum(n for _, n in chunks)
     q = torch.randn(total, hk * group, d).to(dtype)
@@ -128,7 +122,7 @@ def test_extend(dtype, page, hk, group, d, chunks) -> None:
         [(s, n, p) for s, (p, n) in zip(starts, chunks, strict=True)], dtype=torch.int32
     )
     chunk, first = extend_blocks([n for _, n in chunks])
-    got = paged_extend(q, k_cache, v_cache, runs, offsets, table, chunk, first, d**-0.5)
+    got = paged_extend(q, k_cache, v_cache, indptr, indices, table, chunk, first, d**-0.5)
     for (p, n), s, req_runs in zip(chunks, starts, per_request, strict=True):
         slots = slots_of(req_runs)
         want = reference(
@@ -139,16 +133,38 @@ def test_extend(dtype, page, hk, group, d, chunks) -> None:
 
 def test_an_empty_batch_launches_nothing() -> None:
     k_cache, v_cache = pool(2, 16, torch.float32)
-    runs, offsets = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    out = paged_decode(torch.zeros(0, 2, 1, 16), k_cache, v_cache, runs, offsets, 0.25)
+    indptr, indices = torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    out = paged_decode(torch.zeros(0, 2, 1, 16), k_cache, v_cache, indptr, indices, 0.25)
     assert out.shape == (0, 2, 1, 16)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize(("dtype", "splits"), [(F32, 1), (F16, 3)])
+def test_mla_absorbed_decode(dtype: torch.dtype, splits: int) -> None:
+    """MLA's absorbed decode over the latent cache: one key head of [latent | rope] rows
+    shared by all query heads (5: padded to 16), values the rows' latent part."""
+    latent, rope, heads = 32, 16, 5
+    lengths = [3, 70, 129]
+    per_request, _ = layout(lengths, 16, seed=3)
+    indptr, indices = slot_table(per_request)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(SLOTS, latent + rope, generator=g).to(dtype)
+    q = torch.randn(len(lengths), 1, heads, latent + rope, generator=g).to(dtype)
+    scale = 0.3
+    got = paged_decode(q, cache[None], cache[None], indptr, indices, scale, splits, rope=rope)
+    assert got.shape == (len(lengths), 1, heads, latent)
+    for i, req_runs in enumerate(per_request):
+        rows = cache[slots_of(req_runs)].double()  # [L, latent + rope]
+        p = torch.softmax(q[i, 0].double() @ rows.T * scale, dim=-1)
+        want = p @ rows[:, :latent]
+        torch.testing.assert_close(got[i, 0].double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-deepseek-v3"])
 def test_the_engine_on_the_triton_path_serves_the_same_tokens(model_dir, preset: str) -> None:
-    """The whole engine with --attention-backend triton (its plans, int32 run tables, one
-    launch per layer for the decode steps and one for the prompt chunks) against the torch
-    kernels: prompts of several chunks decoded together, one sharing a cached prefix."""
+    """The whole engine with --attention-backend triton (its plans, int32 slot tables, one
+    launch per layer for the decode steps and one for the prompt chunks; for DeepSeek's MLA
+    one absorbed launch for the decode steps) against the torch kernels: prompts of several
+    chunks decoded together, one sharing a cached prefix."""
     from pipeserve import Engine
 
     model = str(model_dir(preset))
@@ -215,3 +231,12 @@ def test_one_launch_per_layer_however_many_requests(monkeypatch, requests: int) 
     )
     layer(q, k, v, pool, slots, plan)
     assert [c.launches for c in counted.values()] == [1, 1]
+
+
+def test_the_gpu_check_runs_on_small_shapes() -> None:
+    """test_triton_attention.py's -m cuda check, on the CPU at small sizes (its own code,
+    not only the kernels, is then known to run before a GPU sees it)."""
+    from test_triton_attention import check_kernels
+
+    shape = (2, 2, 16)
+    check_kernels(torch.device("cpu"), torch.float32, [1, 70, 200], [(0, 20), (90, 3)], 1024, shape)

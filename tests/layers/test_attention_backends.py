@@ -350,29 +350,25 @@ def test_backend_errors_say_what_to_do(
 
 
 def test_model_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """use_native_kernels: on CUDA no native step; under auto the batched Triton kernels
-    where triton imports, else the backend's kernels for all of them."""
+    """use_native_kernels: on CUDA no native step, the backend's kernels for all of them;
+    the batched Triton kernels only when asked for (not yet auto's choice)."""
     monkeypatch.setattr(backends, "import_flashinfer", no_flashinfer)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda")
     native = use_native_kernels("auto", cuda, torch.bfloat16, 128)
-    assert native.batched and not (native.decode or native.prefill)
-    assert native.backend is not None and native.backend.device_type == "cuda"
-    assert not use_native_kernels("torch", cuda, torch.bfloat16, 128).batched
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        use_native_kernels("triton", CPU, torch.float32, 64)
-    assert not use_native_kernels("auto", CPU, torch.float32, 64).batched
-    monkeypatch.setitem(sys.modules, "triton", None)  # triton not installed: import fails
-    native = use_native_kernels("auto", cuda, torch.bfloat16, 128)
     assert not (native.batched or native.decode or native.prefill)
     assert native.backend is not None and native.backend.device_type == "cuda"
-    with pytest.raises(ValueError, match="triton does not import"):
-        use_native_kernels("triton", cuda, torch.bfloat16, 128)
+    assert use_native_kernels("triton", cuda, torch.bfloat16, 128).batched
     assert use_native_kernels("torch", CPU, torch.float32, 64).backend.device_type == "cpu"
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        use_native_kernels("triton", CPU, torch.float32, 64)
     with pytest.raises(ValueError, match="pip install flashinfer-python"):
-        use_native_kernels("flashinfer", torch.device("cuda"), torch.bfloat16, 128)
+        use_native_kernels("flashinfer", cuda, torch.bfloat16, 128)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         use_native_kernels("flashinfer", CPU, torch.bfloat16, 128)
+    monkeypatch.setitem(sys.modules, "triton", None)  # triton not installed: import fails
+    with pytest.raises(ValueError, match="triton does not import"):
+        use_native_kernels("triton", cuda, torch.bfloat16, 128)
 
 
 # -- PagedAttention on the forced accelerator kernels ---------------------------------------
