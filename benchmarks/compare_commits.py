@@ -7,7 +7,8 @@
 Each version runs from a git worktree of its own (--head defaults to the working tree as it
 is, uncommitted changes included) with the same interpreter; rounds alternate base, head,
 base, head, ... so a machine whose speed drifts slows both alike. Prints every round's TTFT
-of the first layout and the median ratio head/base; --json saves it all.
+and decode throughput of the first layout and the median ratios head/base; --json saves it
+all.
 """
 
 from __future__ import annotations
@@ -61,11 +62,17 @@ def main() -> int:
                         ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
                         check=False,
                     )
-    ratio = statistics.median(rounds["head"]) / statistics.median(rounds["base"])
+    ttft, decode = rounds["ttft_mean_s"], rounds["output_throughput_tok_s"]
+    ratio = statistics.median(ttft["head"]) / statistics.median(ttft["base"])
     report = {"base": args.base, "head": args.head or "working tree", "bench_args": bench_args,
-              "ttft_mean_s": rounds, "ratio_head_to_base": ratio}
-    print(f"TTFT base {rounds['base']}  head {rounds['head']}")
-    print(f"median ratio head/base: {ratio:.3f} (below 1: head faster)")
+              **rounds, "ratio_head_to_base": ratio}
+    print(f"TTFT base {ttft['base']}  head {ttft['head']}")
+    print(f"median TTFT ratio head/base: {ratio:.3f} (below 1: head faster)")
+    if all(decode["base"]) and all(decode["head"]):
+        rate = statistics.median(decode["head"]) / statistics.median(decode["base"])
+        report["decode_ratio_head_to_base"] = rate
+        print(f"decode tok/s base {decode['base']}  head {decode['head']}")
+        print(f"median decode throughput ratio head/base: {rate:.3f} (above 1: head faster)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
@@ -73,13 +80,20 @@ def main() -> int:
 
 def run_rounds(
     trees: dict[str, Path], bench_args: list[str], count: int, root: Path
-) -> dict[str, list[float]]:
-    rounds: dict[str, list[float]] = {name: [] for name in trees}
+) -> dict[str, dict[str, list[float]]]:
+    """Per measure (TTFT, decode throughput), per version, every round's figure."""
+    keys = ("ttft_mean_s", "output_throughput_tok_s")
+    rounds: dict[str, dict[str, list[float]]] = {k: {name: [] for name in trees} for k in keys}
     for i in range(count):
         for name, tree in trees.items():
-            report = run_bench(tree, bench_args, root / f"{name}-{i}.json")
-            rounds[name].append(report["layouts"][0]["ttft_mean_s"])
-            print(f"round {i} {name}: TTFT {rounds[name][-1]:.3f} s", flush=True)
+            row = run_bench(tree, bench_args, root / f"{name}-{i}.json")["layouts"][0]
+            for k in keys:
+                rounds[k][name].append(row[k])
+            print(
+                f"round {i} {name}: TTFT {row['ttft_mean_s']:.3f} s, decode "
+                f"{row['output_throughput_tok_s']:.1f} tok/s",
+                flush=True,
+            )
     return rounds
 
 
