@@ -76,6 +76,7 @@ HANDSHAKE_MS = 5000  # a connection that has not authenticated by then is closed
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 5000, 30000  # a silent peer's connection is closed
 IDLE_SOCKET_S = 60.0  # a sender closes its socket to a destination unused this long
 STATS_EVERY_S = 1.0  # how often the control asks the ranks for their dropped counts
+EXPIRE_EVERY_S = 1.0  # how often a receiver looks for rooms past their time
 
 
 def new_room() -> str:
@@ -433,13 +434,16 @@ class KVReceiver:
         poller = zmq.Poller()
         poller.register(self._data, zmq.POLLIN)
         poller.register(self._control, zmq.POLLIN)
+        expired_at = time.monotonic()
         while not self._stop.is_set():
             ready = dict(poller.poll(100))
             if self._control in ready:
                 self._on_control(self._control.recv_multipart())
             if self._data in ready:
                 self._on_data(self._data.recv_multipart(copy=False))
-            self._expire(time.monotonic())
+            if (now := time.monotonic()) - expired_at > EXPIRE_EVERY_S:
+                self._expire(now)
+                expired_at = now
         self._data.close(linger=0)
         self._control.close(linger=0)
         if self._auth is not None:
@@ -480,11 +484,17 @@ class KVReceiver:
             self._write(_header(frames[2].bytes), frames[3:])
         except Dropped as exc:
             self.dropped[str(exc)] += 1
+        except Exception:  # a bug of ours: the message goes, the receiver keeps serving
+            self.dropped["an error while writing"] += 1
+            log.exception("KV receiver: a kv message failed to write")
 
     def _write(self, header: list[Any], frames: list[Any]) -> None:
         room_id, layer, h0, h1, positions, sent = header
         room = self._rooms.get(room_id)
         arrival = time.time()
+        if room is not None and room.expires < time.monotonic():  # before the next sweep
+            del self._rooms[room_id]
+            room = None
         if room is None:  # not open here (never, or no more): dropped
             raise Dropped("no such room")
         if not self.first_layer <= layer < self.end_layer:
