@@ -356,3 +356,29 @@ def test_messages_carry_at_most_max_positions() -> None:
     assert [runs for runs, _ in parts] == [[(0, 4)], [(4, 1), (10, 3)], [(13, 4)], [(17, 1)]]
     assert torch.equal(torch.cat([s for _, s in parts]), slots)
     assert [len(s) for _, s in parts] == [4, 4, 4, 1]
+
+
+def test_an_error_writing_one_message_leaves_the_receiver_serving(sides: list) -> None:
+    """A bug while writing one message (here: forced) drops and counts that message; the
+    thread keeps serving the next room."""
+    src, dst, _whole, _dst_pools, senders, control, _dst_slots = build("pp1->tp2", sides)
+    receiver = next(obj for obj in sides if isinstance(obj, KVReceiver))
+    real = receiver._write
+    failures = []
+
+    def once_broken(header, frames):
+        if not failures:
+            failures.append(header[0])
+            raise RuntimeError("forced")
+        return real(header, frames)
+
+    receiver._write = once_broken  # type: ignore[method-assign]
+    first = new_room()
+    control.open(first, [(20, 40)], 40)
+    list(run_prefill(senders, src, KVDestination(first, control.endpoints, dst), [(8, 40)], [40]))
+    assert wait_dropped(control, 1) == 1 and failures == [first]
+    control.close(first)  # one message of it never landed: the request would time out
+    second = new_room()
+    control.open(second, [(20, 40)], 40)
+    list(run_prefill(senders, src, KVDestination(second, control.endpoints, dst), [(8, 40)], [40]))
+    assert [r for r, _ in wait_done(control, second)] == [second]
