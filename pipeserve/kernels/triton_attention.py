@@ -127,8 +127,9 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for p0 in range(lo, hi, BLOCK):
         at = p0 + tl.arange(0, BLOCK)
-        keys = at < hi
-        row = tl.load(KV_INDICES + start + at, mask=keys, other=0).to(tl.int64)[:, None]
+        slot = tl.load(KV_INDICES + start + at, mask=at < hi, other=-1)
+        keys = slot >= 0  # -1: no key (a sparse selection's padding)
+        row = slot.to(tl.int64)[:, None]
         kv_mask = keys[:, None] & dm[None, :]
         k = tl.load(k_head + row * sk_s + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_head + row * sv_s + d[None, :], mask=kv_mask, other=0.0)
@@ -246,9 +247,10 @@ def paged_decode(
     rope: int = 0,
 ) -> torch.Tensor:
     """q [b, kv_heads, group, d + rope] (one token per request) over each request's KV slots
-    (`kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, int32 on q's device) of k/v_cache
-    [kv_heads, slots, d (+ rope for k)] -> [b, kv_heads, group, d]. `rope` > 0: the keys'
-    last `rope` columns score too (MLA: k_cache = v_cache = the latent cache, one head)."""
+    (`kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, int32 on q's device; -1: no key, as a
+    sparse selection pads) of k/v_cache [kv_heads, slots, d (+ rope for k)] -> [b, kv_heads,
+    group, d]. `rope` > 0: the keys' last `rope` columns score too (MLA: k_cache = v_cache =
+    the latent cache, one head)."""
     b, hk, group, width = q.shape
     d = width - rope
     splits = splits or decode_splits(b, hk, q.device)

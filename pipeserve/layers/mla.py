@@ -183,12 +183,14 @@ class MLAttention(nn.Module):
         new = self.latent(x, rope)
         for seg in segments:
             cache[seg.new_slots] = new[seg.rows]
-        selected = self.selections(x, q_latent, rope, index_cache, segments)
+        positions = self.index_positions(x, q_latent, rope, index_cache, segments)
+        selected = self.selections(positions, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
-        if batched is not None and self.indexer is None:
-            out[batched.rows] = self.absorbed_batch(q[batched.rows], cache, batched)
-            segments = [seg for seg in segments if seg.q_len != 1]
-            selected = [None] * len(segments)
+        if batched is not None:
+            chosen = None if positions is None else positions[batched.rows]
+            out[batched.rows] = self.absorbed_batch(q[batched.rows], cache, batched, chosen)
+            kept = [i for i, seg in enumerate(segments) if seg.q_len != 1]
+            segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
         for seg, chosen in zip(segments, selected, strict=True):
             if self.absorbs(mode, seg, native):
                 out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, chosen)
@@ -306,21 +308,29 @@ class MLAttention(nn.Module):
         k_rope = apply_rotary(k_rope[:, None], *rope, interleaved=m.rope_interleave)[:, 0]
         return torch.cat([self.kv_a_layernorm(c), k_rope], dim=-1)
 
-    def selections(
+    def index_positions(
         self,
         x: torch.Tensor,
         q_latent: torch.Tensor | None,
         rope: Rope,
         index_cache: torch.Tensor | None,
         segments: list[LatentSegment],
+    ) -> torch.Tensor | None:
+        """With an indexer, the positions [tokens, topk] each query may read (its choice, -1
+        for none; writes the segments' index keys); None without one."""
+        if self.indexer is None:
+            return None
+        if index_cache is None or q_latent is None:
+            raise ValueError("an MLA layer with an indexer needs its index key cache")
+        return self.indexer(x, q_latent, rope, index_cache, segments)
+
+    def selections(
+        self, positions: torch.Tensor | None, segments: list[LatentSegment]
     ) -> list[torch.Tensor | None]:
         """Per segment, the positions [q_len, topk] each query may read (the indexer's choice,
         -1 for none), or None for plain causal attention (no query sees more than topk)."""
-        if self.indexer is None:
+        if positions is None or self.indexer is None:
             return [None] * len(segments)
-        if index_cache is None or q_latent is None:
-            raise ValueError("an MLA layer with an indexer needs its index key cache")
-        positions = self.indexer(x, q_latent, rope, index_cache, segments)
         topk = self.indexer.config.topk
         return [positions[seg.rows] if seg.slots.shape[0] > topk else None for seg in segments]
 
@@ -380,10 +390,16 @@ class MLAttention(nn.Module):
         return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def absorbed_batch(
-        self, q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        plan: DecodePlan,
+        chosen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`absorbed` for every decode step of a batch in one Triton launch: q [b, heads,
-        qk_head_dim] over each step's latent rows (plan.kv_indices) -> [b, heads, v_head_dim]."""
+        qk_head_dim] over each step's latent rows (plan.kv_indices), or with an indexer's
+        choice `chosen` [b, topk] (positions, -1 for none) over the chosen rows only
+        -> [b, heads, v_head_dim]."""
         from pipeserve.kernels.triton_attention import paged_decode
 
         m = self.mla
@@ -392,10 +408,12 @@ class MLAttention(nn.Module):
         q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [b, heads, rank]
         q_cat = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [b, 1 key head, heads, W]
         assert plan.kv_indptr is not None and plan.kv_indices is not None
+        indptr, indices = plan.kv_indptr, plan.kv_indices
+        if chosen is not None:
+            indptr, indices = _chosen_slots(chosen, indptr, indices)
         rows = cache[None]  # one key head: [latent | rope] rows, values their latent part
-        o = paged_decode(
-            q_cat, rows, rows, plan.kv_indptr, plan.kv_indices, self.scale, rope=m.qk_rope_head_dim
-        )[:, 0]  # [b, heads, rank]
+        o = paged_decode(q_cat, rows, rows, indptr, indices, self.scale, rope=m.qk_rope_head_dim)
+        o = o[:, 0]  # [b, heads, rank]
         return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,6 +458,24 @@ class ExpandedKeys:
             runs = torch.tensor([[0, end]], dtype=torch.long)  # the kernel is CPU-only
             out = kernel(_pad(q, width).contiguous(), k_pool, v_pool, runs, first, scale)
             return out[..., : self.dv]
+
+
+def _chosen_slots(
+    chosen: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode steps' page table narrowed to an indexer's choice: chosen [b, topk] positions
+    (-1: none) of each step's sequence (indices[indptr[i]:indptr[i + 1]]) -> a table of topk
+    slots per step, -1 where nothing is chosen. A step whose sequence is no longer than
+    topk reads all of it (as `selections` says: the choice would keep every position)."""
+    b, topk = chosen.shape
+    lengths = (indptr[1:] - indptr[:-1]).long()
+    every = torch.arange(topk, device=chosen.device)[None, :].expand(b, topk)
+    positions = torch.where((lengths <= topk)[:, None], every, chosen)
+    valid = (positions >= 0) & (positions < lengths[:, None])
+    flat = (indptr[:-1].long()[:, None] + positions.clamp_min(0)).clamp_max(indices.numel() - 1)
+    slots = torch.where(valid, indices[flat], -1).to(torch.int32)
+    table_ptr = torch.arange(b + 1, device=chosen.device, dtype=torch.int32) * topk
+    return table_ptr, slots.flatten()
 
 
 def absorb_max_queries(mla: MLAConfig) -> int:

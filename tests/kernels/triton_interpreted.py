@@ -159,16 +159,20 @@ def test_mla_absorbed_decode(dtype: torch.dtype, splits: int) -> None:
         torch.testing.assert_close(got[i, 0].double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-deepseek-v3"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-llama", "tiny-qwen2", "tiny-deepseek-v3", "tiny-deepseek-v32"]
+)
 def test_the_engine_on_the_triton_path_serves_the_same_tokens(model_dir, preset: str) -> None:
     """The whole engine with --attention-backend triton (its plans, int32 slot tables, one
     launch per layer for the decode steps and one for the prompt chunks; for DeepSeek's MLA
-    one absorbed launch for the decode steps) against the torch kernels: prompts of several
-    chunks decoded together, one sharing a cached prefix."""
+    one absorbed launch for the decode steps, V3.2's over the indexer's chosen rows) against
+    the torch kernels: prompts of several chunks decoded together, one sharing a cached
+    prefix."""
     from pipeserve import Engine
 
     model = str(model_dir(preset))
-    base = [(7 * j) % 300 + 1 for j in range(40)]
+    # V3.2: longer than its index_topk (64), so decode steps read only the indexer's choice
+    base = [(7 * j) % 300 + 1 for j in range(90 if preset.endswith("v32") else 40)]
     prompts = [base, base[:24] + [9, 8, 7], [(5 * j) % 300 + 2 for j in range(5)]]
     params = {"max_new_tokens": 4, "temperature": 0}
     outs = {}
