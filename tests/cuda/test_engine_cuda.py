@@ -22,6 +22,10 @@ from pipeserve.scheduler.request import SamplingParams
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
 
 PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
+# V3.2 (16 index heads: no ties at the top-k boundary on the CPU, where this checkpoint
+# matches transformers to 7e-6 over the 900-token prompt, past index_topk 64) in float32;
+# in bfloat16 rounding may move the boundary, so it is not held to the relative bound
+FLOAT32_PRESETS = [*PRESETS, "tiny-deepseek-v32"]
 NEW_TOKENS = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
@@ -61,7 +65,7 @@ def engine_run(path: Path, dtype: str, **flags: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", FLOAT32_PRESETS)
 def test_float32_matches_transformers(model_dir, preset: str, backend: str) -> None:
     path = model_dir(preset)
     outs = engine_run(path, "float32", chunked_prefill_size=256, attention_backend=backend)
