@@ -94,7 +94,8 @@ class EngineLoop:
             engine.backend.kv_endpoints(),
             engine.backend.kv_controls(),
             auth.kv_control_keys(auth.pd_key(d.pd_auth_key)),
-            # a room outlives its request only if this process dies: then it expires
+            # a safety net: every way out of a request closes its room; one left open by a
+            # fault still expires, a transfer timeout after the request's own deadline
             room_ttl_s=sum(timeouts) + d.disaggregation_transfer_timeout,
         )
         scheduler = engine.backend.schedulers[0]
