@@ -32,14 +32,20 @@ constexpr double kYieldSeconds = 1e-3;  // then nap
 
 int64_t flags_bytes(int64_t world) { return 2 * world * kLine; }
 
-// out[i] = sum over the buffers of in[b][i], accumulated in float32 and rounded once.
+// out[i] = sum over the buffers of in[b][i], accumulated in float32 and rounded once: the
+// generic loop, and the tail the vectorised versions below leave.
 template <typename T>
-void sum_into(T* out, const std::vector<const T*>& in, int64_t begin, int64_t end) {
+void sum_scalar(T* out, const std::vector<const T*>& in, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     float acc = 0.f;
     for (const T* b : in) acc += static_cast<float>(b[i]);
     out[i] = static_cast<T>(acc);
   }
+}
+
+template <typename T>
+void sum_into(T* out, const std::vector<const T*>& in, int64_t begin, int64_t end) {
+  sum_scalar(out, in, begin, end);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -56,11 +62,7 @@ void sum_into<c10::BFloat16>(c10::BFloat16* out, const std::vector<const c10::BF
     for (size_t b = 1; b < in.size(); ++b) acc = _mm512_add_ps(acc, widen(in[b] + i));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(acc));
   }
-  for (; i < end; ++i) {
-    float acc = 0.f;
-    for (const c10::BFloat16* b : in) acc += static_cast<float>(b[i]);
-    out[i] = static_cast<c10::BFloat16>(acc);
-  }
+  sum_scalar(out, in, i, end);
 }
 
 template <>
@@ -72,11 +74,7 @@ void sum_into<float>(float* out, const std::vector<const float*>& in, int64_t be
     for (size_t b = 1; b < in.size(); ++b) acc = _mm512_add_ps(acc, _mm512_loadu_ps(in[b] + i));
     _mm512_storeu_ps(out + i, acc);
   }
-  for (; i < end; ++i) {
-    float acc = 0.f;
-    for (const float* b : in) acc += b[i];
-    out[i] = acc;
-  }
+  sum_scalar(out, in, i, end);
 }
 #elif defined(__AVX2__)
 // AVX2 (no AVX512-BF16): 8 floats a step. Measured on a Zen 3 core, two buffers: the
@@ -106,11 +104,7 @@ void sum_into<c10::BFloat16>(c10::BFloat16* out, const std::vector<const c10::BF
     for (size_t b = 1; b < in.size(); ++b) acc = _mm256_add_ps(acc, widen8(in[b] + i));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), narrow8(acc));
   }
-  for (; i < end; ++i) {
-    float acc = 0.f;
-    for (const c10::BFloat16* b : in) acc += static_cast<float>(b[i]);
-    out[i] = static_cast<c10::BFloat16>(acc);
-  }
+  sum_scalar(out, in, i, end);
 }
 
 template <>
@@ -122,11 +116,7 @@ void sum_into<float>(float* out, const std::vector<const float*>& in, int64_t be
     for (size_t b = 1; b < in.size(); ++b) acc = _mm256_add_ps(acc, _mm256_loadu_ps(in[b] + i));
     _mm256_storeu_ps(out + i, acc);
   }
-  for (; i < end; ++i) {
-    float acc = 0.f;
-    for (const float* b : in) acc += b[i];
-    out[i] = acc;
-  }
+  sum_scalar(out, in, i, end);
 }
 #endif
 
