@@ -64,6 +64,16 @@ def _online_softmax_step(s, v, valid, scale, m_i, l_i, acc, FP32: tl.constexpr):
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@triton.jit
+def _load_kv(k_head, v_head, sk_s, sv_s, row, keys, d, dm):
+    """Rows `row` ([keys, 1] int64 slots) of one KV head's K and V: [keys, d], rows past
+    `keys` and columns past `dm` read as 0."""
+    mask = keys[:, None] & dm[None, :]
+    k = tl.load(k_head + row * sk_s + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_head + row * sv_s + d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
 @triton.jit(
     do_not_specialize=[
         "sq_b", "sq_h", "sq_g", "sk_h", "sk_s", "sv_h", "sv_s",
@@ -130,9 +140,7 @@ def _decode_kernel(
         slot = tl.load(KV_INDICES + start + at, mask=at < hi, other=-1)
         keys = slot >= 0  # -1: no key (a sparse selection's padding)
         row = slot.to(tl.int64)[:, None]
-        kv_mask = keys[:, None] & dm[None, :]
-        k = tl.load(k_head + row * sk_s + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + row * sv_s + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_head, v_head, sk_s, sv_s, row, keys, d, dm)
         s = _scores(q, k, FP32)
         if ROPE > 0:  # MLA: the rows' rope columns score too; values are the latent part
             k_rope_mask = keys[:, None] & em[None, :]
@@ -207,9 +215,7 @@ def _extend_kernel(
         at = p0 + tl.arange(0, BLOCK)
         keys = at < end
         row = tl.load(KV_INDICES + start + at, mask=keys, other=0).to(tl.int64)[:, None]
-        kv_mask = keys[:, None] & dm[None, :]
-        k = tl.load(k_head + row * sk_s + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + row * sv_s + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_head, v_head, sk_s, sv_s, row, keys, d, dm)
         valid = rm[:, None] & keys[None, :] & (at[None, :] <= q_pos[:, None])
         s = _scores(q, k, FP32)
         m_i, l_i, acc = _online_softmax_step(s, v, valid, scale, m_i, l_i, acc, FP32)

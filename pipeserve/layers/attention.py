@@ -196,13 +196,7 @@ def _batched_plan(
             steps.append((q_start, covering))
         else:
             chunks.append((q_start, q_len, prefix_len, covering))
-    decode = None
-    if steps:
-        indptr, indices = slot_table([r for _, r in steps])
-        rows = torch.tensor([row for row, _ in steps], dtype=torch.long)
-        decode = DecodePlan(
-            rows.to(device), kv_indptr=indptr.to(device), kv_indices=indices.to(device)
-        )
+    decode = batched_decode_plan(steps, device) if steps else None
     extend = None
     if chunks:
         indptr, indices = slot_table([c[3] for c in chunks])
@@ -211,6 +205,16 @@ def _batched_plan(
         tensors = (indptr, indices, table, *blocks)
         extend = ExtendPlan(*(t.to(device) for t in tensors))
     return AttentionPlan([], decode, native.backend, extend)
+
+
+def batched_decode_plan(steps: list[tuple[int, list[Run]]], device: torch.device) -> DecodePlan:
+    """The batched Triton kernel's decode steps: (row, the runs covering exactly its sequence)
+    each -> their rows and page table of one slot per page."""
+    from pipeserve.kernels.triton_attention import slot_table
+
+    indptr, indices = slot_table([runs for _, runs in steps])
+    rows = torch.tensor([row for row, _ in steps], dtype=torch.long)
+    return DecodePlan(rows.to(device), kv_indptr=indptr.to(device), kv_indices=indices.to(device))
 
 
 def _last_slot(runs: list[Run], num: int) -> int:

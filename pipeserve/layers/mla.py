@@ -175,8 +175,8 @@ class MLAttention(nn.Module):
         index_head_dim] with an indexer), written at each segment's new slots, then read at
         all its slots -> [tokens, hidden], all-reduced. native: expanded prompt chunks may run
         the compiled CPU prefill kernel (bfloat16 or float32). batched: the decode steps' slot
-        tables for the batched Triton kernel, one absorbed launch for all of them (not with an
-        indexer, whose choices are per query)."""
+        tables for the batched Triton kernel, one absorbed launch for all of them (with an
+        indexer, over each step's chosen rows)."""
         with region("mla.query"):
             q_latent = self.query_latent(x)
             q = self.query(x, rope, q_latent)
@@ -370,11 +370,7 @@ class MLAttention(nn.Module):
         """As `expanded`, attending in latent space: only cache rows are read, and with an
         indexer's choice `chosen` [n, topk] only the chosen rows. q [n, heads, qk_head_dim]
         -> [n, heads, v_head_dim]."""
-        m = self.mla
-        w_uk, w_uv = self.absorbed_weights()
-        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
-        q_cat = torch.cat([q_latent, q_rope], dim=-1)  # [n, heads, latent_width]
+        q_cat = self.latent_query(q)
         # one key head shared by all heads; its value is the whole row, of which the latent
         # part is kept (no copy of the cache to cut the rope part off first)
         if chosen is not None:
@@ -386,8 +382,7 @@ class MLAttention(nn.Module):
         else:
             kv = seg.read(cache)[:, None]
             o = causal_attention(q_cat, kv, kv, seg.prefix_len, self.scale)
-        o = o[..., : m.kv_lora_rank]  # [n, heads, rank]
-        return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self.values_out(o[..., : self.mla.kv_lora_rank])
 
     def absorbed_batch(
         self,
@@ -402,18 +397,29 @@ class MLAttention(nn.Module):
         -> [b, heads, v_head_dim]."""
         from pipeserve.kernels.triton_attention import paged_decode
 
-        m = self.mla
-        w_uk, w_uv = self.absorbed_weights()
-        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [b, heads, rank]
-        q_cat = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [b, 1 key head, heads, W]
+        q_cat = self.latent_query(q)[:, None]  # [b, 1 key head, heads, W]
         assert plan.kv_indptr is not None and plan.kv_indices is not None
         indptr, indices = plan.kv_indptr, plan.kv_indices
         if chosen is not None:
             indptr, indices = _chosen_slots(chosen, indptr, indices)
         rows = cache[None]  # one key head: [latent | rope] rows, values their latent part
-        o = paged_decode(q_cat, rows, rows, indptr, indices, self.scale, rope=m.qk_rope_head_dim)
-        o = o[:, 0]  # [b, heads, rank]
+        rope = self.mla.qk_rope_head_dim
+        o = paged_decode(q_cat, rows, rows, indptr, indices, self.scale, rope=rope)
+        return self.values_out(o[:, 0])  # o: [b, 1, heads, rank]
+
+    def latent_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention's query: q [n, heads, qk_head_dim] -> [n, heads, latent_width],
+        its nope part taken into latent space by W_UK, its rope part kept."""
+        m = self.mla
+        w_uk, _ = self.absorbed_weights()
+        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
+        return torch.cat([q_latent, q_rope], dim=-1)
+
+    def values_out(self, o: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention's output over latent values [n, heads, rank], up-projected by
+        W_UV -> [n, heads, v_head_dim]."""
+        _, w_uv = self.absorbed_weights()
         return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from pipeserve.layers.attention import (
     TORCH_KERNELS,
     AttentionPlan,
     NativeKernels,
+    batched_decode_plan,
     gather_index,
     plan_attention,
 )
@@ -164,18 +165,10 @@ def latent_segment(
 def latent_decode_plan(
     segments: list[tuple[int, int, int, list[Run]]], device: torch.device
 ) -> DecodePlan | None:
-    """MLA with the batched Triton kernel: the decode steps' slot tables, for one absorbed
+    """MLA with the batched Triton kernel: the decode steps' page table, for one absorbed
     launch per layer over all of them (MLAttention.forward's `batched`)."""
-    from pipeserve.kernels.triton_attention import slot_table
-
-    steps = [
-        (q_start, runs_prefix(runs, prefix + 1)) for q_start, n, prefix, runs in segments if n == 1
-    ]
-    if not steps:
-        return None
-    indptr, indices = slot_table([runs for _, runs in steps])
-    rows = torch.tensor([row for row, _ in steps], dtype=torch.long)
-    return DecodePlan(rows.to(device), kv_indptr=indptr.to(device), kv_indices=indices.to(device))
+    steps = [(row, runs_prefix(runs, prefix + 1)) for row, n, prefix, runs in segments if n == 1]
+    return batched_decode_plan(steps, device) if steps else None
 
 
 def _tail_slots(runs: list[Run], n: int) -> list[int]:
