@@ -36,7 +36,7 @@ test-gpu: $(if $(filter $(GPU_PY),$(PY)),$(STAMP))
 GPU_PYTHON ?= 3.12
 GPU_WHEELS ?= pyzmq gguf fastapi starlette pydantic pydantic-core annotated-types \
 	typing-inspection uvicorn typing-extensions opentelemetry-api click h11 \
-	prometheus-client anyio sniffio
+	prometheus-client anyio sniffio cryptography cffi pycparser
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \

@@ -209,19 +209,13 @@ class ModelRunner:
             layers = stage_layers(a.num_layers)
             timeout = d.disaggregation_transfer_timeout
             striping = self.cp.striping if self.cp is not None else None
-            keys = auth.kv_link_keys(key)
-            self.kv_sender = KVSender(self.kv_pool, layout, me, layers, timeout, striping, keys)
+            self.kv_sender = KVSender(self.kv_pool, layout, me, layers, timeout, striping, key)
             self.model.layer_hooks = self.kv_sender
         else:
-            # the engine process is on node 0: other nodes' control sockets need tcp
+            # the engine process is on node 0: other nodes' control listeners need tcp
             remote = self.config.parallel.node_rank != 0
             self.kv_receiver = KVReceiver(
-                self.kv_pool,
-                layout,
-                me,
-                d.disaggregation_host,
-                auth.kv_link_keys(key),
-                auth.kv_control_keys(key) if remote else None,
+                self.kv_pool, layout, me, d.disaggregation_host, key, remote
             )
 
     def _tier_store(self, num_pages: int, name: str) -> TierStore:

@@ -93,7 +93,7 @@ class EngineLoop:
         control = ReceiverControl(
             engine.backend.kv_endpoints(),
             engine.backend.kv_controls(),
-            auth.kv_control_keys(auth.pd_key(d.pd_auth_key)),
+            auth.pd_key(d.pd_auth_key),
             # a safety net: every way out of a request closes its room; one left open by a
             # fault still expires, a transfer timeout after the request's own deadline
             room_ttl_s=sum(timeouts) + d.disaggregation_transfer_timeout,

@@ -4,23 +4,24 @@ request into the pages its room names (checked against one whole-model KV for ea
 pair of the plan's tests, over the CURVE link); the room is reported done exactly when all
 of it has arrived; data for a room that is closed, never opened or expired writes nothing.
 
-Hostile peers: a peer without the PD key gets nothing in; forged messages (an `open` on the
-data socket, kv for another stage, heads, positions or size) change nothing and are
-counted; an oversized message is refused at its header; a destination that cannot be
-reached, or never takes anything, holds no other destination up."""
+Hostile peers: a peer without the PD key gets nothing in; forged messages from a key holder
+(an `open` on the data link, kv for another stage, heads, positions or size) change nothing
+and are counted; a destination that cannot be reached, or never takes anything, holds no
+other destination up; a connection lost mid-transfer fails its rooms only. (The link's own
+refusals, limits and framing: test_pd_link.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import msgpack
 import pytest
 import torch
-import zmq
 from test_pd_kv_remap import CASES, pools_for, whole_kv
+from test_pd_link import RawPeer
 
 from pipeserve.context_parallel.layout import PageStriping
 from pipeserve.disaggregation.pd import auth
@@ -33,12 +34,11 @@ from pipeserve.disaggregation.pd.transfer import (
     new_room,
     split_positions,
 )
-from pipeserve.distributed.channels import secure_client
 from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
 
 pytestmark = pytest.mark.timeout(60)
 
-KEYS = auth.kv_link_keys("test-pd-key")
+KEY = "test-pd-key"
 
 
 def run_prefill(
@@ -82,9 +82,9 @@ def build(case: str, sides: list, room_ttl_s: float = 3600.0):
     src_slots, dst_slots = torch.arange(8, 48), torch.arange(20, 60)
     src_pools = pools_for(src, whole, src_slots)
     dst_pools = pools_for(dst, None, None)
-    receivers = {r: KVReceiver(dst_pools[r], dst, r, "127.0.0.1", KEYS) for r in dst.ranks()}
+    receivers = {r: KVReceiver(dst_pools[r], dst, r, "127.0.0.1", KEY) for r in dst.ranks()}
     senders = {
-        r: KVSender(src_pools[r], src, r, range(*src.stage_layers[r[0]]), 5.0, keys=KEYS)
+        r: KVSender(src_pools[r], src, r, range(*src.stage_layers[r[0]]), 5.0, key=KEY)
         for r in src.ranks()
     }
     control = control_of([receivers[r] for r in dst.ranks()], room_ttl_s)
@@ -96,6 +96,7 @@ def control_of(receivers: list[KVReceiver], room_ttl_s: float = 3600.0) -> Recei
     return ReceiverControl(
         tuple(r.endpoint for r in receivers),
         tuple(r.control_endpoint for r in receivers),
+        KEY,
         room_ttl_s=room_ttl_s,
     )
 
@@ -161,9 +162,9 @@ def test_context_parallel_ranks_each_send_the_pages_they_hold(sides: list) -> No
         for layer in range(6):
             for a, b in zip(whole.buffers(layer), pool.buffers(layer), strict=True):
                 b[:, local] = a[:, src_slots[mine]]
-        senders[r] = KVSender(pool, src, (0, 0), range(6), 5.0, striping[r], KEYS)
+        senders[r] = KVSender(pool, src, (0, 0), range(6), 5.0, striping[r], KEY)
     dst_pools = pools_for(dst, None, None)
-    receivers = [KVReceiver(dst_pools[r], dst, r, "127.0.0.1", KEYS) for r in dst.ranks()]
+    receivers = [KVReceiver(dst_pools[r], dst, r, "127.0.0.1", KEY) for r in dst.ranks()]
     control = control_of(receivers)
     sides += [*receivers, *senders.values(), control]
     room = new_room()
@@ -179,21 +180,16 @@ def test_context_parallel_ranks_each_send_the_pages_they_hold(sides: list) -> No
                 assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])
 
 
-def peer(endpoint: str, keys=KEYS) -> zmq.Socket:
-    """A DEALER to a receiver: with the link's keys (a prefill worker, or someone holding
-    the PD key), other keys, or none."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
-    if keys is not None:
-        secure_client(sock, keys)
-    sock.connect(endpoint)
-    return sock
+def peer(endpoint: str, key: str = KEY) -> RawPeer:
+    """A peer of a receiver's data link holding the PD key (a prefill worker, or anyone who
+    has it) or another."""
+    return RawPeer(endpoint, auth.kv_link_secret(key))
 
 
 def kv_message(room: str, layer: int, heads: tuple, runs: list, nbytes: int) -> list[bytes]:
     header = msgpack.packb([room, layer, *heads, runs, time.time()], use_bin_type=True)
     frame = torch.ones(nbytes // 4).numpy().tobytes()
-    return [b"kv", header, frame, frame]
+    return [header, frame, frame]
 
 
 def untouched(pools: dict, slots: torch.Tensor) -> bool:
@@ -214,12 +210,15 @@ def test_a_peer_without_the_key_gets_nothing_in(sides: list) -> None:
     control.open(room, [(20, 40)], 40)
     # 40 positions of one head, float32, head_dim 4: what rank (0, 0) expects per layer
     forged = kv_message(room, 0, (0, 1), [[0, 40]], 40 * 4 * 4)
-    wrong_keys = auth.kv_link_keys("another key")
-    for keys in (None, wrong_keys):
-        sock = peer(control.endpoints[0], keys)
-        sock.send_multipart([b"open", msgpack.packb([new_room(), [[0, 64]], 64, 1e9])])
-        sock.send_multipart(forged)
-        time.sleep(0.5)
+    for key in ("another key", "control"):
+        # the control link's key opens the data link no more than any other
+        sock = peer(control.endpoints[0], key) if key != "control" else None
+        if sock is None:
+            sock = RawPeer(control.endpoints[0], auth.kv_control_secret(KEY))
+        assert not sock.authentic
+        sock.sock.sendall(sock.message([b"open", msgpack.packb([new_room(), [[0, 64]], 64, 1e9])]))
+        sock.sock.sendall(sock.message(forged))
+        assert sock.closed_by_peer()
         sock.close()
     assert untouched(dst_pools, dst_slots)
     assert control.dropped == 0 or wait_dropped(control, 1, 2.0) == 0  # never got in
@@ -243,13 +242,15 @@ def test_forged_messages_change_nothing_and_are_counted(sides: list) -> None:
         kv_message(room, 0, (0, 1), [[-4, 8]], 8 * 16),  # before its start
         kv_message(room, 0, (0, 1), [[0, 40]], size - 16),  # the wrong byte size
         kv_message(room, 0, (0, 1), [[0, MAX_MESSAGE_POSITIONS + 1]], 16),  # too many
-        [b"kv", b"\xc1", b""],  # a header that does not decode
-        [b"kv", msgpack.packb([room, "0", 0, 1, [[0, 40]], 0.0]), b"", b""],  # wrong types
+        kv_message(room, 0, (0, 1), [], 0),  # no positions
+        [b"\xc1", b""],  # a header that does not decode
+        [msgpack.packb([room, "0", 0, 1, [[0, 40]], 0.0]), b"", b""],  # wrong types
+        [msgpack.packb([room, 0, 0, 1, [[0, 40]], 0.0])],  # no data
     ]
     sock = peer(control.endpoints[0])
     try:
         for frames in forged:
-            sock.send_multipart(frames)
+            sock.sock.sendall(sock.message(frames))
         assert wait_dropped(control, len(forged)) == len(forged)
     finally:
         sock.close()
@@ -265,39 +266,6 @@ def test_forged_messages_change_nothing_and_are_counted(sides: list) -> None:
                 assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])
 
 
-def zmtp_null_handshake() -> bytes:
-    """A ZMTP 3.0 peer's opening under the NULL mechanism, as a DEALER."""
-    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00")
-    greeting += b"\x00" * 32  # as-server 0, filler
-    prop = bytes([11]) + b"Socket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-    ready = b"\x05READY" + prop
-    return greeting + b"\x04" + bytes([len(ready)]) + ready
-
-
-def test_an_oversized_message_is_refused_at_its_header(sides: list) -> None:
-    """A frame declaring 4 GiB: the receiver closes the connection on reading the header
-    (before the body arrives, so nothing of it is held); without the limit it would take
-    every byte sent. On the plain link: under CURVE no such peer gets in at all."""
-    src, dst = CASES["pp1->tp2"]
-    pool = pools_for(dst, None, None)[(0, 0)]
-    receiver = KVReceiver(pool, dst, (0, 0), "127.0.0.1")
-    sides.append(receiver)
-    host, port = receiver.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    conn = socket.create_connection((host, int(port)), timeout=10)
-    sent = 0
-    try:
-        conn.sendall(zmtp_null_handshake())
-        conn.sendall(b"\x02" + (4 << 30).to_bytes(8, "big"))  # one long frame of 4 GiB
-        chunk = bytes(1 << 20)
-        with contextlib.suppress(OSError):
-            while sent < 256 << 20:
-                conn.sendall(chunk)
-                sent += len(chunk)
-    finally:
-        conn.close()
-    assert sent < 256 << 20, "the receiver kept reading a 4 GiB message"
-
-
 def test_a_room_expires_with_its_request(sides: list) -> None:
     src, dst, _whole, dst_pools, senders, control, dst_slots = build(
         "pp1->tp2", sides, room_ttl_s=0.3
@@ -311,13 +279,13 @@ def test_a_room_expires_with_its_request(sides: list) -> None:
 
 
 def test_unreachable_and_silent_destinations_hold_up_no_other(sides: list) -> None:
-    """A destination ZeroMQ cannot connect to fails its room at once; 20 that take nothing
+    """A destination that is not tcp:// fails its room at once; 20 that take nothing
     wait out their timeout (30 s) each on their own: a room to a live receiver queued after
     all of them arrives meanwhile, while none of theirs has been given up yet."""
     src, dst, _whole, _dst_pools, _senders, control, _dst_slots = build("pp1->tp2", sides)
     whole = whole_kv(False)
     pool = pools_for(src, whole, torch.arange(8, 48))[(0, 0)]
-    sender = KVSender(pool, src, (0, 0), range(6), 30.0, keys=KEYS)
+    sender = KVSender(pool, src, (0, 0), range(6), 30.0, key=KEY)
     sides.append(sender)
     bad = KVDestination(new_room(), ("foo://bar", "foo://bar"), dst)
     list(run_prefill({(0, 0): sender}, src, bad, [(8, 40)], [40]))
@@ -343,7 +311,7 @@ def test_a_sender_that_stopped_fails_the_forward() -> None:
     """The worker fails (so the server's /health does) rather than dropping KV silently."""
     src, dst = CASES["pp1->tp2"]
     pool = pools_for(src, whole_kv(False), torch.arange(8, 48))[(0, 0)]
-    sender = KVSender(pool, src, (0, 0), range(6), 1.0, keys=KEYS)
+    sender = KVSender(pool, src, (0, 0), range(6), 1.0, key=KEY)
     sender.close()
     dest = KVDestination(new_room(), ("tcp://127.0.0.1:9",) * 2, dst)
     with pytest.raises(RuntimeError, match="sender thread has stopped"):
@@ -382,3 +350,45 @@ def test_an_error_writing_one_message_leaves_the_receiver_serving(sides: list) -
     control.open(second, [(20, 40)], 40)
     list(run_prefill(senders, src, KVDestination(second, control.endpoints, dst), [(8, 40)], [40]))
     assert [r for r, _ in wait_done(control, second)] == [second]
+
+
+def test_a_connection_lost_mid_transfer_fails_its_rooms_only(sides: list) -> None:
+    """A receiver that closes the connection after the first message of a room: that room
+    is given up (what was in flight is gone, it can never complete), and the sender connects
+    again for the next room, which arrives whole."""
+    from pipeserve.disaggregation.pd.link import Server
+
+    src, dst, _whole, _dst_pools, _senders, control, _dst_slots = build("pp1->tp2", sides)
+    server = Server()
+    listener = server.listen("tcp://127.0.0.1:*", auth.kv_link_secret(KEY), 1 << 20, 4, 4)
+    seen: set = set()  # the connections messages came on
+
+    def cut_after_one() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(seen) < 2:
+            for _listener, channel, _message in server.poll(0.02):
+                seen.add(channel)
+                server.drop(channel)
+        server.close()
+
+    thread = threading.Thread(target=cut_after_one, daemon=True)
+    thread.start()
+    pool = pools_for(src, whole_kv(False), torch.arange(8, 48))[(0, 0)]
+    sender = KVSender(pool, src, (0, 0), range(6), 10.0, key=KEY)
+    sides.append(sender)
+    cut = KVDestination(new_room(), (listener.endpoint,) * 2, dst)
+    list(run_prefill({(0, 0): sender}, src, cut, [(8, 40)], [40]))
+    deadline = time.monotonic() + 10
+    while cut.room not in sender._failed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cut.room in sender._failed and sender.given_up == 1
+    again = KVDestination(new_room(), (listener.endpoint,) * 2, dst)
+    list(run_prefill({(0, 0): sender}, src, again, [(8, 40)], [40]))
+    thread.join(15)
+    assert len(seen) == 2  # the second room came on a new connection
+    room = new_room()
+    control.open(room, [(20, 40)], 40)
+    live = KVDestination(room, control.endpoints, dst)
+    list(run_prefill({(0, 0): sender}, src, live, [(8, 40)], [40]))
+    assert [r for r, _ in wait_done(control, room)] == [room]
+    assert sender.alive

@@ -10,9 +10,10 @@ link):
   decode server and the decode server's calls of a prefill server. A decode server follows
   `X-Pipeserve-Prefill` only with it, and a prefill server's `POST /pd/prefill` needs it;
   the client API key (`--api-key`) opens neither.
-- the CURVE key pairs of the KV data link: the decode workers' receivers are CURVE servers
-  that let in only the prefill workers' client key, so a peer without the PD key can neither
-  connect nor read what travels.
+- the secrets of the KV link (link.py): the decode workers' receivers let in only peers
+  that prove they hold the data link's secret (the prefill workers) or the control link's
+  (their own engine process), and every record is encrypted under keys fresh to its
+  connection, so a peer without the PD key can neither write nor read what travels.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from collections.abc import Mapping
 
 from pipeserve import envs
 from pipeserve.config import MISSING_PD_KEY as MISSING_KEY
-from pipeserve.distributed.channels import CurveKeys
+from pipeserve.disaggregation.pd.link import derive
 
 INTERNAL_HEADER = "X-Pipeserve-Internal"
-KV_LINK = "disaggregation kv link"  # the CURVE keys' purpose labels
+KV_LINK = "disaggregation kv link"  # the link secrets' labels
 KV_CONTROL = "disaggregation kv control"
 
 
@@ -54,12 +55,13 @@ def is_internal(headers: Mapping[str, str], token: str) -> bool:
     return hmac.compare_digest(given.encode("latin-1", "replace"), token.encode())
 
 
-def kv_link_keys(key: str) -> CurveKeys:
-    """The KV link's CURVE pairs: receivers are the servers, senders the clients."""
-    return CurveKeys.derive(key, KV_LINK)
+def kv_link_secret(key: str) -> bytes:
+    """The KV data link's secret: receivers let in only prefill workers that hold it."""
+    return derive(key, KV_LINK)
 
 
-def kv_control_keys(key: str) -> CurveKeys:
-    """The CURVE pairs of a receiver's control socket on another node than its engine
-    process (on the same node it is ipc:// in a private directory)."""
-    return CurveKeys.derive(key, KV_CONTROL)
+def kv_control_secret(key: str) -> bytes:
+    """The secret of a receiver's control link (its own engine process alone holds it
+    besides the receiver; on one node the link is also a Unix socket only this user
+    reaches)."""
+    return derive(key, KV_CONTROL)

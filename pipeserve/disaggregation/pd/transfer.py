@@ -3,15 +3,17 @@ workers send each layer's KV of a prompt chunk as soon as that layer's forward h
 it, straight into pages the decode side reserved; the decode side hears when all of a
 request's KV has arrived.
 
-The interface is three objects, one backend (`tcp`, ZeroMQ over TCP: it works between
-local processes and between machines, and a peer that dies or restarts breaks nothing
-beyond its own requests, where a torch.distributed group spanning both sides would fail
-for good and tie their start-up together). An RDMA engine would implement the same three:
+The interface is three objects, one backend (`tcp`: link.py's authenticated, encrypted
+messages over TCP; it works between local processes and between machines, and a peer that
+dies or restarts breaks nothing beyond its own requests, where a torch.distributed group
+spanning both sides would fail for good and tie their start-up together). An RDMA engine
+would implement the same three:
 
-- `KVReceiver`, one per decode worker, with two sockets. Its control socket (ipc:// in a
-  directory only this user can enter; across nodes tcp:// under CURVE) takes `open(room,
-  slots)` and `close(room)` from its engine process alone. Its data socket (tcp://, a CURVE
-  server that lets in only holders of the PD key: auth.py) takes `kv` messages and writes
+- `KVReceiver`, one per decode worker, with two listeners. Its control listener (a Unix
+  socket in a directory only this user can enter; across nodes tcp://) takes `open(room,
+  slots)` and `close(room)` from its engine process alone, under the control link's key.
+  Its data listener (tcp://, letting in only holders of the KV link's key: auth.py, with
+  bounded connections: link.py) takes `kv` messages and writes
   each into the room's slots once it has checked it (an open room, a layer of this stage,
   heads of this rank, positions within the room, the exact byte size); anything else is
   dropped and counted, so neither a late message of an aborted request (whose pages went
@@ -36,10 +38,12 @@ prefill worker write into those pages, so it is never logged.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import queue
 import secrets
+import selectors
 import shutil
 import threading
 import time
@@ -48,33 +52,29 @@ from typing import Any
 
 import msgpack
 import torch
-import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from pipeserve.context_parallel.layout import PageStriping, runs_of
+from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, Piece, Rank, SideLayout, plan
-from pipeserve.distributed.channels import (
-    ClientKey,
-    CurveKeys,
-    private_directory,
-    secure_client,
-    secure_server,
-)
+from pipeserve.disaggregation.pd.link import PING_S, Channel, LinkClosed, Server, drive
+from pipeserve.distributed.channels import private_directory
 from pipeserve.layers.attention import gather_index
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
 
 log = logging.getLogger(__name__)
 
-SEND_HWM = 64  # messages queued per destination in ZeroMQ before a send would wait
-RECV_HWM = 16  # messages ZeroMQ holds per sending peer before it stops reading that peer
+SEND_BYTES = 16 << 20  # encrypted bytes a sender keeps ahead of one destination's socket
 CONTROL_TIMEOUT_S = 10.0  # a decode rank must confirm open/close within this
 MAX_FAILED_ROOMS = 4096  # given-up rooms a sender remembers (to drop their later messages)
 MAX_MESSAGE_POSITIONS = 8192  # positions one kv message carries at most (a chunk's layer)
 MAX_CONTROL_BYTES = 16 * 2**20  # an open message lists a request's slot runs
-HANDSHAKE_MS = 5000  # a connection that has not authenticated by then is closed
-HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 5000, 30000  # a silent peer's connection is closed
-IDLE_SOCKET_S = 60.0  # a sender closes its socket to a destination unused this long
+MIN_PART_BYTES = 1 << 20  # a kv message's header may list many runs (context parallelism)
+DATA_PEERS, DATA_PENDING = 256, 64  # the data listener's connection limits (link.py)
+CONTROL_PEERS, CONTROL_PENDING = 8, 8
+DATA_IDLE_S = 90.0  # a sender's connection silent this long is closed (senders ping)
+IDLE_SOCKET_S = 60.0  # a sender closes its connection to a destination unused this long
+RECONNECT_S = 0.2  # a sender waits this long before connecting again after a failure
 STATS_EVERY_S = 1.0  # how often the control asks the ranks for their dropped counts
 EXPIRE_EVERY_S = 1.0  # how often a receiver looks for rooms past their time
 
@@ -122,10 +122,13 @@ class _Outgoing:
 class _Destination:
     """The sender thread's view of one decode rank's receiver."""
 
-    sock: zmq.Socket | None
+    channel: Channel | None = None
     queue: collections.deque[_Outgoing] = field(default_factory=collections.deque)
-    progress_at: float = 0.0  # the last send, or when the queue last went from empty to not
+    rooms: set[str] = field(default_factory=set)  # rooms with messages on this connection
+    progress_at: float = 0.0  # bytes last went out, or the queue last went from empty to not
     used_at: float = 0.0
+    retry_at: float = 0.0  # no new connection before this (after a failed one)
+    unusable: bool = False  # an endpoint that is not tcp://: its rooms fail at once
 
 
 class KVSender:
@@ -140,19 +143,21 @@ class KVSender:
         layers: range,
         timeout_s: float,
         striping: PageStriping | None = None,
-        keys: CurveKeys | None = None,
+        key: str = "",
     ) -> None:
         """`striping`: under context parallelism, which pages this rank holds (each CP rank
-        of a stage sends its own positions, as the stage's TP rank 0 would). `keys`: the KV
-        link's CURVE pairs (auth.kv_link_keys); None only in tests of the plain link."""
+        of a stage sends its own positions, as the stage's TP rank 0 would). `key`: the PD
+        key (the KV link's secret is derived from it: auth.kv_link_secret)."""
         self.pool, self.layout, self.me, self.layers = pool, layout, me, layers
-        self.timeout_s, self.striping, self.keys = timeout_s, striping, keys
+        self.timeout_s, self.striping = timeout_s, striping
+        self._secret = auth.kv_link_secret(key)
         self._plans: dict[SideLayout, dict[int, list[tuple[int, Piece]]]] = {}
         # per request of the batch: its destination, position runs and their slots here
         self._work: list[tuple[KVDestination, list[Run], torch.Tensor]] = []
         self._out: queue.Queue[_Outgoing | None] = queue.Queue()
         self._failed: dict[str, None] = {}  # rooms given up, oldest first
         self.given_up = 0  # rooms given up since start
+        self._selector = selectors.DefaultSelector()
         self._thread = threading.Thread(target=self._send_loop, daemon=True, name="kv-sender")
         self._thread.start()
 
@@ -224,35 +229,41 @@ class KVSender:
 
     def _send_loop(self) -> None:
         """Move queued messages to their destinations, never waiting on any one of them."""
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         dests: dict[str, _Destination] = {}
         running = True
         while running:
-            busy = any(d.queue for d in dests.values())
-            running = self._take(dests, ctx, wait_s=0.002 if busy else 0.1)
+            if any(d.queue or (d.channel and d.channel.pending) for d in dests.values()):
+                self._wait(dests, 0.002)
+                running = self._take(dests, wait_s=0.0)
+            else:
+                running = self._take(dests, wait_s=0.1)
+                self._wait(dests, 0.0)  # a connection the receiver closed is noticed idle
             now = time.monotonic()
             for endpoint, d in list(dests.items()):
                 try:
                     self._flush(endpoint, d, now)
+                except LinkClosed as exc:
+                    self._lost(endpoint, d, str(exc))
                 except Exception:  # whatever went wrong, it stays with this destination
                     log.exception("KV sender: destination %s failed", endpoint)
                     self._drop_destination(endpoint, d)
-                if not d.queue and now - d.used_at > IDLE_SOCKET_S:
-                    self._close(dests.pop(endpoint))
+                self._watch(d)
+                busy = d.queue or (d.channel and d.channel.pending)
+                if not busy and now - d.used_at > IDLE_SOCKET_S:
+                    self._disconnect(dests.pop(endpoint))
         for d in dests.values():
-            self._close(d)
+            self._disconnect(d)
+        self._selector.close()
 
-    def _take(self, dests: dict[str, _Destination], ctx: zmq.Context, wait_s: float) -> bool:
+    def _take(self, dests: dict[str, _Destination], wait_s: float) -> bool:
         """Move what the forward queued into the destinations' queues; False on close()."""
         try:
-            item = self._out.get(timeout=wait_s)
+            item = self._out.get(timeout=wait_s) if wait_s else self._out.get_nowait()
         except queue.Empty:
             return True
         while item is not None:
             if item.room not in self._failed:
-                d = dests.get(item.endpoint)
-                if d is None:
-                    d = dests[item.endpoint] = _Destination(self._connect(ctx, item))
+                d = dests.setdefault(item.endpoint, _Destination())
                 now = time.monotonic()
                 if not d.queue:
                     d.progress_at = now
@@ -264,53 +275,92 @@ class KVSender:
                 return True
         return False
 
-    def _connect(self, ctx: zmq.Context, item: _Outgoing) -> zmq.Socket | None:
-        """A socket to the item's destination; None if it cannot be connected (an endpoint
-        ZeroMQ rejects): its rooms are then given up when flushed."""
-        sock = ctx.socket(zmq.DEALER)
+    def _wait(self, dests: dict[str, _Destination], timeout_s: float) -> None:
+        """Until a connection can take bytes or has something to read (its handshake, or
+        its end), for at most `timeout_s`."""
+        if not self._selector.get_map():
+            if timeout_s:
+                time.sleep(timeout_s)
+            return
+        owner = {d.channel: (e, d) for e, d in dests.items() if d.channel is not None}
+        for key, events in self._selector.select(timeout_s):
+            endpoint, d = owner[key.fileobj]  # type: ignore[index]
+            channel = d.channel
+            assert channel is not None
+            try:
+                if events & selectors.EVENT_READ and channel.readable():
+                    raise LinkClosed("the receiver sent a message")
+                if events & selectors.EVENT_WRITE:
+                    channel.flush()
+            except LinkClosed as exc:
+                self._lost(endpoint, d, str(exc))
+
+    def _watch(self, d: _Destination) -> None:
+        """Select on the destination's connection: to read always, to write while it has
+        bytes queued."""
+        channel = d.channel
+        if channel is None:
+            return
+        events = selectors.EVENT_READ
+        if channel.pending or channel.connecting:
+            events |= selectors.EVENT_WRITE
         try:
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            if self.keys is not None:
-                secure_client(sock, self.keys)
-            sock.connect(item.endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            log.warning("KV sender: cannot connect to %s (%s)", item.endpoint, exc)
-            return None
-        return sock
+            if self._selector.get_key(channel).events != events:
+                self._selector.modify(channel, events)
+        except KeyError:
+            self._selector.register(channel, events)
 
     def _flush(self, endpoint: str, d: _Destination, now: float) -> None:
         """Send what the destination takes now; if it has taken nothing for the transfer
-        timeout (or cannot be connected at all), give up every room queued to it."""
-        while d.queue:
-            item = d.queue[0]
-            if item.room in self._failed:
-                d.queue.popleft()
-                continue
-            if d.sock is None:
-                break
-            try:
-                d.sock.send_multipart([b"kv", *item.frames], flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
+        timeout (or its endpoint is unusable), give up every room queued to it."""
+        while d.queue and d.queue[0].room in self._failed:
             d.queue.popleft()
-            d.progress_at = d.used_at = now
-        if d.queue and (d.sock is None or now - d.progress_at > self.timeout_s):
+        if d.channel is None and d.queue and not d.unusable and now >= d.retry_at:
+            try:
+                d.channel = Channel.connect(endpoint, self._secret, max_part=0)
+            except ValueError as exc:
+                log.warning("KV sender: cannot use endpoint %s (%s)", endpoint, exc)
+                d.unusable = True
+        channel = d.channel
+        if channel is not None:
+            while channel.ready and d.queue and channel.pending < SEND_BYTES:
+                item = d.queue.popleft()
+                if item.room not in self._failed:
+                    channel.send(item.frames)
+                    d.rooms.add(item.room)
+                    d.used_at = now
+            idle = channel.ready and not d.queue and not channel.pending
+            if idle and now - channel.sent_at > PING_S:  # keeps the receiver from reaping it
+                channel.send([])
+            if (channel.pending or channel.connecting) and channel.flush():
+                d.progress_at = now
+        stuck = d.queue or (channel is not None and channel.pending)
+        if stuck and (d.unusable or now - d.progress_at > self.timeout_s):
             log.warning(
                 "KV transfer to %s took nothing for %gs; its %d queued room(s) given up",
                 endpoint,
-                self.timeout_s,
-                len({item.room for item in d.queue}),
+                0 if d.unusable else self.timeout_s,
+                len({item.room for item in d.queue} | d.rooms),
             )
             self._drop_destination(endpoint, d)
+
+    def _lost(self, endpoint: str, d: _Destination, reason: str) -> None:
+        """The connection failed: rooms with messages on it cannot complete (what was in
+        flight is gone) and are given up; the queue goes on a new connection later."""
+        if d.rooms:
+            log.warning("KV sender: connection to %s lost (%s)", endpoint, reason)
+        for room in d.rooms:
+            self._give_up(room)
+        self._disconnect(d)
+        d.retry_at = time.monotonic() + RECONNECT_S
 
     def _drop_destination(self, endpoint: str, d: _Destination) -> None:
         for item in d.queue:
             self._give_up(item.room)
         d.queue.clear()
+        for room in d.rooms:
+            self._give_up(room)
+        self._disconnect(d)
 
     def _give_up(self, room: str) -> None:
         """Drop the room's further messages; the oldest given-up rooms are forgotten."""
@@ -321,10 +371,12 @@ class KVSender:
         while len(self._failed) > MAX_FAILED_ROOMS:
             del self._failed[next(iter(self._failed))]
 
-    @staticmethod
-    def _close(d: _Destination) -> None:
-        if d.sock is not None:
-            d.sock.close(linger=0)
+    def _disconnect(self, d: _Destination) -> None:
+        if d.channel is not None:
+            with contextlib.suppress(KeyError):
+                self._selector.unregister(d.channel)
+            d.channel.close()
+        d.channel, d.rooms = None, set()
 
     def close(self) -> None:
         self._out.put(None)
@@ -338,7 +390,7 @@ class KVSender:
 class _Room:
     slots: torch.Tensor  # slot of every position of the request
     expected: int  # layer x head x position units this rank must receive
-    owner: bytes  # the control connection that opened it (gets the done notice)
+    owner: Channel  # the control connection that opened it (gets the done notice)
     expires: float  # monotonic time: the room is closed then if nothing closed it before
     received: int = 0
     nbytes: int = 0
@@ -362,8 +414,8 @@ class Dropped(Exception):
 
 
 class KVReceiver:
-    """A decode worker's receiving end: a data socket (tcp on `host`) and a control socket,
-    served by one thread."""
+    """A decode worker's receiving end: a data listener (tcp on `host`) and a control
+    listener, served by one thread."""
 
     def __init__(
         self,
@@ -371,13 +423,12 @@ class KVReceiver:
         layout: SideLayout,
         me: Rank,
         host: str,
-        keys: CurveKeys | None = None,
-        control_keys: CurveKeys | None = None,
+        key: str,
+        remote_control: bool = False,
     ) -> None:
-        """`keys`: the KV link's CURVE pairs (auth.kv_link_keys); None only in tests of the
-        plain link. `control_keys`: None when the engine process is on this node (the control
-        socket is ipc:// in a private directory), else the control link's CURVE pairs (it is
-        tcp:// on `host`)."""
+        """`key`: the PD key (the data and control links' secrets derive from it).
+        `remote_control`: the engine process is on another node, so the control listener is
+        tcp:// on `host` (else a Unix socket in a private directory)."""
         self.pool, self.layout, self.me = pool, layout, me
         self.first_layer, self.end_layer = layout.stage_layers[me[0]]
         self.my_heads = layout.heads(me[1])
@@ -389,18 +440,19 @@ class KVReceiver:
             (b[0] if b.dim() == 2 else b[:, 0]).numel() * b.element_size()
             for b in self._targets(self.first_layer)
         ]
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._auth = self._authenticator([k for k in (keys, control_keys) if k is not None])
-        self._data = self._socket(max(self.row_bytes) * MAX_MESSAGE_POSITIONS, keys)
-        self._data.bind(f"tcp://{host}:*")
-        self.endpoint: str = self._data.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._control = self._socket(MAX_CONTROL_BYTES, control_keys)
-        self._control_dir = private_directory() if control_keys is None else None
-        if self._control_dir is not None:
-            self._control.bind(f"ipc://{self._control_dir}/kv-control")
-        else:
-            self._control.bind(f"tcp://{host}:*")
-        self.control_endpoint: str = self._control.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._server = Server()
+        max_part = max(max(self.row_bytes) * MAX_MESSAGE_POSITIONS, MIN_PART_BYTES)
+        data_secret = auth.kv_link_secret(key)
+        self._data = self._server.listen(
+            f"tcp://{host}:*", data_secret, max_part, DATA_PEERS, DATA_PENDING, DATA_IDLE_S
+        )
+        self.endpoint: str = self._data.endpoint
+        self._control_dir = None if remote_control else private_directory()
+        where = f"ipc://{self._control_dir}/kv-control" if self._control_dir else f"tcp://{host}:*"
+        self._control = self._server.listen(
+            where, auth.kv_control_secret(key), MAX_CONTROL_BYTES, CONTROL_PEERS, CONTROL_PENDING
+        )
+        self.control_endpoint: str = self._control.endpoint
         self._rooms: dict[str, _Room] = {}
         self.dropped: collections.Counter[str] = collections.Counter()
         self._last_arrival = 0.0
@@ -408,87 +460,63 @@ class KVReceiver:
         self._thread = threading.Thread(target=self._serve, daemon=True, name="kv-receiver")
         self._thread.start()
 
-    def _authenticator(self, keys: list[CurveKeys]) -> ThreadAuthenticator | None:
-        """ZAP for the CURVE sockets: only the client key of their link gets in."""
-        if not keys:
-            return None
-        auth = ThreadAuthenticator(self._ctx)
-        auth.start()
-        allowed = {k.client_public for k in keys}
-        auth.configure_curve_callback("*", _AnyOf(allowed))
-        return auth
-
-    def _socket(self, max_bytes: int, keys: CurveKeys | None) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # a larger message drops its connection
-        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        if keys is not None:
-            secure_server(sock, keys)
-        return sock
+    @property
+    def refused(self) -> collections.Counter[str]:
+        """Connections the data listener refused or closed, by reason (link.py's limits)."""
+        return self._data.refused
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._data, zmq.POLLIN)
-        poller.register(self._control, zmq.POLLIN)
         expired_at = time.monotonic()
         while not self._stop.is_set():
-            ready = dict(poller.poll(100))
-            if self._control in ready:
-                self._on_control(self._control.recv_multipart())
-            if self._data in ready:
-                self._on_data(self._data.recv_multipart(copy=False))
+            for listener, channel, message in self._server.poll(0.1):
+                if listener is self._control:
+                    self._on_control(channel, message)
+                else:
+                    self._on_data(message)
             if (now := time.monotonic()) - expired_at > EXPIRE_EVERY_S:
                 self._expire(now)
                 expired_at = now
-        self._data.close(linger=0)
-        self._control.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        self._ctx.term()
+        self._server.close()
         if self._control_dir is not None:
             shutil.rmtree(self._control_dir, ignore_errors=True)
 
-    def _on_control(self, frames: list[bytes]) -> None:
-        """open / close / stats from the engine process (the only peer of this socket)."""
+    def _on_control(self, channel: Channel, frames: list[bytearray]) -> None:
+        """open / close / stats from the engine process (the only peer of this listener)."""
         try:
-            ident, kind, body = frames
+            kind, body = bytes(frames[0]), frames[1]
             if kind == b"open":
                 room, runs, num_tokens, ttl_s = _unpack(body)
                 slots = slot_index([(int(a), int(n)) for a, n in runs])
                 if len(slots) != num_tokens:
                     raise ValueError("an open's slot runs do not cover its tokens")
                 expected = num_tokens * self.units_per_position
-                self._rooms[room] = _Room(slots, expected, ident, time.monotonic() + ttl_s)
-                self._reply(ident, b"opened", room)
+                self._rooms[room] = _Room(slots, expected, channel, time.monotonic() + ttl_s)
+                self._reply(channel, b"opened", room)
             elif kind == b"close":
                 room = _unpack(body)
                 self._rooms.pop(room, None)
-                self._reply(ident, b"closed", room)
+                self._reply(channel, b"closed", room)
             elif kind == b"stats":
-                self._reply(ident, b"stats", "")
+                self._reply(channel, b"stats", "")
         except Exception:  # a bug of ours: log it, keep serving
             log.exception("KV receiver: a malformed control message")
 
-    def _reply(self, ident: bytes, kind: bytes, room: str) -> None:
-        self._control.send_multipart([ident, kind, _pack([room, sum(self.dropped.values())])])
+    def _reply(self, channel: Channel, kind: bytes, room: str) -> None:
+        self._server.send(channel, [kind, _pack([room, sum(self.dropped.values())])])
 
-    def _on_data(self, frames: list[Any]) -> None:
+    def _on_data(self, frames: list[bytearray]) -> None:
         """One kv message: written if every check passes, else dropped and counted."""
         try:
-            if len(frames) < 3 or frames[1].bytes != b"kv":
+            if len(frames) < 2:
                 raise Dropped("not a kv message")
-            self._write(_header(frames[2].bytes), frames[3:])
+            self._write(_header(frames[0]), frames[1:])
         except Dropped as exc:
             self.dropped[str(exc)] += 1
         except Exception:  # a bug of ours: the message goes, the receiver keeps serving
             self.dropped["an error while writing"] += 1
             log.exception("KV receiver: a kv message failed to write")
 
-    def _write(self, header: list[Any], frames: list[Any]) -> None:
+    def _write(self, header: list[Any], frames: list[bytearray]) -> None:
         room_id, layer, h0, h1, positions, sent = header
         room = self._rooms.get(room_id)
         arrival = time.time()
@@ -503,23 +531,25 @@ class KVReceiver:
         if not d0 <= h0 < h1 <= d1:
             raise Dropped("heads of another rank")
         count = sum(n for _, n in positions)
+        if count == 0:
+            raise Dropped("no positions")
         if count > MAX_MESSAGE_POSITIONS:
             raise Dropped("too many positions")
         if not all(a >= 0 and n > 0 and a + n <= len(room.slots) for a, n in positions):
             raise Dropped("positions outside the room")
         targets = self._targets(layer)
         sizes = [row // (d1 - d0) * (h1 - h0) * count for row in self.row_bytes]
-        if len(frames) != len(targets) or [len(f.buffer) for f in frames] != sizes:
+        if len(frames) != len(targets) or [len(f) for f in frames] != sizes:
             raise Dropped("the wrong byte size")
         slots = room.slots[slot_index(positions)]
         for buf, frame in zip(targets, frames, strict=True):
-            data = torch.frombuffer(bytearray(frame.buffer), dtype=buf.dtype)
+            data = torch.frombuffer(frame, dtype=buf.dtype)
             if self.layout.latent:
                 buf[slots.to(buf.device)] = data.view(len(slots), -1).to(buf.device)
             else:
                 view = data.view(h1 - h0, len(slots), -1).to(buf.device)
                 buf[h0 - d0 : h1 - d0, slots.to(buf.device)] = view
-            room.nbytes += len(frame.buffer)
+            room.nbytes += len(frame)
         room.wire_s += arrival - max(sent, self._last_arrival)
         room.last_sent, room.last_arrival = max(room.last_sent, sent), arrival
         self._last_arrival = arrival
@@ -528,7 +558,7 @@ class KVReceiver:
             del self._rooms[room_id]
             exposed = max(0.0, room.last_arrival - room.last_sent)
             stats = [room.nbytes, room.wire_s, exposed]
-            self._control.send_multipart([room.owner, b"done", _pack([room_id, *stats])])
+            self._server.send(room.owner, [b"done", _pack([room_id, *stats])])
 
     def _expire(self, now: float) -> None:
         """Rooms past their time go (their request is over: failed or timed out)."""
@@ -547,17 +577,7 @@ class KVReceiver:
         self._thread.join(timeout=5)
 
 
-class _AnyOf:
-    """ZAP credentials: any of a set of client keys gets in."""
-
-    def __init__(self, keys: set[bytes]) -> None:
-        self.keys = [ClientKey(k) for k in keys]
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return any(k.callback(domain, key) for k in self.keys)
-
-
-def _header(data: bytes) -> list[Any]:
+def _header(data: bytearray) -> list[Any]:
     """A kv message's header, its types checked: [room, layer, h0, h1, runs, sent]."""
     try:
         room, layer, h0, h1, runs, sent = _unpack(data)
@@ -579,28 +599,26 @@ class TransferError(RuntimeError):
 @dataclass
 class ReceiverControl:
     """The decode engine's handle on its ranks' receivers: `endpoints` are their data
-    sockets (told to the prefill side), `controls` their control sockets."""
+    listeners (told to the prefill side), `controls` their control listeners."""
 
     endpoints: tuple[str, ...]
     controls: tuple[str, ...]
-    keys: CurveKeys | None = field(default=None, repr=False)  # for tcp control sockets
+    key: str = field(repr=False)  # the PD key (the control link's secret derives from it)
     room_ttl_s: float = 3600.0  # a room not closed by then closes itself
-    _socks: list[zmq.Socket] = field(default_factory=list)
+    _links: list[Channel] = field(default_factory=list)
     _done: dict[str, list[RoomStats]] = field(default_factory=dict)
     _acks: set[tuple[int, bytes, str]] = field(default_factory=set)
     _dropped: list[int] = field(default_factory=list)
     _stats_at: float = 0.0
 
     def __post_init__(self) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        for e in self.controls:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if self.keys is not None and e.startswith("tcp://"):
-                secure_client(sock, self.keys)
-            sock.connect(e)
-            self._socks.append(sock)
-        self._dropped = [0] * len(self._socks)
+        secret = auth.kv_control_secret(self.key)
+        try:
+            self._links = [Channel.connect(e, secret, MAX_CONTROL_BYTES) for e in self.controls]
+        except (ValueError, LinkClosed) as exc:
+            self.shutdown()
+            raise TransferError(f"cannot reach a decode rank's KV receiver: {exc}") from exc
+        self._dropped = [0] * len(self._links)
 
     def open(self, room: str, runs: list[Run], num_tokens: int) -> None:
         body = [room, [list(r) for r in runs], num_tokens, self.room_ttl_s]
@@ -612,10 +630,14 @@ class ReceiverControl:
         self._done.pop(room, None)
 
     def _ask(self, kind: bytes, room: str, body: Any, reply: bytes) -> None:
-        for sock in self._socks:
-            sock.send_multipart([kind, _pack(body)])
         deadline = time.monotonic() + CONTROL_TIMEOUT_S
-        want = {(i, reply, room) for i in range(len(self._socks))}
+        while not all(link.ready for link in self._links):  # the first ask: handshakes
+            if time.monotonic() > deadline:
+                raise TransferError("a decode rank's KV receiver did not authenticate")
+            self._read(timeout_ms=50)
+        for link in self._links:
+            link.send([kind, _pack(body)])
+        want = {(i, reply, room) for i in range(len(self._links))}
         while not want <= self._acks:
             if time.monotonic() > deadline:
                 raise TransferError(f"a decode rank did not confirm {kind.decode()} of a room")
@@ -625,12 +647,13 @@ class ReceiverControl:
     def poll(self) -> list[tuple[str, RoomStats]]:
         """Rooms whose KV every rank has now received, with their summed costs."""
         now = time.monotonic()
-        if now - self._stats_at > STATS_EVERY_S:  # answered whenever: read by later polls
+        ready = all(link.ready for link in self._links)
+        if ready and now - self._stats_at > STATS_EVERY_S:  # answered whenever
             self._stats_at = now
-            for sock in self._socks:
-                sock.send_multipart([b"stats", _pack(None)])
+            for link in self._links:
+                link.send([b"stats", _pack(None)])
         self._read(timeout_ms=0)
-        done = [r for r, got in self._done.items() if len(got) == len(self._socks)]
+        done = [r for r, got in self._done.items() if len(got) == len(self._links)]
         out = []
         for room in done:
             parts = self._done.pop(room)
@@ -652,28 +675,31 @@ class ReceiverControl:
         return sum(self._dropped)
 
     def _read(self, timeout_ms: int) -> None:
-        for i, sock in enumerate(self._socks):
-            while sock.poll(timeout_ms if i == 0 else 0):
-                kind, body = sock.recv_multipart()
-                if kind == b"done":
-                    room, nbytes, wire_s, exposed_s = _unpack(body)
-                    self._done.setdefault(room, []).append(RoomStats(nbytes, wire_s, exposed_s))
-                else:
-                    room, self._dropped[i] = _unpack(body)
-                    if kind != b"stats":
-                        self._acks.add((i, kind, room))
-                timeout_ms = 0
+        try:
+            got = drive(self._links, timeout_ms / 1000)
+        except LinkClosed as exc:
+            raise TransferError(f"the control link to a decode rank failed: {exc}") from exc
+        index = {id(link): i for i, link in enumerate(self._links)}
+        for link, (kind, body) in got:
+            i = index[id(link)]
+            if kind == b"done":
+                room, nbytes, wire_s, exposed_s = _unpack(body)
+                self._done.setdefault(room, []).append(RoomStats(nbytes, wire_s, exposed_s))
+            else:
+                room, self._dropped[i] = _unpack(body)
+                if kind != b"stats":
+                    self._acks.add((i, bytes(kind), room))
 
     def shutdown(self) -> None:
-        for sock in self._socks:
-            sock.close(linger=0)
+        for link in self._links:
+            link.close()
 
 
 def _pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
-def _unpack(data: bytes) -> Any:
+def _unpack(data: bytes | bytearray) -> Any:
     return msgpack.unpackb(data, raw=False)
 
 

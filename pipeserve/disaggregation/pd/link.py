@@ -1,0 +1,499 @@
+"""The KV link of prefill/decode disaggregation: messages over TCP (or a Unix socket), each
+connection mutually authenticated with a secret both ends derive from the PD key, every
+record encrypted and authenticated, and a listener that bounds what strangers can hold.
+
+Why not ZeroMQ's CURVE (what the link used before): a ZeroMQ listener accepts every TCP
+connection it sees and gives no way to refuse or drop one, so a peer without the key could
+still hold a file descriptor per connection for the handshake's time, as many as it opens.
+Here the listener counts: at most `pending` connections may be authenticating at once (a new
+one past that evicts the oldest, so a flood of idle strangers cannot lock out a sender whose
+handshake takes one round trip), each has HANDSHAKE_S to prove itself, at most `peers`
+authenticated connections are kept (a further one is closed), and an authenticated one
+silent for `idle_s` is closed (a sender that keeps its connection pings every PING_S).
+
+The protocol, both ends holding a 32-byte `secret`:
+1. the connecting end (initiator) sends MAGIC and a fresh 32-byte nonce Ni;
+2. the listening end (responder) answers its fresh nonce Nr and HMAC(secret, "responder" Ni Nr);
+3. the initiator checks that and sends HMAC(secret, "initiator" Ni Nr).
+Each end proves it holds the secret over the other's fresh nonce, so nothing recorded can be
+replayed. Each direction then has an AES-256-GCM key of its own (HMAC(secret, "i>r" Ni Nr) and
+HMAC(secret, "r>i" Ni Nr)) and a record counter as the GCM nonce: a record that was altered,
+replayed, reordered or left out fails to decrypt, and the connection is closed. A record is
+its ciphertext's length (4 bytes) then the ciphertext; a message is a head record (how many
+parts, and each part's size) followed by a record per part. A head announcing a part over the
+listener's `max_part`, or a record whose length is not the one announced, closes the
+connection before any of its body is read. A message of no parts is a ping.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import hashlib
+import hmac
+import os
+import secrets
+import selectors
+import socket
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+MAGIC = b"PSKVLNK1"
+NONCE, MAC, TAG = 32, 32, 16
+MAX_PARTS = 8
+HEAD = struct.Struct(">H")  # number of parts; then one SIZE per part
+SIZE = struct.Struct(">Q")
+LENGTH = struct.Struct(">I")  # a record's ciphertext length
+MAX_HEAD = HEAD.size + MAX_PARTS * SIZE.size + TAG
+HANDSHAKE_S = 5.0  # a connection that has not authenticated by then is closed
+PING_S = 20.0  # an initiator with nothing to send pings this often
+READ_BUDGET = 8 << 20  # bytes read from one connection before the others get a turn
+SOCKET_BUFFER = 4 << 20
+BACKLOG = 128  # connections the kernel holds for accept (not descriptors of ours)
+
+
+class LinkClosed(Exception):
+    """The connection is over: the peer closed it, it failed, or it broke the protocol.
+    `messages`: those it completed before that, in the same read."""
+
+    messages: list[list[bytearray]] = []
+
+
+def derive(key: str, label: str) -> bytes:
+    """A link's 32-byte secret from the PD key, under the link's own label."""
+    return hmac.new(key.encode(), f"pipeserve {label}".encode(), hashlib.sha256).digest()
+
+
+def _mac(secret: bytes, label: bytes, ni: bytes, nr: bytes) -> bytes:
+    return hmac.new(secret, label + ni + nr, hashlib.sha256).digest()
+
+
+def _address(endpoint: str) -> tuple[int, Any]:
+    """(family, address) of `tcp://HOST:PORT` or `ipc://PATH`; ValueError otherwise."""
+    if endpoint.startswith("ipc://"):
+        return socket.AF_UNIX, endpoint.removeprefix("ipc://")
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"not a tcp:// or ipc:// endpoint: {endpoint!r}")
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not (port == "*" or port.isdigit()):
+        raise ValueError(f"not a tcp://HOST:PORT endpoint: {endpoint!r}")
+    family, _, _, _, addr = socket.getaddrinfo(host, 0 if port == "*" else int(port))[0]
+    return family, addr
+
+
+class Channel:
+    """One end of a connection: non-blocking, driven by its owner's selector loop through
+    `readable()` (complete messages) and `flush()` (queued bytes out)."""
+
+    def __init__(self, sock: socket.socket, secret: bytes, initiator: bool, max_part: int):
+        sock.setblocking(False)
+        self.sock, self.secret, self.initiator, self.max_part = sock, secret, initiator, max_part
+        self.ready = False
+        self.opened_at = self.heard_at = self.sent_at = time.monotonic()
+        self._out: collections.deque[memoryview] = collections.deque()
+        self.pending = 0  # bytes queued, not yet taken by the socket
+        self._nonce = secrets.token_bytes(NONCE)
+        self._peer_nonce = b""
+        self._seal: AESGCM | None = None
+        self._open: AESGCM | None = None
+        self._sent_records = self._read_records = 0
+        self._sizes: list[int] = []  # the sizes of the message's parts still to come
+        self._parts: list[bytearray] = []
+        self._state = "hello-reply" if initiator else "hello"
+        self._want(NONCE + MAC if initiator else len(MAGIC) + NONCE)
+        if initiator:
+            self._queue(MAGIC + self._nonce)
+
+    @classmethod
+    def connect(cls, endpoint: str, secret: bytes, max_part: int) -> Channel:
+        """The initiating end, its connect under way (ValueError for an endpoint that is
+        not tcp:// or ipc://, LinkClosed if the connect fails at once)."""
+        family, addr = _address(endpoint)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            sock.setblocking(False)
+            code = sock.connect_ex(addr)
+        except OSError as exc:
+            sock.close()
+            raise LinkClosed(f"cannot connect: {exc}") from exc
+        if code not in (0, errno.EINPROGRESS):
+            sock.close()
+            raise LinkClosed(f"cannot connect: {os.strerror(code)}")
+        channel = cls(sock, secret, True, max_part)
+        channel.connecting = code != 0
+        return channel
+
+    connecting = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # -- writing ------------------------------------------------------------------------
+
+    def send(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Queue a message (no parts: a ping); `flush()` sends it."""
+        assert self.ready and self._seal is not None and len(parts) <= MAX_PARTS
+        head = HEAD.pack(len(parts)) + b"".join(SIZE.pack(len(p)) for p in parts)
+        for data in (head, *parts):
+            nonce = self._sent_records.to_bytes(12, "big")
+            self._sent_records += 1
+            sealed = self._seal.encrypt(nonce, data, None)
+            self._queue(LENGTH.pack(len(sealed)))
+            self._queue(sealed)
+        self.sent_at = time.monotonic()
+
+    def _queue(self, data: bytes) -> None:
+        if data:
+            self._out.append(memoryview(data))
+            self.pending += len(data)
+
+    def flush(self) -> int:
+        """Send what the socket takes now; returns the bytes sent (LinkClosed on failure)."""
+        if self.connecting:
+            code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                raise LinkClosed(f"cannot connect: {os.strerror(code)}")
+            try:
+                self.sock.getpeername()
+            except OSError:
+                return 0  # still connecting
+            self.connecting = False
+        sent = 0
+        while self._out:
+            try:
+                n = self.sock.sendmsg(list(self._out)[:64])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                raise LinkClosed(f"send failed: {exc}") from exc
+            sent += n
+            self.pending -= n
+            while n:
+                head = self._out[0]
+                if n >= len(head):
+                    n -= len(head)
+                    self._out.popleft()
+                else:
+                    self._out[0] = head[n:]
+                    n = 0
+        return sent
+
+    # -- reading ------------------------------------------------------------------------
+
+    def _want(self, n: int) -> None:
+        self._buf = bytearray(n)
+        self._got = 0
+
+    def readable(self) -> list[list[bytearray]]:
+        """Read what has arrived: the messages it completes (LinkClosed on EOF, an error or
+        a breach of the protocol, carrying the messages completed before it)."""
+        messages: list[list[bytearray]] = []
+        try:
+            self._read_into(messages)
+        except LinkClosed as exc:
+            exc.messages = messages
+            raise
+        return messages
+
+    def _read_into(self, messages: list[list[bytearray]]) -> None:
+        budget = READ_BUDGET
+        while budget > 0:
+            try:
+                n = self.sock.recv_into(memoryview(self._buf)[self._got :])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                raise LinkClosed(f"receive failed: {exc}") from exc
+            if n == 0:
+                raise LinkClosed("the peer closed the connection")
+            self._got += n
+            budget -= n
+            self.heard_at = time.monotonic()
+            if self._got == len(self._buf):
+                message = self._on_record(self._buf)
+                if message is not None:
+                    messages.append(message)
+
+    def _on_record(self, data: bytearray) -> list[bytearray] | None:
+        state = self._state
+        if state == "hello":  # responder: MAGIC Ni
+            if data[: len(MAGIC)] != MAGIC:
+                raise LinkClosed("not the KV link protocol")
+            self._peer_nonce = bytes(data[len(MAGIC) :])
+            self._queue(
+                self._nonce + _mac(self.secret, b"responder", self._peer_nonce, self._nonce)
+            )
+            self._state = "proof"
+            self._want(MAC)
+        elif state == "hello-reply":  # initiator: Nr, the responder's proof
+            self._peer_nonce, proof = bytes(data[:NONCE]), bytes(data[NONCE:])
+            want = _mac(self.secret, b"responder", self._nonce, self._peer_nonce)
+            if not hmac.compare_digest(proof, want):
+                raise LinkClosed("the listener does not hold the link's key")
+            self._queue(_mac(self.secret, b"initiator", self._nonce, self._peer_nonce))
+            self._keys(self._nonce, self._peer_nonce)
+        elif state == "proof":  # responder: the initiator's proof
+            want = _mac(self.secret, b"initiator", self._peer_nonce, self._nonce)
+            if not hmac.compare_digest(bytes(data), want):
+                raise LinkClosed("the peer does not hold the link's key")
+            self._keys(self._peer_nonce, self._nonce)
+        elif state == "length":
+            (length,) = LENGTH.unpack(data)
+            if self._sizes:
+                ok = length == self._sizes[0] + TAG
+            else:
+                ok = HEAD.size + TAG <= length <= MAX_HEAD
+            if not ok:
+                raise LinkClosed("a record of a length not announced")
+            self._state = "record"
+            self._want(length)
+        else:  # a record
+            plain = self._decrypt(data)
+            self._state = "length"
+            self._want(LENGTH.size)
+            if self._sizes:
+                self._sizes.pop(0)
+                self._parts.append(plain)
+                if not self._sizes:
+                    parts, self._parts = self._parts, []
+                    return parts
+                return None
+            return self._on_head(plain)
+        return None
+
+    def _on_head(self, plain: bytearray) -> list[bytearray] | None:
+        (count,) = HEAD.unpack_from(plain)
+        if count > MAX_PARTS or len(plain) != HEAD.size + count * SIZE.size:
+            raise LinkClosed("a malformed message head")
+        sizes = [SIZE.unpack_from(plain, HEAD.size + i * SIZE.size)[0] for i in range(count)]
+        if any(s > self.max_part for s in sizes):
+            raise LinkClosed("a message part over the size limit")
+        self._sizes = sizes
+        return None  # no parts: a ping
+
+    def _decrypt(self, data: bytearray) -> bytearray:
+        assert self._open is not None
+        nonce = self._read_records.to_bytes(12, "big")
+        self._read_records += 1
+        plain = bytearray(len(data) - TAG)
+        try:
+            self._open.decrypt_into(nonce, data, None, plain)
+        except InvalidTag as exc:
+            raise LinkClosed("a record failed authentication") from exc
+        return plain
+
+    def _keys(self, ni: bytes, nr: bytes) -> None:
+        i2r = AESGCM(_mac(self.secret, b"i>r", ni, nr))
+        r2i = AESGCM(_mac(self.secret, b"r>i", ni, nr))
+        self._seal, self._open = (i2r, r2i) if self.initiator else (r2i, i2r)
+        self.ready = True
+        self._state = "length"
+        self._want(LENGTH.size)
+
+
+def _tune(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+
+
+@dataclass(eq=False)
+class Listener:
+    """A listening socket and the connections it accepted."""
+
+    sock: socket.socket
+    endpoint: str
+    secret: bytes
+    max_part: int
+    peers: int  # authenticated connections kept at most
+    pending: int  # connections authenticating at once, at most
+    idle_s: float | None  # an authenticated connection silent this long is closed
+    authenticating: dict[Channel, None] = field(default_factory=dict)  # oldest first
+    authenticated: set[Channel] = field(default_factory=set)
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class Server:
+    """Listeners and their connections, served by one thread's `poll()`."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._owner: dict[Channel, Listener] = {}
+
+    def listen(
+        self,
+        address: str,
+        secret: bytes,
+        max_part: int,
+        peers: int,
+        pending: int,
+        idle_s: float | None = None,
+    ) -> Listener:
+        """Listen at `tcp://HOST:PORT` (`*`: any free port) or `ipc://PATH`."""
+        family, addr = _address(address)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        if family != socket.AF_UNIX:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
+        if family == socket.AF_UNIX:
+            endpoint = f"ipc://{addr}"
+        else:
+            host, port = sock.getsockname()[:2]
+            endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        listener = Listener(sock, endpoint, secret, max_part, peers, pending, idle_s)
+        self._selector.register(sock, selectors.EVENT_READ, listener)
+        return listener
+
+    def poll(self, timeout_s: float) -> list[tuple[Listener, Channel, list[bytearray]]]:
+        """Serve the sockets for up to `timeout_s`: messages that arrived, with the listener
+        and connection they came on."""
+        got: list[tuple[Listener, Channel, list[bytearray]]] = []
+        for key, events in self._selector.select(timeout_s):
+            if not isinstance(key.fileobj, Channel):
+                self._accept(key.data)
+                continue
+            channel = key.fileobj
+            listener = key.data
+            try:
+                if events & selectors.EVENT_WRITE:
+                    channel.flush()
+                if events & selectors.EVENT_READ:
+                    for message in channel.readable():
+                        got.append((listener, channel, message))
+                    if channel.ready and channel in listener.authenticating:
+                        self._admit(listener, channel)
+                    if channel.pending:  # the handshake's answer, at once
+                        channel.flush()
+                self._interest(channel)
+            except LinkClosed as exc:
+                got += [(listener, channel, m) for m in exc.messages]
+                if channel in listener.authenticating:
+                    listener.refused["failed authentication"] += 1
+                self.drop(channel)
+        self._sweep(time.monotonic())
+        return got
+
+    def send(self, channel: Channel, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        """Queue a message to a connection (False if it is gone)."""
+        if channel not in self._owner:
+            return False
+        try:
+            channel.send(parts)
+            channel.flush()
+            self._interest(channel)
+        except LinkClosed:
+            self.drop(channel)
+            return False
+        return True
+
+    def connections(self, listener: Listener) -> int:
+        return len(listener.authenticating) + len(listener.authenticated)
+
+    def _accept(self, listener: Listener) -> None:
+        for _ in range(64):  # a burst is taken in a few turns, never all at once
+            try:
+                sock, _ = listener.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors or a reset before accept: not fatal
+                listener.refused["accept failed"] += 1
+                return
+            if len(listener.authenticated) >= listener.peers:
+                listener.refused["over the peer limit"] += 1
+                sock.close()
+                continue
+            if len(listener.authenticating) >= listener.pending:
+                listener.refused["evicted while authenticating"] += 1
+                self.drop(next(iter(listener.authenticating)))
+            _tune(sock)
+            channel = Channel(sock, listener.secret, False, listener.max_part)
+            listener.authenticating[channel] = None
+            self._owner[channel] = listener
+            self._selector.register(channel, selectors.EVENT_READ, listener)
+
+    def _admit(self, listener: Listener, channel: Channel) -> None:
+        del listener.authenticating[channel]
+        if len(listener.authenticated) >= listener.peers:
+            listener.refused["over the peer limit"] += 1
+            self.drop(channel)
+        else:
+            listener.authenticated.add(channel)
+
+    def _interest(self, channel: Channel) -> None:
+        if channel not in self._owner:
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if channel.pending else 0)
+        if self._selector.get_key(channel).events != events:
+            self._selector.modify(channel, events, self._owner[channel])
+
+    def _sweep(self, now: float) -> None:
+        for listener in {*self._owner.values()}:
+            for channel in list(listener.authenticating):
+                if now - channel.opened_at > HANDSHAKE_S:
+                    listener.refused["no handshake in time"] += 1
+                    self.drop(channel)
+            if listener.idle_s is not None:
+                for channel in [
+                    c for c in listener.authenticated if now - c.heard_at > listener.idle_s
+                ]:
+                    listener.refused["idle"] += 1
+                    self.drop(channel)
+
+    def drop(self, channel: Channel) -> None:
+        listener = self._owner.pop(channel, None)
+        if listener is None:
+            return
+        listener.authenticating.pop(channel, None)
+        listener.authenticated.discard(channel)
+        self._selector.unregister(channel)
+        channel.close()
+
+    def close(self) -> None:
+        for channel in list(self._owner):
+            self.drop(channel)
+        for key in list(self._selector.get_map().values()):
+            self._selector.unregister(key.fileobj)
+            if not isinstance(key.fileobj, Channel):
+                key.data.sock.close()
+        self._selector.close()
+
+
+def drive(channels: Iterable[Channel], timeout_s: float) -> list[tuple[Channel, list[bytearray]]]:
+    """For initiators: flush what is queued and read what arrives within `timeout_s`. A
+    channel that fails raises LinkClosed with the channel as its second argument."""
+    selector = selectors.DefaultSelector()
+    try:
+        for channel in channels:
+            events = selectors.EVENT_READ
+            if channel.pending or channel.connecting:
+                events |= selectors.EVENT_WRITE
+            selector.register(channel, events)
+        got = []
+        for key, events in selector.select(timeout_s):
+            channel = key.fileobj  # type: ignore[assignment]
+            try:
+                if events & selectors.EVENT_WRITE:
+                    channel.flush()
+                if events & selectors.EVENT_READ:
+                    got += [(channel, m) for m in channel.readable()]
+                if channel.ready and channel.pending:
+                    channel.flush()
+            except LinkClosed as exc:
+                raise LinkClosed(str(exc), channel) from exc
+        return got
+    finally:
+        selector.close()
