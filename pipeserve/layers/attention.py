@@ -247,6 +247,19 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = pool.buffers(self.layer_id)
         k_cache[:, out_slots] = k.transpose(0, 1)
         v_cache[:, out_slots] = v.transpose(0, 1)
+        return self.attend(q, pool, plan, (k, v))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        pool: KVPool,
+        plan: AttentionPlan,
+        fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attention over a pool that holds the batch's new keys and values already: q
+        [tokens, heads, d] -> [tokens, heads * d]. `fresh`: those keys and values [tokens,
+        kv_heads, d], which the torch kernels' prompt chunks read (a batched plan has none)."""
+        k_cache, v_cache = pool.buffers(self.layer_id)
         kernels = plan.kernels or default_kernels(q)
         out = torch.empty_like(q)
         if plan.extend is not None:
@@ -265,8 +278,10 @@ class PagedAttention(nn.Module):
                 assert prefill is not None
                 out[rows] = prefill(q[rows], k_cache, v_cache, p.runs, p.prefix_len, self.scale)
                 continue
+            assert fresh is not None, "a torch kernels' prompt chunk reads its fresh K/V"
+            k, v = fresh[0][rows], fresh[1][rows]
             cached = _cached_parts(k_cache, v_cache, p.views, p.gather)
-            out[rows] = self._prompt_chunk(q[rows], k[rows], v[rows], cached, kernels)
+            out[rows] = self._prompt_chunk(q[rows], k, v, cached, kernels)
         return out.flatten(1)  # [tokens, heads * head_dim], also for no tokens
 
     def _prompt_chunk(

@@ -54,11 +54,17 @@ class LlamaAttention(nn.Module):
         self.split = [heads * d, kv_heads * d, kv_heads * d]
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d
 
+    def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        """The RMSNorms over each query and key head (Qwen3's); Llama has none."""
+        return None
+
     def norm_q(self, q: torch.Tensor) -> torch.Tensor:
-        return q  # Llama has no q/k norm; Qwen3 normalises each head
+        norms = self.qk_norms()
+        return q if norms is None else norms[0](q)
 
     def norm_k(self, k: torch.Tensor) -> torch.Tensor:
-        return k
+        norms = self.qk_norms()
+        return k if norms is None else norms[1](k)
 
     def forward(self, x: torch.Tensor, rope: Rope, fb: ForwardBatch) -> torch.Tensor:
         if fb.cp is not None:
@@ -67,11 +73,34 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(n, self.heads, self.head_dim)  # [tokens, heads, d]
         k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        if fb.native.batched:
+            o = self._attend_fused(q, k, v, rope, fb)
+            if o is not None:
+                return self.o_proj(o)
         q, k = self.norm_q(q), self.norm_k(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        v = v.view(n, self.kv_heads, self.head_dim)
         o = self.attn(q, k, v, fb.kv_pool, fb.out_slots, fb.attn)
         return self.o_proj(o)
+
+    def _attend_fused(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, fb: ForwardBatch
+    ) -> torch.Tensor | None:
+        """The Triton path: q/k norms, rotary and the KV write in one launch, then attention;
+        None where that kernel does not fit the layer (the torch ops run instead)."""
+        from pipeserve.kernels import triton_rope
+
+        cache = fb.kv_pool.buffers(self.attn.layer_id)
+        weights = None
+        if (norms := self.qk_norms()) is not None:
+            q_norm, k_norm = norms
+            if q_norm.eps != k_norm.eps:  # the kernel takes one
+                return None
+            weights = (q_norm.weight, k_norm.weight, q_norm.eps)
+        if not triton_rope.fits((q, k, v), rope, cache, weights):
+            return None
+        q = triton_rope.norm_rope_store(q, k, v, *rope, *cache, fb.out_slots, weights)
+        return self.attn.attend(q, fb.kv_pool, fb.attn)
 
     def _forward_context_parallel(
         self, x: torch.Tensor, rope: Rope, fb: ForwardBatch
@@ -111,12 +140,13 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms and attention: the MLP's input and the residual stream."""
+        triton = fb.native.batched  # the Triton path: one launch per norm and residual add
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, triton)
         else:
-            x, residual = self.input_layernorm.add_and_norm(x, residual)
+            x, residual = self.input_layernorm.add_and_norm(x, residual, triton)
         x = self.attend(x, rope, fb)
-        return self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.post_attention_layernorm.add_and_norm(x, residual, triton)
 
     def operations(self) -> dict[str, OpFn]:
         """The layer as operations (pipeserve/batch_overlap): a MoE layer offers attention,
@@ -219,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.model.layers[i](hidden, residual, rope, fb)
             if hooks is not None:
                 hooks.after(n)
-        return self._final_norm(hidden, residual)
+        return self._final_norm(hidden, residual, fb.native.batched)
 
     def forward_interleaved(
         self,
@@ -237,7 +267,10 @@ class LlamaForCausalLM(nn.Module):
         layers = [cast(LlamaDecoderLayer, self.model.layers[i]) for i in self.layer_ids]
         stages = forward_stages(layers, strategy, get_single_batch_overlap())
         outs = execute(stages, states, carried, strategy.delta)
-        return [self._final_norm(o["hidden"], o["residual"]) for o in outs]
+        return [
+            self._final_norm(o["hidden"], o["residual"], fb.native.batched)
+            for o, fb in zip(outs, fbs, strict=True)
+        ]
 
     def _embed(
         self, fb: ForwardBatch, hidden: torch.Tensor | None, residual: torch.Tensor | None
@@ -248,11 +281,14 @@ class LlamaForCausalLM(nn.Module):
         return hidden, residual
 
     def _final_norm(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, triton: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.model.norm is None:
+        norm = self.model.norm
+        if norm is None:
             return hidden, residual
-        return self.model.norm(hidden if residual is None else hidden + residual), None
+        if residual is None:
+            return norm(hidden, triton), None
+        return norm.add_and_norm(hidden, residual, triton)[0], None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 logits (last stage only)."""

@@ -15,11 +15,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
 
-    def norm_q(self, q: torch.Tensor) -> torch.Tensor:
-        return self.q_norm(q)
-
-    def norm_k(self, k: torch.Tensor) -> torch.Tensor:
-        return self.k_norm(k)
+    def qk_norms(self) -> tuple[RMSNorm, RMSNorm]:
+        return self.q_norm, self.k_norm
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -2,7 +2,9 @@
 references: ragged batches, KV as scattered slots (runs of 1), pages of 16 and one long run,
 GQA groups of 1, 3 (padded) and 4, head dims 16, 24 (padded) and 32, split-KV shares, chunks
 with and without a cached prefix, float32 and float16 (the interpreter computes bfloat16
-wrongly without an explicit upcast: bfloat16 and long contexts are checked on a GPU).
+wrongly without an explicit upcast: bfloat16 and long contexts are checked on a GPU). The
+fused kernels of the Triton path (triton_norm.py, triton_rope.py) against the torch ops they
+replace, in float32 and, with a GPU's rounding (`gpu_bf16_rounding`), bfloat16.
 
 Run by test_triton_attention.py in a process of its own with TRITON_INTERPRET=1 (it must be
 set before triton is imported); not collected on its own (no test_ prefix)."""
@@ -159,30 +161,92 @@ def test_mla_absorbed_decode(dtype: torch.dtype, splits: int) -> None:
         torch.testing.assert_close(got[i, 0].double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.fixture
+def gpu_bf16_rounding(monkeypatch) -> None:
+    """The interpreter truncates float32 to bfloat16; GPUs and torch round to nearest even.
+    With this, the fused kernels' bfloat16 roundings are checked as a GPU computes them."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    plain = interpreter.InterpreterBuilder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return plain(self, src, dst_type)
+        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # no NaNs here
+        return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast)
+
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.usefixtures("gpu_bf16_rounding")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("hidden", [576, 1000])
+def test_fused_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    """RMSNorm and its residual add in one launch, rounded as the torch ops round, at hidden
+    sizes that are not powers of 2."""
+    from test_triton_attention import check_norms
+
+    check_norms(torch.device("cpu"), dtype, tokens=5, hidden=hidden)
+
+
+@pytest.mark.usefixtures("gpu_bf16_rounding")
 @pytest.mark.parametrize(
-    "preset", ["tiny-llama", "tiny-qwen2", "tiny-deepseek-v3", "tiny-deepseek-v32"]
+    ("dtype", "shape", "qk_norm"),
+    [
+        (F32, (4, 2, 64), False),
+        (F32, (6, 2, 128), True),
+        (BF16, (8, 2, 64), True),
+        (BF16, (3, 3, 128), False),
+    ],
 )
-def test_the_engine_on_the_triton_path_serves_the_same_tokens(model_dir, preset: str) -> None:
+def test_fused_norm_rope_store(dtype: torch.dtype, shape, qk_norm: bool) -> None:
+    """q/k norm, rotary and the KV write in one launch: the queries and the pool as the torch
+    ops leave them (GQA groups of 4 and 3, MHA, with and without q/k norms)."""
+    from test_triton_attention import check_norm_rope_store
+
+    check_norm_rope_store(torch.device("cpu"), dtype, 7, shape, 64, qk_norm)
+
+
+@pytest.mark.parametrize(
+    "preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-deepseek-v3", "tiny-deepseek-v32"]
+)
+def test_the_engine_on_the_triton_path_serves_the_same_tokens(
+    model_dir, monkeypatch, preset: str
+) -> None:
     """The whole engine with --attention-backend triton (its plans, int32 slot tables, one
     launch per layer for the decode steps and one for the prompt chunks; for DeepSeek's MLA
-    one absorbed launch for the decode steps, V3.2's over the indexer's chosen rows) against
-    the torch kernels: prompts of several chunks decoded together, one sharing a cached
-    prefix."""
+    one absorbed launch for the decode steps, V3.2's over the indexer's chosen rows; the fused
+    norms, and for GQA layers the fused q/k norm (Qwen3), rotary and KV write) against the
+    torch kernels: prompts of several chunks decoded together, one sharing a cached prefix."""
     from pipeserve import Engine
+    from pipeserve.kernels import triton_norm, triton_rope
 
+    fused = [(triton_norm, "_rms_norm_kernel"), (triton_rope, "_norm_rope_store_kernel")]
+    counted = [Counted(getattr(module, name)) for module, name in fused]
+    for (module, name), c in zip(fused, counted, strict=True):
+        monkeypatch.setattr(module, name, c)
     model = str(model_dir(preset))
     # V3.2: longer than its index_topk (64), so decode steps read only the indexer's choice
     base = [(7 * j) % 300 + 1 for j in range(90 if preset.endswith("v32") else 40)]
     prompts = [base, base[:24] + [9, 8, 7], [(5 * j) % 300 + 2 for j in range(5)]]
     params = {"max_new_tokens": 4, "temperature": 0}
-    outs = {}
+    outs, launches = {}, {}
     for backend in ("torch", "triton"):
         flags = {"dtype": "float32", "chunked_prefill_size": 16, "attention_backend": backend}
+        before = [c.launches for c in counted]
         with Engine(model, **flags) as engine:
             assert engine.backend.runner.native.batched == (backend == "triton")
             outs[backend] = engine.generate(
                 input_ids=prompts, sampling_params=params, return_logprob=True
             )
+        launches[backend] = [c.launches > b for c, b in zip(counted, before, strict=True)]
+    assert launches == {"torch": [False, False], "triton": [True, "deepseek" not in preset]}
     for got, want in zip(outs["triton"], outs["torch"], strict=True):
         assert got["output_ids"] == want["output_ids"]
         torch.testing.assert_close(
@@ -237,6 +301,60 @@ def test_one_launch_per_layer_however_many_requests(monkeypatch, requests: int) 
     assert [c.launches for c in counted.values()] == [1, 1]
 
 
+@pytest.mark.parametrize("requests", [2, 7])
+def test_a_decode_layer_launches_each_fused_kernel_once(monkeypatch, requests: int) -> None:
+    """A Qwen3 decoder layer (q/k norms) over a batch of decode steps on the Triton path: the
+    residual add and norm launch twice (before attention, before the MLP), the q/k norm,
+    rotary and KV write once, attention once; for 2 requests as for 7."""
+    from pipeserve.kernels import triton_attention, triton_norm, triton_rope
+    from pipeserve.layers.attention import NativeKernels, plan_attention
+    from pipeserve.mem_cache.kv_pool import KVPool
+    from pipeserve.models.arch import ArchConfig
+    from pipeserve.models.presets import PRESETS
+    from pipeserve.models.qwen3 import Qwen3ForCausalLM
+    from pipeserve.runner.forward_batch import ForwardBatch
+
+    kernels = [
+        (triton_norm, "_rms_norm_kernel"),
+        (triton_rope, "_norm_rope_store_kernel"),
+        (triton_attention, "_decode_kernel"),
+        (triton_attention, "_extend_kernel"),
+    ]
+    counted = [Counted(getattr(module, name)) for module, name in kernels]
+    for (module, name), c in zip(kernels, counted, strict=True):
+        monkeypatch.setattr(module, name, c)
+    arch = ArchConfig.from_dict(
+        {k: v for k, v in PRESETS["tiny-qwen3"].items() if k != "_init_std"}
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(arch, F32)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    cpu, batched = torch.device("cpu"), NativeKernels(batched=True)
+    pool = KVPool(SLOTS, range(arch.num_layers), arch.num_kv_heads, arch.head_dim, F32, cpu, 16)
+    for buf in pool.k + pool.v:  # the steps' cached keys and values
+        buf.normal_()
+    steps = [(i, 1, 30 + i, [(64 * i, 31 + i)]) for i in range(requests)]  # row, 1, prefix, runs
+    positions = torch.tensor([30 + i for i in range(requests)])
+    slots = torch.tensor([64 * i + 30 + i for i in range(requests)])
+    none = torch.zeros(0, dtype=torch.long)
+    fb = ForwardBatch(
+        input_ids=none.new_zeros(requests),
+        positions=positions,
+        out_slots=slots,
+        attn=plan_attention(steps, cpu, F32, batched),
+        kv_pool=pool,
+        sample_rows=none,
+        logprob_rows=none,
+        logprob_targets=none,
+        future_slots=none,
+        native=batched,
+    )
+    hidden, residual = torch.randn(2, requests, arch.hidden_size)
+    model.model.layers[1](hidden, residual, model.rotary.cos_sin(positions, F32), fb)
+    assert [c.launches for c in counted] == [2, 1, 1, 0]
+
+
 def test_the_gpu_check_runs_on_small_shapes() -> None:
     """test_triton_attention.py's -m cuda check, on the CPU at small sizes (its own code,
     not only the kernels, is then known to run before a GPU sees it)."""
@@ -244,3 +362,4 @@ def test_the_gpu_check_runs_on_small_shapes() -> None:
 
     shape = (2, 2, 16)
     check_kernels(torch.device("cpu"), torch.float32, [1, 70, 200], [(0, 20), (90, 3)], 1024, shape)
+
