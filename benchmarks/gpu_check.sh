@@ -14,7 +14,9 @@
 #    process: that file's tests not yet reported then run one per process).
 # 2. pipeserve bench, bench preset: prefill TTFT at 8K and 32K vs transformers + SDPA on the
 #    same GPU; decode throughput with 64 requests (1K prompts, 128 new tokens), overlap vs
-#    plain loop, with the default attention kernels and with --attention-backend triton.
+#    plain loop, with the default attention kernels and with --attention-backend triton
+#    (its decode steps replay CUDA graphs), and the Triton path with graphs off; one request
+#    alone (1K prompt, 256 new tokens), graphs on and off.
 # 3. The same for bench-deepseek (MLA + MoE); QUICK: 8K and decode, bench only.
 set -uo pipefail
 PY=${PY:-python3}
@@ -75,6 +77,17 @@ for model in "${models[@]}"; do
         bench "$model" --input-len 1024 --output-len 128 --num-prompts 64 --compare-loops \
             --max-running-requests 64 --attention-backend "$backend" \
             --json "$OUT/$model-decode-64-$backend.json" > "$OUT/$model-decode-64-$backend.txt" 2>&1
+    done
+    # CUDA graphs (the Triton path's decode steps): off, against the run above (on); one
+    # request alone, on and off
+    bench "$model" --input-len 1024 --output-len 128 --num-prompts 64 --compare-loops \
+        --max-running-requests 64 --attention-backend triton --disable-cuda-graph \
+        --json "$OUT/$model-decode-64-triton-nograph.json" \
+        > "$OUT/$model-decode-64-triton-nograph.txt" 2>&1
+    for graphs in "" --disable-cuda-graph; do
+        name=$model-decode-1-triton${graphs:+-nograph}
+        bench "$model" --input-len 1024 --output-len 256 --num-prompts 1 \
+            --attention-backend triton $graphs --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
     done
 done
 

@@ -58,6 +58,13 @@ class ModelConfig:
         "steps too; context parallelism stays on torch)",
         choices=ATTENTION_BACKENDS,
     )
+    cuda_graph_max_bs: int = _flag(
+        128,
+        "the largest decode batch replayed as a CUDA graph (one per bucket of sizes up to it, "
+        "captured at start-up; larger steps run eagerly). Graphs capture the Triton path on "
+        "one device; 0 turns them off",
+    )
+    disable_cuda_graph: bool = _flag(False, "run every decode step eagerly (no CUDA graphs)")
     enable_deterministic_inference: bool = _flag(
         False,
         "batch-invariant kernels: greedy tokens and logprobs bitwise the same whatever the "
@@ -512,6 +519,10 @@ def validate(config: EngineConfig) -> None:
             m.attention_backend in ATTENTION_BACKENDS,
             f"--attention-backend {m.attention_backend!r} is not one of "
             + ", ".join(ATTENTION_BACKENDS),
+        ),
+        (
+            m.cuda_graph_max_bs >= 0,
+            f"--cuda-graph-max-bs {m.cuda_graph_max_bs} must be 0 (off) or more",
         ),
         (
             c.page_size > 0 and c.page_size & (c.page_size - 1) == 0,

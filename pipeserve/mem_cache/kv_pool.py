@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import torch
 
+PAD_SLOT = 0  # page 0 is never a request's: padded reads and writes go there
+
 
 class KVPool:
     """The cache of this stage's layers in one of two layouts with one slot numbering: slot s
-    of page p is p * page_size + s; page 0 is the padding target and stays zero.
+    of page p is p * page_size + s; page 0 is the padding target: zero at start, and only
+    ever written by the padded rows of a CUDA graph's decode step (runner/cuda_graph.py),
+    with finite values that masked reads weigh zero.
 
     - K/V (MHA/GQA, the constructor): per layer K and V, each [kv_heads, num_slots, head_dim]:
       head-major, so one head's KV for a run of consecutive slots is contiguous and a request

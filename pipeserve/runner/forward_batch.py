@@ -19,7 +19,7 @@ from pipeserve.layers.attention import (
 )
 from pipeserve.layers.attention_parts import DecodePlan
 from pipeserve.layers.mla import LatentSegment
-from pipeserve.mem_cache.kv_pool import KVPool
+from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
 
 
@@ -43,6 +43,7 @@ class ForwardBatch:
     # on a device: the event that marks the end of the inputs' copy, and what was copied
     ready: Any = None
     uploaded: list[torch.Tensor] = field(default_factory=list)
+    graphed: bool = False  # a decode step padded to a CUDA graph's bucket (cuda_graph.py)
 
     @property
     def num_tokens(self) -> int:
@@ -57,11 +58,13 @@ class ForwardBatch:
         native: NativeKernels = TORCH_KERNELS,
         cp: CpContext | None = None,
         move: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        pad_to: int | None = None,
     ) -> ForwardBatch:
         """With `move` (the model runner's on a device: pinned memory, a non-blocking copy on
         the copy stream) every tensor is built on the host, with host-side index arithmetic,
         and then moved; without, built on `device` directly. (A context-parallel plan is
-        built on `device` in both cases.)"""
+        built on `device` in both cases.) `pad_to`: a decode step padded with rows that read
+        and write PAD_SLOT alone (token 0 at position 0, never sampled) to that many rows."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -83,6 +86,11 @@ class ForwardBatch:
                 future_slots.append(s.future_slot)
             lp_rows.extend(range(row, row + len(s.logprob_targets)))
             lp_targets.extend(s.logprob_targets)
+        for row in range(len(ids), pad_to or 0):
+            ids.append(0)
+            positions.append(0)
+            slots.append(PAD_SLOT)
+            segments.append((row, 1, 0, [(PAD_SLOT, 1)]))
 
         host = torch.device("cpu") if move is not None else device
 
@@ -111,6 +119,7 @@ class ForwardBatch:
             latent,
             native,
             cp_plan,
+            graphed=pad_to is not None,
         )
         return fb if move is None else fb.moved(move)
 

@@ -3,6 +3,7 @@ the last stage compute logits, sample, and gather logprobs."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,12 +47,22 @@ from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig, param_count, routed_expert_params
 from pipeserve.models.registry import build_model
 from pipeserve.op_profile import OpProfile
+from pipeserve.runner.cuda_graph import (
+    DecodeGraphs,
+    bucket_for,
+    graph_blocker,
+    graph_buckets,
+    graph_reserve_bytes,
+    graphable,
+)
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.runner.kv_layout import build_kv_pool, kv_bytes_per_token
 from pipeserve.runner.stage_output import PendingResult, SampledTensors, StageOutput
 from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
 from pipeserve.streams import DeviceStreams
 from pipeserve.timeline import Recorder
+
+log = logging.getLogger(__name__)
 
 LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)
 
@@ -77,7 +88,8 @@ def kv_pool_pages(
     params = param_count(arch) - routed_expert_params(arch) * elsewhere
     weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
     per_token = kv_bytes_per_token(arch, stage_layers_max, p.tp_size, dtype)
-    tokens = int((budget - weights) // per_token)
+    graphs = graph_reserve_bytes(config.model, arch, device, dtype)
+    tokens = int((budget - weights - graphs) // per_token)
     if tokens < 4 * page:
         raise ValueError(
             f"no memory left for the KV cache ({budget / 2**30:.1f} GiB budget, "
@@ -192,6 +204,7 @@ class ModelRunner:
         self.tiers = self._tier_store(num_pages, name) if c.enable_hierarchical_cache else None
         self._init_disaggregation()
         synchronize(self.device)  # weights and pool set-up ran on this thread's stream
+        self.graphs = self._decode_graphs()
 
     def _init_disaggregation(self) -> None:
         """Prefill/decode disaggregation: a prefill worker sends each layer's new KV from the
@@ -217,6 +230,42 @@ class ModelRunner:
             self.kv_receiver = KVReceiver(
                 self.kv_pool, layout, me, d.disaggregation_host, key, remote
             )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Decode steps' CUDA graphs, captured now (after the Triton kernels' first runs, before
+        any timed probe); None, with the reason logged, where steps stay eager."""
+        m, p, s = self.config.model, self.config.parallel, self.state
+        max_bs = 0 if m.disable_cuda_graph else m.cuda_graph_max_bs
+        spread = {"pipeline": s.pp_size, "tensor": s.tp_size, "context": s.cp_size}
+        spread |= {"expert": p.expert_ranks, "attention-FFN": 2 if p.afd_enabled else 1}
+        blocker = graph_blocker(
+            self.device,
+            self.native,
+            spread,
+            self.arch.mla is not None,
+            self.config.disaggregation.disaggregation_mode != "null",
+            max_bs,
+        )
+        if blocker is not None:
+            if self.device.type == "cuda":
+                log.info("decode steps run eagerly: %s", blocker)
+            return None
+        graphs = DecodeGraphs(
+            lambda fb: self.model(fb)[0],
+            self.kv_pool,
+            self.native,
+            graph_buckets(max_bs),
+            self.device,
+        )
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception as exc:  # a model whose forward cannot be captured: eager, said
+            log.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
+            graphs.release()
+            return None
+        log.info("decode steps up to %d requests replay CUDA graphs", max_bs)
+        return graphs
 
     def _tier_store(self, num_pages: int, name: str) -> TierStore:
         """HiCache's host (and disk) copies of this worker's part of the KV pool."""
@@ -291,12 +340,18 @@ class ModelRunner:
             w for p in self.model.parameters() for w in (p if p.dim() == 3 else [p])
         )
 
-    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+    def prepare(self, batch: ScheduledBatch, whole: bool = True) -> ForwardBatch:
         """The batch's tensors, built on the host and copied on the copy stream (a device);
-        `execute` makes the compute stream wait for them."""
+        `execute` makes the compute stream wait for them. A whole step that replays a CUDA
+        graph is padded to its bucket (`whole`=False: a part of a step, never padded)."""
+        pad_to = None
+        if whole and self.graphs is not None and graphable(batch, self.graphs.buckets[-1]):
+            pad_to = bucket_for(len(batch.slices), self.graphs.buckets)
         with self.streams.upload() as up:
             move = up.move if self.streams.api is not None else None
-            fb = ForwardBatch.prepare(batch, self.kv_pool, self.device, self.native, self.cp, move)
+            fb = ForwardBatch.prepare(
+                batch, self.kv_pool, self.device, self.native, self.cp, move, pad_to
+            )
         fb.ready, fb.uploaded = up.ready, up.tensors
         return fb
 
@@ -343,6 +398,9 @@ class ModelRunner:
             hidden, residual = self._forward_parts(
                 parts, AFD_ATTENTION, hidden, residual, future, keep
             )
+        elif fb.graphed:
+            assert self.graphs is not None
+            hidden, residual = self.graphs.run(fb), None
         elif batch.slices:
             hidden, residual = self.model(fb, hidden, residual)
             if fb.cp is not None and self.state.is_last_stage:
@@ -372,6 +430,8 @@ class ModelRunner:
             self.kv_sender.close()
         if self.kv_receiver is not None:
             self.kv_receiver.close()
+        if self.graphs is not None:
+            self.graphs.release()
 
     def _forward_two_batch(
         self,
@@ -398,7 +458,7 @@ class ModelRunner:
         """The batch's parts (micro-batches, some may be empty) run with their layers
         interleaved under `strategy`; the rows come back in the batch's order. Their inputs
         join `keep`."""
-        fbs = [self.prepare(p) for p in parts]
+        fbs = [self.prepare(p, whole=False) for p in parts]
         for fb in fbs:
             self.streams.wait(fb.ready, fb.uploaded)
         keep += fbs

@@ -247,12 +247,17 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
             )
         launches[backend] = [c.launches > b for c, b in zip(counted, before, strict=True)]
     assert launches == {"torch": [False, False], "triton": [True, "deepseek" not in preset]}
-    for got, want in zip(outs["triton"], outs["torch"], strict=True):
+    same_outputs(outs["triton"], outs["torch"], atol=1e-4)
+
+
+def same_outputs(gots: list[dict], wants: list[dict], atol: float) -> None:
+    """The same tokens, and their logprobs within `atol`."""
+    for got, want in zip(gots, wants, strict=True):
         assert got["output_ids"] == want["output_ids"]
         torch.testing.assert_close(
             torch.tensor(got["output_logprobs"]),
             torch.tensor(want["output_logprobs"]),
-            atol=1e-4,
+            atol=atol,
             rtol=0,
         )
 
@@ -363,3 +368,45 @@ def test_the_gpu_check_runs_on_small_shapes() -> None:
     shape = (2, 2, 16)
     check_kernels(torch.device("cpu"), torch.float32, [1, 70, 200], [(0, 20), (90, 3)], 1024, shape)
 
+
+def test_decode_steps_over_the_graph_buffers_serve_the_same_tokens(model_dir, monkeypatch) -> None:
+    """The CUDA-graph path with no CUDA: decode steps padded to their bucket and run over
+    DecodeGraphs' persistent buffers (eagerly: nothing is captured on a CPU) give the plain
+    Triton path's tokens and logprobs, the buffers reused across steps of different sizes;
+    padded rows write PAD_SLOT alone."""
+    from pipeserve import Engine
+    from pipeserve.mem_cache.kv_pool import PAD_SLOT
+    from pipeserve.runner import cuda_graph, model_runner
+
+    real_blocker = model_runner.graph_blocker
+
+    def blocker(device, *args):  # as if the CPU were a CUDA device
+        return real_blocker(torch.device("cuda"), *args)
+
+    monkeypatch.setattr(model_runner, "graph_blocker", blocker)
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "capture", lambda self: None)
+    real_run = cuda_graph.DecodeGraphs.run
+    steps: list[tuple[int, int]] = []  # (bucket, requests) of every step run over the buffers
+
+    def run(self, fb):
+        n = fb.sample_rows.shape[0]
+        assert fb.out_slots[n:].tolist() == [PAD_SLOT] * (fb.num_tokens - n)
+        assert PAD_SLOT not in fb.out_slots[:n].tolist()
+        steps.append((fb.num_tokens, n))
+        return real_run(self, fb)
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "run", run)
+    model = str(model_dir("tiny-qwen3"))
+    prompts = [[(7 * j) % 300 + 1 for j in range(n)] for n in (12, 5, 9)]
+    # the requests end at different steps: 3, then 2, then 1 decoding
+    params = [{"max_new_tokens": n, "temperature": 0} for n in (6, 2, 4)]
+    outs = {}
+    for max_bs in (0, 8):
+        flags = {"dtype": "float32", "chunked_prefill_size": 16, "attention_backend": "triton"}
+        with Engine(model, **flags, cuda_graph_max_bs=max_bs) as engine:
+            assert (engine.backend.runner.graphs is not None) == (max_bs > 0)
+            outs[max_bs] = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=True
+            )
+    assert {n for _, n in steps} == {1, 2, 3} and (4, 3) in steps and (2, 2) in steps
+    same_outputs(outs[8], outs[0], atol=1e-5)

@@ -1,0 +1,193 @@
+"""CUDA graphs for decode steps: a step's hundreds of kernel launches replayed as one.
+
+A decode step of a batch is captured once per bucket of batch sizes (`graph_buckets`), at
+start-up, over persistent buffers (`DecodeGraphs`): the token ids, positions, KV write slots
+and the batched Triton kernel's page table. A step of n requests is padded to the smallest
+bucket b >= n (`ForwardBatch.prepare(pad_to=b)`): each padded row reads and writes one slot
+of page 0, which the page allocator never hands out (`PAD_SLOT`), so a padded row never
+touches a page a request owns; its output row is never sampled. The step's tensors are
+copied into the buffers (device to device, no host sync) and the bucket's graph replays the
+model's layers up to the last hidden states; the LM head and sampling run after it, eagerly
+(per-request sampling parameters change from step to step).
+
+What is captured is the Triton path (`--attention-backend triton`: its decode launch reads
+the page table from device memory, its grid depends on the bucket only) on one device: no
+pipeline, tensor, context or expert parallelism, no prefill/decode transfer hooks, no
+MLA (its per-request latent segments are host objects). Everything else runs as before, and
+the reason is logged once (`graph_blocker`). Without a GPU the same buffers can be run
+eagerly (`capture=False`): what the CPU tests check of the padding and the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pipeserve.config import ModelConfig
+from pipeserve.layers.attention import AttentionPlan, NativeKernels
+from pipeserve.layers.attention_parts import DecodePlan
+from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
+from pipeserve.models.arch import ArchConfig
+from pipeserve.runner.forward_batch import ForwardBatch
+from pipeserve.scheduler.batch import ScheduledBatch
+
+log = logging.getLogger(__name__)
+WARMUP_RUNS = 2  # eager runs of a bucket before its capture (Triton compiles on the first)
+
+
+def graph_buckets(max_bs: int) -> tuple[int, ...]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every 8 up to 64, then every 32, and
+    `max_bs` itself (a step pads by fewer than 8 rows up to 64 requests, 32 past that)."""
+    if max_bs < 1:
+        return ()
+    sizes = [1, 2, 4, *range(8, 65, 8), *range(96, max_bs + 1, 32)]
+    return tuple(sorted({s for s in sizes if s <= max_bs} | {max_bs}))
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding n rows; None when n is past the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def graph_blocker(
+    device: torch.device,
+    native: NativeKernels,
+    parallel: dict[str, int],
+    latent: bool,
+    disaggregated: bool,
+    max_bs: int,
+) -> str | None:
+    """Why decode steps stay eager on this runner (None: they are captured)."""
+    if max_bs < 1:
+        return "--disable-cuda-graph (or --cuda-graph-max-bs 0)"
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this is {device.type})"
+    if not native.batched:
+        return "CUDA graphs capture the Triton path only (--attention-backend triton)"
+    if latent:
+        return "MLA's decode keeps per-request host segments (not captured yet)"
+    spread = [f"{k} {v}" for k, v in parallel.items() if v > 1]
+    if spread:
+        return f"CUDA graphs run on one device only ({', '.join(spread)})"
+    if disaggregated:
+        return "prefill/decode disaggregation's transfer hooks run on the host"
+    return None
+
+
+def graphable(batch: ScheduledBatch, largest: int) -> bool:
+    """Whether a step runs as a graph: decode steps only (one token each, sampled, no prompt
+    logprobs), no cache-tier copies, no micro-batches, at most the largest bucket."""
+    if not batch.slices or len(batch.slices) > largest:
+        return False
+    if batch.cache_ops or batch.two_batch is not None or batch.micro_batches:
+        return False
+    return all(s.num_tokens == 1 and s.sample and not s.logprob_targets for s in batch.slices)
+
+
+def graph_reserve_bytes(
+    model: ModelConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype
+) -> int:
+    """What the graphs' private memory pool may hold, kept out of the KV budget: the
+    activations of the largest bucket (the buckets share the pool), generously, plus a
+    fixed 64 MiB; 0 where no graph will be captured."""
+    max_bs = 0 if model.disable_cuda_graph else model.cuda_graph_max_bs
+    if device.type != "cuda" or model.attention_backend != "triton" or max_bs == 0:
+        return 0
+    intermediate = max(arch.intermediate_size, arch.moe_intermediate_size)
+    per_row = 8 * arch.hidden_size + 3 * intermediate + 4 * arch.num_heads * arch.head_dim
+    return max_bs * per_row * dtype.itemsize + (64 << 20)
+
+
+class DecodeGraphs:
+    """The persistent buffers of decode steps and, on CUDA, a graph per bucket over them."""
+
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], torch.Tensor],
+        pool: KVPool,
+        native: NativeKernels,
+        buckets: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        """`forward(fb)`: the model's layers on a ForwardBatch, returning the last hidden
+        states (one row per token)."""
+        self.forward, self.buckets, self.device = forward, tuple(buckets), device
+        largest = max(self.buckets)
+        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
+        self.out_slots = torch.full((largest,), PAD_SLOT, dtype=torch.long, device=device)
+        rows = torch.arange(largest, device=device)
+        # a row alone reads its one slot: what a padded row reads in every bucket
+        self.kv_indptr = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.kv_indices = torch.full((pool.num_slots,), PAD_SLOT, dtype=torch.int32, device=device)
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        self.batches: dict[int, ForwardBatch] = {}
+        for b in self.buckets:
+            plan = DecodePlan(
+                rows[:b], kv_indptr=self.kv_indptr[: b + 1], kv_indices=self.kv_indices
+            )
+            attn = AttentionPlan([], plan, native.backend, None)
+            self.batches[b] = ForwardBatch(
+                self.input_ids[:b],
+                self.positions[:b],
+                self.out_slots[:b],
+                attn,
+                pool,
+                empty,
+                empty,
+                empty,
+                empty,
+                native=native,
+            )
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # steps run as a graph (the eager runs over the buffers not counted)
+        self._pool_handle: Any = None
+
+    def capture(self) -> None:
+        """A graph per bucket, largest first (they share one memory pool), each after
+        WARMUP_RUNS eager runs; the buffers hold padding rows only meanwhile, so the captures
+        write nothing but PAD_SLOT."""
+        assert self.device.type == "cuda"
+        self._pool_handle = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for b in sorted(self.buckets, reverse=True):
+                for _ in range(WARMUP_RUNS):
+                    self.forward(self.batches[b])
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool_handle, stream=stream):
+                    self.outputs[b] = self.forward(self.batches[b])
+                self.graphs[b] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """The last hidden states of a padded decode step (fb.num_tokens is a bucket): its
+        tensors copied into the buffers, then the bucket's graph replayed (or, uncaptured,
+        the layers run eagerly over the same buffers). The result is the graph's output
+        buffer: valid until the next step."""
+        b = fb.num_tokens
+        plan = fb.attn.decode
+        assert b in self.batches and plan is not None
+        assert plan.kv_indptr is not None and plan.kv_indices is not None
+        self.input_ids[:b].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:b].copy_(fb.positions, non_blocking=True)
+        self.out_slots[:b].copy_(fb.out_slots, non_blocking=True)
+        self.kv_indptr[: b + 1].copy_(plan.kv_indptr, non_blocking=True)
+        self.kv_indices[: plan.kv_indices.shape[0]].copy_(plan.kv_indices, non_blocking=True)
+        graph = self.graphs.get(b)
+        if graph is None:
+            return self.forward(self.batches[b])
+        graph.replay()
+        self.replays += 1
+        return self.outputs[b]
+
+    def release(self) -> None:
+        """Drop the graphs and their memory pool (the engine's shutdown empties the cache)."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self._pool_handle = None

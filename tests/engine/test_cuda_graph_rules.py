@@ -1,0 +1,153 @@
+"""Decode steps' CUDA graphs (pipeserve/runner/cuda_graph.py), what a CPU can check: the
+buckets and the choice of one, which steps are replayed and which runners capture at all,
+the padding of a step to its bucket (a padded row reads and writes only page 0, which the
+allocator never hands out, and is never sampled), the KV budget's reserve, and an engine
+on a CPU (where nothing is captured) serving as before. The replay itself over the
+persistent buffers runs in tests/kernels/triton_interpreted.py (the Triton path) and,
+captured, in its `-m cuda` tests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pipeserve.config import ModelConfig
+from pipeserve.layers.attention import NativeKernels
+from pipeserve.layers.attention_backends import AttentionKernels
+from pipeserve.mem_cache.allocator import PageAllocator
+from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
+from pipeserve.models.arch import ArchConfig
+from pipeserve.models.config_presets import load_config
+from pipeserve.runner.cuda_graph import (
+    bucket_for,
+    graph_blocker,
+    graph_buckets,
+    graph_reserve_bytes,
+    graphable,
+)
+from pipeserve.runner.forward_batch import ForwardBatch
+from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
+
+TRITON = NativeKernels(batched=True, backend=AttentionKernels("cpu"))
+
+
+def test_buckets_cover_every_size_with_little_padding() -> None:
+    buckets = graph_buckets(128)
+    assert buckets == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
+    assert graph_buckets(100)[-2:] == (96, 100)  # the largest is always its own bucket
+    assert graph_buckets(3) == (1, 2, 3) and graph_buckets(0) == ()
+    for n in range(1, 129):
+        b = bucket_for(n, buckets)
+        assert b is not None and n <= b < n + (8 if n <= 64 else 32)
+        assert b == min(x for x in buckets if x >= n)
+    assert bucket_for(129, buckets) is None
+
+
+def decode_slice(rid: str, length: int, runs: list, **kw) -> ReqSlice:
+    return ReqSlice(rid, [5], length - 1, runs, True, **kw)
+
+
+def test_only_plain_decode_steps_are_replayed() -> None:
+    runs = [(16, 8)]
+    step = [decode_slice("a", 8, runs), decode_slice("b", 3, [(32, 3)])]
+    assert graphable(ScheduledBatch(0, step), 8)
+    assert not graphable(ScheduledBatch(0, step), 1)  # more requests than the largest bucket
+    assert not graphable(ScheduledBatch(0, []), 8)
+    chunk = ReqSlice("c", [1, 2, 3], 0, [(48, 3)], True, chunk_index=0)
+    assert not graphable(ScheduledBatch(0, [*step, chunk]), 8)  # a prompt chunk
+    unsampled = ReqSlice("d", [1], 0, [(48, 1)], False, chunk_index=0)
+    assert not graphable(ScheduledBatch(0, [unsampled]), 8)
+    logprobs = ReqSlice("e", [1], 0, [(48, 1)], True, logprob_targets=[4], chunk_index=0)
+    assert not graphable(ScheduledBatch(0, [logprobs]), 8)  # prompt logprobs need all rows
+    copies = ScheduledBatch(0, step)
+    copies.cache_ops = [object()]  # type: ignore[list-item]
+    assert not graphable(copies, 8)
+
+
+def test_which_runners_capture() -> None:
+    cuda, cpu, one = torch.device("cuda"), torch.device("cpu"), {"pipeline": 1, "tensor": 1}
+    assert graph_blocker(cuda, TRITON, one, False, False, 64) is None
+    reasons = [
+        graph_blocker(cpu, TRITON, one, False, False, 64),
+        graph_blocker(cuda, NativeKernels(), one, False, False, 64),
+        graph_blocker(cuda, TRITON, {"pipeline": 2, "tensor": 1}, False, False, 64),
+        graph_blocker(cuda, TRITON, one, True, False, 64),
+        graph_blocker(cuda, TRITON, one, False, True, 64),
+        graph_blocker(cuda, TRITON, one, False, False, 0),
+    ]
+    assert all(isinstance(r, str) and r for r in reasons)
+    assert "pipeline 2" in reasons[2] and "--disable-cuda-graph" in reasons[5]
+
+
+def test_a_padded_row_never_touches_a_page_a_request_owns() -> None:
+    """Requests on pages the allocator handed out, decoded as one step padded to its bucket:
+    the padded rows write PAD_SLOT (page 0) and read it alone; the real rows and their page
+    table are those of the unpadded step; only real rows are sampled."""
+    page = 4
+    allocator = PageAllocator(64)
+    rng = random.Random(3)
+    slices, owned = [], set()
+    for i in range(5):
+        length = rng.randint(1, 30)
+        pages = allocator.alloc(-(-length // page))
+        assert pages is not None and 0 not in pages
+        runs = [(p * page, page) for p in pages]
+        owned |= {p * page + s for p in pages for s in range(page)}
+        slices.append(decode_slice(f"r{i}", length, runs))
+    batch = ScheduledBatch(0, slices)
+    pool = KVPool(64 * page, range(1), 1, 8, torch.float32, torch.device("cpu"), page)
+    cpu = torch.device("cpu")
+    plain = ForwardBatch.prepare(batch, pool, cpu, TRITON)
+    padded = ForwardBatch.prepare(batch, pool, cpu, TRITON, pad_to=8)
+    assert padded.graphed and not plain.graphed and padded.num_tokens == 8
+    assert PAD_SLOT // page == 0 and PAD_SLOT not in owned
+    assert torch.equal(padded.out_slots[:5], plain.out_slots)
+    assert padded.out_slots[5:].tolist() == [PAD_SLOT] * 3
+    assert set(padded.out_slots[:5].tolist()) <= owned
+    assert padded.input_ids[5:].tolist() == [0] * 3 and padded.positions[5:].tolist() == [0] * 3
+    assert torch.equal(padded.sample_rows, plain.sample_rows)  # padded rows are never sampled
+    a, b = plain.attn.decode, padded.attn.decode
+    assert a is not None and b is not None
+    assert a.kv_indptr is not None and b.kv_indptr is not None
+    assert a.kv_indices is not None and b.kv_indices is not None
+    real = int(a.kv_indptr[-1])
+    assert torch.equal(b.kv_indptr[:6], a.kv_indptr)
+    assert torch.equal(b.kv_indices[:real], a.kv_indices)
+    assert b.kv_indptr[6:].tolist() == [real + 1, real + 2, real + 3]  # one key each
+    assert b.kv_indices[real:].tolist() == [PAD_SLOT] * 3
+    assert set(a.kv_indices.tolist()) <= owned
+
+
+def test_the_kv_budget_keeps_room_for_the_graphs() -> None:
+    arch = ArchConfig.from_dict(load_config("bench")[0])
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    on = ModelConfig(attention_backend="triton", cuda_graph_max_bs=64)
+    reserve = graph_reserve_bytes(on, arch, cuda, bf16)
+    bigger = graph_reserve_bytes(ModelConfig(attention_backend="triton"), arch, cuda, bf16)
+    assert 64 << 20 < reserve < bigger  # the default 128 takes more than 64
+    for off in (
+        ModelConfig(attention_backend="triton", disable_cuda_graph=True),
+        ModelConfig(attention_backend="triton", cuda_graph_max_bs=0),
+        ModelConfig(attention_backend="auto"),
+    ):
+        assert graph_reserve_bytes(off, arch, cuda, bf16) == 0
+    assert graph_reserve_bytes(on, arch, torch.device("cpu"), bf16) == 0
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_on_a_cpu_nothing_is_captured_and_both_loops_serve(model_path, loop: str) -> None:
+    """Graphs are asked for by default; a CPU runner captures none, pads nothing, and the
+    engine's outputs are those of graphs turned off."""
+    from pipeserve import Engine
+
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    params = {"max_new_tokens": 4, "temperature": 0}
+    outs = []
+    for extra in ({}, {"disable_cuda_graph": True}):
+        loop_flag = "disable_overlap_schedule" if loop == "plain" else "enable_overlap_schedule"
+        with Engine(str(model_path), dtype="float32", **{loop_flag: True}, **extra) as engine:
+            assert engine.backend.runner.graphs is None
+            outs.append(engine.generate(input_ids=prompts, sampling_params=params))
+    assert [o["output_ids"] for o in outs[0]] == [o["output_ids"] for o in outs[1]]
