@@ -170,19 +170,25 @@ class MLAttention(nn.Module):
         index_cache: torch.Tensor | None = None,
         native: bool = False,
         batched: DecodePlan | None = None,
+        new_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [tokens, hidden]; cache [slots, latent_width] of this layer (index_cache [slots,
         index_head_dim] with an indexer), written at each segment's new slots, then read at
         all its slots -> [tokens, hidden], all-reduced. native: expanded prompt chunks may run
         the compiled CPU prefill kernel (bfloat16 or float32). batched: the decode steps' slot
         tables for the batched Triton kernel, one absorbed launch for all of them (with an
-        indexer, over each step's chosen rows)."""
+        indexer, over each step's chosen rows). new_slots: every token's slot [tokens] (the
+        batch's write slots), written in one op instead of segment by segment (what a CUDA
+        graph's decode step, whose segments are not kept, relies on)."""
         with region("mla.query"):
             q_latent = self.query_latent(x)
             q = self.query(x, rope, q_latent)
         new = self.latent(x, rope)
-        for seg in segments:
-            cache[seg.new_slots] = new[seg.rows]
+        if new_slots is not None:
+            cache[new_slots] = new
+        else:
+            for seg in segments:
+                cache[seg.new_slots] = new[seg.rows]
         positions = self.index_positions(x, q_latent, rope, index_cache, segments)
         selected = self.selections(positions, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)

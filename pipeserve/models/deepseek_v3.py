@@ -64,6 +64,7 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
             index_cache=index,
             native=native,
             batched=fb.attn.decode,  # set only for the batched Triton kernel
+            new_slots=fb.out_slots,
         )
 
 

@@ -11,9 +11,12 @@ model's layers up to the last hidden states; the LM head and sampling run after 
 (per-request sampling parameters change from step to step).
 
 What is captured is the Triton path (`--attention-backend triton`: its decode launch reads
-the page table from device memory, its grid depends on the bucket only) on one device: no
-pipeline, tensor, context or expert parallelism, no prefill/decode transfer hooks, no
-MLA (its per-request latent segments are host objects). Everything else runs as before, and
+the page table from device memory, its grid depends on the bucket only; MLA's absorbed
+decode too, its latent rows written at the batch's write slots in one op) on one device: no
+pipeline, tensor, context or expert parallelism, no prefill/decode transfer hooks, not
+DeepSeek-V3.2's indexer (its per-request segments are host objects). A MoE layer is
+captured where its experts run without host syncs (the grouped GEMM path); where the
+capture fails, the step stays eager with a warning. Everything else runs as before, and
 the reason is logged once (`graph_blocker`). Without a GPU the same buffers can be run
 eagerly (`capture=False`): what the CPU tests check of the padding and the bookkeeping.
 """
@@ -56,7 +59,7 @@ def graph_blocker(
     device: torch.device,
     native: NativeKernels,
     parallel: dict[str, int],
-    latent: bool,
+    indexer: bool,
     disaggregated: bool,
     max_bs: int,
 ) -> str | None:
@@ -67,8 +70,8 @@ def graph_blocker(
         return f"CUDA graphs need a CUDA device (this is {device.type})"
     if not native.batched:
         return "CUDA graphs capture the Triton path only (--attention-backend triton)"
-    if latent:
-        return "MLA's decode keeps per-request host segments (not captured yet)"
+    if indexer:
+        return "DeepSeek-V3.2's indexer keeps per-request host segments (not captured yet)"
     spread = [f"{k} {v}" for k, v in parallel.items() if v > 1]
     if spread:
         return f"CUDA graphs run on one device only ({', '.join(spread)})"

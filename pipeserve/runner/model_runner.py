@@ -242,7 +242,7 @@ class ModelRunner:
             self.device,
             self.native,
             spread,
-            self.arch.mla is not None,
+            self.arch.indexer is not None,
             self.config.disaggregation.disaggregation_mode != "null",
             max_bs,
         )

@@ -369,11 +369,15 @@ def test_the_gpu_check_runs_on_small_shapes() -> None:
     check_kernels(torch.device("cpu"), torch.float32, [1, 70, 200], [(0, 20), (90, 3)], 1024, shape)
 
 
-def test_decode_steps_over_the_graph_buffers_serve_the_same_tokens(model_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek-v3"])
+def test_decode_steps_over_the_graph_buffers_serve_the_same_tokens(
+    model_dir, monkeypatch, preset: str
+) -> None:
     """The CUDA-graph path with no CUDA: decode steps padded to their bucket and run over
     DecodeGraphs' persistent buffers (eagerly: nothing is captured on a CPU) give the plain
     Triton path's tokens and logprobs, the buffers reused across steps of different sizes;
-    padded rows write PAD_SLOT alone."""
+    padded rows write PAD_SLOT alone. DeepSeek-V3: MLA's absorbed decode and its latent rows
+    written at the write slots, with no per-request segments in the buffers' batch."""
     from pipeserve import Engine
     from pipeserve.mem_cache.kv_pool import PAD_SLOT
     from pipeserve.runner import cuda_graph, model_runner
@@ -396,7 +400,7 @@ def test_decode_steps_over_the_graph_buffers_serve_the_same_tokens(model_dir, mo
         return real_run(self, fb)
 
     monkeypatch.setattr(cuda_graph.DecodeGraphs, "run", run)
-    model = str(model_dir("tiny-qwen3"))
+    model = str(model_dir(preset))
     prompts = [[(7 * j) % 300 + 1 for j in range(n)] for n in (12, 5, 9)]
     # the requests end at different steps: 3, then 2, then 1 decoding
     params = [{"max_new_tokens": n, "temperature": 0} for n in (6, 2, 4)]
