@@ -2,11 +2,11 @@
 layer however many requests a batch holds.
 
 Both kernels read the pool in place ([kv_heads, slots, head_dim] per layer) through a page
-table of one slot per page, built once per step on the host and shared by every layer:
-`kv_indices` holds every position's slot, request after request, and `kv_indptr` [n + 1]
-where each request's positions start (so its length too). Any placement of a request's KV
-reads the same way (the allocator's long runs, pages of 16, scattered slots), in one
-pipelined loop over blocks of positions.
+table of one slot per page, built once per step and shared by every layer (on the device,
+from the runs of slots the host copies: `SlotRuns`): `kv_indices` holds every position's
+slot, request after request, and `kv_indptr` [n + 1] where each request's positions start
+(so its length too). Any placement of a request's KV reads the same way (the allocator's
+long runs, pages of 16, scattered slots), in one pipelined loop over blocks of positions.
 
 - `paged_decode`: one query token per request. A program takes one request, one KV head with
   all its query heads (GQA: the group's rows share every K/V load) and one of `splits` equal
@@ -31,6 +31,8 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
+
+from pipeserve.layers.attention_parts import SlotRuns
 
 BLOCK_N = 64  # keys per step of a program
 EXTEND_BLOCK_M = 16  # extend: query rows per program (times the group's heads)
@@ -370,15 +372,6 @@ def paged_extend(
 
 def slot_table(per_seq: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences' KV runs (first slot, length) as the kernels' page table of one slot per
-    page: (kv_indptr [n + 1], kv_indices [total]) int32, on the host, in a few tensor ops
-    however many positions the runs cover."""
-    starts = [s for runs in per_seq for s, _ in runs]
-    counts = [n for runs in per_seq for _, n in runs]
-    lengths = torch.tensor([sum(n for _, n in runs) for runs in per_seq], dtype=torch.int64)
-    run_len = torch.tensor(counts, dtype=torch.int64)
-    first_pos = torch.cumsum(run_len, 0) - run_len  # position each run starts at, overall
-    indices = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - first_pos, run_len)
-    indices += torch.arange(indices.numel())
-    indptr = torch.zeros(len(per_seq) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=indptr[1:])
-    return indptr.to(torch.int32), indices.to(torch.int32)
+    page: (kv_indptr [n + 1], kv_indices [total]) int32, on the host. (The runner copies the
+    runs instead and expands them on the device: `SlotRuns`.)"""
+    return SlotRuns.build(per_seq, torch.device("cpu")).expand()

@@ -23,20 +23,28 @@ steps its `backend`, see pipeserve/layers/attention_backends.py):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from pipeserve.device import native_decode_kernel, native_prefill_kernel
 from pipeserve.layers.attention_backends import AttentionKernels, default_kernels
-from pipeserve.layers.attention_parts import DecodePlan, ExtendPlan, KVPart, merge_partials
+from pipeserve.layers.attention_parts import (
+    DecodePlan,
+    ExtendPlan,
+    KVPart,
+    SlotRuns,
+    merge_partials,
+)
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, runs_prefix
 
 VIEW_MIN_TOKENS = 256  # shorter runs are cheaper to gather than to attend to separately
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
 SCORE_BLOCK_ELEMENTS = 2**20  # bound on one score buffer (query rows x keys); ~L2-sized blocks
+UNEXPANDED = "a batched plan's page table is still slot runs: use AttentionPlan.expanded()"
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,21 @@ class AttentionPlan:
     decode: DecodePlan | None
     kernels: AttentionKernels | None = None  # the runner's choice; None: PyTorch's, per device
     extend: ExtendPlan | None = None  # batched: every prompt chunk, for one launch
+
+    def expanded(self) -> AttentionPlan:
+        """This plan with the batched kernels' page tables made from their slot runs, where
+        those are (after the runner's copy: on the device, with no host work per position)."""
+        return replace(self, decode=_expanded(self.decode), extend=_expanded(self.extend))
+
+
+Tabled = TypeVar("Tabled", DecodePlan, ExtendPlan)
+
+
+def _expanded(plan: Tabled | None) -> Tabled | None:
+    if plan is None or plan.slot_runs is None:
+        return plan
+    indptr, indices = plan.slot_runs.expand()
+    return replace(plan, kv_indptr=indptr, kv_indices=indices, slot_runs=None)
 
 
 def split_runs(runs: list[Run], num: int) -> tuple[list[Run], list[Run]]:
@@ -129,7 +152,7 @@ def plan_attention(
     so no padded row is empty); a prompt chunk reads its prefix from the pool and attends to
     itself from the fresh k/v."""
     if native.batched:
-        return _batched_plan(segments, device, native)
+        return batched_plan(segments, device, native).expanded()
     chunks: list[ChunkPlan] = []
     rows: list[int] = []
     shorts: list[list[Run]] = []
@@ -179,14 +202,15 @@ def plan_attention(
     return AttentionPlan(chunks, decode, native.backend)
 
 
-def _batched_plan(
+def batched_plan(
     segments: list[tuple[int, int, int, list[Run]]], device: torch.device, native: NativeKernels
 ) -> AttentionPlan:
     """The batched kernels' plan: the slots of each step's and each chunk's sequence (its
     prefix and its new tokens, which the layer writes first) as int32 page tables of one slot
-    per page, built once per step (on the host when the runner moves the batch) and read by
-    every layer."""
-    from pipeserve.kernels.triton_attention import extend_blocks, slot_table
+    per page, read by every layer. Built on `device` (the host when the runner copies the
+    batch) in O(runs + requests), with the tables as their slot runs: `expanded()` makes them
+    (after the copy, on the device)."""
+    from pipeserve.kernels.triton_attention import extend_blocks
 
     steps: list[tuple[int, list[Run]]] = []
     chunks: list[tuple[int, int, int, list[Run]]] = []
@@ -199,22 +223,18 @@ def _batched_plan(
     decode = batched_decode_plan(steps, device) if steps else None
     extend = None
     if chunks:
-        indptr, indices = slot_table([c[3] for c in chunks])
-        table = torch.tensor([c[:3] for c in chunks], dtype=torch.int32)
-        blocks = extend_blocks([c[1] for c in chunks])
-        tensors = (indptr, indices, table, *blocks)
-        extend = ExtendPlan(*(t.to(device) for t in tensors))
+        table = torch.tensor([c[:3] for c in chunks], dtype=torch.int32, device=device)
+        block_chunk, block_first = extend_blocks([c[1] for c in chunks])
+        slots = SlotRuns.build([c[3] for c in chunks], device)
+        extend = ExtendPlan(table, block_chunk.to(device), block_first.to(device), slots)
     return AttentionPlan([], decode, native.backend, extend)
 
 
 def batched_decode_plan(steps: list[tuple[int, list[Run]]], device: torch.device) -> DecodePlan:
     """The batched Triton kernel's decode steps: (row, the runs covering exactly its sequence)
-    each -> their rows and page table of one slot per page."""
-    from pipeserve.kernels.triton_attention import slot_table
-
-    indptr, indices = slot_table([runs for _, runs in steps])
-    rows = torch.tensor([row for row, _ in steps], dtype=torch.long)
-    return DecodePlan(rows.to(device), kv_indptr=indptr.to(device), kv_indices=indices.to(device))
+    each -> their rows and page table of one slot per page, as slot runs (see `batched_plan`)."""
+    rows = torch.tensor([row for row, _ in steps], dtype=torch.long, device=device)
+    return DecodePlan(rows, slot_runs=SlotRuns.build([runs for _, runs in steps], device))
 
 
 def _last_slot(runs: list[Run], num: int) -> int:
@@ -266,6 +286,7 @@ class PagedAttention(nn.Module):
             from pipeserve.kernels.triton_attention import paged_extend
 
             e = plan.extend
+            assert e.kv_indptr is not None and e.kv_indices is not None, UNEXPANDED
             tables = (e.kv_indptr, e.kv_indices, e.chunks, e.block_chunk, e.block_first)
             paged_extend(q, k_cache, v_cache, *tables, self.scale, out=out)
         if plan.decode is not None:
@@ -307,6 +328,7 @@ class PagedAttention(nn.Module):
         kernels: AttentionKernels,
     ) -> torch.Tensor:
         b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
+        assert plan.slot_runs is None, UNEXPANDED
         if plan.kv_indices is not None:
             from pipeserve.kernels.triton_attention import paged_decode
 

@@ -6,12 +6,47 @@ imports the other for them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
 from pipeserve.scheduler.batch import Run
 
 KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv_heads, n, d]
+
+
+@dataclass
+class SlotRuns:
+    """The batched kernels' page table of one slot per page (`kv_indptr` [n + 1], `kv_indices`
+    [total], int32) as the runs of consecutive slots it is made of: built and copied in
+    O(runs + sequences) however many positions they cover; `expand()` makes the table where
+    `packed` is (on the device, after the runner's copy) without reading any value back."""
+
+    # [n + 1 + 2 * runs] int64: kv_indptr, then each run's first slot less the position (over
+    # all sequences) it starts at, then each run's length
+    packed: torch.Tensor
+    sequences: int  # n
+    runs: int
+    total: int  # positions of all sequences: the table's size, known on the host
+
+    @classmethod
+    def build(cls, per_seq: list[list[Run]], device: torch.device) -> SlotRuns:
+        """Sequences' KV runs (first slot, length), in order within each sequence."""
+        runs = [run for seq in per_seq for run in seq]
+        firsts = list(accumulate((n for _, n in runs), initial=0))  # where each starts; the total
+        bounds = accumulate((len(seq) for seq in per_seq), initial=0)  # each sequence's first
+        indptr = [firsts[b] for b in bounds]
+        shifts = [start - first for (start, _), first in zip(runs, firsts, strict=False)]
+        packed = indptr + shifts + [n for _, n in runs]
+        t = torch.tensor(packed, dtype=torch.long, device=device)
+        return cls(t, len(per_seq), len(runs), firsts[-1])
+
+    def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_indptr, kv_indices) on `packed`'s device."""
+        indptr, shifts, lengths = self.packed.split([self.sequences + 1, self.runs, self.runs])
+        slots = torch.repeat_interleave(shifts, lengths, output_size=self.total)
+        slots += torch.arange(self.total, device=slots.device)
+        return indptr.to(torch.int32), slots.to(torch.int32)
 
 
 @dataclass
@@ -28,9 +63,11 @@ class DecodePlan:
     runs: torch.Tensor | None = None  # native: [r, 2] (first slot, length), steps in order
     offsets: torch.Tensor | None = None  # native: [b + 1] where each step's runs start
     lengths: list[int] = field(default_factory=list)  # each step's real keys in `gather`
-    # the batched Triton kernel: each step's KV slots (int32) and where each step's start
+    # the batched Triton kernel: each step's KV slots (int32) and where each step's start;
+    # as `slot_runs` (these None) until `AttentionPlan.expanded()`
     kv_indptr: torch.Tensor | None = None
     kv_indices: torch.Tensor | None = None
+    slot_runs: SlotRuns | None = None
 
 
 @dataclass
@@ -39,11 +76,13 @@ class ExtendPlan:
     each chunk's KV slots (its prefix and itself, in order), its rows and positions, and the
     launch's blocks of query rows (pipeserve/kernels/triton_attention.py)."""
 
-    kv_indptr: torch.Tensor  # [c + 1] int32: where each chunk's slots start in kv_indices
-    kv_indices: torch.Tensor  # int32: the slot of every position of each chunk's sequence
     chunks: torch.Tensor  # [c, 3] int32: (first row, rows, prefix length)
     block_chunk: torch.Tensor  # [blocks] int32: the chunk of each block of query rows
     block_first: torch.Tensor  # [blocks] int32: its first row within the chunk
+    # the page table: as `slot_runs` (the others None) until `AttentionPlan.expanded()`
+    slot_runs: SlotRuns | None = None
+    kv_indptr: torch.Tensor | None = None  # [c + 1] int32: where each chunk's slots start
+    kv_indices: torch.Tensor | None = None  # int32: the slot of every position of each chunk
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, TypeVar
 
@@ -14,13 +14,16 @@ from pipeserve.layers.attention import (
     AttentionPlan,
     NativeKernels,
     batched_decode_plan,
+    batched_plan,
     gather_index,
     plan_attention,
 )
 from pipeserve.layers.attention_parts import DecodePlan
 from pipeserve.layers.mla import LatentSegment
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
-from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
+from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
+
+Segment = tuple[int, int, int, list[Run]]  # (first row, rows, prefix length, KV runs)
 
 
 @dataclass
@@ -62,66 +65,46 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """With `move` (the model runner's on a device: pinned memory, a non-blocking copy on
         the copy stream) every tensor is built on the host, with host-side index arithmetic,
-        and then moved; without, built on `device` directly. (A context-parallel plan is
-        built on `device` in both cases.) `pad_to`: a decode step padded with rows that read
-        and write PAD_SLOT alone (token 0 at position 0, never sampled) to that many rows."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        segments: list[tuple[int, int, int, list[Run]]] = []
-        sample_rows: list[int] = []
-        lp_rows: list[int] = []
-        lp_targets: list[int] = []
-        future_slots: list[int] = []
-        prompt_segments = frozenset(i for i, s in enumerate(batch.slices) if not s.is_decode)
-        for s in batch.slices:
-            row, n = len(ids), s.num_tokens
-            ids.extend(s.input_ids)
-            positions.extend(range(s.prefix_len, s.prefix_len + n))
-            if cp is None:  # under CP the plan says where this rank's rows write and read
-                slots.extend(_tail_slots(s.kv_runs, n))
-                segments.append((row, n, s.prefix_len, s.kv_runs))
-            if s.sample:
-                sample_rows.append(row + n - 1)
-                future_slots.append(s.future_slot)
-            lp_rows.extend(range(row, row + len(s.logprob_targets)))
-            lp_targets.extend(s.logprob_targets)
-        for row in range(len(ids), pad_to or 0):
-            ids.append(0)
-            positions.append(0)
-            slots.append(PAD_SLOT)
-            segments.append((row, 1, 0, [(PAD_SLOT, 1)]))
-
+        and then moved (the Triton path's page tables as their slot runs, expanded on the
+        device after the copy); without, built on `device` directly. (A context-parallel plan
+        is built on `device` in both cases.) `pad_to`: a decode step padded with rows that
+        read and write PAD_SLOT alone (token 0 at position 0, never sampled) to that many
+        rows."""
+        lists = HostLists.of(batch, cp is None, pad_to)
         host = torch.device("cpu") if move is not None else device
 
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=host)
 
+        ids, positions, segments = lists.ids, lists.positions, lists.segments
         cp_plan = None
         if cp is not None:  # this rank's rows; its attention reads the cache through the plan
             cp_plan, ids, positions = CpPlan.build(batch, cp, device)
         if pool.latents:  # MLA reads the cache through latent segments, not a plan
             attn = AttentionPlan([], latent_decode_plan(segments, host) if native.batched else None)
             latent = [latent_segment(*seg, host) for seg in segments]
+        elif native.batched:
+            attn, latent = batched_plan(segments, host, native), []
         else:
-            attn = plan_attention(segments, host, pool.dtype, native, prompt_segments)
-            latent = []
+            prompts = frozenset(i for i, s in enumerate(batch.slices) if not s.is_decode)
+            attn, latent = plan_attention(segments, host, pool.dtype, native, prompts), []
         fb = cls(
             tensor(ids),
             tensor(positions),
-            tensor(slots),
+            tensor(lists.slots),
             attn,
             pool,
-            tensor(sample_rows),
-            tensor(lp_rows),
-            tensor(lp_targets),
-            tensor(future_slots),
+            tensor(lists.sample_rows),
+            tensor(lists.lp_rows),
+            tensor(lists.lp_targets),
+            tensor(lists.future_slots),
             latent,
             native,
             cp_plan,
             graphed=pad_to is not None,
         )
-        return fb if move is None else fb.moved(move)
+        fb = fb if move is None else fb.moved(move)
+        return replace(fb, attn=fb.attn.expanded())  # batched page tables: on the device
 
     def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> ForwardBatch:
         """This batch with its tensors (not the pool's, not a CP plan's) passed through
@@ -138,6 +121,74 @@ class ForwardBatch:
             future_slots=move(self.future_slots),
             latent_segments=map_tensors(self.latent_segments, move),
         )
+
+
+@dataclass
+class HostLists:
+    """A batch's rows as the host lists its tensors are made of."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]  # KV slot each row is written to
+    segments: list[Segment]  # one per slice (padding rows: one each)
+    sample_rows: list[int]  # row of each sampling slice's last token
+    future_slots: list[int]
+    lp_rows: list[int]
+    lp_targets: list[int]
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, with_kv: bool, pad_to: int | None) -> HostLists:
+        """`with_kv`: the slots and segments too (not under CP: its plan says where this
+        rank's rows write and read)."""
+        slices = batch.slices
+        if all(len(s.input_ids) == 1 and not s.logprob_targets for s in slices):
+            lists = cls._of_steps(slices, with_kv)
+        else:
+            lists = cls._of_rows(slices, with_kv)
+        lists.pad(pad_to or 0)
+        return lists
+
+    @classmethod
+    def _of_steps(cls, slices: list[ReqSlice], with_kv: bool) -> HostLists:
+        """Slices of one row each (decode steps): each list in one comprehension. A row is
+        written to the last slot of its runs (each run holds one slot at least)."""
+        last = [s.kv_runs[-1] for s in slices] if with_kv else []
+        return cls(
+            [s.input_ids[0] for s in slices],
+            [s.prefix_len for s in slices],
+            [start + n - 1 for start, n in last],
+            [(row, 1, s.prefix_len, s.kv_runs) for row, s in enumerate(slices)] if with_kv else [],
+            [row for row, s in enumerate(slices) if s.sample],
+            [s.future_slot for s in slices if s.sample],
+            [],
+            [],
+        )
+
+    @classmethod
+    def _of_rows(cls, slices: list[ReqSlice], with_kv: bool) -> HostLists:
+        """Any slices (prompt chunks among them): one pass over them."""
+        out = cls([], [], [], [], [], [], [], [])
+        for s in slices:
+            row, n = len(out.ids), len(s.input_ids)
+            out.ids.extend(s.input_ids)
+            out.positions.extend(range(s.prefix_len, s.prefix_len + n))
+            if with_kv:
+                out.slots.extend(_tail_slots(s.kv_runs, n))
+                out.segments.append((row, n, s.prefix_len, s.kv_runs))
+            if s.sample:
+                out.sample_rows.append(row + n - 1)
+                out.future_slots.append(s.future_slot)
+            out.lp_rows.extend(range(row, row + len(s.logprob_targets)))
+            out.lp_targets.extend(s.logprob_targets)
+        return out
+
+    def pad(self, rows: int) -> None:
+        """Padding rows up to `rows`: token 0 at position 0, reading and writing PAD_SLOT."""
+        pad = range(len(self.ids), rows)
+        self.ids += [0] * len(pad)
+        self.positions += [0] * len(pad)
+        self.slots += [PAD_SLOT] * len(pad)
+        self.segments += [(row, 1, 0, [(PAD_SLOT, 1)]) for row in pad]
 
 
 T = TypeVar("T")
@@ -171,17 +222,18 @@ def latent_segment(
     return LatentSegment(q_start, q_len, slots, runs=tuple(used))
 
 
-def latent_decode_plan(
-    segments: list[tuple[int, int, int, list[Run]]], device: torch.device
-) -> DecodePlan | None:
+def latent_decode_plan(segments: list[Segment], device: torch.device) -> DecodePlan | None:
     """MLA with the batched Triton kernel: the decode steps' page table, for one absorbed
     launch per layer over all of them (MLAttention.forward's `batched`)."""
     steps = [(row, runs_prefix(runs, prefix + 1)) for row, n, prefix, runs in segments if n == 1]
     return batched_decode_plan(steps, device) if steps else None
 
 
-def _tail_slots(runs: list[Run], n: int) -> list[int]:
+def _tail_slots(runs: list[Run], n: int) -> Sequence[int]:
     """Slots of the last n positions covered by `runs`."""
+    if runs and runs[-1][1] >= n:  # all in the last run (a decode step's one always is)
+        end = runs[-1][0] + runs[-1][1]
+        return range(end - n, end)
     out: list[int] = []
     for start, length in reversed(runs):
         take = min(length, n - len(out))

@@ -1,0 +1,188 @@
+"""ForwardBatch.prepare's host work per step on the Triton path: what the host builds and
+copies for the page tables is O(runs + requests), the same at 1K and 32K context; the
+tables are expanded after the copy, where the copies are, with no host read of a tensor
+(through the fake CUDA runtime of tests/fake_cuda.py); and a decode step's rows, built
+without the general per-slice loop, are the loop's."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any
+
+import pytest
+import torch
+from fake_cuda import FakeApi
+from host_sync import no_host_sync
+from torch.overrides import TorchFunctionMode
+
+from pipeserve.layers.attention import AttentionPlan, NativeKernels
+from pipeserve.layers.attention_backends import AttentionKernels
+from pipeserve.mem_cache.kv_pool import KVPool
+from pipeserve.runner.forward_batch import ForwardBatch, HostLists, latent_decode_plan, map_tensors
+from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
+from pipeserve.scheduler.request import SamplingParams
+from pipeserve.streams import DeviceStreams
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+TRITON = NativeKernels(batched=True, backend=AttentionKernels("cpu"))
+POOL = KVPool(16, range(1), 1, 8, torch.float32, CPU, 16)  # prepare reads its kind only
+GREEDY = SamplingParams(temperature=0)
+CHUNK = 40  # a prompt chunk's tokens
+SPACING = 1 << 20  # slots between two requests' KV
+
+
+def ragged_runs(request: int, length: int) -> list[Run]:
+    """`length` positions in four runs: a long one, a page of 16, one slot, `request` + 1."""
+    base = 1 + request * SPACING
+    tail = request + 1
+    return [
+        (base, length - 17 - tail),
+        (base + SPACING // 2, 16),
+        (base - 1 + SPACING, 1),
+        (base + SPACING // 4, tail),
+    ]
+
+
+def decode_batch(context: int, requests: int = 6) -> ScheduledBatch:
+    steps = [
+        ReqSlice(f"r{i}", [5 + i], context - 1, ragged_runs(i, context), i % 3 != 1, GREEDY)
+        for i in range(requests)
+    ]
+    return ScheduledBatch(0, steps)
+
+
+def mixed_batch(context: int) -> ScheduledBatch:
+    """Decode steps and a prompt chunk of CHUNK tokens over a prefix of context - CHUNK."""
+    batch = decode_batch(context)
+    ids = list(range(1, CHUNK + 1))
+    runs = ragged_runs(7, context)
+    chunk = ReqSlice("p", ids, context - CHUNK, runs, True, GREEDY, chunk_index=1)
+    batch.slices.insert(2, chunk)
+    return batch
+
+
+class HostWork(TorchFunctionMode):
+    """The torch calls made inside, and the elements of the host tensors they return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.host_elements = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.host_elements += t.numel()
+        return out
+
+
+class NoDataSizedOutputs(TorchFunctionMode):
+    """Inside, a torch call whose output CUDA sizes from the values of a device tensor (a
+    device sync, not seen by `no_host_sync`) fails."""
+
+    SIZED_BY_DATA = frozenset({"nonzero", "bincount", "unique", "masked_select"})
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        unsized = name == "repeat_interleave" and kwargs.get("output_size") is None
+        assert not unsized and name not in self.SIZED_BY_DATA, f"{name} sizes from device data"
+        return func(*args, **kwargs)
+
+
+def to_meta(host: torch.Tensor) -> torch.Tensor:
+    return host.to(META)
+
+
+def prepared_on_meta(batch: ScheduledBatch) -> tuple[HostWork, ForwardBatch]:
+    with HostWork() as work:
+        fb = ForwardBatch.prepare(batch, POOL, META, TRITON, move=to_meta)
+    return work, fb
+
+
+def table(per_seq: list[list[Run]]) -> tuple[list[int], list[int]]:
+    """(kv_indptr, kv_indices) built one position at a time."""
+    lengths = [sum(n for _, n in runs) for runs in per_seq]
+    slots = [start + i for runs in per_seq for start, n in runs for i in range(n)]
+    return list(accumulate(lengths, initial=0)), slots
+
+
+@pytest.mark.parametrize("make", [decode_batch, mixed_batch])
+def test_the_host_builds_the_same_for_1k_and_32k_context(make: Any) -> None:
+    """The same torch calls, the same host elements (well under one request's context): the
+    page tables cross as runs and are expanded on the device (meta here), at full size."""
+    short, long = (prepared_on_meta(make(context)) for context in (1024, 32 * 1024))
+    (work_1k, _), (work_32k, fb) = short, long
+    assert work_1k.calls == work_32k.calls
+    assert work_1k.host_elements == work_32k.host_elements < 1024
+    decode, extend = fb.attn.decode, fb.attn.extend
+    assert decode is not None and decode.kv_indices is not None
+    assert decode.kv_indices.device == META
+    assert decode.kv_indices.shape == (6 * 32 * 1024,)
+    if make is mixed_batch:
+        assert extend is not None and extend.kv_indices is not None
+        assert extend.kv_indices.device == META and extend.kv_indices.shape == (32 * 1024,)
+
+
+def test_mla_decode_plan_host_work_does_not_grow_with_context() -> None:
+    def plan(context: int) -> tuple[HostWork, AttentionPlan]:
+        batch = decode_batch(context)
+        segments = [(row, 1, s.prefix_len, s.kv_runs) for row, s in enumerate(batch.slices)]
+        with HostWork() as work:
+            attn = AttentionPlan([], latent_decode_plan(segments, CPU))
+            attn = map_tensors(attn, to_meta).expanded()
+        return work, attn
+
+    (work_1k, _), (work_32k, attn) = plan(1024), plan(32 * 1024)
+    assert work_1k.calls == work_32k.calls
+    assert work_1k.host_elements == work_32k.host_elements < 1024
+    assert attn.decode is not None and attn.decode.kv_indices is not None
+    assert attn.decode.kv_indices.shape == (6 * 32 * 1024,)
+
+
+@pytest.mark.parametrize("context", [64, 1024, 32 * 1024])
+def test_a_moved_plan_is_expanded_after_the_copy_without_host_reads(context: int) -> None:
+    """As the runner prepares on a device (pinned copies queued on the copy stream): no
+    tensor is read on the host, no output is sized by device data; what is copied is the
+    same at any context (not the tables, which are made from the copies); the tables equal
+    those built one position at a time."""
+    batch = mixed_batch(context)
+    streams = DeviceStreams(CPU, FakeApi())
+    with streams.upload() as up, no_host_sync(), NoDataSizedOutputs():
+        fb = ForwardBatch.prepare(batch, POOL, CPU, TRITON, move=up.move)
+    decode, extend = fb.attn.decode, fb.attn.extend
+    assert decode is not None and decode.kv_indptr is not None and decode.kv_indices is not None
+    assert extend is not None and extend.kv_indptr is not None and extend.kv_indices is not None
+    tables = [decode.kv_indptr, decode.kv_indices, extend.kv_indptr, extend.kv_indices]
+    assert not any(t is u for t in tables for u in up.tensors)
+    copied = sum(t.numel() for t in up.tensors)
+    assert copied == sum(t.numel() for t in _copied(mixed_batch(1024))) < 1024
+    steps = [s for s in batch.slices if s.is_decode]
+    chunk = next(s for s in batch.slices if not s.is_decode)
+    assert decode.rows.tolist() == [0, 1, 2 + CHUNK, 3 + CHUNK, 4 + CHUNK, 5 + CHUNK]
+    expected = table([s.kv_runs for s in steps])
+    assert (decode.kv_indptr.tolist(), decode.kv_indices.tolist()) == expected
+    expected = table([runs_prefix(chunk.kv_runs, chunk.prefix_len + CHUNK)])
+    assert (extend.kv_indptr.tolist(), extend.kv_indices.tolist()) == expected
+
+
+def _copied(batch: ScheduledBatch) -> list[torch.Tensor]:
+    streams = DeviceStreams(CPU, FakeApi())
+    with streams.upload() as up:
+        ForwardBatch.prepare(batch, POOL, CPU, TRITON, move=up.move)
+    return up.tensors
+
+
+@pytest.mark.parametrize("pad_to", [None, 8])
+@pytest.mark.parametrize("with_kv", [True, False])
+def test_decode_steps_rows_are_the_general_loops(pad_to: int | None, with_kv: bool) -> None:
+    slices = decode_batch(100).slices
+    slices[3].future_slot = 7
+    fast = HostLists.of(ScheduledBatch(0, slices), with_kv, pad_to)
+    loop = HostLists._of_rows(slices, with_kv)
+    loop.pad(pad_to or 0)
+    assert fast == loop
+    if with_kv:
+        assert fast.slots[:6] == [start + n - 1 for start, n in (s.kv_runs[-1] for s in slices)]
