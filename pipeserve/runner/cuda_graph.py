@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pipeserve.config import ModelConfig
+from pipeserve.config import EngineConfig
 from pipeserve.layers.attention import AttentionPlan, NativeKernels
 from pipeserve.layers.attention_parts import DecodePlan
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
@@ -55,27 +55,23 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def graph_blocker(
-    device: torch.device,
-    native: NativeKernels,
-    parallel: dict[str, int],
-    indexer: bool,
-    disaggregated: bool,
-    max_bs: int,
-) -> str | None:
-    """Why decode steps stay eager on this runner (None: they are captured)."""
-    if max_bs < 1:
+def graph_blocker(config: EngineConfig, arch: ArchConfig, device: torch.device) -> str | None:
+    """Why decode steps stay eager on this engine (None: they are captured)."""
+    m, p = config.model, config.parallel
+    if m.disable_cuda_graph or m.cuda_graph_max_bs < 1:
         return "--disable-cuda-graph (or --cuda-graph-max-bs 0)"
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (this is {device.type})"
-    if not native.batched:
+    if m.attention_backend != "triton":
         return "CUDA graphs capture the Triton path only (--attention-backend triton)"
-    if indexer:
+    if arch.indexer is not None:
         return "DeepSeek-V3.2's indexer keeps per-request host segments (not captured yet)"
-    spread = [f"{k} {v}" for k, v in parallel.items() if v > 1]
+    sizes = {"pipeline": p.pp_size, "tensor": p.tp_size, "context": p.cp_size}
+    sizes |= {"expert": p.expert_ranks, "attention-FFN": 2 if p.afd_enabled else 1}
+    spread = [f"{k} {v}" for k, v in sizes.items() if v > 1]
     if spread:
         return f"CUDA graphs run on one device only ({', '.join(spread)})"
-    if disaggregated:
+    if config.disaggregation.disaggregation_mode != "null":
         return "prefill/decode disaggregation's transfer hooks run on the host"
     return None
 
@@ -91,17 +87,16 @@ def graphable(batch: ScheduledBatch, largest: int) -> bool:
 
 
 def graph_reserve_bytes(
-    model: ModelConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype
+    config: EngineConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype
 ) -> int:
     """What the graphs' private memory pool may hold, kept out of the KV budget: the
     activations of the largest bucket (the buckets share the pool), generously, plus a
     fixed 64 MiB; 0 where no graph will be captured."""
-    max_bs = 0 if model.disable_cuda_graph else model.cuda_graph_max_bs
-    if device.type != "cuda" or model.attention_backend != "triton" or max_bs == 0:
+    if graph_blocker(config, arch, device) is not None:
         return 0
     intermediate = max(arch.intermediate_size, arch.moe_intermediate_size)
     per_row = 8 * arch.hidden_size + 3 * intermediate + 4 * arch.num_heads * arch.head_dim
-    return max_bs * per_row * dtype.itemsize + (64 << 20)
+    return config.model.cuda_graph_max_bs * per_row * dtype.itemsize + (64 << 20)
 
 
 class DecodeGraphs:
@@ -123,9 +118,12 @@ class DecodeGraphs:
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.out_slots = torch.full((largest,), PAD_SLOT, dtype=torch.long, device=device)
         rows = torch.arange(largest, device=device)
-        # a row alone reads its one slot: what a padded row reads in every bucket
+        # a row alone reads its one slot: what a padded row reads in every bucket; the table
+        # holds twice the pool's slots (requests sharing a cached prefix list it each), a step
+        # with more stays eager (`holds`)
         self.kv_indptr = torch.arange(largest + 1, dtype=torch.int32, device=device)
-        self.kv_indices = torch.full((pool.num_slots,), PAD_SLOT, dtype=torch.int32, device=device)
+        table = torch.full((2 * pool.num_slots,), PAD_SLOT, dtype=torch.int32, device=device)
+        self.kv_indices = table
         empty = torch.empty(0, dtype=torch.long, device=device)
         self.batches: dict[int, ForwardBatch] = {}
         for b in self.buckets:
@@ -150,6 +148,11 @@ class DecodeGraphs:
         self.replays = 0  # steps run as a graph (the eager runs over the buffers not counted)
         self._pool_handle: Any = None
 
+    def holds(self, batch: ScheduledBatch, bucket: int) -> bool:
+        """Whether the step's page table, padded to `bucket`, fits the persistent one."""
+        keys = sum(s.prefix_len + s.num_tokens for s in batch.slices)
+        return keys + bucket - len(batch.slices) <= self.kv_indices.shape[0]
+
     def capture(self) -> None:
         """A graph per bucket, largest first (they share one memory pool), each after
         WARMUP_RUNS eager runs; the buffers hold padding rows only meanwhile, so the captures
@@ -167,6 +170,7 @@ class DecodeGraphs:
                     self.outputs[b] = self.forward(self.batches[b])
                 self.graphs[b] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.empty_cache()  # the warm-up runs' blocks, cached for the capture stream
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """The last hidden states of a padded decode step (fb.num_tokens is a bucket): its

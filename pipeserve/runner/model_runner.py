@@ -88,7 +88,7 @@ def kv_pool_pages(
     params = param_count(arch) - routed_expert_params(arch) * elsewhere
     weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
     per_token = kv_bytes_per_token(arch, stage_layers_max, p.tp_size, dtype)
-    graphs = graph_reserve_bytes(config.model, arch, device, dtype)
+    graphs = graph_reserve_bytes(config, arch, device, dtype)
     tokens = int((budget - weights - graphs) // per_token)
     if tokens < 4 * page:
         raise ValueError(
@@ -234,18 +234,7 @@ class ModelRunner:
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Decode steps' CUDA graphs, captured now (after the Triton kernels' first runs, before
         any timed probe); None, with the reason logged, where steps stay eager."""
-        m, p, s = self.config.model, self.config.parallel, self.state
-        max_bs = 0 if m.disable_cuda_graph else m.cuda_graph_max_bs
-        spread = {"pipeline": s.pp_size, "tensor": s.tp_size, "context": s.cp_size}
-        spread |= {"expert": p.expert_ranks, "attention-FFN": 2 if p.afd_enabled else 1}
-        blocker = graph_blocker(
-            self.device,
-            self.native,
-            spread,
-            self.arch.indexer is not None,
-            self.config.disaggregation.disaggregation_mode != "null",
-            max_bs,
-        )
+        blocker = graph_blocker(self.config, self.arch, self.device)
         if blocker is not None:
             if self.device.type == "cuda":
                 log.info("decode steps run eagerly: %s", blocker)
@@ -254,7 +243,7 @@ class ModelRunner:
             lambda fb: self.model(fb)[0],
             self.kv_pool,
             self.native,
-            graph_buckets(max_bs),
+            graph_buckets(self.config.model.cuda_graph_max_bs),
             self.device,
         )
         try:
@@ -264,7 +253,7 @@ class ModelRunner:
             log.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
             graphs.release()
             return None
-        log.info("decode steps up to %d requests replay CUDA graphs", max_bs)
+        log.info("decode steps up to %d requests replay CUDA graphs", max(graphs.buckets))
         return graphs
 
     def _tier_store(self, num_pages: int, name: str) -> TierStore:
@@ -347,6 +336,8 @@ class ModelRunner:
         pad_to = None
         if whole and self.graphs is not None and graphable(batch, self.graphs.buckets[-1]):
             pad_to = bucket_for(len(batch.slices), self.graphs.buckets)
+            if pad_to is not None and not self.graphs.holds(batch, pad_to):
+                pad_to = None  # a page table past the persistent one's size: eager
         with self.streams.upload() as up:
             move = up.move if self.streams.api is not None else None
             fb = ForwardBatch.prepare(

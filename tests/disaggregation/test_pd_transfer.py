@@ -93,6 +93,15 @@ def build(case: str, sides: list, room_ttl_s: float = 3600.0):
     return src, dst, whole, dst_pools, senders, control, dst_slots
 
 
+def lone_sender(src: SideLayout, timeout_s: float, sides: list) -> KVSender:
+    """The one rank of a PP1 prefill side, over a whole-model KV, giving up after
+    `timeout_s`."""
+    pool = pools_for(src, whole_kv(False), torch.arange(8, 48))[(0, 0)]
+    sender = KVSender(pool, src, (0, 0), range(6), timeout_s, key=KEY)
+    sides.append(sender)
+    return sender
+
+
 def control_of(receivers: list[KVReceiver], room_ttl_s: float = 3600.0) -> ReceiverControl:
     return ReceiverControl(
         tuple(r.endpoint for r in receivers),
@@ -286,10 +295,7 @@ def test_unreachable_and_silent_destinations_hold_up_no_other(sides: list) -> No
     wait out their timeout (30 s) each on their own: a room to a live receiver queued after
     all of them arrives meanwhile, while none of theirs has been given up yet."""
     src, dst, _whole, _dst_pools, _senders, control, _dst_slots = build("pp1->tp2", sides)
-    whole = whole_kv(False)
-    pool = pools_for(src, whole, torch.arange(8, 48))[(0, 0)]
-    sender = KVSender(pool, src, (0, 0), range(6), 30.0, key=KEY)
-    sides.append(sender)
+    sender = lone_sender(src, 30.0, sides)
     bad = KVDestination(new_room(), ("foo://bar", "foo://bar"), dst)
     list(run_prefill({(0, 0): sender}, src, bad, [(8, 40)], [40]))
     silent = []
@@ -376,9 +382,7 @@ def test_a_connection_lost_mid_transfer_fails_its_rooms_only(sides: list) -> Non
 
     thread = threading.Thread(target=cut_after_one, daemon=True)
     thread.start()
-    pool = pools_for(src, whole_kv(False), torch.arange(8, 48))[(0, 0)]
-    sender = KVSender(pool, src, (0, 0), range(6), 10.0, key=KEY)
-    sides.append(sender)
+    sender = lone_sender(src, 10.0, sides)
     cut = KVDestination(new_room(), (listener.endpoint,) * 2, dst)
     list(run_prefill({(0, 0): sender}, src, cut, [(8, 40)], [40]))
     deadline = time.monotonic() + 10
@@ -395,3 +399,35 @@ def test_a_connection_lost_mid_transfer_fails_its_rooms_only(sides: list) -> Non
     list(run_prefill({(0, 0): sender}, src, live, [(8, 40)], [40]))
     assert [r for r, _ in wait_done(control, room)] == [room]
     assert sender.alive
+
+
+def test_a_destination_that_never_authenticates_is_given_up_in_time(sides: list) -> None:
+    """A receiver under another PD key accepts every connection and fails every handshake:
+    the sender's reconnects are no progress, so its rooms are given up after the transfer
+    timeout (not queued forever, each reconnect's hello counting as bytes sent)."""
+    from pipeserve.disaggregation.pd.link import Server
+
+    src, dst = CASES["pp1->tp2"]
+    server = Server()
+    other = server.listen("tcp://127.0.0.1:*", auth.kv_link_secret("another key"), 1 << 20, 4, 4)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            server.poll(0.02)
+        server.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    sender = lone_sender(src, 1.0, sides)
+    dest = KVDestination(new_room(), (other.endpoint,) * 2, dst)
+    try:
+        list(run_prefill({(0, 0): sender}, src, dest, [(8, 40)], [40]))
+        deadline = time.monotonic() + 10
+        while dest.room not in sender._failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dest.room in sender._failed and sender.given_up == 1
+        assert other.refused["failed or left the handshake"] >= 2  # it did retry meanwhile
+    finally:
+        stop.set()
+        thread.join(5)

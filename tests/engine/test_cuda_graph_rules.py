@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from pipeserve.config import ModelConfig
+from pipeserve.config import EngineConfig
 from pipeserve.layers.attention import NativeKernels
 from pipeserve.layers.attention_backends import AttentionKernels
 from pipeserve.mem_cache.allocator import PageAllocator
@@ -66,19 +66,42 @@ def test_only_plain_decode_steps_are_replayed() -> None:
     assert not graphable(copies, 8)
 
 
-def test_which_runners_capture() -> None:
-    cuda, cpu, one = torch.device("cuda"), torch.device("cpu"), {"pipeline": 1, "tensor": 1}
-    assert graph_blocker(cuda, TRITON, one, False, False, 64) is None
-    reasons = [
-        graph_blocker(cpu, TRITON, one, False, False, 64),
-        graph_blocker(cuda, NativeKernels(), one, False, False, 64),
-        graph_blocker(cuda, TRITON, {"pipeline": 2, "tensor": 1}, False, False, 64),
-        graph_blocker(cuda, TRITON, one, True, False, 64),
-        graph_blocker(cuda, TRITON, one, False, True, 64),
-        graph_blocker(cuda, TRITON, one, False, False, 0),
+def test_which_engines_capture() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    dense = ArchConfig.from_dict(load_config("bench")[0])
+    v32 = ArchConfig.from_dict(load_config("tiny-deepseek-v32")[0])
+    triton = {"attention_backend": "triton"}
+    assert graph_blocker(EngineConfig.from_flags(**triton), dense, cuda) is None
+    assert graph_blocker(EngineConfig.from_flags(**triton), v32, cuda) is not None
+    blocked = [
+        ({}, cuda, "Triton path only"),
+        (triton, cpu, "need a CUDA device"),
+        ({**triton, "pp_size": 2}, cuda, "pipeline 2"),
+        ({**triton, "tp_size": 2}, cuda, "tensor 2"),
+        (
+            {**triton, "disaggregation_mode": "decode", "disaggregation_auth_key": "k"},
+            cuda,
+            "disaggregation",
+        ),
+        ({**triton, "cuda_graph_max_bs": 0}, cuda, "--disable-cuda-graph"),
+        ({**triton, "disable_cuda_graph": True}, cuda, "--disable-cuda-graph"),
     ]
-    assert all(isinstance(r, str) and r for r in reasons)
-    assert "pipeline 2" in reasons[2] and "--disable-cuda-graph" in reasons[5]
+    for flags, device, reason in blocked:
+        got = graph_blocker(EngineConfig.from_flags(**flags), dense, device)
+        assert got is not None and reason in got, (flags, got)
+
+
+def test_a_page_table_past_the_persistent_one_stays_eager() -> None:
+    """Requests sharing a cached prefix list its slots each: past the table's size (twice
+    the pool's slots) a step is not padded into the graph buffers."""
+    from pipeserve.runner.cuda_graph import DecodeGraphs
+
+    pool = KVPool(256, range(1), 1, 8, torch.float32, torch.device("cpu"), 4)
+    graphs = DecodeGraphs(lambda fb: fb.input_ids, pool, TRITON, (1, 2, 4, 8), pool.k[0].device)
+    shared = [(4, 200)]  # 200 slots every request reads
+    fits = ScheduledBatch(0, [decode_slice(f"r{i}", 200, shared) for i in range(2)])
+    past = ScheduledBatch(0, [decode_slice(f"r{i}", 200, shared) for i in range(3)])
+    assert graphs.holds(fits, 2) and not graphs.holds(past, 4)
 
 
 def test_a_padded_row_never_touches_a_page_a_request_owns() -> None:
@@ -123,16 +146,18 @@ def test_a_padded_row_never_touches_a_page_a_request_owns() -> None:
 def test_the_kv_budget_keeps_room_for_the_graphs() -> None:
     arch = ArchConfig.from_dict(load_config("bench")[0])
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    on = ModelConfig(attention_backend="triton", cuda_graph_max_bs=64)
+    triton = {"attention_backend": "triton"}
+    on = EngineConfig.from_flags(**triton, cuda_graph_max_bs=64)
     reserve = graph_reserve_bytes(on, arch, cuda, bf16)
-    bigger = graph_reserve_bytes(ModelConfig(attention_backend="triton"), arch, cuda, bf16)
+    bigger = graph_reserve_bytes(EngineConfig.from_flags(**triton), arch, cuda, bf16)
     assert 64 << 20 < reserve < bigger  # the default 128 takes more than 64
     for off in (
-        ModelConfig(attention_backend="triton", disable_cuda_graph=True),
-        ModelConfig(attention_backend="triton", cuda_graph_max_bs=0),
-        ModelConfig(attention_backend="auto"),
+        {**triton, "disable_cuda_graph": True},
+        {**triton, "cuda_graph_max_bs": 0},
+        {**triton, "tp_size": 2},  # no graph is captured: nothing kept back
+        {},
     ):
-        assert graph_reserve_bytes(off, arch, cuda, bf16) == 0
+        assert graph_reserve_bytes(EngineConfig.from_flags(**off), arch, cuda, bf16) == 0
     assert graph_reserve_bytes(on, arch, torch.device("cpu"), bf16) == 0
 
 

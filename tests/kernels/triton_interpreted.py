@@ -384,8 +384,8 @@ def test_decode_steps_over_the_graph_buffers_serve_the_same_tokens(
 
     real_blocker = model_runner.graph_blocker
 
-    def blocker(device, *args):  # as if the CPU were a CUDA device
-        return real_blocker(torch.device("cuda"), *args)
+    def blocker(config, arch, device):  # as if the CPU were a CUDA device
+        return real_blocker(config, arch, torch.device("cuda"))
 
     monkeypatch.setattr(model_runner, "graph_blocker", blocker)
     monkeypatch.setattr(cuda_graph.DecodeGraphs, "capture", lambda self: None)

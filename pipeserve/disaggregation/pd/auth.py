@@ -61,7 +61,7 @@ def kv_link_secret(key: str) -> bytes:
 
 
 def kv_control_secret(key: str) -> bytes:
-    """The secret of a receiver's control link (its own engine process alone holds it
-    besides the receiver; on one node the link is also a Unix socket only this user
-    reaches)."""
+    """The secret of a receiver's control link, which only its own engine process uses (any
+    PD key holder can derive it: on one node the link is also a Unix socket only this user
+    reaches; across nodes it keeps out whoever lacks the PD key)."""
     return derive(key, KV_CONTROL)

@@ -382,7 +382,7 @@ class Server:
             except LinkClosed as exc:
                 got += [(listener, channel, m) for m in exc.messages]
                 if channel in listener.authenticating:
-                    listener.refused["failed authentication"] += 1
+                    listener.refused["failed or left the handshake"] += 1
                 self.drop(channel)
         self._sweep(time.monotonic())
         return got
@@ -419,8 +419,12 @@ class Server:
             if len(listener.authenticating) >= listener.pending:
                 listener.refused["evicted while authenticating"] += 1
                 self.drop(next(iter(listener.authenticating)))
-            _tune(sock)
-            channel = Channel(sock, listener.secret, False, listener.max_part)
+            try:
+                _tune(sock)
+                channel = Channel(sock, listener.secret, False, listener.max_part)
+            except OSError:  # reset between accept and now
+                sock.close()
+                continue
             listener.authenticating[channel] = None
             self._owner[channel] = listener
             self._selector.register(channel, selectors.EVENT_READ, listener)

@@ -124,8 +124,10 @@ class _Destination:
 
     channel: Channel | None = None
     queue: collections.deque[_Outgoing] = field(default_factory=collections.deque)
-    rooms: set[str] = field(default_factory=set)  # rooms with messages on this connection
-    progress_at: float = 0.0  # bytes last went out, or the queue last went from empty to not
+    # rooms with messages on this connection lately: room -> when its last one was queued
+    rooms: dict[str, float] = field(default_factory=dict)
+    progress_at: float = 0.0  # messages last went out, or the queue last went from empty to not
+    warned: bool = False  # a lost connection is logged once even with no room on it
     used_at: float = 0.0
     retry_at: float = 0.0  # no new connection before this (after a failed one)
     unusable: bool = False  # an endpoint that is not tcp://: its rooms fail at once
@@ -327,12 +329,18 @@ class KVSender:
                 item = d.queue.popleft()
                 if item.room not in self._failed:
                     channel.send(item.frames)
-                    d.rooms.add(item.room)
+                    d.rooms.pop(item.room, None)
+                    d.rooms[item.room] = now  # newest last
                     d.used_at = now
+            while d.rooms and now - next(iter(d.rooms.values())) > 2 * self.timeout_s:
+                del d.rooms[next(iter(d.rooms))]  # long done, or given up by the decode side
             idle = channel.ready and not d.queue and not channel.pending
             if idle and now - channel.sent_at > PING_S:  # keeps the receiver from reaping it
                 channel.send([])
-            if (channel.pending or channel.connecting) and channel.flush():
+            # progress is what an authenticated link takes: a destination that keeps closing
+            # its connections (another PD key, its connection limit) is given up in time
+            sent = channel.flush() if channel.pending or channel.connecting else 0
+            if sent and channel.ready:
                 d.progress_at = now
         stuck = d.queue or (channel is not None and channel.pending)
         if stuck and (d.unusable or now - d.progress_at > self.timeout_s):
@@ -340,15 +348,16 @@ class KVSender:
                 "KV transfer to %s took nothing for %gs; its %d queued room(s) given up",
                 endpoint,
                 0 if d.unusable else self.timeout_s,
-                len({item.room for item in d.queue} | d.rooms),
+                len({item.room for item in d.queue} | set(d.rooms)),
             )
             self._drop_destination(endpoint, d)
 
     def _lost(self, endpoint: str, d: _Destination, reason: str) -> None:
         """The connection failed: rooms with messages on it cannot complete (what was in
         flight is gone) and are given up; the queue goes on a new connection later."""
-        if d.rooms:
+        if d.rooms or not d.warned:
             log.warning("KV sender: connection to %s lost (%s)", endpoint, reason)
+            d.warned = True
         for room in d.rooms:
             self._give_up(room)
         self._disconnect(d)
@@ -376,7 +385,7 @@ class KVSender:
             with contextlib.suppress(KeyError):
                 self._selector.unregister(d.channel)
             d.channel.close()
-        d.channel, d.rooms = None, set()
+        d.channel, d.rooms = None, {}
 
     def close(self) -> None:
         self._out.put(None)
@@ -468,7 +477,13 @@ class KVReceiver:
     def _serve(self) -> None:
         expired_at = time.monotonic()
         while not self._stop.is_set():
-            for listener, channel, message in self._server.poll(0.1):
+            try:
+                got = self._server.poll(0.1)
+            except Exception:  # a bug of ours, or the OS's: the next turn serves on
+                log.exception("KV receiver: serving its connections failed")
+                time.sleep(0.1)
+                continue
+            for listener, channel, message in got:
                 if listener is self._control:
                     self._on_control(channel, message)
                 else:
@@ -614,11 +629,23 @@ class ReceiverControl:
     def __post_init__(self) -> None:
         secret = auth.kv_control_secret(self.key)
         try:
-            self._links = [Channel.connect(e, secret, MAX_CONTROL_BYTES) for e in self.controls]
+            for e in self.controls:
+                self._links.append(Channel.connect(e, secret, MAX_CONTROL_BYTES))
         except (ValueError, LinkClosed) as exc:
             self.shutdown()
             raise TransferError(f"cannot reach a decode rank's KV receiver: {exc}") from exc
         self._dropped = [0] * len(self._links)
+        self._authenticate()
+
+    def _authenticate(self) -> None:
+        """The links' handshakes, now (a receiver closes a connection that has not
+        authenticated within link.HANDSHAKE_S, whatever the engine loop is doing)."""
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
+        while not all(link.ready for link in self._links):
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise TransferError("a decode rank's KV receiver did not authenticate")
+            self._read(timeout_ms=50)
 
     def open(self, room: str, runs: list[Run], num_tokens: int) -> None:
         body = [room, [list(r) for r in runs], num_tokens, self.room_ttl_s]
@@ -630,14 +657,10 @@ class ReceiverControl:
         self._done.pop(room, None)
 
     def _ask(self, kind: bytes, room: str, body: Any, reply: bytes) -> None:
-        deadline = time.monotonic() + CONTROL_TIMEOUT_S
-        while not all(link.ready for link in self._links):  # the first ask: handshakes
-            if time.monotonic() > deadline:
-                raise TransferError("a decode rank's KV receiver did not authenticate")
-            self._read(timeout_ms=50)
         for link in self._links:
             link.send([kind, _pack(body)])
         want = {(i, reply, room) for i in range(len(self._links))}
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
         while not want <= self._acks:
             if time.monotonic() > deadline:
                 raise TransferError(f"a decode rank did not confirm {kind.decode()} of a room")
@@ -647,8 +670,7 @@ class ReceiverControl:
     def poll(self) -> list[tuple[str, RoomStats]]:
         """Rooms whose KV every rank has now received, with their summed costs."""
         now = time.monotonic()
-        ready = all(link.ready for link in self._links)
-        if ready and now - self._stats_at > STATS_EVERY_S:  # answered whenever
+        if now - self._stats_at > STATS_EVERY_S:  # answered whenever: read by later polls
             self._stats_at = now
             for link in self._links:
                 link.send([b"stats", _pack(None)])
