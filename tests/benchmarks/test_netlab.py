@@ -73,7 +73,9 @@ def test_two_nodes_over_the_rate_limited_link(model_dir, netlab_env, tmp_path: P
 @pytest.mark.timeout(300)
 def test_ctrl_c_tears_everything_down(model_dir, netlab_env) -> None:
     proc = subprocess.Popen(
-        [str(SCRIPT), "--", "--pp-size", "2", *bench_args(model_dir("tiny-qwen3"), 4000, 8)],
+        # work enough to outlast the wait for both nodes on a loaded machine (8 prompts of a
+        # tiny model could end first, and the script then exits 0, not 130)
+        [str(SCRIPT), "--", "--pp-size", "2", *bench_args(model_dir("tiny-qwen3"), 4000, 64)],
         env=netlab_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
