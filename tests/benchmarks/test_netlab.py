@@ -78,6 +78,9 @@ def test_ctrl_c_tears_everything_down(model_dir, netlab_env) -> None:
         [str(SCRIPT), "--", "--pp-size", "2", *bench_args(model_dir("tiny-qwen3"), 4000, 64)],
         env=netlab_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
+        # a run started in the background of a shell without job control inherits SIGINT
+        # ignored, and bash cannot trap a signal ignored at its start: Ctrl-C as in a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         pids = wait_for_both_nodes(proc.pid)
