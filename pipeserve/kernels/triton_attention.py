@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeserve.layers.attention_parts import SlotRuns
-
 BLOCK_N = 64  # keys per step of a program
 EXTEND_BLOCK_M = 16  # extend: query rows per program (times the group's heads)
 MAX_SPLITS = 16
@@ -368,10 +366,3 @@ def paged_extend(
             num_stages=2 if q.dtype == torch.float32 else 3,
         )
     return out
-
-
-def slot_table(per_seq: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences' KV runs (first slot, length) as the kernels' page table of one slot per
-    page: (kv_indptr [n + 1], kv_indices [total]) int32, on the host. (The runner copies the
-    runs instead and expands them on the device: `SlotRuns`.)"""
-    return SlotRuns.build(per_seq, torch.device("cpu")).expand()

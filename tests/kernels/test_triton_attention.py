@@ -77,8 +77,8 @@ def check_kernels(
         extend_blocks,
         paged_decode,
         paged_extend,
-        slot_table,
     )
+    from pipeserve.layers.attention_parts import SlotRuns
 
     hk, group, d, page = *shape, 16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -94,7 +94,7 @@ def check_kernels(
         return out
 
     def table(per_seq: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, ...]:
-        return tuple(t.to(dev) for t in slot_table(per_seq))
+        return SlotRuns.build(per_seq, dev).expand()
 
     def slots_of(runs: list[tuple[int, int]]) -> torch.Tensor:
         return torch.cat([torch.arange(s, s + n, device=dev) for s, n in runs])

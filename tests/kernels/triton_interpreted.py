@@ -23,8 +23,8 @@ from pipeserve.kernels.triton_attention import (  # noqa: E402
     extend_blocks,
     paged_decode,
     paged_extend,
-    slot_table,
 )
+from pipeserve.layers.attention_parts import SlotRuns  # noqa: E402
 
 SLOTS = 1024
 
@@ -91,7 +91,7 @@ EXTEND = [
 @pytest.mark.parametrize(("dtype", "page", "hk", "group", "d", "splits", "lengths"), DECODE)
 def test_decode(dtype, page, hk, group, d, splits, lengths) -> None:
     per_request, _ = layout(lengths, page, seed=page + hk)
-    indptr, indices = slot_table(per_request)
+    indptr, indices = SlotRuns.build(per_request, torch.device("cpu")).expand()
     k_cache, v_cache = pool(hk, d, dtype)
     q = torch.randn(len(lengths), hk, group, d).to(dtype)
     scale = d**-0.5
@@ -112,7 +112,7 @@ def test_extend(dtype, page, hk, group, d, chunks) -> None:
     """Chunks of one batch: no prefix, a prefix shorter than a key block, a long prefix,
     one-token chunks, a chunk longer than a block of query rows."""
     per_request, _ = layout([p + n for p, n in chunks], page, seed=7 + page)
-    indptr, indices = slot_table(per_request)
+    indptr, indices = SlotRuns.build(per_request, torch.device("cpu")).expand()
     k_cache, v_cache = pool(hk, d, dtype)
     total = sum(n for _, n in chunks)
     q = torch.randn(total, hk * group, d).to(dtype)
@@ -147,7 +147,7 @@ def test_mla_absorbed_decode(dtype: torch.dtype, splits: int) -> None:
     latent, rope, heads = 32, 16, 5
     lengths = [3, 70, 129]
     per_request, _ = layout(lengths, 16, seed=3)
-    indptr, indices = slot_table(per_request)
+    indptr, indices = SlotRuns.build(per_request, torch.device("cpu")).expand()
     g = torch.Generator().manual_seed(5)
     cache = torch.randn(SLOTS, latent + rope, generator=g).to(dtype)
     q = torch.randn(len(lengths), 1, heads, latent + rope, generator=g).to(dtype)

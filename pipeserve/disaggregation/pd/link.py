@@ -136,6 +136,13 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    @property
+    def interest(self) -> int:
+        """The selector events to wait for: reading always, writing while bytes are queued
+        (or the connect is under way)."""
+        writing = self.pending or self.connecting
+        return selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
+
     def close(self) -> None:
         self.sock.close()
 
@@ -440,9 +447,8 @@ class Server:
     def _interest(self, channel: Channel) -> None:
         if channel not in self._owner:
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if channel.pending else 0)
-        if self._selector.get_key(channel).events != events:
-            self._selector.modify(channel, events, self._owner[channel])
+        if self._selector.get_key(channel).events != channel.interest:
+            self._selector.modify(channel, channel.interest, self._owner[channel])
 
     def _sweep(self, now: float) -> None:
         for listener in {*self._owner.values()}:
@@ -482,10 +488,7 @@ def drive(channels: Iterable[Channel], timeout_s: float) -> list[tuple[Channel, 
     selector = selectors.DefaultSelector()
     try:
         for channel in channels:
-            events = selectors.EVENT_READ
-            if channel.pending or channel.connecting:
-                events |= selectors.EVENT_WRITE
-            selector.register(channel, events)
+            selector.register(channel, channel.interest)
         got = []
         for key, events in selector.select(timeout_s):
             channel = key.fileobj  # type: ignore[assignment]

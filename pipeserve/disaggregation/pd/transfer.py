@@ -235,11 +235,11 @@ class KVSender:
         running = True
         while running:
             if any(d.queue or (d.channel and d.channel.pending) for d in dests.values()):
-                self._wait(dests, 0.002)
+                self._wait(0.002)
                 running = self._take(dests, wait_s=0.0)
             else:
                 running = self._take(dests, wait_s=0.1)
-                self._wait(dests, 0.0)  # a connection the receiver closed is noticed idle
+                self._wait(0.0)  # a connection the receiver closed is noticed idle
             now = time.monotonic()
             for endpoint, d in list(dests.items()):
                 try:
@@ -249,7 +249,7 @@ class KVSender:
                 except Exception:  # whatever went wrong, it stays with this destination
                     log.exception("KV sender: destination %s failed", endpoint)
                     self._drop_destination(endpoint, d)
-                self._watch(d)
+                self._watch(endpoint, d)
                 busy = d.queue or (d.channel and d.channel.pending)
                 if not busy and now - d.used_at > IDLE_SOCKET_S:
                     self._disconnect(dests.pop(endpoint))
@@ -277,18 +277,18 @@ class KVSender:
                 return True
         return False
 
-    def _wait(self, dests: dict[str, _Destination], timeout_s: float) -> None:
+    def _wait(self, timeout_s: float) -> None:
         """Until a connection can take bytes or has something to read (its handshake, or
         its end), for at most `timeout_s`."""
         if not self._selector.get_map():
             if timeout_s:
                 time.sleep(timeout_s)
             return
-        owner = {d.channel: (e, d) for e, d in dests.items() if d.channel is not None}
         for key, events in self._selector.select(timeout_s):
-            endpoint, d = owner[key.fileobj]  # type: ignore[index]
-            channel = d.channel
-            assert channel is not None
+            endpoint, d = key.data
+            channel: Channel | None = d.channel
+            if channel is None or key.fileobj is not channel:  # lost meanwhile
+                continue
             try:
                 if events & selectors.EVENT_READ and channel.readable():
                     raise LinkClosed("the receiver sent a message")
@@ -297,20 +297,16 @@ class KVSender:
             except LinkClosed as exc:
                 self._lost(endpoint, d, str(exc))
 
-    def _watch(self, d: _Destination) -> None:
-        """Select on the destination's connection: to read always, to write while it has
-        bytes queued."""
+    def _watch(self, endpoint: str, d: _Destination) -> None:
+        """Select on the destination's connection for what it needs (`Channel.interest`)."""
         channel = d.channel
         if channel is None:
             return
-        events = selectors.EVENT_READ
-        if channel.pending or channel.connecting:
-            events |= selectors.EVENT_WRITE
         try:
-            if self._selector.get_key(channel).events != events:
-                self._selector.modify(channel, events)
+            if self._selector.get_key(channel).events != channel.interest:
+                self._selector.modify(channel, channel.interest, (endpoint, d))
         except KeyError:
-            self._selector.register(channel, events)
+            self._selector.register(channel, channel.interest, (endpoint, d))
 
     def _flush(self, endpoint: str, d: _Destination, now: float) -> None:
         """Send what the destination takes now; if it has taken nothing for the transfer
