@@ -172,8 +172,13 @@ class SchedulerChannels:
         else:
             self.endpoints = Endpoints.tcp(host, base_port, width, auth_key)
             self._keys = CurveKeys.derive(auth_key) if auth_key else None
-        self._auth = self._start_authenticator()
-        self._init_sockets()
+        self._auth: ThreadAuthenticator | None = None
+        try:
+            self._auth = self._start_authenticator()
+            self._init_sockets()
+        except BaseException:  # a port in use, say: give back what was made
+            self._release()
+            raise
         self._dropped = DropLog("scheduler status channel")
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -241,6 +246,12 @@ class SchedulerChannels:
     def close(self) -> None:
         self._stop.set()
         self._keepalive.join(timeout=2)
+        self._release()
+
+    def _release(self) -> None:
+        """Close every socket at once (linger 0) and remove the private directory. A context
+        left to the garbage collector instead closes its sockets with their own linger, and
+        its term() can then block that later, unrelated moment for good."""
         if self._auth is not None:
             self._auth.stop()
         self.ctx.destroy(linger=0)

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from test_multinode import free_port_range
+from ports import free_port
 
 from pipeserve.distributed import channels
 from pipeserve.distributed.channels import Endpoints, SchedulerChannels
@@ -24,11 +24,12 @@ def worker(endpoints: Endpoints, started: Any) -> None:
 
 
 def test_a_worker_waits_for_a_late_scheduler_and_exits_after_it() -> None:
-    base = free_port_range(3)  # the scheduler's batch, status and control ports (TP 1)
+    base = free_port(3)  # the scheduler's batch, status and control ports (TP 1)
     ctx = mp.get_context("spawn")
     started = ctx.Event()
-    proc = ctx.Process(target=worker, args=(Endpoints.tcp("127.0.0.1", base, 1), started),
-                       daemon=True)
+    proc = ctx.Process(
+        target=worker, args=(Endpoints.tcp("127.0.0.1", base, 1), started), daemon=True
+    )
     proc.start()
     try:
         assert started.wait(30)
@@ -69,3 +70,33 @@ def test_heartbeats_keep_coming_during_a_long_forward() -> None:
     finally:
         worker_end.close()
         scheduler.close()
+
+
+def test_a_scheduler_that_cannot_bind_closes_what_it_opened(monkeypatch) -> None:
+    """A port in use fails the constructor; the sockets it had bound are closed at once, not
+    left to the garbage collector, whose term() of the half-made context blocked a later,
+    unrelated test until its timeout."""
+    import socket
+
+    import zmq
+
+    made: list[zmq.Context] = []
+
+    class Recorded(zmq.Context):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(channels.zmq, "Context", Recorded)
+    base = free_port(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))  # the status port
+        taken.listen()
+        with pytest.raises(zmq.ZMQError):
+            SchedulerChannels("127.0.0.1", 1, base)
+        assert len(made) == 1 and made[0].closed
+        free_again = zmq.Context()
+        try:  # the batch port it had bound is free again
+            free_again.socket(zmq.PUSH).bind(f"tcp://127.0.0.1:{base}")
+        finally:
+            free_again.destroy(linger=0)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from test_multinode import free_port_range
+from ports import free_port
 
 from pipeserve.distributed import wire
 from pipeserve.distributed.channels import CurveKeys, SchedulerChannels, secure_client
@@ -158,7 +158,7 @@ def client(ctx: zmq.Context, kind: int, url: str, key: str | None) -> zmq.Socket
 
 
 def test_with_an_auth_key_only_the_right_key_gets_through() -> None:
-    base = free_port_range(3)
+    base = free_port(3)
     channels = SchedulerChannels("127.0.0.1", 1, base, auth_key="right key")
     ctx = zmq.Context()
     try:

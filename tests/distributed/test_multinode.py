@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from pipeserve.cli import main
 
@@ -20,29 +20,6 @@ pytestmark = pytest.mark.timeout(180)
 
 PIPESERVE = str(Path(sys.executable).with_name("pipeserve"))
 PROMPTS = ["The capital of France is", "Long prompts are split into chunks because"]
-
-
-def free_port_range(count: int) -> int:
-    """A port p with p .. p + count - 1 all free (store port + the scheduler's ZMQ ports)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
 
 
 def generate_args(model: Path) -> list[str]:
@@ -81,7 +58,7 @@ def test_two_node_launch_matches_one_command(model_dir, capsys) -> None:
     assert [c[0] for c in expected] == PROMPTS
     assert all(c[2].endswith("+ 8 generated tokens") for c in expected)
 
-    port = free_port_range(4)  # store, then batch, status and control ports (TP 1)
+    port = free_port(4)  # store, then batch, status and control ports (TP 1)
     multi = [*generate_args(model), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
     (rc1, out1, err1), (rc0, out0, err0) = run_nodes(
         [[PIPESERVE, *multi, "--node-rank", str(rank)] for rank in (1, 0)])
@@ -94,7 +71,7 @@ def test_two_node_launch_matches_one_command(model_dir, capsys) -> None:
 
 def test_bench_on_two_nodes_reports_only_on_node_0(model_dir, tmp_path: Path) -> None:
     model = model_dir("tiny-qwen3")
-    port = free_port_range(4)
+    port = free_port(4)
     bench = [PIPESERVE, "bench", "--model", str(model), "--pp-size", "2", "--input-len", "64",
              "--output-len", "2", "--dtype", "float32", "--threads-per-worker", "1",
              "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]

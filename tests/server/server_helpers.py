@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from ports import free_port
 
 from pipeserve.lifetime import WORKER_NAME
 
@@ -27,26 +27,6 @@ PIPESERVE = Path(sys.executable).parent / "pipeserve"
 READY_TIMEOUT_S = 180.0  # two slow cores, other jobs: start-up of a PP server can be slow
 POOL_TOKENS = 32768  # a small KV pool: the default takes half of the machine's RAM
 Pid = tuple[int, int]  # (pid, start time in clock ticks): a pid that cannot be mistaken
-
-
-def free_port(span: int = 1) -> int:
-    """A port p such that p .. p+span-1 are all free right now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + span < 65536 and all(_port_free(base + i) for i in range(1, span)):
-            return base
-    raise RuntimeError(f"no {span} consecutive free ports found")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 # -- process trees (/proc) ----------------------------------------------------------------
