@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from pipeserve.device import DTYPES, best_dtype, native_prefill_kernel
-from pipeserve.layers.mla import LatentSegment, MLAttention, Mode
+from pipeserve.layers.latent_segment import LatentSegment
+from pipeserve.layers.mla import MLAttention, Mode
 from pipeserve.layers.rotary import RotaryEmbedding
 from pipeserve.models.arch import MLAConfig
 

@@ -24,17 +24,13 @@ the same keys and selects the same tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.linear import ReplicatedLinear
 from pipeserve.layers.rotary import apply_rotary_part
 from pipeserve.models.arch import IndexerConfig
-
-if TYPE_CHECKING:  # mla.py may hold an Indexer; importing it at run time would be circular
-    from pipeserve.layers.mla import LatentSegment
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_dim], as mla.Rope
 

@@ -19,7 +19,7 @@ from pipeserve.layers.attention import (
     plan_attention,
 )
 from pipeserve.layers.attention_parts import DecodePlan
-from pipeserve.layers.mla import LatentSegment
+from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
 

@@ -16,7 +16,7 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
 from pipeserve.layers import indexer as indexer_mod
 from pipeserve.layers.indexer import Indexer, selection_mask, top_positions
-from pipeserve.layers.mla import LatentSegment
+from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary_part
 from pipeserve.models.arch import IndexerConfig, RopeConfig
 

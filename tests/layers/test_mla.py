@@ -18,8 +18,8 @@ from pipeserve.layers import linear
 from pipeserve.layers import mla as mla_mod
 from pipeserve.layers.attention_backends import chunked_attention_with_lse
 from pipeserve.layers.indexer import selection_mask
+from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.mla import (
-    LatentSegment,
     MLAttention,
     Mode,
     absorb_max_queries,
