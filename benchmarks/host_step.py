@@ -57,12 +57,17 @@ class Bench:
     """A scheduler with `requests` requests prefilled to `context` tokens, decoding. The KV
     pool is a token one: prepare reads its kind, never its buffers."""
 
-    def __init__(self, requests: int, context: int, steps: int, page_size: int) -> None:
+    def __init__(
+        self, requests: int, context: int, steps: int, page_size: int, latent: bool = False
+    ) -> None:
         pages = requests * -(-(context + steps + page_size) // page_size) + 64
         self.kv = KVManager(pages, page_size, disable_radix_cache=True)
         config = SchedulerConfig(max_running_requests=requests)
         self.sched = Scheduler(config, self.kv, context + steps + 16, (EOS,))
-        self.pool = KVPool(page_size, range(1), 1, 8, torch.float32, CPU, page_size)
+        if latent:  # MLA: the batch carries each request's latent segment
+            self.pool = KVPool.latent_layout(page_size, range(1), 8, torch.float32, CPU, page_size)
+        else:
+            self.pool = KVPool(page_size, range(1), 1, 8, torch.float32, CPU, page_size)
         self.gen = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0, max_new_tokens=steps + 8, ignore_eos=True)
         for i in range(requests):
@@ -107,23 +112,36 @@ def to_device(host: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def expansions(clock: Clock) -> Iterator[list[float]]:
-    """The time of each `SlotRuns.expand` call inside (none where the code has none)."""
+    """The time of each outermost `SlotRuns.expand` or `SlotRuns.slots` call inside (none
+    where the code has none)."""
     spent: list[float] = []
     try:
         from pipeserve.layers.attention_parts import SlotRuns
     except ImportError:
         yield spent
         return
-    expand = SlotRuns.expand
+    originals = {
+        name: getattr(SlotRuns, name) for name in ("expand", "slots") if hasattr(SlotRuns, name)
+    }
+    depth = [0]
 
-    def timed_expand(self: Any) -> Any:
-        return timed(spent, clock, expand, self)
+    def timing(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_call(self: Any) -> Any:
+            depth[0] += 1
+            try:
+                return timed(spent, clock, fn, self) if depth[0] == 1 else fn(self)
+            finally:
+                depth[0] -= 1
 
-    SlotRuns.expand = timed_expand  # type: ignore[method-assign]
+        return timed_call
+
+    for name, fn in originals.items():
+        setattr(SlotRuns, name, timing(fn))
     try:
         yield spent
     finally:
-        SlotRuns.expand = expand  # type: ignore[method-assign]
+        for name, fn in originals.items():
+            setattr(SlotRuns, name, fn)
 
 
 def timed(into: list[float], clock: Clock, fn: Callable[..., Any], *args: Any) -> Any:
@@ -133,8 +151,10 @@ def timed(into: list[float], clock: Clock, fn: Callable[..., Any], *args: Any) -
     return out
 
 
-def measure(requests: int, context: int, steps: int, page_size: int, clock: Clock) -> dict:
-    bench = Bench(requests, context, steps + 2, page_size)
+def measure(
+    requests: int, context: int, steps: int, page_size: int, clock: Clock, latent: bool = False
+) -> dict:
+    bench = Bench(requests, context, steps + 2, page_size, latent)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     for _ in range(2):  # warm-up
         bench.step({p: [] for p in PHASES}, clock)
@@ -169,6 +189,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per case")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--wall", action="store_true", help="wall time instead of CPU time")
+    ap.add_argument("--latent", action="store_true", help="an MLA (latent) KV pool")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -177,13 +198,17 @@ def main() -> None:
         "cpu": cpu_name(),
         "torch": torch.__version__,
         "clock": "wall" if args.wall else "thread cpu",
+        "pool": "latent" if args.latent else "per-head",
         "cases": [],
     }
-    print(f"{report['cpu']}, torch {torch.__version__}; {report['clock']} ms per decode step")
+    print(
+        f"{report['cpu']}, torch {torch.__version__}; {report['pool']} pool; {report['clock']}"
+        " ms per decode step"
+    )
     print("requests context runs " + " ".join(f"{p:>16s}" for p in PHASES))
     for context in args.context:
         for n in args.requests:
-            case = measure(n, context, args.steps, args.page_size, clock)
+            case = measure(n, context, args.steps, args.page_size, clock, args.latent)
             report["cases"].append(case)
             cols = " ".join(f"{case[f'{p}_ms']:16.3f}" for p in PHASES)
             print(f"{n:8d} {context:7d} {case['runs_per_request']:4.1f} {cols}")

@@ -43,10 +43,14 @@ class SlotRuns:
 
     def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv_indptr, kv_indices) on `packed`'s device."""
-        indptr, shifts, lengths = self.packed.split([self.sequences + 1, self.runs, self.runs])
+        return self.packed[: self.sequences + 1].to(torch.int32), self.slots().to(torch.int32)
+
+    def slots(self) -> torch.Tensor:
+        """Every position's slot, all sequences in order ([total] int64, on `packed`'s
+        device)."""
+        shifts, lengths = self.packed[self.sequences + 1 :].split([self.runs, self.runs])
         slots = torch.repeat_interleave(shifts, lengths, output_size=self.total)
-        slots += torch.arange(self.total, device=slots.device)
-        return indptr.to(torch.int32), slots.to(torch.int32)
+        return slots.add_(torch.arange(self.total, device=slots.device))
 
 
 @dataclass

@@ -4,27 +4,50 @@ batch builder all import it without importing each other."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from pipeserve.layers.attention import split_runs
 
+Run = tuple[int, int]  # (first cache slot, number of slots)
 
-@dataclass(frozen=True)
+
 class LatentSegment:
-    """One request's tokens in a batch and where all its positions live in the latent cache."""
+    """One request's tokens in a batch and where all its positions live in the latent cache:
+    the slot of each position in order, given as a tensor (`slots`), or as its runs of
+    consecutive slots alone, the tensor then made on `device` only if something reads it (a
+    decode step reads its runs in place: no per-step work in the length of its context)."""
 
-    q_start: int  # row of its first token in the batch
-    q_len: int  # its new tokens (a prompt chunk, or 1 for a decode step)
-    slots: torch.Tensor  # [prefix_len + q_len] long: the cache slot of each position, in order
-    # (first slot, length) runs of those slots, in order, where known: one run is read as a
-    # view, several as views of their long runs (`parts`); unknown: gathered by `slots`
-    runs: tuple[tuple[int, int], ...] = ()
+    def __init__(
+        self,
+        q_start: int,
+        q_len: int,
+        slots: torch.Tensor | None = None,
+        runs: tuple[Run, ...] = (),
+        device: torch.device | None = None,
+    ) -> None:
+        """slots: [prefix_len + q_len] long, or None for `runs`' slots. runs: the (first slot,
+        length) runs of those slots in order, where known: one run is read as a view, several
+        as views of their long runs (`parts`); unknown (empty): gathered by `slots`."""
+        if slots is None and not runs:
+            raise ValueError("a latent segment needs its slots or their runs")
+        self.q_start, self.q_len, self.runs = q_start, q_len, runs
+        self._slots, self._device = slots, device
+        self.length = slots.shape[0] if slots is not None else sum(n for _, n in runs)
+
+    def __repr__(self) -> str:
+        return f"LatentSegment(q_start={self.q_start}, q_len={self.q_len}, runs={self.runs})"
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[prefix_len + q_len] long: the cache slot of each position, in order."""
+        if self._slots is None:
+            ranges = [torch.arange(s, s + n, device=self._device) for s, n in self.runs]
+            self._slots = ranges[0] if len(ranges) == 1 else torch.cat(ranges)
+        return self._slots
 
     @property
     def prefix_len(self) -> int:
-        return self.slots.shape[0] - self.q_len
+        return self.length - self.q_len
 
     @property
     def rows(self) -> slice:
@@ -39,7 +62,7 @@ class LatentSegment:
         one run of slots, else a gathered copy."""
         if len(self.runs) == 1:
             start = self.runs[0][0]
-            return cache[start : start + self.slots.shape[0]]
+            return cache[start : start + self.length]
         return cache[self.slots]
 
     def parts(self, cache: torch.Tensor) -> list[torch.Tensor]:
@@ -48,7 +71,7 @@ class LatentSegment:
         a decode step, can attend to part by part)."""
         if len(self.runs) <= 1:
             return [self.read(cache)]
-        views, short = split_runs(list(self.runs), self.slots.shape[0])
+        views, short = split_runs(list(self.runs), self.length)
         parts = [cache[start : start + n] for start, n in views]
         if short:
             rows = [torch.arange(s, s + n, device=cache.device) for s, n in short]

@@ -155,7 +155,7 @@ class MLAttention(nn.Module):
             if self.absorbs(mode, seg, native):
                 out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, chosen)
             else:
-                keep = None if chosen is None else selection_mask(chosen, seg.slots.shape[0])
+                keep = None if chosen is None else selection_mask(chosen, seg.length)
                 kv = seg.read(cache)
                 out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, keep, native)
         return self.o_proj(out.flatten(1))  # [tokens, heads * v_head_dim]
@@ -292,7 +292,7 @@ class MLAttention(nn.Module):
         if positions is None or self.indexer is None:
             return [None] * len(segments)
         topk = self.indexer.config.topk
-        return [positions[seg.rows] if seg.slots.shape[0] > topk else None for seg in segments]
+        return [positions[seg.rows] if seg.length > topk else None for seg in segments]
 
     def expanded(
         self,

@@ -15,15 +15,52 @@ from pipeserve.layers.attention import (
     NativeKernels,
     batched_decode_plan,
     batched_plan,
-    gather_index,
     plan_attention,
 )
-from pipeserve.layers.attention_parts import DecodePlan
+from pipeserve.layers.attention_parts import DecodePlan, SlotRuns
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
 
 Segment = tuple[int, int, int, list[Run]]  # (first row, rows, prefix length, KV runs)
+
+
+@dataclass
+class LatentSlots:
+    """MLA's per-request segments. Built on the host for a device (`table`), their slots are
+    one slot-run table, copied in O(runs + requests) however long the contexts are; every
+    position's slot is made in one expansion on the device after the copy (`expanded`), each
+    segment's slots a slice of it. Built where they run (the CPU), each segment makes its
+    slots from its runs only if read."""
+
+    segments: list[LatentSegment] = field(default_factory=list)  # once expanded, if a table
+    table: SlotRuns | None = None
+    heads: list[tuple[int, int, tuple[Run, ...]]] = field(default_factory=list)  # (row, n, runs)
+
+    @classmethod
+    def build(cls, segments: list[Segment], device: torch.device, table: bool) -> LatentSlots:
+        """The segments of requests whose positions [0, prefix_len + q_len) lie in their
+        runs; `table`: as a slot-run table to move (an empty batch has none)."""
+        used = [runs_prefix(runs, prefix + n) for _, n, prefix, runs in segments]
+        heads = [(row, n, tuple(r)) for (row, n, _, _), r in zip(segments, used, strict=True)]
+        if table and segments:
+            return cls(table=SlotRuns.build(used, device), heads=heads)
+        return cls([LatentSegment(row, n, runs=r, device=device) for row, n, r in heads])
+
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> LatentSlots:
+        if self.table is None:
+            return self
+        return replace(self, table=replace(self.table, packed=move(self.table.packed)))
+
+    def expanded(self) -> LatentSlots:
+        if self.table is None or self.segments:
+            return self
+        slots, first, out = self.table.slots(), 0, []
+        for row, n, runs in self.heads:
+            length = sum(count for _, count in runs)
+            out.append(LatentSegment(row, n, slots[first : first + length], runs=runs))
+            first += length
+        return replace(self, segments=out)
 
 
 @dataclass
@@ -38,7 +75,7 @@ class ForwardBatch:
     logprob_targets: torch.Tensor  # [n] the token whose logprob each of those rows gives
     future_slots: torch.Tensor  # [samples] overlap loop: ring slot of each sampled token
     # latent (MLA) pools: each request's rows and the slots of all its positions
-    latent_segments: list[LatentSegment] = field(default_factory=list)
+    latent: LatentSlots = field(default_factory=LatentSlots)
     native: NativeKernels = TORCH_KERNELS  # which steps may run the compiled CPU kernels
     # context parallelism: this rank's share of the batch (its rows are only some of the
     # batch's; sample and logprob rows index the batch's rows, gathered after the last layer)
@@ -51,6 +88,10 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def latent_segments(self) -> list[LatentSegment]:
+        return self.latent.segments
 
     @classmethod
     def prepare(
@@ -80,14 +121,15 @@ class ForwardBatch:
         cp_plan = None
         if cp is not None:  # this rank's rows; its attention reads the cache through the plan
             cp_plan, ids, positions = CpPlan.build(batch, cp, device)
+        latent = LatentSlots()
         if pool.latents:  # MLA reads the cache through latent segments, not a plan
             attn = AttentionPlan([], latent_decode_plan(segments, host) if native.batched else None)
-            latent = [latent_segment(*seg, host) for seg in segments]
+            latent = LatentSlots.build(segments, host, table=move is not None)
         elif native.batched:
-            attn, latent = batched_plan(segments, host, native), []
+            attn = batched_plan(segments, host, native)
         else:
             prompts = frozenset(i for i, s in enumerate(batch.slices) if not s.is_decode)
-            attn, latent = plan_attention(segments, host, pool.dtype, native, prompts), []
+            attn = plan_attention(segments, host, pool.dtype, native, prompts)
         fb = cls(
             tensor(ids),
             tensor(positions),
@@ -104,7 +146,8 @@ class ForwardBatch:
             graphed=pad_to is not None,
         )
         fb = fb if move is None else fb.moved(move)
-        return replace(fb, attn=fb.attn.expanded())  # batched page tables: on the device
+        # batched page tables and the latent segments' slots: made on the device
+        return replace(fb, attn=fb.attn.expanded(), latent=fb.latent.expanded())
 
     def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> ForwardBatch:
         """This batch with its tensors (not the pool's, not a CP plan's) passed through
@@ -119,7 +162,7 @@ class ForwardBatch:
             logprob_rows=move(self.logprob_rows),
             logprob_targets=move(self.logprob_targets),
             future_slots=move(self.future_slots),
-            latent_segments=map_tensors(self.latent_segments, move),
+            latent=self.latent.moved(move),
         )
 
 
@@ -207,19 +250,6 @@ def map_tensors(obj: T, fn: Callable[[torch.Tensor], torch.Tensor]) -> T:
         changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in fields(obj) if f.init}
         return replace(obj, **changes)
     return obj
-
-
-def latent_segment(
-    q_start: int, q_len: int, prefix_len: int, runs: list[Run], device: torch.device
-) -> LatentSegment:
-    """The segment of a request whose positions [0, prefix_len + q_len) lie in `runs`."""
-    length = prefix_len + q_len
-    used = runs_prefix(runs, length)
-    if len(used) == 1:
-        slots = torch.arange(used[0][0], used[0][0] + length, device=device)
-    else:
-        slots = gather_index([used], device)[0][0]
-    return LatentSegment(q_start, q_len, slots, runs=tuple(used))
 
 
 def latent_decode_plan(segments: list[Segment], device: torch.device) -> DecodePlan | None:

@@ -26,6 +26,7 @@ from pipeserve.streams import DeviceStreams
 CPU, META = torch.device("cpu"), torch.device("meta")
 TRITON = NativeKernels(batched=True, backend=AttentionKernels("cpu"))
 POOL = KVPool(16, range(1), 1, 8, torch.float32, CPU, 16)  # prepare reads its kind only
+LATENT_POOL = KVPool.latent_layout(16, range(1), 8, torch.float32, CPU, 16)  # MLA's
 GREEDY = SamplingParams(temperature=0)
 CHUNK = 40  # a prompt chunk's tokens
 SPACING = 1 << 20  # slots between two requests' KV
@@ -96,10 +97,16 @@ def to_meta(host: torch.Tensor) -> torch.Tensor:
     return host.to(META)
 
 
-def prepared_on_meta(batch: ScheduledBatch) -> tuple[HostWork, ForwardBatch]:
+def prepared_on_meta(batch: ScheduledBatch, pool: KVPool = POOL) -> tuple[HostWork, ForwardBatch]:
     with HostWork() as work:
-        fb = ForwardBatch.prepare(batch, POOL, META, TRITON, move=to_meta)
+        fb = ForwardBatch.prepare(batch, pool, META, TRITON, move=to_meta)
     return work, fb
+
+
+def positions_slots(batch: ScheduledBatch) -> list[list[int]]:
+    """Each slice's slots of all its positions, one position at a time."""
+    per_seq = [runs_prefix(s.kv_runs, s.prefix_len + len(s.input_ids)) for s in batch.slices]
+    return [[start + i for start, n in runs for i in range(n)] for runs in per_seq]
 
 
 def table(per_seq: list[list[Run]]) -> tuple[list[int], list[int]]:
@@ -140,6 +147,53 @@ def test_mla_decode_plan_host_work_does_not_grow_with_context() -> None:
     assert work_1k.host_elements == work_32k.host_elements < 1024
     assert attn.decode is not None and attn.decode.kv_indices is not None
     assert attn.decode.kv_indices.shape == (6 * 32 * 1024,)
+
+
+def test_mla_segments_host_work_does_not_grow_with_context() -> None:
+    """MLA's per-request latent segments on the device path: their slots cross as one
+    slot-run table and are made on the device (meta here) after the copy, at full size."""
+    (work_1k, _), (work_32k, fb) = (
+        prepared_on_meta(mixed_batch(context), LATENT_POOL) for context in (1024, 32 * 1024)
+    )
+    assert work_1k.calls == work_32k.calls
+    assert work_1k.host_elements == work_32k.host_elements < 1024
+    lengths = [len(slots) for slots in positions_slots(mixed_batch(32 * 1024))]
+    assert [seg.slots.shape for seg in fb.latent_segments] == [(n,) for n in lengths]
+    assert all(seg.slots.device == META for seg in fb.latent_segments)
+
+
+@pytest.mark.parametrize("context", [64, 1024])
+def test_mla_segments_slots_are_every_positions_slot(context: int) -> None:
+    """Both builds of the latent segments, the device path's (one table copied without
+    host reads, expanded after the copy) and the CPU's (each segment's slots made from its
+    runs), give each request's slots of all its positions, at its rows."""
+    batch = mixed_batch(context)
+    streams = DeviceStreams(CPU, FakeApi())
+    with streams.upload() as up, no_host_sync(), NoDataSizedOutputs():
+        moved = ForwardBatch.prepare(batch, LATENT_POOL, CPU, TRITON, move=up.move)
+    assert sum(t.numel() for t in up.tensors) < 1024
+    on_cpu = ForwardBatch.prepare(batch, LATENT_POOL, CPU, TRITON)
+    expected = positions_slots(batch)
+    rows = list(accumulate((len(s.input_ids) for s in batch.slices), initial=0))[:-1]
+    for fb in (moved, on_cpu):
+        segments = fb.latent_segments
+        assert [seg.slots.tolist() for seg in segments] == expected
+        assert [(seg.q_start, seg.q_len) for seg in segments] == [
+            (row, len(s.input_ids)) for row, s in zip(rows, batch.slices, strict=True)
+        ]
+        assert [seg.prefix_len for seg in segments] == [s.prefix_len for s in batch.slices]
+
+
+def test_mla_decode_steps_on_the_cpu_make_no_slot_tensors() -> None:
+    """On the CPU a decode step reads its runs in place: preparing the step makes nothing
+    in the length of its context."""
+    works = []
+    for context in (1024, 32 * 1024):
+        with HostWork() as work:
+            ForwardBatch.prepare(decode_batch(context), LATENT_POOL, CPU)
+        works.append(work)
+    assert works[0].calls == works[1].calls
+    assert works[0].host_elements == works[1].host_elements < 1024
 
 
 @pytest.mark.parametrize("context", [64, 1024, 32 * 1024])
