@@ -15,7 +15,8 @@ import re
 import sys
 from typing import Any, NamedTuple
 
-from pipeserve.config import AREA_TYPES
+from pipeserve.config import AREA_TYPES, SettingsError
+from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.models.default_model import BENCH_PRESET
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -734,7 +735,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[pipeserve] %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per HTTP request
-    args.func(args)
+    try:
+        args.func(args)
+    except SettingsError as exc:  # says what to change: one line, as argparse's errors
+        print(f"pipeserve: error: {exc}", file=sys.stderr)
+        sys.exit(REFUSED_EXIT)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,12 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 ATTENTION_BACKENDS = ("auto", "native", "torch", "flashinfer", "triton")
 
 
+class SettingsError(ValueError):
+    """The settings do not fit this model or machine, found by a check before anything is
+    served: its message says what to change. Commands print it in one line, without a
+    traceback, and exit with 2."""
+
+
 def _flag(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
@@ -603,7 +609,7 @@ def validate(config: EngineConfig) -> None:
     ]
     for ok, message in checks:
         if not ok:
-            raise ValueError(message)
+            raise SettingsError(message)
 
 
 def _hicache_checks(c: CacheConfig, p: ParallelConfig) -> list[tuple[bool, str]]:

@@ -28,6 +28,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 POLL_S = 0.2
 WORKER_NAME = "pipeserve-w"  # + the rank: a worker's name in ps, top and /proc/PID/comm
+REFUSED_EXIT = 2  # a worker whose start-up checks refused its settings (it sent why first)
 
 
 def name_process(name: str) -> None:

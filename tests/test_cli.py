@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from ports import free_port
 from safetensors.torch import load_file
 
 from pipeserve.cli import CHAT_PROMPTS, RAW_PROMPTS, main
@@ -124,6 +125,43 @@ def test_entry_point_subprocess(cli_model: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert ">>> Hello\n" in done.stdout and "generated tokens" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "message"),
+    [
+        ("generate", ["--tp-size", "3"], "attention heads (4) is not divisible by --tp-size 3"),
+        ("generate", ["--page-size", "3"], "--page-size 3 must be a power of two"),
+        ("serve", ["--tp-size", "3"], "is not divisible by --tp-size 3"),
+    ],
+)
+def test_settings_that_do_not_fit_end_in_one_line(
+    cli_model: Path, command: str, flags: list[str], message: str
+) -> None:
+    """Settings refused at start-up (here by the workers of a TP layout that does not divide
+    the model's heads, or by the flag checks) end the command with exit code 2 and the
+    check's message on one line: no traceback from the workers, the engine process or the
+    server."""
+    exe = Path(sys.executable).parent / "pipeserve"
+    if not exe.is_file():
+        pytest.skip(f"no installed entry point at {exe}")
+    done = subprocess.run(
+        [str(exe), command, "--model", str(cli_model), "--prompt", "Hello", *flags]
+        if command == "generate"
+        else [str(exe), command, "--model", str(cli_model), "--port", str(free_port()), *flags],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("pipeserve: error:")]
+    assert len(errors) == 1 and message in errors[0], done.stderr
+
+
+def test_the_engine_raises_a_settings_error(cli_model: Path) -> None:
+    from pipeserve.config import SettingsError
+
+    with pytest.raises(SettingsError, match="not divisible by --tp-size 3"):
+        Engine(str(cli_model), tp_size=3, dtype="float32")
 
 
 def bench_layouts(monkeypatch, argv: list[str]) -> list[tuple[str, dict[str, Any], int]]:

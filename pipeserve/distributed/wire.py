@@ -566,6 +566,7 @@ STATUS_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "result": (encode_result, decode_result),
     "heartbeat": (_encode_nothing, _decode_nothing),
     "error": (_encode_text, _str),
+    "refused": (_encode_text, _str),  # a start-up check refused the settings (its message)
     "timeline": (
         lambda events: [encode_event(e) for e in events],
         lambda v: _list(decode_event, v),

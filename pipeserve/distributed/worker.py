@@ -44,7 +44,7 @@ from pipeserve.distributed.parallel_state import (
 )
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
-from pipeserve.lifetime import WORKER_NAME, exit_with_parent, name_process
+from pipeserve.lifetime import REFUSED_EXIT, WORKER_NAME, exit_with_parent, name_process
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.layer_costs import measure_layer_costs
@@ -76,7 +76,7 @@ def worker_main(args: WorkerArgs) -> None:
     if args.env:  # a fork server's environment is the one it started with, not the launcher's
         os.environ.clear()
         os.environ.update(args.env)
-    channels = None
+    channels, started = None, False
     try:
         set_threads(args.threads)
         config = EngineConfig.from_flags(**args.flags)
@@ -112,7 +112,16 @@ def worker_main(args: WorkerArgs) -> None:
                 "kv_control": getattr(getattr(runner, "kv_receiver", None), "control_endpoint", ""),
             },
         )
+        started = True
         StageWorker(runner, state, channels, args).run()
+    except ValueError as exc:
+        if channels is None or started:
+            raise
+        # a start-up check refused the settings: the scheduler prints the message; the
+        # traceback only at debug level
+        log.debug("rank %d refused its settings:\n%s", args.rank, traceback.format_exc())
+        channels.send_status("refused", str(exc))
+        raise SystemExit(REFUSED_EXIT) from None
     except BaseException:
         if channels is not None:
             channels.send_status("error", traceback.format_exc())

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from typing import Any
 
-from pipeserve.config import EngineConfig
+from pipeserve.config import EngineConfig, SettingsError
 from pipeserve.distributed.channels import SchedulerChannels
 from pipeserve.distributed.launcher import (
     endpoints_for,
@@ -15,11 +15,13 @@ from pipeserve.distributed.launcher import (
     rendezvous,
     start_workers,
 )
+from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.scheduler.batch import BatchResult, Run, ScheduledBatch
 from pipeserve.scheduler.data_parallel import BatchGroup
 from pipeserve.timeline import Event
 
 POLL_MS = 100
+REFUSAL_WAIT_MS = 1000  # for the message of a worker that exited refusing its settings
 START_TIMEOUT_S = 600.0
 PROFILE_TIMEOUT_S = 900.0  # every stage times chunks at long prefixes, one after the other
 TIMELINE_TIMEOUT_S = 120.0  # the request waits behind the micro-batches in flight
@@ -167,6 +169,8 @@ class WorkerSet:
         while msg is not None:
             kind, rank, payload = msg
             self.last_seen[rank] = time.monotonic()
+            if kind == "refused":
+                raise SettingsError(payload)
             if kind == "error":
                 last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
                 raise WorkerError(f"worker rank {rank} failed: {last}", details=payload)
@@ -176,6 +180,8 @@ class WorkerSet:
 
     def _check_alive(self, now: float) -> None:
         for rank, proc in self.local.items():
+            if proc.exitcode == REFUSED_EXIT:
+                self._drain(REFUSAL_WAIT_MS)  # its refusal may still be on the way: raised
             if proc.exitcode is not None:
                 raise WorkerError(f"worker rank {rank} exited with code {proc.exitcode}")
         for rank, seen in self.last_seen.items():

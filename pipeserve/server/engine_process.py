@@ -27,12 +27,13 @@ from typing import Any
 
 import zmq
 
+from pipeserve.config import SettingsError
 from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, plan
 from pipeserve.disaggregation.pd.transfer import ReceiverControl
 from pipeserve.distributed import wire
-from pipeserve.lifetime import exit_with_parent
+from pipeserve.lifetime import REFUSED_EXIT, exit_with_parent
 from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, Req, SamplingParams
 from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.server.streams import OutputStream, StreamDelta
@@ -65,6 +66,8 @@ def engine_main(args: EngineProcessArgs) -> None:
     except BaseException as exc:  # start-up failure: tell the server, then exit
         outbox.send(wire.encode_from_engine(("fatal", f"engine failed to start: {exc}")))
         time.sleep(0.2)
+        if isinstance(exc, SettingsError):  # the server prints its message: no traceback
+            raise SystemExit(REFUSED_EXIT) from None
         raise
     EngineLoop(engine, inbox, outbox, args.flags.get("watchdog_timeout") or 300.0).run()
 

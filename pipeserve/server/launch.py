@@ -11,6 +11,7 @@ import uvicorn
 
 from pipeserve.config import EngineConfig
 from pipeserve.device import with_compute_dtype
+from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.models.resolve import resolve_model_path
 from pipeserve.server.app import create_app
 from pipeserve.server.state import ServerState
@@ -38,6 +39,25 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+class _EngineStartReport:
+    """The app as uvicorn runs it: when the engine fails to start, the server says so in one
+    line (`serve`) instead of uvicorn logging the whole traceback Starlette hands it."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def relay(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed" and self.state.client.failure:
+                message = {**message, "message": ""}
+            await send(message)
+
+        return await self.app(scope, receive, relay)
+
+
 def serve(flags: dict[str, Any]) -> int:
     config = with_compute_dtype(EngineConfig.from_flags(**flags))
     model_path = resolve_model_path(config.model.model_path, config.model.dtype)
@@ -47,7 +67,7 @@ def serve(flags: dict[str, Any]) -> int:
     c = config.server
     server = _Server(
         uvicorn.Config(
-            app,
+            _EngineStartReport(app, state),
             host=c.host,
             port=c.port,
             log_level="warning",
@@ -56,7 +76,15 @@ def serve(flags: dict[str, Any]) -> int:
         state,
     )
     state.on_failure = lambda: setattr(server, "should_exit", True)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's exit when the app did not start
+        failure = state.client.failure
+        if failure is None or server.started:
+            raise
+        print(f"pipeserve: error: {failure.splitlines()[0]}", file=sys.stderr)
+        state.client.proc.join(timeout=5)
+        return REFUSED_EXIT if state.client.proc.exitcode == REFUSED_EXIT else 1
     if state.client.failure is not None:
         print(f"pipeserve stopped: {state.client.failure.splitlines()[0]}", file=sys.stderr)
         return 1

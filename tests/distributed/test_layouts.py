@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from pipeserve.config import EngineConfig
+from pipeserve.config import EngineConfig, SettingsError
 from pipeserve.engine.backend import WorkerBackend
 from pipeserve.engine.engine import Engine
-from pipeserve.engine.workers import WorkerError
 from pipeserve.kernels import native
 from pipeserve.models.arch import ArchConfig, param_count
 from pipeserve.runner.layer_costs import measure_layer_costs
@@ -204,17 +203,17 @@ def test_layer_costs_measure_a_chunk_that_fits_the_budget(pilot_s, chunk, expect
 )
 def test_invalid_partition_fails_cleanly(models, monkeypatch, spec: str, via_env: bool,
                                          message: str) -> None:
-    """Raised in worker rank 0 while loading: the engine constructor raises WorkerError with
-    the ValueError's text, and no worker process is left behind."""
+    """Refused in the workers while loading: the engine constructor raises SettingsError
+    with the check's text, and no worker process is left behind."""
     before = set(mp.active_children())
     flags: dict[str, Any] = {**FLAGS, "pp_size": 2}
     if via_env:
         monkeypatch.setenv("PIPESERVE_PP_LAYER_PARTITION", spec)
     else:
         flags["pp_layer_partition"] = spec
-    with pytest.raises(WorkerError) as info:
+    with pytest.raises(SettingsError) as info:
         Engine(str(models["dense"]), **flags)
-    assert "ValueError" in str(info.value) and message in str(info.value)
+    assert str(info.value) == message
     left = set(mp.active_children()) - before
     assert not left, f"worker processes left behind: {left}"
 

@@ -72,6 +72,7 @@ STATUS_MESSAGES: list[tuple[str, int, Any]] = [
     ("result", 1, RESULT),
     ("heartbeat", 2, None),
     ("error", 0, "Traceback (most recent call last):\n  ...\nValueError: boom"),
+    ("refused", 1, "number of attention heads (4) is not divisible by --tp-size 3"),
     ("timeline", 1, [EVENT, Event("forward", 0, 0, 1.0, 2.0)]),
     ("profile", 0, (1, [0.004, 0.0091])),
 ]
