@@ -15,6 +15,7 @@ import re
 import sys
 from typing import Any, NamedTuple
 
+from pipeserve import envs
 from pipeserve.config import AREA_TYPES, SettingsError
 from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.models.default_model import BENCH_PRESET
@@ -738,6 +739,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.func(args)
     except SettingsError as exc:  # says what to change: one line, as argparse's errors
+        if envs.show_tracebacks():
+            raise
         print(f"pipeserve: error: {exc}", file=sys.stderr)
         sys.exit(REFUSED_EXIT)
 

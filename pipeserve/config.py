@@ -22,7 +22,14 @@ ATTENTION_BACKENDS = ("auto", "native", "torch", "flashinfer", "triton")
 class SettingsError(ValueError):
     """The settings do not fit this model or machine, found by a check before anything is
     served: its message says what to change. Commands print it in one line, without a
-    traceback, and exit with 2."""
+    traceback (PIPESERVE_TRACEBACK=1 prints it), and exit with 2."""
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether a failure while starting is a check refusing the settings: a SettingsError,
+    or a plain ValueError (how the model, layer and layout checks say what to change), not a
+    subclass such as a decoding error, which is a fault and keeps its traceback."""
+    return isinstance(exc, SettingsError) or type(exc) is ValueError
 
 
 def _flag(default: Any, help: str, **extra: Any) -> Any:

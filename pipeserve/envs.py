@@ -96,6 +96,12 @@ def pd_auth_key() -> str | None:
     return os.environ.get("PIPESERVE_PD_AUTH_KEY") or None
 
 
+def show_tracebacks() -> bool:
+    """PIPESERVE_TRACEBACK=1: settings refused at start-up print the check's traceback (from
+    the command, the engine process and the workers) besides its one-line message."""
+    return _bool("PIPESERVE_TRACEBACK")
+
+
 def torch_profiler_dir() -> Path | None:
     """PIPESERVE_TORCH_PROFILER_DIR: every model runner profiles its forwards per operation
     and writes a table and a trace here when it closes (see pipeserve/op_profile)."""

@@ -174,7 +174,7 @@ class SchedulerChannels:
             self._keys = CurveKeys.derive(auth_key) if auth_key else None
         self._auth: ThreadAuthenticator | None = None
         try:
-            self._auth = self._start_authenticator()
+            self._start_authenticator()
             self._init_sockets()
         except BaseException:  # a port in use, say: give back what was made
             self._release()
@@ -185,13 +185,13 @@ class SchedulerChannels:
         self._keepalive = threading.Thread(target=self._keepalive_loop, daemon=True)
         self._keepalive.start()
 
-    def _start_authenticator(self) -> ThreadAuthenticator | None:
+    def _start_authenticator(self) -> None:
+        """Kept in self._auth before it starts, so a failure after its start stops it."""
         if self._keys is None:
-            return None
-        auth = ThreadAuthenticator(self.ctx)
-        auth.start()
-        auth.configure_curve_callback("*", ClientKey(self._keys.client_public))
-        return auth
+            return
+        self._auth = ThreadAuthenticator(self.ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", ClientKey(self._keys.client_public))
 
     def _init_sockets(self) -> None:
         self._batch = [self._bind(zmq.PUSH, url) for url in self.endpoints.batch]
@@ -290,12 +290,14 @@ class WorkerChannels:
         for t in self._threads:
             t.start()
 
-    def close(self) -> None:
-        """Stop the heartbeat and the watchdog (a worker process just exits instead)."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Stop the heartbeat and the watchdog. `linger_ms`: how long what was sent may still
+        take to leave (a worker that exits right after its last message: a forked process
+        ends with os._exit, which would drop it)."""
         self._closed.set()
         for t in self._threads:
             t.join(timeout=5)
-        self.ctx.destroy(linger=0)
+        self.ctx.destroy(linger=linger_ms)
 
     def _connect(self, kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)

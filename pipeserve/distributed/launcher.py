@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import sys
 from dataclasses import dataclass, field
 
 from pipeserve import envs
@@ -20,6 +21,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.device import cpu_cores
 from pipeserve.distributed.channels import Endpoints
 from pipeserve.distributed.netif import set_gloo_socket_ifname
+from pipeserve.lifetime import REFUSED_EXIT
 
 log = logging.getLogger(__name__)
 STORE_FILE = "store"
@@ -140,4 +142,10 @@ def run_worker_node(config: EngineConfig, model_path: str) -> int:
     )
     for proc in procs:
         proc.join()
+    if any(p.exitcode == REFUSED_EXIT for p in procs):  # the check's message went to node 0
+        print(
+            f"node {config.parallel.node_rank}: the settings were refused; node 0 says why",
+            file=sys.stderr,
+            flush=True,
+        )
     return max((abs(p.exitcode or 0) for p in procs), default=0)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeserve.config import EngineConfig
+from pipeserve import envs
+from pipeserve.config import EngineConfig, is_refusal
 from pipeserve.device import (
     ComputeStream,
     bind_device,
@@ -53,6 +54,7 @@ from pipeserve.scheduler.batch import BatchResult
 from pipeserve.timeline import now
 
 INIT_TIMEOUT_S = 600
+LAST_WORDS_MS = 2000  # what a failing worker sent last may take this long to leave
 log = logging.getLogger(__name__)
 
 
@@ -114,21 +116,33 @@ def worker_main(args: WorkerArgs) -> None:
         )
         started = True
         StageWorker(runner, state, channels, args).run()
-    except ValueError as exc:
-        if channels is None or started:
+    except BaseException as exc:
+        if channels is None:
             raise
-        # a start-up check refused the settings: the scheduler prints the message; the
-        # traceback only at debug level
-        log.debug("rank %d refused its settings:\n%s", args.rank, traceback.format_exc())
-        channels.send_status("refused", str(exc))
-        raise SystemExit(REFUSED_EXIT) from None
-    except BaseException:
-        if channels is not None:
-            channels.send_status("error", traceback.format_exc())
+        if report_failure(channels, exc, started, args.rank):
+            raise SystemExit(REFUSED_EXIT) from None
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def report_failure(channels: Any, exc: BaseException, started: bool, rank: int) -> bool:
+    """Tell the scheduler why this worker stops, and close the channels once that has left
+    (or LAST_WORDS_MS passed). True when it is a start-up check refusing the settings
+    (`is_refusal`): sent as its message alone, the traceback logged at debug level only (the
+    scheduler prints the message; PIPESERVE_TRACEBACK=1 logs it as an error); any other
+    failure, or one after start-up, is sent with its traceback."""
+    text = "".join(traceback.format_exception(exc))
+    refused = not started and is_refusal(exc)
+    if refused:
+        level = logging.ERROR if envs.show_tracebacks() else logging.DEBUG
+        log.log(level, "rank %d refused its settings:\n%s", rank, text)
+        channels.send_status("refused", str(exc))
+    else:
+        channels.send_status("error", text)
+    channels.close(linger_ms=LAST_WORDS_MS)
+    return refused
 
 
 def _init_groups(args: WorkerArgs, config: EngineConfig, device: torch.device) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pipeserve import kernels
-from pipeserve.config import EngineConfig, SettingsError
+from pipeserve.config import EngineConfig, SettingsError, is_refusal
 from pipeserve.device import (
     release_cached_memory,
     resolve_device,
@@ -58,13 +58,13 @@ class _Pending:
 
 class Engine:
     def __init__(self, model_path: str | None = None, **flags: Any) -> None:
-        """Raises SettingsError when a start-up check refuses the settings (any ValueError
-        of the start: the flags, the model, the layout) and its message says what to change."""
+        """Raises SettingsError when a start-up check refuses the settings (the flags, the
+        model, the layout: `is_refusal`), its message saying what to change."""
         try:
             self._start(model_path, flags)
-        except SettingsError:
-            raise
         except ValueError as exc:
+            if isinstance(exc, SettingsError) or not is_refusal(exc):
+                raise
             raise SettingsError(str(exc)) from exc
 
     def _start(self, model_path: str | None, flags: dict[str, Any]) -> None:

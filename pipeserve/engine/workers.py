@@ -164,24 +164,39 @@ class WorkerSet:
         self._check_alive(time.monotonic())
         return self._pending.popleft() if self._pending else None
 
+    @property
+    def starting(self) -> bool:
+        return len(self.info) < self.world_size
+
     def _drain(self, timeout_ms: int) -> None:
         msg = self.channels.poll(timeout_ms)
         while msg is not None:
             kind, rank, payload = msg
             self.last_seen[rank] = time.monotonic()
-            if kind == "refused":
+            if kind == "refused" and self.starting:
                 raise SettingsError(payload)
-            if kind == "error":
+            if kind in ("error", "refused"):
+                if self.starting:  # another rank's refusal may be what failed this one
+                    self._await_refusal()
                 last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
                 raise WorkerError(f"worker rank {rank} failed: {last}", details=payload)
             if kind != "heartbeat":
                 self._pending.append(msg)
             msg = self.channels.poll(0)
 
+    def _await_refusal(self) -> None:
+        """While starting: raise SettingsError if a rank's refusal arrives within
+        REFUSAL_WAIT_MS (other messages are dropped: the start has failed either way)."""
+        deadline = time.monotonic() + REFUSAL_WAIT_MS / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self.channels.poll(int(left * 1000) + 1)
+            if msg is not None and msg[0] == "refused":
+                raise SettingsError(msg[2])
+
     def _check_alive(self, now: float) -> None:
         for rank, proc in self.local.items():
-            if proc.exitcode == REFUSED_EXIT:
-                self._drain(REFUSAL_WAIT_MS)  # its refusal may still be on the way: raised
+            if proc.exitcode == REFUSED_EXIT and self.starting:
+                self._await_refusal()  # its message may still be on the way
             if proc.exitcode is not None:
                 raise WorkerError(f"worker rank {rank} exited with code {proc.exitcode}")
         for rank, seen in self.last_seen.items():

@@ -84,13 +84,15 @@ class Indexer(nn.Module):
         rope: Rope,
         cache: torch.Tensor,
         segments: list[LatentSegment],
+        new_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [tokens, hidden]; q_latent [tokens, q_lora_rank], MLA's q_a_layernorm output; cache
-        [slots, index_head_dim] of this layer, written at each segment's new slots
-        -> [tokens, index_topk] long: selected positions of each token's request, -1 for none."""
+        [slots, index_head_dim] of this layer, written at each segment's new slots (at
+        `new_slots`, every token's, in one op where given) -> [tokens, index_topk] long:
+        selected positions of each token's request, -1 for none."""
         topk = self.config.topk
         out = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
-        all_scores = self.scores(x, q_latent, rope, cache, segments)
+        all_scores = self.scores(x, q_latent, rope, cache, segments, new_slots)
         for seg, scores in zip(segments, all_scores, strict=True):
             out[seg.rows] = top_positions(scores, topk)
         return out
@@ -102,16 +104,20 @@ class Indexer(nn.Module):
         rope: Rope,
         cache: torch.Tensor,
         segments: list[LatentSegment],
+        new_slots: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """As `forward`, but the index scores: per segment [q_len, prefix_len + q_len] float32,
         -inf at positions after the query's. Writes the segments' keys to the cache."""
         q, w = self.queries(q_latent, rope), self.head_weights(x)
         new = self.keys(x, rope)
-        for seg in segments:
-            cache[seg.new_slots] = new[seg.rows]
+        if new_slots is not None:
+            cache[new_slots] = new
+        else:
+            for seg in segments:
+                cache[seg.new_slots] = new[seg.rows]
         return [
             causal_index_scores(
-                q[seg.rows], w[seg.rows], cache[seg.slots], seg.prefix_len, self.scale
+                q[seg.rows], w[seg.rows], seg.read(cache), seg.prefix_len, self.scale
             )
             for seg in segments
         ]

@@ -41,9 +41,25 @@ class LatentSegment:
     def slots(self) -> torch.Tensor:
         """[prefix_len + q_len] long: the cache slot of each position, in order."""
         if self._slots is None:
-            ranges = [torch.arange(s, s + n, device=self._device) for s, n in self.runs]
-            self._slots = ranges[0] if len(ranges) == 1 else torch.cat(ranges)
+            self._slots = self._span(0, self.length)
         return self._slots
+
+    def slots_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The cache slots of `positions` (any shape, values in [0, prefix_len + q_len)):
+        with one run of slots, without making the slot of every position."""
+        if self._slots is None and len(self.runs) == 1:
+            return positions + self.runs[0][0]
+        return self.slots[positions]
+
+    def _span(self, first: int, end: int) -> torch.Tensor:
+        """The slots of positions [first, end), from the runs."""
+        ranges, start = [], 0  # start: the position of the run's first slot
+        for slot, n in self.runs:
+            lo, hi = max(first, start) - start, min(end, start + n) - start
+            if lo < hi:
+                ranges.append(torch.arange(slot + lo, slot + hi, device=self._device))
+            start += n
+        return ranges[0] if len(ranges) == 1 else torch.cat(ranges)
 
     @property
     def prefix_len(self) -> int:
@@ -55,7 +71,10 @@ class LatentSegment:
 
     @property
     def new_slots(self) -> torch.Tensor:
-        return self.slots[self.prefix_len :]
+        """[q_len]: the slots its new tokens are written to."""
+        if self._slots is None:
+            return self._span(self.prefix_len, self.length)
+        return self._slots[self.prefix_len :]
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
         """The rows of all its positions, [prefix_len + q_len, width]: a view when they are

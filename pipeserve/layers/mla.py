@@ -143,7 +143,7 @@ class MLAttention(nn.Module):
         else:
             for seg in segments:
                 cache[seg.new_slots] = new[seg.rows]
-        positions = self.index_positions(x, q_latent, rope, index_cache, segments)
+        positions = self.index_positions(x, q_latent, rope, index_cache, segments, new_slots)
         selected = self.selections(positions, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
         if batched is not None:
@@ -209,9 +209,7 @@ class MLAttention(nn.Module):
             latents = rows_all[:, :width]
             expanded: ExpandedKeys | None = None  # up-projected once per request
             for first, end, rows in seg.query_blocks():
-                seg_view = LatentSegment(
-                    0, end - first, torch.arange(end, device=x.device), ((0, end),)
-                )
+                seg_view = LatentSegment(0, end - first, runs=((0, end),), device=x.device)
                 chosen = None
                 if self.indexer is not None and end > self.indexer.config.topk:
                     assert index_q is not None and index_w is not None
@@ -275,14 +273,16 @@ class MLAttention(nn.Module):
         rope: Rope,
         index_cache: torch.Tensor | None,
         segments: list[LatentSegment],
+        new_slots: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """With an indexer, the positions [tokens, topk] each query may read (its choice, -1
-        for none; writes the segments' index keys); None without one."""
+        for none; writes the segments' index keys, at `new_slots` where given); None without
+        one."""
         if self.indexer is None:
             return None
         if index_cache is None or q_latent is None:
             raise ValueError("an MLA layer with an indexer needs its index key cache")
-        return self.indexer(x, q_latent, rope, index_cache, segments)
+        return self.indexer(x, q_latent, rope, index_cache, segments, new_slots)
 
     def selections(
         self, positions: torch.Tensor | None, segments: list[LatentSegment]
@@ -335,7 +335,7 @@ class MLAttention(nn.Module):
         # part is kept (no copy of the cache to cut the rope part off first)
         if chosen is not None:
             o = sparse_latent_attention(
-                q_cat, cache[seg.slots[chosen.clamp_min(0)]], chosen >= 0, self.scale
+                q_cat, cache[seg.slots_at(chosen.clamp_min(0))], chosen >= 0, self.scale
             )
         elif seg.q_len == 1:
             o = _over_parts(q_cat, seg.parts(cache), self.scale)

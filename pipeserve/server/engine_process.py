@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from pipeserve import envs
 from pipeserve.config import SettingsError
 from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
@@ -66,7 +67,7 @@ def engine_main(args: EngineProcessArgs) -> None:
     except BaseException as exc:  # start-up failure: tell the server, then exit
         outbox.send(wire.encode_from_engine(("fatal", f"engine failed to start: {exc}")))
         time.sleep(0.2)
-        if isinstance(exc, SettingsError):  # the server prints its message: no traceback
+        if isinstance(exc, SettingsError) and not envs.show_tracebacks():  # the server says it
             raise SystemExit(REFUSED_EXIT) from None
         raise
     EngineLoop(engine, inbox, outbox, args.flags.get("watchdog_timeout") or 300.0).run()

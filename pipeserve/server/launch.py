@@ -45,6 +45,7 @@ class _EngineStartReport:
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app, self.state = app, state
+        self.engine_failed = False  # the start failed because the engine did
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":
@@ -52,6 +53,7 @@ class _EngineStartReport:
 
         async def relay(message: Any) -> None:
             if message["type"] == "lifespan.startup.failed" and self.state.client.failure:
+                self.engine_failed = True
                 message = {**message, "message": ""}
             await send(message)
 
@@ -65,9 +67,10 @@ def serve(flags: dict[str, Any]) -> int:
     state = ServerState.for_model(config, flags, model_path)
     app = create_app(state)
     c = config.server
+    report = _EngineStartReport(app, state)
     server = _Server(
         uvicorn.Config(
-            _EngineStartReport(app, state),
+            report,
             host=c.host,
             port=c.port,
             log_level="warning",
@@ -78,9 +81,9 @@ def serve(flags: dict[str, Any]) -> int:
     state.on_failure = lambda: setattr(server, "should_exit", True)
     try:
         server.run()
-    except SystemExit:  # uvicorn's exit when the app did not start
+    except SystemExit:  # uvicorn's exit when the app did not start (or the port is taken)
         failure = state.client.failure
-        if failure is None or server.started:
+        if not report.engine_failed or failure is None:
             raise
         print(f"pipeserve: error: {failure.splitlines()[0]}", file=sys.stderr)
         state.client.proc.join(timeout=5)

@@ -13,7 +13,6 @@ refusals, limits and framing: test_pd_link.py.)"""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import torch
+from ports import free_port
 from test_pd_kv_remap import CASES, pools_for, whole_kv
 from test_pd_link import RawPeer
 
@@ -300,9 +300,7 @@ def test_unreachable_and_silent_destinations_hold_up_no_other(sides: list) -> No
     list(run_prefill({(0, 0): sender}, src, bad, [(8, 40)], [40]))
     silent = []
     for _ in range(20):
-        with socket.socket() as s:  # a port nobody listens on
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()  # nobody listens on it (and a connect cannot land on itself)
         dest = KVDestination(new_room(), (f"tcp://127.0.0.1:{port}",) * 2, dst)
         silent.append(dest.room)
         list(run_prefill({(0, 0): sender}, src, dest, [(8, 40)], [40]))

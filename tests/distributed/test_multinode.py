@@ -88,6 +88,25 @@ def test_bench_on_two_nodes_reports_only_on_node_0(model_dir, tmp_path: Path) ->
     assert "PP2 TP1" in out0
 
 
+def test_refused_settings_end_both_nodes_without_a_traceback(model_dir) -> None:
+    """A TP size that does not divide the heads, on two nodes: every worker refuses it at
+    start-up; node 0 prints the check's message in one line and exits with 2, node 1 exits
+    on its own, saying node 0 has the reason when its workers refused (they may instead be
+    ended as orphans first), and neither prints a traceback."""
+    model = model_dir("tiny-qwen3")
+    port = free_port(6)  # store, then 3 batch (the first stage's TP ranks), status, control
+    multi = [*generate_args(model), "--tp-size", "3", "--nnodes", "2",
+             "--dist-init-addr", f"127.0.0.1:{port}"]
+    (rc1, _, err1), (rc0, _, err0) = run_nodes(
+        [[PIPESERVE, *multi, "--node-rank", str(rank)] for rank in (1, 0)])
+    assert rc0 == 2, err0
+    errors = [line for line in err0.splitlines() if line.startswith("pipeserve: error:")]
+    assert len(errors) == 1 and "not divisible by --tp-size 3" in errors[0], err0
+    assert rc1 != 0
+    assert rc1 != 2 or "node 1: the settings were refused; node 0 says why" in err1, err1
+    assert "Traceback" not in err0 + err1, err0 + err1
+
+
 def test_bench_refuses_several_layouts_across_nodes() -> None:
     with pytest.raises(SystemExit, match="runs one layout per command"):
         main(["bench", "--pp-size", "2,4", "--nnodes", "2", "--node-rank", "1",

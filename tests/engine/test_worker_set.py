@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from pipeserve.config import SettingsError
 from pipeserve.engine import workers as workers_mod
 from pipeserve.engine.workers import WorkerError, WorkerSet, report_ranks
+from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
 from pipeserve.scheduler.data_parallel import BatchGroup
 
@@ -185,3 +187,68 @@ def test_afd_ffn_workers_get_the_step_without_work() -> None:
     assert ws.profile_stages(points, runs) == [[0.1]]
     assert sent(ws).sent_each == [[("profile", points, runs[0]), ("profile", points, runs[1]),
                                    ("profile", points, []), ("profile", points, [])]]
+
+
+# --- settings refused at start-up ------------------------------------------------------------
+
+REFUSAL = "number of attention heads (4) is not divisible by --tp-size 3"
+GLOO_ERROR = "Traceback (most recent call last):\n  ...\nRuntimeError: Connection closed by peer"
+
+
+class LateChannels(FakeChannels):
+    """Each message arrives only after `delay` empty polls."""
+
+    def __init__(self, inbox: list[tuple[str, int, Any]], delay: int) -> None:
+        super().__init__(inbox)
+        self.delay = delay
+
+    def poll(self, timeout_ms: int) -> tuple[str, int, Any] | None:
+        if self.delay:
+            self.delay -= 1
+            return None
+        return super().poll(timeout_ms)
+
+
+class Exited:
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+
+
+def test_a_refusal_while_starting_is_a_settings_error() -> None:
+    ws = worker_set([("heartbeat", 0, None), ("refused", 1, REFUSAL)])
+    with pytest.raises(SettingsError) as info:
+        ws.wait_ready()
+    assert str(info.value) == REFUSAL
+
+
+def test_while_starting_another_rank_s_error_gives_way_to_the_refusal() -> None:
+    """A rank whose peer refused and left may fail first (a collective's peer is gone): the
+    refusal that follows says what to change."""
+    ws = worker_set([("error", 0, GLOO_ERROR), ("heartbeat", 0, None), ("refused", 1, REFUSAL)])
+    with pytest.raises(SettingsError, match="not divisible"):
+        ws.wait_ready()
+
+
+def test_an_error_while_starting_without_a_refusal_stays_a_worker_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(workers_mod, "REFUSAL_WAIT_MS", 50)
+    ws = worker_set([("error", 0, GLOO_ERROR)])
+    with pytest.raises(WorkerError, match="worker rank 0 failed: RuntimeError: Connection"):
+        ws.wait_ready()
+
+
+def test_a_refusal_after_the_start_is_a_worker_error() -> None:
+    ws = worker_set([("refused", 1, REFUSAL)])
+    ws.info = {0: {}, 1: {}}  # every rank was ready
+    with pytest.raises(WorkerError, match="worker rank 1 failed: number of attention heads"):
+        ws._drain(0)
+
+
+def test_a_worker_that_exited_refusing_is_waited_for_its_message() -> None:
+    """Its exit code (2) can be seen before its message has arrived: the message decides."""
+    ws = worker_set([])
+    ws.channels = LateChannels([("refused", 1, REFUSAL)], delay=5)  # type: ignore[assignment]
+    ws.local = {1: Exited(REFUSED_EXIT)}  # type: ignore[dict-item]
+    with pytest.raises(SettingsError, match="not divisible"):
+        ws.wait_ready()

@@ -207,6 +207,30 @@ def test_absorbed_decode_matches_expanded_and_transformers(setup: Setup) -> None
         torch.testing.assert_close(step[i], setup.reference(x)[-1], atol=1e-5, rtol=0)
 
 
+class RunsOnly(LatentSegment):
+    """A segment whose slot tensor must not be made: the test fails if anything reads it."""
+
+    @property
+    def slots(self) -> torch.Tensor:
+        raise AssertionError("a decode step made the slot tensor of its whole context")
+
+
+def test_a_decode_step_over_runs_reads_them_in_place(setup: Setup) -> None:
+    """A decode step whose segment gives only its runs (as the engine's CPU path does)
+    attends without making the slot tensor of its context, and gives what the same step over
+    the explicit slots gives."""
+    layer, cache = setup.layer(), new_cache()
+    x = rand(PROMPT, HIDDEN, seed=1)
+    runs = ((70, 25), (3, 9), (110, 6))  # PROMPT positions in three runs
+    slots = torch.tensor([start + i for start, n in runs for i in range(n)])
+    run_chunks(layer, setup, x, slots, [PROMPT], cache, "expanded")
+    rope = setup.rope(torch.tensor([PROMPT - 1]), torch.float32)
+    with torch.no_grad():
+        expected = layer(x[-1:], rope, cache.clone(), [LatentSegment(0, 1, slots)])
+        got = layer(x[-1:], rope, cache, [RunsOnly(0, 1, runs=runs)], new_slots=slots[-1:])
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 def test_cache_holds_normed_latent_and_roped_key_per_token(setup: Setup) -> None:
     layer, cache = setup.layer(), new_cache()
     x, slots = rand(PROMPT, HIDDEN, seed=1), scattered_slots(PROMPT, 2)
