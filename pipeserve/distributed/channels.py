@@ -44,6 +44,10 @@ HEARTBEAT_S = 0.5
 ORPHAN_TIMEOUT_S = 15.0
 FIRST_KEEPALIVE_TIMEOUT_S = 600.0  # as long as the scheduler waits for workers to start
 SEND_TIMEOUT_MS = 5000
+# a connection to one of the scheduler's sockets that has not finished ZMQ's handshake (with a
+# key: CURVE's, so a stranger never does) is closed after this long: ZMQ accepts every TCP
+# connection and cannot cap how many, so this bounds how long a stranger holds one
+HANDSHAKE_MS = 5000
 DROP_WARN_EVERY_S = 10.0
 KEEPALIVE = b"alive"
 KEEPALIVE_MAX_BYTES = 4096  # ZMQ counts the handshake's frames against the limit too
@@ -204,6 +208,7 @@ class SchedulerChannels:
     def _bind(self, kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         if self._keys is not None:
             secure_server(sock, self._keys)
         sock.bind(url)

@@ -252,3 +252,32 @@ def test_partition_and_pages_are_broadcast_as_tensors(tmp_path: Path) -> None:
                 p.kill()
     assert [g[1:3] for g in got] == [([3, 1], 1000)] * 2
     assert got[0][3] == got[1][3] and "2,1" in got[0][3]
+
+
+def test_a_stranger_s_silent_connections_are_closed_after_the_handshake_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ZMQ takes every TCP connection to the scheduler's sockets and cannot cap them: a
+    connection that never completes the (CURVE) handshake is closed after HANDSHAKE_MS, so
+    a stranger cannot keep connections (file descriptors) open by the thousand."""
+    import socket
+
+    from pipeserve.distributed import channels as channels_mod
+
+    monkeypatch.setattr(channels_mod, "HANDSHAKE_MS", 500)
+    base = free_port(3)
+    channels = SchedulerChannels("127.0.0.1", 1, base, auth_key="right key")
+    strangers: list[socket.socket] = []
+    try:
+        for port in range(base, base + 3):  # the batch, status and control sockets
+            for _ in range(10):
+                strangers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        deadline = time.monotonic() + 10
+        for s in strangers:  # each reads ZMQ's greeting, then the end of the connection
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            while s.recv(4096):
+                pass
+    finally:
+        for s in strangers:
+            s.close()
+        channels.close()
