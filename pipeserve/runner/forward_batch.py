@@ -124,7 +124,8 @@ class ForwardBatch:
         latent = LatentSlots()
         if pool.latents:  # MLA reads the cache through latent segments, not a plan
             attn = AttentionPlan([], latent_decode_plan(segments, host) if native.batched else None)
-            latent = LatentSlots.build(segments, host, table=move is not None)
+            if pad_to is None:  # a graph's step reads the graph's buffers, not segments
+                latent = LatentSlots.build(segments, host, table=move is not None)
         elif native.batched:
             attn = batched_plan(segments, host, native)
         else:

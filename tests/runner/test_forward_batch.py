@@ -196,6 +196,17 @@ def test_mla_decode_steps_on_the_cpu_make_no_slot_tensors() -> None:
     assert works[0].host_elements == works[1].host_elements < 1024
 
 
+def test_a_graphed_mla_step_carries_no_latent_segments() -> None:
+    """A decode step padded to a CUDA graph's bucket replays the graph, which reads its own
+    buffers: nothing of the per-request segments is built or copied for it, its page table
+    is. The same step unpadded has them."""
+    padded = ForwardBatch.prepare(decode_batch(1024), LATENT_POOL, META, TRITON, None, to_meta, 8)
+    assert padded.latent_segments == [] and padded.latent.table is None
+    assert padded.attn.decode is not None and padded.attn.decode.kv_indices is not None
+    _, eager = prepared_on_meta(decode_batch(1024), LATENT_POOL)
+    assert len(eager.latent_segments) == 6
+
+
 @pytest.mark.parametrize("context", [64, 1024, 32 * 1024])
 def test_a_moved_plan_is_expanded_after_the_copy_without_host_reads(context: int) -> None:
     """As the runner prepares on a device (pinned copies queued on the copy stream): no
