@@ -63,19 +63,22 @@ class ModelConfig:
     device: str = _flag("auto", "'cpu', 'cuda' or 'auto' (cuda when available)")
     attention_backend: str = _flag(
         "auto",
-        "'auto': on a CPU the native kernels where they build, on CUDA FlashInfer where it "
-        "imports, else torch; 'native' (CPU); 'torch' (PyTorch's fused kernels, on CUDA a "
-        "chunked fallback where they do not fit); 'flashinfer' (CUDA, float16/bfloat16; paged "
-        "GQA attention, MLA stays on torch); 'triton' (CUDA, new: batched paged attention, one "
-        "launch per layer for all decode steps and one for all prompt chunks, MLA's decode "
-        "steps too; context parallelism stays on torch)",
+        "'auto': on a CPU the native kernels where they build; on CUDA the Triton kernels "
+        "(decode steps replayed as CUDA graphs) where triton imports, except prompt chunks "
+        "over 16K keys (prefix + chunk), which run on FlashInfer where it imports, else on "
+        "torch's flash kernels (measured fastest on an H200), without triton FlashInfer or "
+        "torch; 'native' (CPU); 'torch' (PyTorch's fused kernels, on CUDA a chunked fallback "
+        "where they do not fit); 'flashinfer' (CUDA, float16/bfloat16; paged GQA attention, "
+        "MLA stays on torch); 'triton' (CUDA: batched paged attention, one launch per layer "
+        "for all decode steps and one for all prompt chunks, MLA's decode steps too; context "
+        "parallelism stays on torch)",
         choices=ATTENTION_BACKENDS,
     )
     cuda_graph_max_bs: int = _flag(
         128,
         "the largest decode batch replayed as a CUDA graph (one per bucket of sizes up to it, "
-        "captured at start-up; larger steps run eagerly). Graphs capture the Triton path on "
-        "one device; 0 turns them off",
+        "captured at start-up; larger steps run eagerly). Graphs capture the Triton path "
+        "(--attention-backend auto or triton) on one device; 0 turns them off",
     )
     disable_cuda_graph: bool = _flag(False, "run every decode step eagerly (no CUDA graphs)")
     enable_deterministic_inference: bool = _flag(

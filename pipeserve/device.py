@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -167,9 +168,16 @@ def synchronize(device: torch.device) -> None:
 def release_cached_memory(device: torch.device) -> None:
     """Hand the caching allocator's free blocks back to the device (CUDA), so memory a
     finished engine freed is free for the next one's budget (`memory_budget` reads the
-    device's free memory). A no-op on CPU."""
+    device's free memory), with the cuBLAS workspaces its streams were given (32 MiB per
+    stream on Hopper, allocated from the caching allocator and kept by torch per (handle,
+    stream) until cleared: each engine's new streams would otherwise keep theirs). A no-op
+    on CPU."""
     if device.type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
+        gc.collect()  # an engine's runner may sit in reference cycles
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
 
 
@@ -236,7 +244,11 @@ def memory_budget(device: torch.device, fraction: float, local_workers: int) -> 
     process's, the CUDA context) — the free memory minus the (1 - fraction) share left
     unused. A CPU's RAM is split among the node's workers."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # what this process freed (e.g. a cost probe) is free again
+        # what this process freed is free again: a cost probe's blocks, and an earlier
+        # engine's pool and weights, which reference cycles of its runner can keep until a
+        # collection (seen on an H200: the next engine in a process got a budget of -1.3 GiB)
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return free - total * (1 - fraction)
     return total_memory(device) * fraction / local_workers

@@ -4,6 +4,7 @@ own GPU."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -86,6 +87,31 @@ def test_gpu_budget_counts_what_this_process_freed_as_free(monkeypatch) -> None:
     # 30 in use, 20 of them freed by this process (a layer-cost probe) but still cached
     FakeGpus(1, total=100, used=30, cached=20).install(monkeypatch)
     assert dev.memory_budget(torch.device("cuda", 0), 0.8, 1) == pytest.approx(70)
+
+
+class _Held:
+    """Device memory an object holds until it is collected (a runner in a reference cycle)."""
+
+    def __init__(self, gpus: FakeGpus, size: int) -> None:
+        self.gpus, self.size = gpus, size
+        self.me = self  # the cycle: only the collector frees it
+        gpus.used += size
+
+    def __del__(self) -> None:
+        self.gpus.cached += self.size  # freed into the caching allocator
+
+
+def test_gpu_budget_counts_memory_held_only_by_garbage_as_free(monkeypatch) -> None:
+    """An earlier engine's runner that reference cycles keep alive is collected first: on an
+    H200 the next engine in the process otherwise got a negative budget."""
+    gpus = FakeGpus(1, total=100, used=10)
+    gpus.install(monkeypatch)
+    _Held(gpus, 40)
+    gc.disable()  # the collector must not run by chance before the budget is read
+    try:
+        assert dev.memory_budget(torch.device("cuda", 0), 0.8, 1) == pytest.approx(70)
+    finally:
+        gc.enable()
 
 
 def test_threads_get_the_worker_gpu_and_their_own_stream(monkeypatch) -> None:

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from pipeserve.bench.flops import prefill_flops
+from pipeserve.bench.flops import attention_flops, prefill_flops
 from pipeserve.bench.peak import matmul_peak_flops
 from pipeserve.bench.summary import summarize
 from pipeserve.config import EngineConfig, ParallelConfig
 from pipeserve.device import resolve_device, resolve_dtype, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
+from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.kv_layout import kv_bytes_per_token
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.timeline import (
@@ -76,6 +77,11 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     engine.backend.timeline()  # drop the warm-up events
     sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     reqs = [Req(f"bench-{i}", p, sp) for i, p in enumerate(prompts)]
+    device = resolve_device(engine.config.model.device)
+    if device.type == "cuda":  # one in-process engine: its GPU memory is this process's
+        torch.cuda.reset_peak_memory_stats(device)
+    graphs = getattr(getattr(engine.backend, "runner", None), "graphs", None)  # in-process
+    replays = 0 if graphs is None else graphs.replays
     start = time.perf_counter()
     outputs = engine.run(reqs)
     total = time.perf_counter() - start
@@ -96,6 +102,11 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     stats["kv_bytes_per_device"] = kv_bytes_per_device(
         engine, [len(p) for p in prompts], output_len
     )
+    in_process = not engine.config.parallel.uses_workers
+    stats["peak_device_bytes"] = (
+        torch.cuda.max_memory_allocated(device) if device.type == "cuda" and in_process else None
+    )
+    stats["cuda_graph_replays"] = None if graphs is None else graphs.replays - replays
     return stats
 
 
@@ -187,6 +198,7 @@ def run_bench(
                     report = _describe(engine, config, input_len, output_len, num_prompts)
                     prompts = make_prompts(engine.arch.vocab_size, num_prompts, input_len, seed)
                     flops = sum(prefill_flops(engine.arch, len(p)) for p in prompts)
+                    attn = sum(attention_flops(engine.arch, 0, len(p)) for p in prompts)
                 samples[layout].append(run_pipeserve(engine, prompts, output_len))
     runs: list[dict[str, Any]] = []
     panels: list[tuple[str, list[Event]]] = []
@@ -195,6 +207,10 @@ def run_bench(
         events = stats.pop("events")
         panels.append((layout.name, events))
         row = _layout_row(layout, stats, flops, report["matmul_peak_flops"], runs)
+        # attention's FLOPs over the whole prefill span: a lower bound on the attention
+        # kernels' own rate, close to it where attention dominates (long prompts)
+        row["attention_flops"] = attn
+        row["attention_flops_per_s"] = attn / stats["prefill_s"]
         parallel = EngineConfig.from_flags(**layout.flags(flags)).parallel
         row["two_batch_overlap"] = parallel.enable_two_batch_overlap
         row["two_batch_overlap_min_tokens"] = parallel.two_batch_overlap_min_tokens
@@ -354,9 +370,23 @@ def _add_hf_baseline(
     config = EngineConfig.from_flags(**flags)
     dtype = resolve_dtype(config.model.dtype, "bfloat16", config.model.device)
     device = resolve_device(config.model.device)
-    base = run_hf(Path(report["model"]), prompts, output_len, dtype, device)
     name = "hf-transformers" + ("+sdpa" if device.type == "cuda" else "")
-    report["baseline"] = {"name": name, **{k: base[k] for k in TIMING_KEYS}}
+    try:
+        base = run_hf(Path(report["model"]), prompts, output_len, dtype, device)
+    except torch.OutOfMemoryError as e:  # a length transformers cannot hold: say so, keep ours
+        report["baseline"] = {"name": name, "error": f"out of memory: {str(e).splitlines()[0]}"}
+        print(f"hf: out of memory at {len(prompts[0])} tokens; no baseline")
+        return
+    report["baseline"] = {
+        "name": name,
+        **{k: base[k] for k in TIMING_KEYS},
+        "sdpa_kernels": base["sdpa_kernels"],
+        "peak_device_bytes": base["peak_device_bytes"],
+        "attention_flops_per_s": sum(
+            attention_flops(ArchConfig.load(Path(report["model"])), 0, len(p)) for p in prompts
+        )
+        / base["prefill_s"],
+    }
     report["ratio_to_baseline"] = {
         "prefill_time": run["prefill_s"] / base["prefill_s"],
         "ttft_mean": run["ttft_mean_s"] / base["ttft_mean_s"],
@@ -470,18 +500,32 @@ def print_report(r: dict[str, Any]) -> None:
     for row in r["layouts"]:
         print(f"{row['layout']}: {describe_comm(row)}")
     for row in r["layouts"]:
+        peak = row.get("peak_device_bytes")
         print(
             f"{row['layout']}: MiB per device: weights {row['weight_bytes_per_device'] / 2**20:.1f}"
             f", KV of the run's requests {row['kv_bytes_per_device'] / 2**20:.1f}"
+            + ("" if peak is None else f", peak allocated {peak / 2**20:.1f}")
             + describe_cp(row["cp"])
+        )
+        print(
+            f"{row['layout']}: attention {row['attention_flops'] / 1e12:.3f} TFLOP, "
+            f"{row['attention_flops_per_s'] / 1e12:.2f} TFLOP/s over the prefill span"
         )
     if len(r["layouts"]) > 1:
         print(f"same tokens across layouts: {r['same_tokens_across_layouts']}")
     base = r.get("baseline")
-    if base:
+    if base and "error" not in base:
         print(
             f"{'hf':<17}{base['ttft_mean_s']:>11.3f}{base['prefill_s']:>11.3f}"
             f"{base['input_throughput_tok_s']:>11.1f}{base['output_throughput_tok_s']:>11.1f}"
+        )
+        kernels = base["sdpa_kernels"]
+        peak = base["peak_device_bytes"]
+        print(
+            f"hf: attention {base['attention_flops_per_s'] / 1e12:.2f} TFLOP/s over the prefill "
+            "span"
+            + ("" if kernels is None else f"; SDPA ran {', '.join(kernels) or 'no fused kernel'}")
+            + ("" if peak is None else f"; peak allocated {peak / 2**20:.1f} MiB")
         )
         ratio = r["ratio_to_baseline"]
         dec = ratio["decode_throughput"]

@@ -57,6 +57,19 @@ class NativeKernels:
     deterministic: bool = False  # one-token prompt chunks run the prefill kernel too
     backend: AttentionKernels | None = None  # the other steps; None: PyTorch's, per device
     batched: bool = False  # accelerators: the Triton kernels, one launch for all steps
+    # batched: a batch with a prompt chunk over more keys (prefix + chunk) runs on `backend`
+    batched_prompt_max_keys: int | None = None
+
+    def for_batch(self, segments: list[tuple[int, int, int, list[Run]]]) -> NativeKernels:
+        """The kernels of one batch of (q_start, q_len, prefix_len, kv_runs) segments: these,
+        or with a prompt chunk over more than batched_prompt_max_keys keys the backend's
+        kernels for the whole batch (its norms, rotary and KV writes the torch ops)."""
+        limit = self.batched_prompt_max_keys
+        if not self.batched or limit is None:
+            return self
+        if any(q_len > 1 and prefix + q_len > limit for _, q_len, prefix, _ in segments):
+            return replace(self, batched=False, batched_prompt_max_keys=None)
+        return self
 
 
 TORCH_KERNELS = NativeKernels()  # every step on the torch kernels

@@ -19,6 +19,7 @@ CPU tensors.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -134,6 +135,51 @@ def select_attention_kernels(
         except ValueError as e:
             log.warning("%s: the torch attention kernels run instead", e)
     return AttentionKernels(device_type)
+
+
+# Under auto on CUDA, prompt chunks over more keys than this (cached prefix + the chunk) run on
+# the library kernels (FlashInfer's or torch's flash) instead of the batched Triton kernel.
+# Measured on an H200, bench preset, bf16 (benchmarks/results/gpu-check-h200-2026-11-28.md):
+# a 128K prompt in 16K chunks took 4.85 s on the Triton kernel against 0.96 s on torch's flash
+# (whose 128-row tiles read each key far fewer times than the Triton kernel's 16-row blocks);
+# a 32K prompt in 2K chunks 0.370 s against 0.379 s; 64 prompts of 1K 0.23-0.41 s against
+# 0.61 s (one launch per layer against a loop over the requests).
+AUTO_TRITON_PROMPT_MAX_KEYS = 16384
+
+
+def triton_chosen(backend: str, device_type: str) -> bool:
+    """Whether the batched Triton kernels run (decode steps, and the prompt chunks the rule
+    above leaves them): --attention-backend triton (ValueError where it cannot run), or auto
+    on CUDA where triton imports (measured fastest there: decode steps replay CUDA graphs,
+    64 requests 21-27K tok/s against torch's eager steps at ~0.2K on an H200). On a CPU,
+    triton runs only in its interpreter (TRITON_INTERPRET=1: the tests' way to run the
+    engine's Triton path without a GPU)."""
+    if backend == "auto":
+        return device_type == "cuda" and _triton_imports()
+    if backend != "triton":
+        return False
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device_type != "cuda" and not (device_type == "cpu" and interpreted):
+        raise ValueError(
+            f"--attention-backend triton runs on CUDA devices (the device is {device_type}; "
+            "on a CPU only under TRITON_INTERPRET=1, for tests); use auto or torch"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            f"--attention-backend triton: triton does not import ({e}); use auto or torch"
+        ) from None
+    return True
+
+
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        log.info("triton does not import (%s): the torch attention kernels run", e)
+        return False
+    return True
 
 
 def _check_flashinfer(

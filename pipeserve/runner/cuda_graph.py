@@ -10,7 +10,8 @@ copied into the buffers (device to device, no host sync) and the bucket's graph 
 model's layers up to the last hidden states; the LM head and sampling run after it, eagerly
 (per-request sampling parameters change from step to step).
 
-What is captured is the Triton path (`--attention-backend triton`: its decode launch reads
+What is captured is the Triton path (`--attention-backend triton`, and auto on CUDA where
+triton imports: its decode launch reads
 the page table from device memory, its grid depends on the bucket only; MLA's absorbed
 decode too, its latent rows written at the batch's write slots in one op) on one device: no
 pipeline, tensor, context or expert parallelism, no prefill/decode transfer hooks, not
@@ -31,6 +32,7 @@ import torch
 
 from pipeserve.config import EngineConfig
 from pipeserve.layers.attention import AttentionPlan, NativeKernels
+from pipeserve.layers.attention_backends import triton_chosen
 from pipeserve.layers.attention_parts import DecodePlan
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.models.arch import ArchConfig
@@ -62,8 +64,11 @@ def graph_blocker(config: EngineConfig, arch: ArchConfig, device: torch.device) 
         return "--disable-cuda-graph (or --cuda-graph-max-bs 0)"
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (this is {device.type})"
-    if m.attention_backend != "triton":
-        return "CUDA graphs capture the Triton path only (--attention-backend triton)"
+    if not triton_chosen(m.attention_backend, device.type):
+        return (
+            f"CUDA graphs capture the Triton path only (--attention-backend "
+            f"{m.attention_backend}; auto takes it where triton imports)"
+        )
     if arch.indexer is not None:
         return "DeepSeek-V3.2's indexer keeps per-request host segments (not captured yet)"
     sizes = {"pipeline": p.pp_size, "tensor": p.tp_size, "context": p.cp_size}

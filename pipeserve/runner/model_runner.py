@@ -4,7 +4,6 @@ the last stage compute logits, sample, and gather logprobs."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,7 +37,12 @@ from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers import batch_invariant
 from pipeserve.layers.attention import NativeKernels
-from pipeserve.layers.attention_backends import AttentionKernels, select_attention_kernels
+from pipeserve.layers.attention_backends import (
+    AUTO_TRITON_PROMPT_MAX_KEYS,
+    AttentionKernels,
+    select_attention_kernels,
+    triton_chosen,
+)
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler
 from pipeserve.mem_cache.hicache import tier_pages
@@ -107,10 +111,16 @@ def use_native_kernels(
     for the dtype (AVX512-BF16 or AVX2; head dim a multiple of 16). The other steps run the
     backend's kernels: FlashInfer's or PyTorch's (`select_attention_kernels`). With
     --attention-backend triton the batched Triton kernels take every decode step and prompt
-    chunk (GQA models; MLA decode steps too; context parallelism keeps its path)."""
-    if use_triton_kernels(backend, device):
+    chunk (GQA models; MLA decode steps too; context parallelism keeps its path); auto on
+    CUDA takes them too, except that a batch with a prompt chunk over more than
+    AUTO_TRITON_PROMPT_MAX_KEYS keys runs on the backend's kernels (`NativeKernels.for_batch`)."""
+    if backend == "triton" and triton_chosen(backend, device.type):
         return NativeKernels(batched=True, backend=AttentionKernels(device.type))
     kernels = select_attention_kernels(backend, device.type, dtype, head_dim)
+    if triton_chosen(backend, device.type):  # auto on CUDA: long prompt chunks on `kernels`
+        return NativeKernels(
+            batched=True, backend=kernels, batched_prompt_max_keys=AUTO_TRITON_PROMPT_MAX_KEYS
+        )
     if backend not in ("auto", "native") or device.type != "cpu":
         return NativeKernels(backend=kernels)
     available = native_decode_kernel() is not None
@@ -121,28 +131,6 @@ def use_native_kernels(
         )
     prefill = available and head_dim % 16 == 0 and native_prefill_kernel(dtype) is not None
     return NativeKernels(decode=available, prefill=prefill, backend=kernels)
-
-
-def use_triton_kernels(backend: str, device: torch.device) -> bool:
-    """--attention-backend triton (ValueError where it cannot run). Not yet auto's choice: it
-    has not been compiled on a GPU (the GPU check measures it against the others first). On
-    a CPU, triton runs only in its interpreter (TRITON_INTERPRET=1: the tests' way to run the
-    engine's Triton path without a GPU)."""
-    if backend != "triton":
-        return False
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not (device.type == "cpu" and interpreted):
-        raise ValueError(
-            f"--attention-backend triton runs on CUDA devices (the device is {device.type}; "
-            "on a CPU only under TRITON_INTERPRET=1, for tests); use auto or torch"
-        )
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        raise ValueError(
-            f"--attention-backend triton: triton does not import ({e}); use auto or torch"
-        ) from None
-    return True
 
 
 def _missing_native(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype) -> str:

@@ -35,8 +35,15 @@ def decode_step(n: int, page: int, greedy: bool = True) -> ScheduledBatch:
     return ScheduledBatch(1, slices)
 
 
-def test_a_replay_equals_the_eager_forward_of_its_padded_step(model_dir) -> None:
-    with Engine(str(model_dir("tiny-qwen3")), **FLAGS, cuda_graph_max_bs=MAX_BS) as engine:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_replay_equals_the_eager_forward_of_its_padded_step(model_dir, dtype: str) -> None:
+    """Per bucket, the replay equals the eager forward of the same padded step bitwise. In
+    float32 the padded step's real rows also give the unpadded step's logprobs within 1e-3
+    (padding rows read and write PAD_SLOT only; a leak into real rows moves them by far
+    more). Not in bfloat16: there a different row count picks other GEMM tilings, whose
+    roundings alone moved logprobs by 0.07 on an H200."""
+    flags = {**FLAGS, "dtype": dtype}
+    with Engine(str(model_dir("tiny-qwen3")), **flags, cuda_graph_max_bs=MAX_BS) as engine:
         runner = engine.backend.runner  # type: ignore[attr-defined]
         graphs = runner.graphs
         assert graphs is not None and sorted(graphs.graphs) == list(graph_buckets(MAX_BS))
@@ -52,11 +59,13 @@ def test_a_replay_equals_the_eager_forward_of_its_padded_step(model_dir) -> None
                 replayed = graphs.run(fb).clone()
                 assert graphs.replays == replays + 1
                 assert torch.equal(replayed, eager), f"bucket {fb.num_tokens}"
+                if dtype == "bfloat16":
+                    continue
                 plain = ForwardBatch.prepare(batch, runner.kv_pool, runner.device, runner.native)
                 unpadded = runner.model(plain)[0]
                 got = torch.log_softmax(runner.model.compute_logits(replayed[:n]).float(), -1)
                 want = torch.log_softmax(runner.model.compute_logits(unpadded).float(), -1)
-            torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
 
 
 def test_a_replayed_step_makes_no_host_sync(model_dir) -> None:

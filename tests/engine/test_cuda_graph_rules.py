@@ -72,9 +72,11 @@ def test_which_engines_capture() -> None:
     v32 = ArchConfig.from_dict(load_config("tiny-deepseek-v32")[0])
     triton = {"attention_backend": "triton"}
     assert graph_blocker(EngineConfig.from_flags(**triton), dense, cuda) is None
+    assert graph_blocker(EngineConfig.from_flags(), dense, cuda) is None  # auto: Triton
     assert graph_blocker(EngineConfig.from_flags(**triton), v32, cuda) is not None
     blocked = [
-        ({}, cuda, "Triton path only"),
+        ({"attention_backend": "torch"}, cuda, "Triton path only"),
+        ({"attention_backend": "flashinfer"}, cuda, "Triton path only"),
         (triton, cpu, "need a CUDA device"),
         ({**triton, "pp_size": 2}, cuda, "pipeline 2"),
         ({**triton, "tp_size": 2}, cuda, "tensor 2"),
@@ -151,11 +153,12 @@ def test_the_kv_budget_keeps_room_for_the_graphs() -> None:
     reserve = graph_reserve_bytes(on, arch, cuda, bf16)
     bigger = graph_reserve_bytes(EngineConfig.from_flags(**triton), arch, cuda, bf16)
     assert 64 << 20 < reserve < bigger  # the default 128 takes more than 64
+    assert graph_reserve_bytes(EngineConfig.from_flags(), arch, cuda, bf16) == bigger  # auto
     for off in (
         {**triton, "disable_cuda_graph": True},
         {**triton, "cuda_graph_max_bs": 0},
         {**triton, "tp_size": 2},  # no graph is captured: nothing kept back
-        {},
+        {"attention_backend": "torch"},
     ):
         assert graph_reserve_bytes(EngineConfig.from_flags(**off), arch, cuda, bf16) == 0
     assert graph_reserve_bytes(on, arch, torch.device("cpu"), bf16) == 0

@@ -62,4 +62,6 @@ def test_engines_in_a_row_give_their_gpu_back(model_dir) -> None:
         out = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
         assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
         engine.shutdown()  # the Engine object is still referenced here
-        assert torch.cuda.memory_allocated() == start
+        # at most what was there: shutdown also clears the cuBLAS workspaces, the ones
+        # earlier work in this process left included
+        assert torch.cuda.memory_allocated() <= start

@@ -250,6 +250,50 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
     same_outputs(outs["triton"], outs["torch"], atol=1e-4)
 
 
+def test_auto_s_mix_of_triton_and_library_kernels_serves_the_same_tokens(
+    model_dir, monkeypatch
+) -> None:
+    """Auto on CUDA as one engine sees it: prompt chunks within the key limit and every
+    decode step on the Triton path (its fused q/k norm, rotary and KV write), chunks past it
+    on the torch kernels, so each side reads KV the other wrote; the same tokens and logprobs
+    as the torch kernels throughout (tiny-qwen3, a key limit of 20 at chunks of 16)."""
+    from dataclasses import replace
+
+    from pipeserve import Engine
+    from pipeserve.runner import forward_batch, model_runner
+
+    real_choice = model_runner.use_native_kernels
+    monkeypatch.setattr(
+        model_runner,
+        "use_native_kernels",
+        lambda *a: replace(real_choice(*a), batched_prompt_max_keys=20),
+    )
+    kinds: list[bool] = []  # per prepared batch with a prompt chunk: batched or not
+    real_prepare = forward_batch.ForwardBatch.prepare.__func__  # type: ignore[attr-defined]
+
+    def prepare(cls, batch, *args, **kwargs):
+        fb = real_prepare(cls, batch, *args, **kwargs)
+        if any(not s.is_decode for s in batch.slices):
+            kinds.append(fb.native.batched)
+        return fb
+
+    monkeypatch.setattr(forward_batch.ForwardBatch, "prepare", classmethod(prepare))
+    model = str(model_dir("tiny-qwen3"))
+    base = [(7 * j) % 300 + 1 for j in range(40)]
+    prompts = [base, [(5 * j) % 300 + 2 for j in range(12)]]
+    params = {"max_new_tokens": 5, "temperature": 0}
+    outs = {}
+    for backend in ("torch", "triton"):
+        flags = {"dtype": "float32", "chunked_prefill_size": 16, "attention_backend": backend}
+        kinds.clear()
+        with Engine(model, **flags) as engine:
+            outs[backend] = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=True
+            )
+    assert True in kinds and False in kinds  # the triton engine's batches took both paths
+    same_outputs(outs["triton"], outs["torch"], atol=1e-4)
+
+
 def same_outputs(gots: list[dict], wants: list[dict], atol: float) -> None:
     """The same tokens, and their logprobs within `atol`."""
     for got, want in zip(gots, wants, strict=True):

@@ -350,15 +350,21 @@ def test_backend_errors_say_what_to_do(
 
 
 def test_model_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """use_native_kernels: on CUDA no native step, the backend's kernels for all of them;
-    the batched Triton kernels only when asked for (not yet auto's choice)."""
+    """use_native_kernels: on CUDA no native step; auto takes the batched Triton kernels
+    where triton imports, with long prompt chunks on the library kernels; triton takes them
+    for every step; torch for none."""
     monkeypatch.setattr(backends, "import_flashinfer", no_flashinfer)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda")
     native = use_native_kernels("auto", cuda, torch.bfloat16, 128)
-    assert not (native.batched or native.decode or native.prefill)
+    assert native.batched and not (native.decode or native.prefill)
+    assert native.batched_prompt_max_keys == backends.AUTO_TRITON_PROMPT_MAX_KEYS
     assert native.backend is not None and native.backend.device_type == "cuda"
-    assert use_native_kernels("triton", cuda, torch.bfloat16, 128).batched
+    assert native.backend.name == "torch"
+    explicit = use_native_kernels("triton", cuda, torch.bfloat16, 128)
+    assert explicit.batched and explicit.batched_prompt_max_keys is None
+    assert not use_native_kernels("torch", cuda, torch.bfloat16, 128).batched
+    assert not use_native_kernels("auto", CPU, torch.float32, 64).batched
     assert use_native_kernels("torch", CPU, torch.float32, 64).backend.device_type == "cpu"
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         use_native_kernels("triton", CPU, torch.float32, 64)
@@ -369,6 +375,9 @@ def test_model_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # triton not installed: import fails
     with pytest.raises(ValueError, match="triton does not import"):
         use_native_kernels("triton", cuda, torch.bfloat16, 128)
+    fallback = use_native_kernels("auto", cuda, torch.bfloat16, 128)  # auto: torch, said
+    assert not fallback.batched and fallback.backend is not None
+    assert fallback.backend.name == "torch"
 
 
 # -- PagedAttention on the forced accelerator kernels ---------------------------------------

@@ -251,3 +251,32 @@ def test_decode_steps_rows_are_the_general_loops(pad_to: int | None, with_kv: bo
     assert fast == loop
     if with_kv:
         assert fast.slots[:6] == [start + n - 1 for start, n in (s.kv_runs[-1] for s in slices)]
+
+
+def test_auto_runs_a_batch_with_a_long_prompt_chunk_on_the_library_kernels() -> None:
+    """Auto on CUDA (batched, with a key limit): decode steps and prompt chunks within the
+    limit stay on the batched Triton plan; a batch with a chunk over more keys (its prefix
+    plus itself) is planned for the library kernels, norms and rotary included (fb.native
+    is not batched), whatever else it holds."""
+    limit = 1024
+    auto = NativeKernels(
+        batched=True, backend=AttentionKernels("cpu"), batched_prompt_max_keys=limit
+    )
+    prefix = limit - CHUNK  # a chunk of CHUNK tokens after it: exactly `limit` keys
+    cases = {
+        "decode, long context": (decode_batch(64 * limit), True),
+        "chunk at the limit": (mixed_batch(limit), True),
+        "chunk past the limit": (mixed_batch(limit + 1), False),
+    }
+    for name, (batch, batched) in cases.items():
+        fb = ForwardBatch.prepare(batch, POOL, CPU, auto)
+        assert fb.native.batched == batched, name
+        if batched:  # one launch for the decode steps and one for the chunks (if any)
+            assert fb.attn.chunks == [] and fb.attn.decode is not None
+            assert fb.attn.decode.kv_indices is not None
+        else:  # the torch kernels' plan: the chunk reads its prefix, decode steps gather
+            assert [p.prefix_len for p in fb.attn.chunks] == [prefix + 1]
+            assert fb.attn.extend is None and fb.attn.decode is not None
+            assert fb.attn.decode.kv_indices is None and fb.attn.decode.gather is not None
+    explicit = NativeKernels(batched=True, backend=AttentionKernels("cpu"))  # triton: all
+    assert ForwardBatch.prepare(mixed_batch(limit + 1), POOL, CPU, explicit).native.batched
