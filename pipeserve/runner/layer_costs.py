@@ -87,13 +87,8 @@ def _measure(
     ids = [i % vocab for i in range(chunk)]
     timed: dict[str, float] = {}
     for prefix in (0, chunk):  # the first pass fills the prefix; the second is timed
-        fb = ForwardBatch.prepare(
-            ScheduledBatch(
-                0, [ReqSlice("probe", ids, prefix, [(1, prefix + chunk)], sample=False)]
-            ),
-            pool,
-            device,
-        )
+        probe = ReqSlice("probe", ids, prefix, [(1, prefix + chunk)], sample=False, chunk_index=0)
+        fb = ForwardBatch.prepare(ScheduledBatch(0, [probe]), pool, device)
         timed = _time_parts(model, fb, kinds)
     return timed
 

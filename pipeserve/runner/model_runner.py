@@ -478,12 +478,14 @@ class ModelRunner:
 
     def _time_chunk(self, prefix: int, n: int, runs: list[Run]) -> float:
         ids = [i % self.arch.vocab_size for i in range(n)]
-        s = ReqSlice("profile", ids, prefix, runs_prefix(runs, prefix + n), sample=False)
+        runs = runs_prefix(runs, prefix + n)
+        s = ReqSlice("profile", ids, prefix, runs, sample=False, chunk_index=1 if prefix else 0)
         batch = ScheduledBatch(-1, [s])
         fb = self.prepare(batch)
         hidden = None
-        if not self.state.is_first_stage:
-            hidden = torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        if not self.state.is_first_stage:  # this rank's rows: under CP its share of the chunk
+            rows = fb.positions.shape[0]
+            hidden = torch.zeros(rows, self.arch.hidden_size, dtype=self.dtype, device=self.device)
         out = self.execute(batch, fb, hidden, None if hidden is None else torch.zeros_like(hidden))
         out.wait()
         return batch.stage_times[-1]

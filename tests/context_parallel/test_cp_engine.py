@@ -172,3 +172,20 @@ def test_sharded_cp_spreads_the_experts(models) -> None:
 def test_cp_killed_rank_fails_engine(models) -> None:
     with Engine(str(models["llama"]), **FLAGS, cp_size=2) as engine:
         kill_during_prefill(engine, victim=1, vocab=512)
+
+
+@pytest.mark.parametrize("layout", [{"cp_size": 2}, {"cp_size": 2, "pp_size": 2}],
+                         ids=["cp2", "pp2cp2"])
+def test_cp_starts_with_default_flags(models, monkeypatch, layout: dict[str, Any]) -> None:
+    """No chunk size, pool size or page size given: the layout picks its chunk size from a
+    start-up profile of prompt chunks (which CP splits over its ranks, and a later PP stage
+    receives its rank's share of), then serves the one-process tokens."""
+    monkeypatch.setenv("PIPESERVE_PROFILE_CACHE", "0")  # the profile runs, not a cached pick
+    work = Workload((300, 40), (4, 4), seed=11)
+    outs = {}
+    for name, flags in {"one": {}, "cp": layout}.items():
+        with Engine(str(models["llama"]), dtype="float32", **flags) as engine:
+            outs[name] = [o["output_ids"] for o in work.run(engine)]
+            chunking = engine.backend.chunking
+    assert "auto" in chunking  # the CP engine (the last) picked its size at start-up
+    assert outs["cp"] == outs["one"]
