@@ -118,10 +118,17 @@ class CacheConfig:
         "HiCache: prefixes evicted from the device KV pool move to host memory (and from there "
         "to --hicache-storage-dir) instead of being dropped, and a later hit loads them back",
     )
-    hicache_ratio: float = _flag(
-        2.0,
+    hicache_ratio: float | None = _flag(
+        None,
         "host-memory (L2) tier size, as a multiple of the device KV pool's pages (with "
-        "write-through it also holds copies of what is on the device: keep it above 1)",
+        "write-through it also holds copies of what is on the device: keep it above 1); "
+        "default 2, capped by --hicache-size; a ratio given that exceeds the cap is refused",
+    )
+    hicache_size: float | None = _flag(
+        None,
+        "cap on the host-memory (L2) tier, GiB per worker; default: what is free where the "
+        "run starts (MemAvailable, less this run's pools on a CPU device and a tenth of RAM, "
+        "split among the node's workers); more than that is refused",
     )
     hicache_write_policy: str = _flag(
         "write_through",
@@ -630,7 +637,14 @@ def _hicache_checks(c: CacheConfig, p: ParallelConfig) -> list[tuple[bool, str]]
             not c.disable_radix_cache,
             "--enable-hierarchical-cache extends the prefix cache: drop --disable-radix-cache",
         ),
-        (c.hicache_ratio > 0, f"--hicache-ratio {c.hicache_ratio} must be positive"),
+        (
+            c.hicache_ratio is None or c.hicache_ratio > 0,
+            f"--hicache-ratio {c.hicache_ratio} must be positive",
+        ),
+        (
+            c.hicache_size is None or c.hicache_size > 0,
+            f"--hicache-size {c.hicache_size} must be positive",
+        ),
         (
             c.hicache_storage_ratio > 0,
             f"--hicache-storage-ratio {c.hicache_storage_ratio} must be positive",

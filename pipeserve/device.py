@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -236,6 +237,18 @@ def total_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_memory() -> int:
+    """Bytes of RAM the kernel says can be taken without swapping (MemAvailable); where that
+    is unknown, all of it."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total_memory(torch.device("cpu"))
 
 
 def memory_budget(device: torch.device, fraction: float, local_workers: int) -> float:

@@ -90,6 +90,7 @@ def worker_main(args: WorkerArgs) -> None:
         device = bind_device(config.model.device, args.local_index)
         _init_groups(args, config, device)
         config, model_path = _agree_on_dtype(config, args.model_path, device)
+        config = _agree_on_host_tier(config, device)
         arch = ArchConfig.load(model_path)
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
@@ -205,6 +206,16 @@ def _agree_on_dtype(
     )
     config = EngineConfig.from_flags(**{**config.flags(), "dtype": agreed})
     return config, str(resolve_model_path(config.model.model_path, agreed))
+
+
+def _agree_on_host_tier(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """Every rank caps HiCache's host tier as node 0's launching process decided (from its
+    free memory: `with_host_tier`), so all derive the same page counts."""
+    if not config.cache.enable_hierarchical_cache:
+        return config
+    agreed = broadcast_text(repr(config.cache.hicache_size), device)
+    size = None if agreed == "None" else float(agreed)
+    return EngineConfig.from_flags(**{**config.flags(), "hicache_size": size})
 
 
 def _agree_on_partition(config: EngineConfig, arch: ArchConfig, device: torch.device) -> list[int]:

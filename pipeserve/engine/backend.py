@@ -31,8 +31,10 @@ from pipeserve.engine.overlap_loop import OverlapLoop
 from pipeserve.engine.pipeline_loop import PipelineLoop, pipeline_depth
 from pipeserve.engine.plain_loop import PlainLoop
 from pipeserve.engine.workers import WorkerError, WorkerSet
-from pipeserve.mem_cache.hicache import DISK, HOST, HiCache, tier_pages
+from pipeserve.mem_cache.hicache import DISK, HOST, HiCache
+from pipeserve.mem_cache.host_tier import tier_pages
 from pipeserve.models.arch import ArchConfig
+from pipeserve.runner.kv_layout import host_page_bytes
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.batch import Run
 from pipeserve.scheduler.chunk_cost import PROFILE_BUDGET_S, Point
@@ -52,13 +54,15 @@ def build_scheduler(
     context_len: int,
     max_batch_reqs: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    host_page_bytes: int | None = None,
 ) -> Scheduler:
     """One attention rank's scheduler. No tokenizer (the simulator): end-of-sequence ids from
-    the model config alone, no stop strings."""
+    the model config alone, no stop strings. `host_page_bytes`: a HiCache host page's bytes
+    on the workers (None: the host tier is not capped, as in the simulator)."""
     c = config.cache
     hicache = None
     if c.enable_hierarchical_cache:
-        host, disk = tier_pages(c, num_pages)
+        host, disk = tier_pages(c, num_pages, host_page_bytes)
         write_through = c.hicache_write_policy == "write_through"
         hicache = HiCache(c.page_size, host, disk, write_through, c.hicache_prefetch_threshold)
     kv = KVManager(num_pages, c.page_size, c.disable_radix_cache, hicache)
@@ -81,6 +85,7 @@ def build_pipeline_scheduler(
     num_pages: int,
     context_len: int,
     clock: Callable[[], float] = time.perf_counter,
+    host_page_bytes: int | None = None,
 ) -> DataParallelScheduler:
     """The scheduling side of a worker layout (and of the simulator, which runs the same):
     --max-running-requests split over the attention ranks, a rank's share over the
@@ -91,7 +96,9 @@ def build_pipeline_scheduler(
     rank_config = replace(config, scheduler=replace(s, max_running_requests=per_rank))
     per_batch = max(per_rank // p.pp_size, 1)
     schedulers = [
-        build_scheduler(rank_config, arch, tokenizer, num_pages, context_len, per_batch, clock)
+        build_scheduler(
+            rank_config, arch, tokenizer, num_pages, context_len, per_batch, clock, host_page_bytes
+        )
         for _ in range(p.attention_ranks)
     ]
     tbo = p.tbo_token_distribution_threshold if p.enable_two_batch_overlap else None
@@ -254,7 +261,10 @@ class InProcessBackend(Backend):
         num_pages = kv_pool_pages(config, arch, local_workers=1)
         self.runner = ModelRunner(config, arch, model_path, num_pages)
         self.partition = [arch.num_layers]
-        self.scheduler = build_scheduler(config, arch, tokenizer, num_pages, context_len)
+        page_bytes = host_page_bytes(config, arch, [arch.num_layers])
+        self.scheduler = build_scheduler(
+            config, arch, tokenizer, num_pages, context_len, host_page_bytes=page_bytes
+        )
         self.schedulers = [self.scheduler]
         self.loop: PlainLoop | OverlapLoop = self._make_loop(config, threads, context_len)
         log.info(
@@ -344,7 +354,10 @@ class WorkerBackend(Backend):
         if p.tp_size > 1:
             kinds = sorted({i["tp_all_reduce"] for i in info.values()})
             log.info("TP all-reduce: %s", ", ".join(kinds))
-        self.scheduler = build_pipeline_scheduler(config, arch, tokenizer, num_pages, context_len)
+        page_bytes = host_page_bytes(config, arch, self.partition)
+        self.scheduler = build_pipeline_scheduler(
+            config, arch, tokenizer, num_pages, context_len, host_page_bytes=page_bytes
+        )
         self.schedulers = self.scheduler.ranks
         depth = pipeline_depth(config, overlap=bool(ring))
         self.loop = PipelineLoop(

@@ -20,6 +20,7 @@ from pipeserve.device import (
 )
 from pipeserve.disaggregation.pd.kv_remap import SideLayout
 from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
+from pipeserve.mem_cache.host_tier import with_host_tier
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.kv_layout import kv_bytes_per_token
@@ -68,7 +69,8 @@ class Engine:
             raise SettingsError(str(exc)) from exc
 
     def _start(self, model_path: str | None, flags: dict[str, Any]) -> None:
-        self.config = with_compute_dtype(EngineConfig.from_flags(model_path=model_path, **flags))
+        config = with_compute_dtype(EngineConfig.from_flags(model_path=model_path, **flags))
+        self.config = with_host_tier(config)
         m = self.config.model
         self.model_path = resolve_model_path(m.model_path, m.dtype)
         self.arch = ArchConfig.load(self.model_path)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeserve.config import CacheConfig
 from pipeserve.mem_cache.allocator import PageAllocator
 from pipeserve.mem_cache.radix_cache import Node, RadixCache
 
@@ -258,11 +257,3 @@ class HiCache:
         else:
             node.disk = None
         members.discard(node)
-
-
-def tier_pages(cache: CacheConfig, device_pages: int) -> tuple[int, int]:
-    """(host, disk) pages of the lower tiers for a device pool of `device_pages` pages (page 0
-    of which is padding); the scheduler and every worker derive the same numbers."""
-    usable = device_pages - 1
-    disk = int(cache.hicache_storage_ratio * usable) if cache.hicache_storage_dir else 0
-    return int(cache.hicache_ratio * usable), disk

@@ -41,9 +41,11 @@ class TierStore:
         self.tiers: dict[str, Buffers] = {DEVICE: device}
         self.on_cuda = pin = device[0][0].is_cuda  # host pages pinned, copies synchronised
         host_slots = (host_pages + 1) * page_size
-        # zeroed, so the memory is taken (and short memory found) at start, not by a copy
+        # not written: the kernel commits its pages as copies first land in them, like the
+        # device pool's on a CPU (pinned memory, for a GPU, is committed at once); its size is
+        # capped by what was free at start (pipeserve/mem_cache/host_tier.py)
         self.tiers[HOST] = [
-            (torch.zeros(_with_slots(b, dim, host_slots), dtype=b.dtype, pin_memory=pin), dim)
+            (torch.empty(_with_slots(b, dim, host_slots), dtype=b.dtype, pin_memory=pin), dim)
             for b, dim in device
         ]
         self.disk: DiskTier | None = None

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from pipeserve.config import EngineConfig
+from pipeserve.device import resolve_dtype
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.models.arch import ArchConfig
 
@@ -30,6 +32,14 @@ def kv_bytes_per_token(arch: ArchConfig, num_layers: int, tp_size: int, dtype: t
         return KVPool.latent_bytes_per_token(num_layers, width, dtype, index)
     heads = kv_heads_per_rank(arch, tp_size)
     return KVPool.bytes_per_token(num_layers, heads, arch.head_dim, dtype)
+
+
+def host_page_bytes(config: EngineConfig, arch: ArchConfig, partition: list[int]) -> int:
+    """Bytes a HiCache host-tier page takes on the worker whose stage has most layers (the
+    scheduler and the workers size the host tier from the same figure)."""
+    dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
+    per_token = kv_bytes_per_token(arch, max(partition), config.parallel.tp_size, dtype)
+    return per_token * config.cache.page_size
 
 
 def build_kv_pool(

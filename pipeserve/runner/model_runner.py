@@ -45,7 +45,7 @@ from pipeserve.layers.attention_backends import (
 )
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler
-from pipeserve.mem_cache.hicache import tier_pages
+from pipeserve.mem_cache.host_tier import tier_pages
 from pipeserve.mem_cache.tier_store import TierStore
 from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig, param_count, routed_expert_params
@@ -60,7 +60,7 @@ from pipeserve.runner.cuda_graph import (
     graphable,
 )
 from pipeserve.runner.forward_batch import ForwardBatch
-from pipeserve.runner.kv_layout import build_kv_pool, kv_bytes_per_token
+from pipeserve.runner.kv_layout import build_kv_pool, host_page_bytes, kv_bytes_per_token
 from pipeserve.runner.stage_output import PendingResult, SampledTensors, StageOutput
 from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
 from pipeserve.streams import DeviceStreams
@@ -247,7 +247,8 @@ class ModelRunner:
     def _tier_store(self, num_pages: int, name: str) -> TierStore:
         """HiCache's host (and disk) copies of this worker's part of the KV pool."""
         c = self.config.cache
-        host, disk = tier_pages(c, num_pages)
+        partition = list(self.state.partition) or [self.arch.num_layers]
+        host, disk = tier_pages(c, num_pages, host_page_bytes(self.config, self.arch, partition))
         return TierStore(self.kv_pool, c.page_size, host, disk, c.hicache_storage_dir, name)
 
     def _shard_linear(self) -> LayerShards:
