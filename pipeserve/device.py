@@ -118,8 +118,29 @@ def with_compute_dtype(config: EngineConfig) -> EngineConfig:
         return config
     device = resolve_device(m.device)
     dtype = best_dtype(device)
-    log.info("compute dtype: %s (%s)", dtype, _dtype_reason(device, dtype))
+    reason = _dtype_reason(device, dtype)
+    if device.type == "cpu" and dtype != "float32" and _is_built_in_model(m.model_path):
+        dtype, reason = "float32", BUILT_IN_MODEL_FLOAT32
+    log.info("compute dtype: %s (%s)", dtype, reason)
     return dataclasses.replace(config, model=dataclasses.replace(m, dtype=dtype))
+
+
+# The built-in model (SmolLM2-135M-Instruct) computes in float32 on every CPU under --dtype
+# best. Its demo's first answer hangs on a margin of 0.10 nats ("What is the capital of
+# France?": 'The' -1.864 against 'L' -1.963 in float32), inside bfloat16's own rounding
+# (transformers' bfloat16 moves this model's prompt logprobs by up to 0.4 against float32),
+# and an AVX512-BF16 machine's bfloat16 run answered it wrongly. At 135M parameters float32
+# costs little; --dtype bfloat16 still computes in bfloat16.
+BUILT_IN_MODEL_FLOAT32 = (
+    "--dtype best for the built-in model on a CPU: its demo answers' margins are inside "
+    "bfloat16's rounding; --dtype bfloat16 forces it"
+)
+
+
+def _is_built_in_model(model_path: str | None) -> bool:
+    from pipeserve.models.default_model import ALIAS
+
+    return model_path is None or (model_path == ALIAS and not os.path.exists(model_path))
 
 
 def _dtype_reason(device: torch.device, dtype: str) -> str:

@@ -80,6 +80,22 @@ def test_the_launching_process_makes_best_concrete(cpu_flags, caplog) -> None:
     assert dev.with_compute_dtype(explicit) is explicit
 
 
+def test_the_built_in_model_computes_in_float32_on_every_cpu(cpu_flags, caplog) -> None:
+    """Its demo's margins (0.10 nats on the first answer) are inside bfloat16's rounding: on
+    a CPU with native bf16 --dtype best gives it float32; other models, and an explicit
+    --dtype bfloat16, compute in bf16."""
+    cpu_flags(True, True)
+    for built_in in ({}, {"model_path": "smollm2"}):
+        config = EngineConfig.from_flags(device="cpu", **built_in)
+        with caplog.at_level(logging.INFO, logger="pipeserve.device"):
+            assert dev.with_compute_dtype(config).model.dtype == "float32"
+        assert "demo answers' margins" in caplog.text
+    other = EngineConfig.from_flags(device="cpu", model_path="bench")
+    assert dev.with_compute_dtype(other).model.dtype == "bfloat16"
+    forced = EngineConfig.from_flags(device="cpu", dtype="bfloat16")
+    assert dev.with_compute_dtype(forced).model.dtype == "bfloat16"
+
+
 def test_explicit_bf16_on_a_cpu_without_it_warns_with_the_slowdown(
     cpu_flags, monkeypatch, caplog
 ) -> None:

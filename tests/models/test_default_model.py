@@ -54,6 +54,30 @@ def test_the_capital_of_france_is_paris(engine: Engine) -> None:
     assert "Paris" in engine.generate(chat, sampling_params=GREEDY)["text"]
 
 
+FLOAT32_ERROR = 1e-4  # pipeserve's float32 logprobs against transformers' (3.5e-6 measured)
+
+
+def test_the_demo_answers_hold_their_margins_in_the_default_dtype(engine: Engine) -> None:
+    """The greedy answers above are checked in the built-in model's default dtype, float32
+    on every CPU: each answer's first token leads the runner-up (transformers, float32) by
+    far more than float32's error. In bfloat16 the chat answer's margin (0.10 nats: 'The'
+    against 'L') is inside the dtype's own rounding, so no greedy check could rest on it."""
+    from transformers import AutoModelForCausalLM
+
+    assert engine.config.model.dtype == "float32"
+    tok = engine.tokenizer
+    assert tok is not None
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    path = converted_checkpoint(default_model_file(), "float32")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt in ("The capital of France is", chat):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.inference_mode():
+            logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
+        top = torch.log_softmax(logits.float(), -1).topk(2).values
+        assert top[0] - top[1] > 100 * FLOAT32_ERROR, (prompt, top.tolist())
+
+
 def test_weights_equal_transformers_gguf_loader(engine: Engine) -> None:
     """Dequantised in float32 (for float32 runs): bitwise transformers' GGUF loader; the
     bfloat16 conversion is that, rounded; the default run reads the one for the dtype
