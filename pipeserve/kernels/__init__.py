@@ -28,6 +28,7 @@ SOURCES = [
         "prefill_attention.cpp",
         "prefill_attention_avx2.cpp",
         "shm_allreduce.cpp",
+        "index_scores.cpp",
         "bindings.cpp",
     )
 ]

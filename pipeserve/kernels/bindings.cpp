@@ -17,6 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a prompt chunk over runs of KV slots (CPU, float32 or bfloat16 "
         "storage computed in float32, AVX2 + FMA)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("index_scores", &index_scores,
+        "DeepSeek-V3.2 indexer scores, ReLU and head sum fused, causal (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<ShmAllReduce>(m, "ShmAllReduce")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())
       .def("all_reduce_", &ShmAllReduce::all_reduce_, "sum in place across the ranks",

@@ -22,6 +22,7 @@ at::Tensor paged_prefill_attention_avx2(at::Tensor q, at::Tensor k_cache,
                                            at::Tensor v_cache, at::Tensor runs,
                                            int64_t prefix, double scale);
 bool prefill_attention_avx2_supported();
+at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale);
 
 // Sum all-reduce among the TP ranks of one machine over a POSIX shared-memory segment (see
 // shm_allreduce.cpp). Rank 0 creates the segment; the others open it by name.

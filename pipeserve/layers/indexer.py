@@ -14,9 +14,10 @@ its `index_topk` best keys, or every visible key when it sees fewer.
 Tie-break: scores are sums of ReLUs, so exact ties (0 most of all) are common. Among equal scores
 the earlier position wins; -0.0 counts as 0.0. transformers' topk leaves this order unspecified.
 
-Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), best
-first, -1 where a query sees fewer than index_topk tokens. `selection_mask` turns one request's
-rows into the boolean mask [q_len, prefix_len + q_len] its attention is restricted to.
+Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), in
+increasing order, -1 (last) where a query sees fewer than index_topk tokens. `selection_mask` turns
+one request's rows into the boolean mask [q_len, prefix_len + q_len] its attention is restricted
+to (prompt chunks; decode steps read only the chosen rows).
 
 Tensor parallelism: every projection is replicated (the indexer is small), so every rank caches
 the same keys and selects the same tokens.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeserve.device import native_index_scores
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.linear import ReplicatedLinear
 from pipeserve.layers.rotary import apply_rotary_part
@@ -141,9 +143,13 @@ def causal_index_scores(
     q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, prefix_len: int, scale: float
 ) -> torch.Tensor:
     """q [n, heads, d], w [n, heads], k [L, d] (key j at position j, query i at prefix_len + i)
-    -> [n, L] float32: sum over heads of w * ReLU(q.k * scale), -inf at future keys. The
-    per-head logits are formed for a block of queries at a time, at most
-    LOGIT_BLOCK_ELEMENTS of them, never all of [heads, n, L]."""
+    -> [n, L] float32: sum over heads of w * ReLU(q.k * scale), -inf at future keys. On a
+    CPU the compiled kernel (pipeserve/kernels/index_scores.cpp: the ReLU and the head sum
+    fused in registers, future key blocks skipped); elsewhere the per-head logits are formed
+    for a block of queries at a time, at most LOGIT_BLOCK_ELEMENTS of them, never all of
+    [heads, n, L]."""
+    if q.device.type == "cpu" and (kernel := native_index_scores()) is not None:
+        return kernel(q.float(), w.float(), k.float(), prefix_len, scale)
     n, heads = q.shape[:2]
     kt = k.float().t()
     block = max(1, LOGIT_BLOCK_ELEMENTS // max(1, heads * k.shape[0]))
@@ -162,14 +168,44 @@ def _head_sum(q: torch.Tensor, w: torch.Tensor, kt: torch.Tensor, scale: float) 
 
 def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """scores [n, L] (-inf: not visible) -> [n, topk] long: the positions of each row's topk
-    highest finite scores, best first, the earlier position first among equal scores; -1 pads
-    rows with fewer than topk finite scores."""
-    # + 0.0 turns -0.0 into 0.0, so a stable sort sees them as the tie they are
-    values, order = torch.sort(scores + 0.0, dim=-1, descending=True, stable=True)
-    picked = order[:, :topk].masked_fill(values[:, :topk] == float("-inf"), -1)
-    if picked.shape[1] < topk:
-        picked = nn.functional.pad(picked, (0, topk - picked.shape[1]), value=-1)
+    highest finite scores in increasing order, the earlier position first among equal scores
+    at the boundary; -1 pads rows with fewer than topk finite scores. A selection, not a
+    sort: torch.topk keeps topk + 1 of each row in O(L); only where the (topk + 1)-th best
+    ties the topk-th (ReLU sums tie at 0 often) is the row's boundary resolved by position,
+    in one more O(L) pass over that row."""
+    n, length = scores.shape
+    k = min(topk, length)
+    if length > k:
+        values, picked = torch.topk(scores, k + 1, dim=-1, sorted=False)
+        low = torch.topk(values, 2, dim=-1, largest=False)  # the (k+1)-th and k-th best
+        kept = torch.ones_like(picked, dtype=torch.bool).scatter_(1, low.indices[:, :1], False)
+        picked = picked[kept].view(n, k)
+        kth = low.values[:, 1:]
+        # -0.0 == 0.0 here: comparisons see the tie a bitwise order would miss
+        straddle = (low.values[:, 0] == kth[:, 0]) & (kth[:, 0] > float("-inf"))
+        rows = straddle.nonzero()[:, 0]
+        if rows.numel() == n:  # every row (no copy of the scores)
+            picked = _earliest_at_boundary(scores, kth, k)
+        elif rows.numel():
+            picked[rows] = _earliest_at_boundary(scores[rows], kth[rows], k)
+    else:
+        picked = torch.arange(length, device=scores.device).expand(n, length)
+    invisible = scores.gather(1, picked) == float("-inf")
+    picked = torch.where(invisible, length, picked).sort(dim=-1).values  # -1s to the end
+    picked = picked.masked_fill(picked == length, -1)
+    if k < topk:
+        picked = nn.functional.pad(picked, (0, topk - k), value=-1)
     return picked
+
+
+def _earliest_at_boundary(scores: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows whose k-th best score `kth` [r, 1] ties scores outside the k best: every position
+    above it and the earliest positions at it, k in all -> [r, k] positions, increasing."""
+    above, at = scores > kth, scores == kth
+    need = k - above.sum(-1, keepdim=True, dtype=torch.int32)
+    chosen = above | (at & (at.cumsum(-1, dtype=torch.int32) <= need))
+    return chosen.nonzero()[:, 1].view(-1, k)
+
 
 
 def selection_mask(positions: torch.Tensor, length: int) -> torch.Tensor:

@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from sparse_oracle import selection_mask
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
+from pipeserve.device import native_index_scores
 from pipeserve.layers import indexer as indexer_mod
-from pipeserve.layers.indexer import Indexer, selection_mask, top_positions
+from pipeserve.layers.indexer import Indexer, top_positions
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary_part
 from pipeserve.models.arch import IndexerConfig, RopeConfig
@@ -218,8 +220,84 @@ def test_tie_break_earlier_position_wins() -> None:
             [0.0, -1.0, -inf, -inf, -inf, -inf, -inf],  # fewer visible than topk
         ]
     )
-    assert top_positions(scores, 4).tolist() == [[2, 0, 5, 1], [0, 1, 2, 3], [0, 1, -1, -1]]
+    # the set: 2.0, both 1.0s, then the earliest of the 0.0s; in increasing position order
+    assert top_positions(scores, 4).tolist() == [[0, 1, 2, 5], [0, 1, 2, 3], [0, 1, -1, -1]]
     assert top_positions(scores[:, :2], 4).tolist() == [[0, 1, -1, -1]] * 3
+
+
+@pytest.mark.skipif(native_index_scores() is None, reason="the native CPU kernels do not build")
+@pytest.mark.parametrize(
+    ("n", "prefix", "heads", "dim"),
+    [(1, 0, 1, 8), (5, 3, 4, 32), (37, 100, 16, 64), (130, 0, 3, 24), (64, 300, 2, 128)],
+)
+def test_the_native_kernel_gives_the_torch_path_s_scores(
+    n: int, prefix: int, heads: int, dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled kernel (ReLU and head sum fused, future blocks skipped) against the
+    blocked torch ops: the same finite scores within float32 rounding, -inf at exactly the
+    future keys; queries not a multiple of its 3-query passes or 16-query tasks, keys not
+    of its 32-key blocks. bfloat16 inputs are widened first."""
+    q, w, k = rand(n, heads, dim, seed=1), rand(n, heads, seed=2), rand(prefix + n, dim, seed=3)
+    got = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2)
+    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
+    want = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.isinf(want).sum() == n * (n - 1) // 2
+    torch.testing.assert_close(got, want, atol=1e-5 * dim, rtol=1e-5)
+    half = [t.to(torch.bfloat16) for t in (q, k)]
+    monkeypatch.undo()
+    got16 = indexer_mod.causal_index_scores(half[0], w, half[1], prefix, 0.2)
+    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
+    want16 = indexer_mod.causal_index_scores(half[0], w, half[1], prefix, 0.2)
+    torch.testing.assert_close(got16, want16, atol=1e-5 * dim, rtol=1e-5)
+
+
+def reference_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The rule by its definition: a full stable sort by score (best first, -0.0 as 0.0),
+    the first topk finite ones kept, in increasing position order, -1 last."""
+    values, order = torch.sort(scores + 0.0, dim=-1, descending=True, stable=True)
+    rows = []
+    for v, o in zip(values[:, :topk].tolist(), order[:, :topk].tolist(), strict=True):
+        kept = sorted(p for p, x in zip(o, v, strict=True) if x != float("-inf"))
+        rows.append(kept + [-1] * (topk - len(kept)))
+    return torch.tensor(rows, dtype=torch.long).view(scores.shape[0], topk)
+
+
+def test_the_selection_is_the_sort_s_on_ties_signed_zeros_and_short_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n, length, topk = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (12, 160, 70))
+        scores = torch.relu(torch.randn(n, length, generator=gen)).round(decimals=1)
+        scores[torch.rand(n, length, generator=gen) < 0.2] = -0.0  # ties with 0.0
+        prefix = int(torch.randint(0, max(1, length - n + 1), (1,), generator=gen))
+        future = torch.ones(n, length, dtype=torch.bool).triu(prefix + 1)
+        scores = scores.masked_fill(future, float("-inf"))
+        assert torch.equal(top_positions(scores, topk), reference_positions(scores, topk))
+
+
+class Sorts(torch.overrides.TorchFunctionMode):
+    """The sizes of the last dimension of every tensor sorted inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widths: list[int] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in ("sort", "argsort", "msort"):
+            self.widths.append(args[0].shape[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_selection_sorts_no_row_of_scores(ties: bool) -> None:
+    """Linear in the row's length: what is sorted is at most topk wide (the kept positions),
+    never a row of L scores, with or without ties at the boundary."""
+    topk, length = 64, 4096
+    scores = torch.relu(rand(32, length, seed=3) - (1.5 if ties else 0.0)).round(decimals=1)
+    with Sorts() as sorts:
+        picked = top_positions(scores, topk)
+    assert sorts.widths and max(sorts.widths) <= topk
+    assert torch.equal(picked, reference_positions(scores, topk))
 
 
 @pytest.mark.parametrize("weight", [0.0, -1.0])
@@ -261,7 +339,9 @@ def test_index_scores_in_query_blocks_equal_one_block(
     setup: Setup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under a small logit budget the per-head logits are formed a few queries at a time
-    (never [heads, queries, keys] at once, as on a GPU at long contexts): the same scores."""
+    (never [heads, queries, keys] at once, as on a GPU at long contexts): the same scores.
+    (The torch path, which a CPU takes where the native kernel does not build.)"""
+    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
     layer, (x, q_latent) = setup.layer(), inputs()
     (whole,), picked, _ = run_chunks(layer, setup, x, q_latent, [PROMPT])
     rows: list[int] = []
