@@ -14,8 +14,8 @@ its `index_topk` best keys, or every visible key when it sees fewer.
 Tie-break: scores are sums of ReLUs, so exact ties (0 most of all) are common. Among equal scores
 the earlier position wins; -0.0 counts as 0.0. transformers' topk leaves this order unspecified.
 
-Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), in
-increasing order, -1 (last) where a query sees fewer than index_topk tokens. `selection_mask` turns
+Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), as a
+set in no particular order, -1 for none where a query sees fewer than index_topk tokens. `selection_mask` turns
 one request's rows into the boolean mask [q_len, prefix_len + q_len] its attention is restricted
 to (prompt chunks; decode steps read only the chosen rows).
 
@@ -168,9 +168,9 @@ def _head_sum(q: torch.Tensor, w: torch.Tensor, kt: torch.Tensor, scale: float) 
 
 def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """scores [n, L] (-inf: not visible) -> [n, topk] long: the positions of each row's topk
-    highest finite scores in increasing order, the earlier position first among equal scores
-    at the boundary; -1 pads rows with fewer than topk finite scores. A selection, not a
-    sort: torch.topk keeps topk + 1 of each row in O(L); only where the (topk + 1)-th best
+    highest finite scores, the earlier position first among equal scores at the boundary, in
+    no particular order (a set: what the layer reads); -1 stands for none where a row has
+    fewer than topk finite scores. A selection, not a sort: torch.topk keeps topk + 1 of each row in O(L); only where the (topk + 1)-th best
     ties the topk-th (ReLU sums tie at 0 often) is the row's boundary resolved by position,
     in one more O(L) pass over that row."""
     n, length = scores.shape
@@ -190,9 +190,7 @@ def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
             picked[rows] = _earliest_at_boundary(scores[rows], kth[rows], k)
     else:
         picked = torch.arange(length, device=scores.device).expand(n, length)
-    invisible = scores.gather(1, picked) == float("-inf")
-    picked = torch.where(invisible, length, picked).sort(dim=-1).values  # -1s to the end
-    picked = picked.masked_fill(picked == length, -1)
+    picked = picked.masked_fill(scores.gather(1, picked) == float("-inf"), -1)
     if k < topk:
         picked = nn.functional.pad(picked, (0, topk - k), value=-1)
     return picked
