@@ -147,15 +147,16 @@ def select_attention_kernels(
 AUTO_TRITON_PROMPT_MAX_KEYS = 16384
 
 
-def triton_chosen(backend: str, device_type: str) -> bool:
+def triton_chosen(backend: str, device_type: str, devices: int = 1) -> bool:
     """Whether the batched Triton kernels run (decode steps, and the prompt chunks the rule
     above leaves them): --attention-backend triton (ValueError where it cannot run), or auto
-    on CUDA where triton imports (measured fastest there: decode steps replay CUDA graphs,
-    64 requests 21-27K tok/s against torch's eager steps at ~0.2K on an H200). On a CPU,
-    triton runs only in its interpreter (TRITON_INTERPRET=1: the tests' way to run the
-    engine's Triton path without a GPU)."""
+    on one CUDA device where triton imports (measured fastest there: decode steps replay CUDA
+    graphs, 64 requests 21-27K tok/s against torch's eager steps at ~0.2K on an H200; a
+    layout of several devices, whose steps are not captured and where the Triton path has
+    not run, keeps the library kernels). On a CPU, triton runs only in its interpreter
+    (TRITON_INTERPRET=1: the tests' way to run the engine's Triton path without a GPU)."""
     if backend == "auto":
-        return device_type == "cuda" and _triton_imports()
+        return device_type == "cuda" and devices == 1 and _triton_imports()
     if backend != "triton":
         return False
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"

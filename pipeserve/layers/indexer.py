@@ -15,9 +15,9 @@ Tie-break: scores are sums of ReLUs, so exact ties (0 most of all) are common. A
 the earlier position wins; -0.0 counts as 0.0. transformers' topk leaves this order unspecified.
 
 Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), as a
-set in no particular order, -1 for none where a query sees fewer than index_topk tokens. `selection_mask` turns
-one request's rows into the boolean mask [q_len, prefix_len + q_len] its attention is restricted
-to (prompt chunks; decode steps read only the chosen rows).
+set in no particular order, -1 for none where a query sees fewer than index_topk tokens.
+`selection_mask` turns one request's rows into the boolean mask [q_len, prefix_len + q_len] its
+attention is restricted to (prompt chunks; decode steps read only the chosen rows).
 
 Tensor parallelism: every projection is replicated (the indexer is small), so every rank caches
 the same keys and selects the same tokens.
@@ -170,9 +170,9 @@ def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """scores [n, L] (-inf: not visible) -> [n, topk] long: the positions of each row's topk
     highest finite scores, the earlier position first among equal scores at the boundary, in
     no particular order (a set: what the layer reads); -1 stands for none where a row has
-    fewer than topk finite scores. A selection, not a sort: torch.topk keeps topk + 1 of each row in O(L); only where the (topk + 1)-th best
-    ties the topk-th (ReLU sums tie at 0 often) is the row's boundary resolved by position,
-    in one more O(L) pass over that row."""
+    fewer than topk finite scores. A selection, not a sort: torch.topk keeps topk + 1 of
+    each row in O(L); only where the (topk + 1)-th best ties the topk-th (ReLU sums tie at 0
+    often) is the row's boundary resolved by position, in one more O(L) pass over that row."""
     n, length = scores.shape
     k = min(topk, length)
     if length > k:
@@ -203,7 +203,6 @@ def _earliest_at_boundary(scores: torch.Tensor, kth: torch.Tensor, k: int) -> to
     need = k - above.sum(-1, keepdim=True, dtype=torch.int32)
     chosen = above | (at & (at.cumsum(-1, dtype=torch.int32) <= need))
     return chosen.nonzero()[:, 1].view(-1, k)
-
 
 
 def selection_mask(positions: torch.Tensor, length: int) -> torch.Tensor:

@@ -64,8 +64,7 @@ def with_host_tier(config: EngineConfig) -> EngineConfig:
         return config
     cache = dataclasses.replace(c, hicache_size=round(free / GIB, 3))
     log.info(
-        "HiCache host tier: at most %.1f GiB per worker (free at start-up; --hicache-size sets "
-        "it)",
+        "HiCache host tier: at most %.1f GiB per worker (free at start-up; --hicache-size sets it)",
         cache.hicache_size,
     )
     return dataclasses.replace(config, cache=cache)

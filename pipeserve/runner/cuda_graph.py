@@ -64,18 +64,18 @@ def graph_blocker(config: EngineConfig, arch: ArchConfig, device: torch.device) 
         return "--disable-cuda-graph (or --cuda-graph-max-bs 0)"
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (this is {device.type})"
-    if not triton_chosen(m.attention_backend, device.type):
-        return (
-            f"CUDA graphs capture the Triton path only (--attention-backend "
-            f"{m.attention_backend}; auto takes it where triton imports)"
-        )
-    if arch.indexer is not None:
-        return "DeepSeek-V3.2's indexer keeps per-request host segments (not captured yet)"
     sizes = {"pipeline": p.pp_size, "tensor": p.tp_size, "context": p.cp_size}
     sizes |= {"expert": p.expert_ranks, "attention-FFN": 2 if p.afd_enabled else 1}
     spread = [f"{k} {v}" for k, v in sizes.items() if v > 1]
     if spread:
         return f"CUDA graphs run on one device only ({', '.join(spread)})"
+    if not triton_chosen(m.attention_backend, device.type, p.world_size):
+        return (
+            f"CUDA graphs capture the Triton path only (--attention-backend "
+            f"{m.attention_backend}; auto takes it on one device where triton imports)"
+        )
+    if arch.indexer is not None:
+        return "DeepSeek-V3.2's indexer keeps per-request host segments (not captured yet)"
     if config.disaggregation.disaggregation_mode != "null":
         return "prefill/decode disaggregation's transfer hooks run on the host"
     return None

@@ -104,7 +104,7 @@ def kv_pool_pages(
 
 
 def use_native_kernels(
-    backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
+    backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, devices: int = 1
 ) -> NativeKernels:
     """Which steps run the native CPU kernels (--attention-backend): decode steps wherever
     the kernels build; prompt chunks in bfloat16 or float32 wherever a prefill kernel builds
@@ -112,12 +112,13 @@ def use_native_kernels(
     backend's kernels: FlashInfer's or PyTorch's (`select_attention_kernels`). With
     --attention-backend triton the batched Triton kernels take every decode step and prompt
     chunk (GQA models; MLA decode steps too; context parallelism keeps its path); auto on
-    CUDA takes them too, except that a batch with a prompt chunk over more than
+    one CUDA device (`devices`: the layout's) takes them too, except that a batch with a
+    prompt chunk over more than
     AUTO_TRITON_PROMPT_MAX_KEYS keys runs on the backend's kernels (`NativeKernels.for_batch`)."""
     if backend == "triton" and triton_chosen(backend, device.type):
         return NativeKernels(batched=True, backend=AttentionKernels(device.type))
     kernels = select_attention_kernels(backend, device.type, dtype, head_dim)
-    if triton_chosen(backend, device.type):  # auto on CUDA: long prompt chunks on `kernels`
+    if triton_chosen(backend, device.type, devices):  # auto: long prompt chunks on `kernels`
         return NativeKernels(
             batched=True, backend=kernels, batched_prompt_max_keys=AUTO_TRITON_PROMPT_MAX_KEYS
         )
@@ -177,7 +178,11 @@ class ModelRunner:
         # still joins these layers' expert dispatch and combine
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         self.native = use_native_kernels(
-            config.model.attention_backend, self.device, self.dtype, arch.head_dim
+            config.model.attention_backend,
+            self.device,
+            self.dtype,
+            arch.head_dim,
+            config.parallel.world_size,
         )
         batch_invariant.set_enabled(False)  # not left on by an earlier runner in this process
         if config.model.enable_deterministic_inference:

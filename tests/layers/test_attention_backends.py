@@ -350,9 +350,10 @@ def test_backend_errors_say_what_to_do(
 
 
 def test_model_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """use_native_kernels: on CUDA no native step; auto takes the batched Triton kernels
-    where triton imports, with long prompt chunks on the library kernels; triton takes them
-    for every step; torch for none."""
+    """use_native_kernels: on CUDA no native step; auto takes the batched Triton kernels on
+    one device where triton imports, with long prompt chunks on the library kernels (a
+    layout of several devices keeps the library kernels); triton takes them for every step;
+    torch for none."""
     monkeypatch.setattr(backends, "import_flashinfer", no_flashinfer)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda")
@@ -365,6 +366,9 @@ def test_model_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert explicit.batched and explicit.batched_prompt_max_keys is None
     assert not use_native_kernels("torch", cuda, torch.bfloat16, 128).batched
     assert not use_native_kernels("auto", CPU, torch.float32, 64).batched
+    spread = use_native_kernels("auto", cuda, torch.bfloat16, 128, devices=2)  # not measured
+    assert not spread.batched and spread.backend is not None and spread.backend.name == "torch"
+    assert use_native_kernels("triton", cuda, torch.bfloat16, 128, devices=2).batched
     assert use_native_kernels("torch", CPU, torch.float32, 64).backend.device_type == "cpu"
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         use_native_kernels("triton", CPU, torch.float32, 64)
