@@ -64,8 +64,13 @@ def main() -> int:
                     )
     ttft, decode = rounds["ttft_mean_s"], rounds["output_throughput_tok_s"]
     ratio = statistics.median(ttft["head"]) / statistics.median(ttft["base"])
-    report = {"base": args.base, "head": args.head or "working tree", "bench_args": bench_args,
-              **rounds, "ratio_head_to_base": ratio}
+    report = {
+        "base": args.base,
+        "head": args.head or "working tree",
+        "bench_args": bench_args,
+        **rounds,
+        "ratio_head_to_base": ratio,
+    }
     print(f"TTFT base {ttft['base']}  head {ttft['head']}")
     print(f"median TTFT ratio head/base: {ratio:.3f} (below 1: head faster)")
     if all(decode["base"]) and all(decode["head"]):

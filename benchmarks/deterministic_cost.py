@@ -52,8 +52,10 @@ def main() -> None:
         off, on = (statistics.median(by_mode[d]) for d in (False, True))
         unit = "s" if case.startswith("prefill") else "tok/s"
         report[case] = {"unit": unit, "default": off, "deterministic": on, "ratio": on / off}
-        print(f"{case:14s} default {off:9.2f} {unit}  deterministic {on:9.2f} {unit}  "
-              f"ratio {on / off:.3f}")
+        print(
+            f"{case:14s} default {off:9.2f} {unit}  deterministic {on:9.2f} {unit}  "
+            f"ratio {on / off:.3f}"
+        )
     for engine in engines.values():
         engine.shutdown()
     if args.json:

@@ -80,11 +80,17 @@ def main() -> None:
             t = measure(layer, prefix, chunk, args.repeats)
             ratio = t["absorbed"] / t["expanded"]
             rows.append({"prefix": prefix, "chunk": chunk, **t, "absorbed_over_expanded": ratio})
-            print(f"prefix {prefix:6d} chunk {chunk:5d}  expanded {t['expanded'] * 1e3:9.2f} ms  "
-                  f"absorbed {t['absorbed'] * 1e3:9.2f} ms  absorbed/expanded {ratio:6.2f}",
-                  flush=True)
-    report = {"threads": torch.get_num_threads(), "dtype": str(DTYPE),
-              "native": native_prefill_kernel(DTYPE) is not None, "rows": rows}
+            print(
+                f"prefix {prefix:6d} chunk {chunk:5d}  expanded {t['expanded'] * 1e3:9.2f} ms  "
+                f"absorbed {t['absorbed'] * 1e3:9.2f} ms  absorbed/expanded {ratio:6.2f}",
+                flush=True,
+            )
+    report = {
+        "threads": torch.get_num_threads(),
+        "dtype": str(DTYPE),
+        "native": native_prefill_kernel(DTYPE) is not None,
+        "rows": rows,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -30,9 +30,7 @@ def tree(root: int) -> list[int]:
                 stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(
-                int(entry)
-            )
+            children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(entry))
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -79,7 +77,10 @@ def main() -> None:
     model = [] if "--model" in args.serve_args else ["--model", "bench"]  # as it always ran
     server = subprocess.Popen(
         [str(BIN / "pipeserve"), "serve", "--port", str(args.port), *model, *args.serve_args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         for line in server.stdout:  # type: ignore[union-attr]
@@ -90,11 +91,27 @@ def main() -> None:
         prompts = int(args.minutes * 60 * args.rate)
         began = time.monotonic()
         load = subprocess.Popen(
-            [str(BIN / "pipeserve"), "bench-serving", "--base-url", base,
-             "--num-prompts", str(prompts), "--input-len", str(args.input_len),
-             "--output-len", str(args.output_len), "--request-rate", str(args.rate),
-             "--max-concurrency", "32", "--json", "/tmp/soak-load.json"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            [
+                str(BIN / "pipeserve"),
+                "bench-serving",
+                "--base-url",
+                base,
+                "--num-prompts",
+                str(prompts),
+                "--input-len",
+                str(args.input_len),
+                "--output-len",
+                str(args.output_len),
+                "--request-rate",
+                str(args.rate),
+                "--max-concurrency",
+                "32",
+                "--json",
+                "/tmp/soak-load.json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         samples = []  # (minute, MiB per process): growth that levels off is warm-up
         while load.poll() is None:

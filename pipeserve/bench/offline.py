@@ -23,8 +23,7 @@ from pipeserve.config import EngineConfig, ParallelConfig
 from pipeserve.device import resolve_device, resolve_dtype, set_threads
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
-from pipeserve.models.arch import ArchConfig
-from pipeserve.runner.kv_layout import kv_bytes_per_token
+from pipeserve.runner.kv_layout import stage_kv_bytes_per_token
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.timeline import (
     COMM_BYTES,
@@ -115,11 +114,8 @@ def kv_bytes_per_device(engine: Engine, prompt_lens: list[int], output_len: int)
     layers (the largest stage), its TP share of the heads, and under context parallelism
     the pages it holds of each request (every N-th, rounded up)."""
     p, page = engine.config.parallel, engine.config.cache.page_size
-    dtype = resolve_dtype(
-        engine.config.model.dtype, engine.arch.torch_dtype, engine.config.model.device
-    )
     partition = getattr(engine.backend, "partition", None) or [engine.arch.num_layers]
-    per_token = kv_bytes_per_token(engine.arch, max(partition), p.tp_size, dtype)
+    per_token = stage_kv_bytes_per_token(engine.config, engine.arch, partition)
     pages = sum(_ceil(_ceil(n + output_len, page), p.cp_size) for n in prompt_lens)
     return pages * page * per_token
 
@@ -382,10 +378,7 @@ def _add_hf_baseline(
         **{k: base[k] for k in TIMING_KEYS},
         "sdpa_kernels": base["sdpa_kernels"],
         "peak_device_bytes": base["peak_device_bytes"],
-        "attention_flops_per_s": sum(
-            attention_flops(ArchConfig.load(Path(report["model"])), 0, len(p)) for p in prompts
-        )
-        / base["prefill_s"],
+        "attention_flops_per_s": run["attention_flops"] / base["prefill_s"],
     }
     report["ratio_to_baseline"] = {
         "prefill_time": run["prefill_s"] / base["prefill_s"],

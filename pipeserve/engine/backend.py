@@ -34,7 +34,7 @@ from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.mem_cache.hicache import DISK, HOST, HiCache
 from pipeserve.mem_cache.host_tier import tier_pages
 from pipeserve.models.arch import ArchConfig
-from pipeserve.runner.kv_layout import host_page_bytes
+from pipeserve.runner.kv_layout import stage_kv_bytes_per_token
 from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
 from pipeserve.scheduler.batch import Run
 from pipeserve.scheduler.chunk_cost import PROFILE_BUDGET_S, Point
@@ -54,15 +54,16 @@ def build_scheduler(
     context_len: int,
     max_batch_reqs: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
-    host_page_bytes: int | None = None,
+    token_bytes: int | None = None,
 ) -> Scheduler:
     """One attention rank's scheduler. No tokenizer (the simulator): end-of-sequence ids from
-    the model config alone, no stop strings. `host_page_bytes`: a HiCache host page's bytes
-    on the workers (None: the host tier is not capped, as in the simulator)."""
+    the model config alone, no stop strings. `token_bytes`: a token's cache on the workers'
+    largest stage, which HiCache's host tier is sized by (None: not capped, as in the
+    simulator)."""
     c = config.cache
     hicache = None
     if c.enable_hierarchical_cache:
-        host, disk = tier_pages(c, num_pages, host_page_bytes)
+        host, disk = tier_pages(c, num_pages, token_bytes)
         write_through = c.hicache_write_policy == "write_through"
         hicache = HiCache(c.page_size, host, disk, write_through, c.hicache_prefetch_threshold)
     kv = KVManager(num_pages, c.page_size, c.disable_radix_cache, hicache)
@@ -85,7 +86,7 @@ def build_pipeline_scheduler(
     num_pages: int,
     context_len: int,
     clock: Callable[[], float] = time.perf_counter,
-    host_page_bytes: int | None = None,
+    token_bytes: int | None = None,
 ) -> DataParallelScheduler:
     """The scheduling side of a worker layout (and of the simulator, which runs the same):
     --max-running-requests split over the attention ranks, a rank's share over the
@@ -97,7 +98,7 @@ def build_pipeline_scheduler(
     per_batch = max(per_rank // p.pp_size, 1)
     schedulers = [
         build_scheduler(
-            rank_config, arch, tokenizer, num_pages, context_len, per_batch, clock, host_page_bytes
+            rank_config, arch, tokenizer, num_pages, context_len, per_batch, clock, token_bytes
         )
         for _ in range(p.attention_ranks)
     ]
@@ -261,9 +262,9 @@ class InProcessBackend(Backend):
         num_pages = kv_pool_pages(config, arch, local_workers=1)
         self.runner = ModelRunner(config, arch, model_path, num_pages)
         self.partition = [arch.num_layers]
-        page_bytes = host_page_bytes(config, arch, [arch.num_layers])
+        token_bytes = stage_kv_bytes_per_token(config, arch, self.partition)
         self.scheduler = build_scheduler(
-            config, arch, tokenizer, num_pages, context_len, host_page_bytes=page_bytes
+            config, arch, tokenizer, num_pages, context_len, token_bytes=token_bytes
         )
         self.schedulers = [self.scheduler]
         self.loop: PlainLoop | OverlapLoop = self._make_loop(config, threads, context_len)
@@ -354,9 +355,9 @@ class WorkerBackend(Backend):
         if p.tp_size > 1:
             kinds = sorted({i["tp_all_reduce"] for i in info.values()})
             log.info("TP all-reduce: %s", ", ".join(kinds))
-        page_bytes = host_page_bytes(config, arch, self.partition)
+        token_bytes = stage_kv_bytes_per_token(config, arch, self.partition)
         self.scheduler = build_pipeline_scheduler(
-            config, arch, tokenizer, num_pages, context_len, host_page_bytes=page_bytes
+            config, arch, tokenizer, num_pages, context_len, token_bytes=token_bytes
         )
         self.schedulers = self.scheduler.ranks
         depth = pipeline_depth(config, overlap=bool(ring))

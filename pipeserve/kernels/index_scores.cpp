@@ -10,18 +10,16 @@
 // loop is a fused multiply-add of a broadcast query value into kKeys key lanes, for three
 // queries at once (each key vector loaded feeds all three): plain C++ that the compiler vectorises
 // for the machine's widest vectors (-march=native: 8 lanes with AVX2, 16 with AVX512). Blocks
-// of a query's future are skipped, the rest of its row is masked.
-// Work is split over blocks of queries, taken from a shared counter by every thread.
-#include <ATen/Parallel.h>
+// of a query's future are skipped, the rest of its row is masked. Work is split over blocks
+// of queries as the prefill kernels split theirs (prefill::run_tasks).
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-#include "kernels.h"
+#include "prefill_common.h"
 
 namespace {
 
@@ -88,21 +86,18 @@ void rows(const Inputs& in, int64_t i, float (*acc)[kKeys]) {
 }
 
 void run(const Inputs& in) {
-  const int64_t tasks = (in.n + kQueries - 1) / kQueries;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    float acc[kPair][kKeys];
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t task = next++; task < tasks; task = next++) {
-        const int64_t q0 = (tasks - 1 - task) * kQueries;  // later queries (more keys) first
-        const int64_t q1 = std::min(in.n, q0 + kQueries);
+  // tasks of kQueries queries on every thread, later (longer) rows first: the prefill
+  // kernels' split, with one "head" (the heads are summed inside a task)
+  struct Acc {
+    float rows[kPair][kKeys];
+  };
+  prefill::run_tasks(
+      in.n, 1, kQueries, [] { return Acc{}; },
+      [&](Acc& acc, int64_t, int64_t q0, int64_t q1) {
         int64_t i = q0;
-        for (; i + kPair <= q1; i += kPair) rows<kPair>(in, i, acc);
-        for (; i < q1; ++i) rows<1>(in, i, acc);
-      }
-    }
-  });
+        for (; i + kPair <= q1; i += kPair) rows<kPair>(in, i, acc.rows);
+        for (; i < q1; ++i) rows<1>(in, i, acc.rows);
+      });
 }
 
 }  // namespace

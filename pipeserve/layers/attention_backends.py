@@ -156,7 +156,12 @@ def triton_chosen(backend: str, device_type: str, devices: int = 1) -> bool:
     not run, keeps the library kernels). On a CPU, triton runs only in its interpreter
     (TRITON_INTERPRET=1: the tests' way to run the engine's Triton path without a GPU)."""
     if backend == "auto":
-        return device_type == "cuda" and devices == 1 and _triton_imports()
+        if device_type != "cuda" or devices != 1:
+            return False
+        error = _triton_import_error()
+        if error is not None:
+            log.info("triton does not import (%s): the torch attention kernels run", error)
+        return error is None
     if backend != "triton":
         return False
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -165,22 +170,21 @@ def triton_chosen(backend: str, device_type: str, devices: int = 1) -> bool:
             f"--attention-backend triton runs on CUDA devices (the device is {device_type}; "
             "on a CPU only under TRITON_INTERPRET=1, for tests); use auto or torch"
         )
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
+    error = _triton_import_error()
+    if error is not None:
         raise ValueError(
-            f"--attention-backend triton: triton does not import ({e}); use auto or torch"
-        ) from None
+            f"--attention-backend triton: triton does not import ({error}); use auto or torch"
+        )
     return True
 
 
-def _triton_imports() -> bool:
+def _triton_import_error() -> str | None:
+    """Why triton does not import, or None where it does."""
     try:
         import triton  # noqa: F401
     except ImportError as e:
-        log.info("triton does not import (%s): the torch attention kernels run", e)
-        return False
-    return True
+        return str(e)
+    return None
 
 
 def _check_flashinfer(

@@ -70,17 +70,19 @@ def with_host_tier(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, cache=cache)
 
 
-def tier_pages(cache: CacheConfig, device_pages: int, page_bytes: int | None) -> tuple[int, int]:
+def tier_pages(cache: CacheConfig, device_pages: int, token_bytes: int | None) -> tuple[int, int]:
     """(host, disk) pages of the lower tiers for a device pool of `device_pages` pages (page 0
-    of which is padding), a host page taking `page_bytes` on a worker (its stage's largest;
-    None: no cap, as in the simulator). The scheduler and every worker derive the same
-    numbers. ValueError where an explicit --hicache-ratio exceeds the cap, or no page fits."""
+    of which is padding), a token's cache taking `token_bytes` on a worker (the largest
+    stage's: `stage_kv_bytes_per_token`; None: no cap, as in the simulator). The scheduler
+    and every worker derive the same numbers. ValueError where an explicit --hicache-ratio
+    exceeds the cap, or no page fits."""
     usable = device_pages - 1
     disk = int(cache.hicache_storage_ratio * usable) if cache.hicache_storage_dir else 0
     ratio = cache.hicache_ratio if cache.hicache_ratio is not None else DEFAULT_HICACHE_RATIO
     host = int(ratio * usable)
-    if cache.hicache_size is None or page_bytes is None:
+    if cache.hicache_size is None or token_bytes is None:
         return host, disk
+    page_bytes = token_bytes * cache.page_size
     cap = int(cache.hicache_size * GIB) // page_bytes
     if cache.hicache_ratio is not None and host > cap:
         raise ValueError(

@@ -34,12 +34,11 @@ def kv_bytes_per_token(arch: ArchConfig, num_layers: int, tp_size: int, dtype: t
     return KVPool.bytes_per_token(num_layers, heads, arch.head_dim, dtype)
 
 
-def host_page_bytes(config: EngineConfig, arch: ArchConfig, partition: list[int]) -> int:
-    """Bytes a HiCache host-tier page takes on the worker whose stage has most layers (the
-    scheduler and the workers size the host tier from the same figure)."""
+def stage_kv_bytes_per_token(config: EngineConfig, arch: ArchConfig, partition: list[int]) -> int:
+    """Bytes one token's cache takes on a rank of the stage with most layers (`partition`:
+    layers per stage), in the run's dtype and TP share."""
     dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
-    per_token = kv_bytes_per_token(arch, max(partition), config.parallel.tp_size, dtype)
-    return per_token * config.cache.page_size
+    return kv_bytes_per_token(arch, max(partition), config.parallel.tp_size, dtype)
 
 
 def build_kv_pool(

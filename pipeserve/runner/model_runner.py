@@ -60,7 +60,7 @@ from pipeserve.runner.cuda_graph import (
     graphable,
 )
 from pipeserve.runner.forward_batch import ForwardBatch
-from pipeserve.runner.kv_layout import build_kv_pool, host_page_bytes, kv_bytes_per_token
+from pipeserve.runner.kv_layout import build_kv_pool, stage_kv_bytes_per_token
 from pipeserve.runner.stage_output import PendingResult, SampledTensors, StageOutput
 from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
 from pipeserve.streams import DeviceStreams
@@ -91,7 +91,7 @@ def kv_pool_pages(
     elsewhere = 1.0 if p.afd_enabled else 1 - 1 / p.expert_ranks  # experts on other ranks
     params = param_count(arch) - routed_expert_params(arch) * elsewhere
     weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
-    per_token = kv_bytes_per_token(arch, stage_layers_max, p.tp_size, dtype)
+    per_token = stage_kv_bytes_per_token(config, arch, partition)
     graphs = graph_reserve_bytes(config, arch, device, dtype)
     tokens = int((budget - weights - graphs) // per_token)
     if tokens < 4 * page:
@@ -253,7 +253,9 @@ class ModelRunner:
         """HiCache's host (and disk) copies of this worker's part of the KV pool."""
         c = self.config.cache
         partition = list(self.state.partition) or [self.arch.num_layers]
-        host, disk = tier_pages(c, num_pages, host_page_bytes(self.config, self.arch, partition))
+        host, disk = tier_pages(
+            c, num_pages, stage_kv_bytes_per_token(self.config, self.arch, partition)
+        )
         return TierStore(self.kv_pool, c.page_size, host, disk, c.hicache_storage_dir, name)
 
     def _shard_linear(self) -> LayerShards:
