@@ -4,6 +4,11 @@ Loading is driven by the model's own parameters: each parameter names the checkp
 tensors it is made of, so a pipeline stage reads only its layers' tensors and a TP rank
 reads only its slice of each (safetensors files are memory-mapped; a narrowed tensor reads
 just the bytes of that slice). Peak memory is the model shard plus one tensor.
+
+FP8 block-quantised checkpoints (models/quantization.py): a weight stored with a
+`<name>_scale_inv` beside it is dequantised as it is read, the slice a rank reads times the
+block scales that cover it; config.json must declare the quantisation, and an fp8 tensor with
+no scale is refused.
 """
 
 from __future__ import annotations
@@ -17,13 +22,32 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pipeserve.models.quantization import (
+    FP8_DTYPES,
+    SCALE_SUFFIX,
+    Fp8Blocks,
+    checkpoint_quantization,
+    dequantize_blocks,
+)
+
 
 class LazyTensor:
-    """A checkpoint tensor, or a slice of one, not read until `load()`."""
+    """A checkpoint tensor, or a slice of one, not read until `load()`. With `scales` (the
+    whole scale grid of an FP8 block-quantised weight, and its block size) `load()` gives the
+    dequantised values of the slice, float32."""
 
-    def __init__(self, handle: Any, name: str, slices: tuple[slice, ...] | None = None) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        name: str,
+        slices: tuple[slice, ...] | None = None,
+        scales: tuple[LazyTensor, tuple[int, int]] | None = None,
+    ) -> None:
         self._handle, self.name = handle, name
         self.shape: list[int] = list(handle.get_slice(name).get_shape())
+        if scales is not None and slices is None:
+            _check_grid(name, self.shape, *scales)
+        self._scales = scales
         self._slices = slices or tuple(slice(0, n) for n in self.shape)
         for d, s in enumerate(self._slices):
             self.shape[d] = s.stop - s.start
@@ -37,10 +61,31 @@ class LazyTensor:
         slices = list(self._slices)
         base = slices[dim].start
         slices[dim] = slice(base + start, base + start + length)
-        return LazyTensor(self._handle, self.name, tuple(slices))
+        return LazyTensor(self._handle, self.name, tuple(slices), self._scales)
 
     def load(self) -> torch.Tensor:
-        return self._handle.get_slice(self.name)[self._slices]
+        values = self._handle.get_slice(self.name)[self._slices]
+        if self._scales is None:
+            return values
+        grid, block = self._scales
+        cover = grid
+        for dim, (s, b) in enumerate(zip(self._slices, block, strict=True)):
+            first, last = s.start // b, (max(s.stop, s.start + 1) - 1) // b
+            cover = cover.narrow(dim, first, last - first + 1)
+        start = (self._slices[0].start, self._slices[1].start)
+        return dequantize_blocks(values, cover.load(), start, block)
+
+
+def _check_grid(name: str, shape: list[int], grid: LazyTensor, block: tuple[int, int]) -> None:
+    """An FP8 weight must be 2-D and its scale grid must have one scale per block."""
+    if len(shape) != 2:
+        raise ValueError(f"checkpoint tensor {name}: an fp8 block-quantised weight must be 2-D")
+    want = [-(-n // b) for n, b in zip(shape, block, strict=True)]
+    if grid.shape != want:
+        raise ValueError(
+            f"checkpoint tensor {grid.name} has shape {grid.shape}; {name} {shape} in "
+            f"{block[0]}x{block[1]} blocks needs {want}"
+        )
 
 
 class ShardedModel(Protocol):
@@ -66,6 +111,7 @@ def checkpoint_index(model_path: Path) -> dict[str, Path]:
 def load_weights(model: nn.Module, model_path: str | Path) -> None:
     path = Path(model_path)
     index = checkpoint_index(path)
+    quant = checkpoint_quantization(json.loads((path / "config.json").read_text()))
     wanted = [
         (param, ckpt, shard)
         for name, param in model.named_parameters()
@@ -79,13 +125,36 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {shown}")
     with ExitStack() as stack, torch.no_grad():
         handles: dict[Path, Any] = {}
-        for param, ckpt, shard in wanted:
-            file = index[ckpt]
+
+        def handle(name: str) -> Any:
+            file = index[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-            lazy = LazyTensor(handles[file], ckpt)
+            return handles[file]
+
+        for param, ckpt, shard in wanted:
+            lazy = _lazy(handle, ckpt, index, quant)
             loader = getattr(param, "weight_loader", _copy_whole)
             loader(param, lazy, shard)
+
+
+def _lazy(handle: Any, name: str, index: dict[str, Path], quant: Fp8Blocks | None) -> LazyTensor:
+    """Checkpoint tensor `name`, dequantised on load where a block-scale grid is beside it."""
+    scale_name = name + SCALE_SUFFIX
+    if scale_name in index:
+        if quant is None:
+            raise ValueError(
+                f"checkpoint tensor {name} has block scales ({scale_name}) but config.json "
+                f"declares no fp8 quantization_config"
+            )
+        grid = LazyTensor(handle(scale_name), scale_name)
+        return LazyTensor(handle(name), name, scales=(grid, quant.block))
+    dtype = handle(name).get_slice(name).get_dtype()
+    if dtype in FP8_DTYPES:
+        raise ValueError(
+            f"checkpoint tensor {name} is fp8 ({dtype}) with no {scale_name} beside it"
+        )
+    return LazyTensor(handle(name), name)
 
 
 def copy_into(dst: torch.Tensor, loaded: LazyTensor) -> None:

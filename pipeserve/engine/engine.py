@@ -74,7 +74,14 @@ class Engine:
         m = self.config.model
         self.model_path = resolve_model_path(m.model_path, m.dtype)
         self.arch = ArchConfig.load(self.model_path)
-        warn_if_emulated(resolve_dtype(m.dtype, self.arch.torch_dtype), resolve_device(m.device))
+        compute = resolve_dtype(m.dtype, self.arch.torch_dtype, m.device)
+        warn_if_emulated(compute, resolve_device(m.device))
+        if self.arch.quantization is not None:
+            log.info(
+                "%s, dequantised to %s at load",
+                self.arch.quantization.describe(),
+                str(compute).removeprefix("torch."),
+            )
         self.tokenizer = load_tokenizer(self.config.model, self.model_path)
         self.context_len = self.arch.context_length(self.config.model.context_length)
         if resolve_device(self.config.model.device).type == "cpu":

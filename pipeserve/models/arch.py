@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeserve.models.quantization import Fp8Blocks, checkpoint_quantization
+
 if TYPE_CHECKING:
     from pipeserve.layers.rotary import RopeScaling
 
@@ -298,6 +300,7 @@ class ArchConfig:
     routing: MoERouting | None = None  # DeepSeek's grouped routing and shared experts
     mla: MLAConfig | None = None  # DeepSeek's latent attention (replaces q/k/v projections)
     indexer: IndexerConfig | None = None  # DeepSeek-V3.2's sparse attention
+    quantization: Fp8Blocks | None = None  # how the checkpoint's weights are stored
 
     @property
     def rope_theta(self) -> float:
@@ -360,6 +363,7 @@ class ArchConfig:
             torch_dtype=str(v.get("dtype") or v.get("torch_dtype") or "bfloat16"),
             eos_token_ids=_eos(v["eos_token_id"]),
             mla=mla,
+            quantization=checkpoint_quantization(cfg),
             **_moe_fields(v, model_type),
         )
 

@@ -1,0 +1,116 @@
+"""Quantised checkpoints: which ones pipeserve runs, and how their weights are read.
+
+Runs: FP8 block-quantised weights, the format of DeepSeek-V3, V3.1 and V3.2 and of Qwen3's FP8
+releases. config.json says
+
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                            "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+and each quantised weight W [R, C] is stored as float8_e4m3fn with a float32 tensor
+`<name>_scale_inv` [ceil(R / 128), ceil(C / 128)] beside it: the real weight is the fp8 value
+times its block's scale (blocks at the right and bottom edges are partial). Which tensors are
+quantised is the checkpoint's business (a weight with a scale beside it is; embeddings, norms,
+routers and the LM head usually are not), not a list of module names. pipeserve dequantises
+each such tensor as it is read, slice by slice (a TP rank reads only its rows, which may cut a
+block), and computes in the run's compute dtype: weight memory is that of the compute dtype,
+as the engine's KV budget counts it. (The simulator's default for an FP8 checkpoint still
+counts fp8 weights, what an engine with fp8 GEMMs holds; `pipeserve simulate --dtype bfloat16`
+counts what this one holds.)
+
+Refused at start-up, in one line: every other quantisation (AWQ, GPTQ, bitsandbytes,
+compressed-tensors, ...), and fp8 without 128 x 128 blocks (per-tensor or per-channel scales,
+other block sizes) or with static activation scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED = (
+    'FP8 with 128x128 block scales ({"quant_method": "fp8", "fmt": "e4m3", '
+    '"weight_block_size": [128, 128], "activation_scheme": "dynamic"}: DeepSeek-V3/V3.1/V3.2 '
+    "and Qwen3 FP8 releases); unquantised bfloat16, float16 or float32 checkpoints"
+)
+BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"  # `<weight name>_scale_inv`: the weight's block scales
+FP8_DTYPES = ("F8_E4M3",)  # safetensors' names of the stored fp8 dtype
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """A checkpoint's FP8 block quantisation: `block` = (rows, columns) per scale."""
+
+    block: tuple[int, int] = BLOCK
+
+    def describe(self) -> str:
+        return f"FP8 block-quantised weights ({self.block[0]}x{self.block[1]} blocks)"
+
+
+def checkpoint_quantization(config: dict[str, Any]) -> Fp8Blocks | None:
+    """The quantisation config.json declares: None for none, Fp8Blocks for the one pipeserve
+    runs; raises ValueError (a start-up refusal) naming anything else and what is supported."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        raise ValueError(f"quantization_config must be an object, not {quant!r}")
+    method = quant.get("quant_method")
+    refused = f"is not supported; pipeserve runs {SUPPORTED}"
+    if method != "fp8":
+        raise ValueError(f"quantization_config: quant_method {method!r} {refused}")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config: fp8 format {fmt!r} {refused}")
+    block = quant.get("weight_block_size")
+    if block is None:
+        raise ValueError(
+            f"quantization_config: fp8 without weight_block_size (per-tensor or per-channel "
+            f"scales) {refused}"
+        )
+    if list(block) != list(BLOCK):
+        raise ValueError(f"quantization_config: fp8 weight_block_size {list(block)} {refused}")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(
+            f"quantization_config: fp8 activation_scheme {scheme!r} (static activation "
+            f"scales) {refused}"
+        )
+    return Fp8Blocks(tuple(BLOCK))  # type: ignore[arg-type]
+
+
+def dequantize_blocks(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    first: tuple[int, int],
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """weight: a [r, c] slice of an fp8 weight starting at (row, column) `first`; scales: the
+    rows and columns of the scale grid that cover it, from block (first[0] // block[0],
+    first[1] // block[1]) on -> the slice's real values, float32."""
+    (r, c), (r0, c0), (bm, bn) = weight.shape, first, block
+    rows = torch.arange(r0, r0 + r) // bm - r0 // bm
+    cols = torch.arange(c0, c0 + c) // bn - c0 // bn
+    if scales.shape[0] <= int(rows[-1]) or scales.shape[1] <= int(cols[-1]):
+        raise ValueError("the scale grid does not cover the weight")
+    return weight.float() * scales.float()[rows][:, cols]
+
+
+def quantize_blocks(
+    weight: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an FP8 release stores for a weight [R, C]: the fp8 values and the float32 scale
+    grid [ceil(R / bm), ceil(C / bn)], each block scaled so its largest magnitude is fp8's
+    largest (448). For tests and `pipeserve make-model`-style random checkpoints."""
+    bm, bn = block
+    rows, cols = weight.shape
+    grid = (-(-rows // bm), -(-cols // bn))
+    padded = torch.zeros(grid[0] * bm, grid[1] * bn, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid[0], bm, grid[1], bn)
+    top = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12)
+    scales = top / torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(grid[0] * bm, grid[1] * bn)[:rows, :cols].contiguous(), scales
