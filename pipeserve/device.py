@@ -321,6 +321,15 @@ def native_index_scores() -> Callable[..., torch.Tensor] | None:
     return None if module is None else module.index_scores
 
 
+def native_sparse_kernel() -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU kernel of DeepSeek-V3.2's sparse attention in latent space (each query
+    over its chosen cache rows only, read in place; float32 or bfloat16), or None."""
+    from pipeserve.kernels import native
+
+    module = native()
+    return None if module is None else module.sparse_latent_attention
+
+
 def native_prefill_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """The compiled CPU prefill-attention kernel for `dtype`, or None: bfloat16 products on
     CPUs with AVX512-BF16; else float32 arithmetic on CPUs with AVX2 and FMA, for float32

@@ -29,6 +29,7 @@ SOURCES = [
         "prefill_attention_avx2.cpp",
         "shm_allreduce.cpp",
         "index_scores.cpp",
+        "sparse_attention.cpp",
         "bindings.cpp",
     )
 ]

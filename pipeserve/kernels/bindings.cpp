@@ -20,6 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_scores", &index_scores,
         "DeepSeek-V3.2 indexer scores, ReLU and head sum fused, causal (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("sparse_latent_attention", &sparse_latent_attention,
+        "DeepSeek-V3.2 sparse attention in latent space: each query's heads over its chosen "
+        "cache rows only, read in place; adds the rows read to keys_read (CPU, float32 or "
+        "bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<ShmAllReduce>(m, "ShmAllReduce")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())
       .def("all_reduce_", &ShmAllReduce::all_reduce_, "sum in place across the ranks",

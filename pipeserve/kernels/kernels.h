@@ -22,6 +22,8 @@ at::Tensor paged_prefill_attention_avx2(at::Tensor q, at::Tensor k_cache,
                                            at::Tensor v_cache, at::Tensor runs,
                                            int64_t prefix, double scale);
 bool prefill_attention_avx2_supported();
+at::Tensor sparse_latent_attention(at::Tensor q, at::Tensor rows, at::Tensor slots, int64_t rank,
+                                   double scale, at::Tensor keys_read);
 at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale);
 
 // Sum all-reduce among the TP ranks of one machine over a POSIX shared-memory segment (see

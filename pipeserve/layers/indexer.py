@@ -16,8 +16,9 @@ the earlier position wins; -0.0 counts as 0.0. transformers' topk leaves this or
 
 Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), as a
 set in no particular order, -1 for none where a query sees fewer than index_topk tokens.
-`selection_mask` turns one request's rows into the boolean mask [q_len, prefix_len + q_len] its
-attention is restricted to (prompt chunks; decode steps read only the chosen rows).
+The attention then reads only those rows, in latent space (mla.py: `sparse_latent_attention`,
+prompt chunks and decode steps alike); no [q_len, keys] mask is built. A request no longer than
+index_topk keeps every visible position, and its scores are not computed.
 
 Tensor parallelism: every projection is replicated (the indexer is small), so every rank caches
 the same keys and selects the same tokens.
@@ -94,9 +95,15 @@ class Indexer(nn.Module):
         selected positions of each token's request, -1 for none."""
         topk = self.config.topk
         out = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
-        all_scores = self.scores(x, q_latent, rope, cache, segments, new_slots)
-        for seg, scores in zip(segments, all_scores, strict=True):
-            out[seg.rows] = top_positions(scores, topk)
+        # a request no longer than topk keeps every visible position: no scores needed
+        chosen = self._scores(x, q_latent, rope, cache, segments, new_slots, longer_than=topk)
+        for seg, scores in zip(segments, chosen, strict=True):
+            if scores is not None:
+                out[seg.rows] = top_positions(scores, topk)
+            else:
+                every = torch.arange(topk, device=x.device)[None]
+                last = seg.prefix_len + torch.arange(seg.q_len, device=x.device)[:, None]
+                out[seg.rows] = torch.where(every <= last, every, -1)
         return out
 
     def scores(
@@ -110,17 +117,36 @@ class Indexer(nn.Module):
     ) -> list[torch.Tensor]:
         """As `forward`, but the index scores: per segment [q_len, prefix_len + q_len] float32,
         -inf at positions after the query's. Writes the segments' keys to the cache."""
-        q, w = self.queries(q_latent, rope), self.head_weights(x)
+        every = self._scores(x, q_latent, rope, cache, segments, new_slots, longer_than=0)
+        return [s for s in every if s is not None]
+
+    def _scores(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        rope: Rope,
+        cache: torch.Tensor,
+        segments: list[LatentSegment],
+        new_slots: torch.Tensor | None,
+        longer_than: int,
+    ) -> list[torch.Tensor | None]:
+        """Writes every segment's keys; scores those longer than `longer_than` (None for the
+        others)."""
         new = self.keys(x, rope)
         if new_slots is not None:
             cache[new_slots] = new
         else:
             for seg in segments:
                 cache[seg.new_slots] = new[seg.rows]
+        if all(seg.length <= longer_than for seg in segments):
+            return [None] * len(segments)
+        q, w = self.queries(q_latent, rope), self.head_weights(x)
         return [
             causal_index_scores(
                 q[seg.rows], w[seg.rows], seg.read(cache), seg.prefix_len, self.scale
             )
+            if seg.length > longer_than
+            else None
             for seg in segments
         ]
 
@@ -203,12 +229,3 @@ def _earliest_at_boundary(scores: torch.Tensor, kth: torch.Tensor, k: int) -> to
     need = k - above.sum(-1, keepdim=True, dtype=torch.int32)
     chosen = above | (at & (at.cumsum(-1, dtype=torch.int32) <= need))
     return chosen.nonzero()[:, 1].view(-1, k)
-
-
-def selection_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
-    """positions [n, topk] of one request (-1: none) -> [n, length] bool, True where selected."""
-    mask = torch.zeros(positions.shape[0], length + 1, dtype=torch.bool, device=positions.device)
-    mask.scatter_(
-        1, torch.where(positions < 0, length, positions), True
-    )  # -1 lands in a spare column
-    return mask[:, :length]

@@ -16,6 +16,12 @@ Two ways to attend to the cache, equal up to rounding:
   are the same numbers as expanded, so the softmax scale is that of qk_head_dim (with YaRN's
   mscale, `mla_softmax_scale`), not of the latent width.
 
+DeepSeek-V3.2 (an indexer): a query whose request is longer than index_topk reads only the
+rows its indexer chose, always absorbed (`sparse_latent_attention`): the heads are then the
+rows of a small matrix product with each chosen latent row, read in place from the cache, so
+the work is O(topk) per query and nothing is expanded per chunk (expanded keys would have to
+be made for every position of the request, and gathered per head).
+
 Tensor parallelism: q_b_proj (or q_proj) and kv_b_proj are column-parallel over heads, o_proj
 row-parallel; the latent projection and its norm are replicated, so every rank caches the same
 rows (a TP group could share one cache).
@@ -28,14 +34,13 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from pipeserve.device import native_prefill_kernel
+from pipeserve.device import native_prefill_kernel, native_sparse_kernel
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention_backends import attention_with_lse
 from pipeserve.layers.attention_parts import DecodePlan, merge_partials
 from pipeserve.layers.indexer import (
     Indexer,
     causal_index_scores,
-    selection_mask,
     top_positions,
 )
 from pipeserve.layers.latent_segment import LatentSegment
@@ -58,6 +63,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_d
 # per FLOP, one CPU core: benchmarks/mla_paths.py measured the crossover at 40-66 new tokens
 # (bench-deepseek, prefixes 2K-32K), half the multiply-add count's 85.
 NATIVE_EXPANDED_SPEEDUP = 2
+# sparse_latent_attention off the compiled kernel: bytes of rows gathered per block of queries
+SPARSE_GATHER_BYTES = 2**27
 Mode = Literal["auto", "expanded", "absorbed"]  # auto: the cheaper (MLAttention.absorbs)
 NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm ignore the config's rms_norm_eps
 
@@ -152,12 +159,12 @@ class MLAttention(nn.Module):
             kept = [i for i, seg in enumerate(segments) if seg.q_len != 1]
             segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
         for seg, chosen in zip(segments, selected, strict=True):
-            if self.absorbs(mode, seg, native):
-                out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, chosen)
+            # an indexer's choice is always read in latent space: its rows, in place
+            if chosen is not None or self.absorbs(mode, seg, native):
+                out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, chosen, native)
             else:
-                keep = None if chosen is None else selection_mask(chosen, seg.length)
                 kv = seg.read(cache)
-                out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, keep, native)
+                out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, native)
         return self.o_proj(out.flatten(1))  # [tokens, heads * v_head_dim]
 
     def forward_context_parallel(
@@ -221,13 +228,12 @@ class MLAttention(nn.Module):
                         self.indexer.scale,
                     )
                     chosen = top_positions(scores, self.indexer.config.topk)
-                if self.absorbs("auto", seg_view, native):
-                    out[rows] = self.absorbed(q[rows], seg_view, latents, chosen)
+                if chosen is not None or self.absorbs("auto", seg_view, native):
+                    out[rows] = self.absorbed(q[rows], seg_view, latents, chosen, native)
                 else:
                     if expanded is None:
                         expanded = ExpandedKeys(*self.expand(latents), native)
-                    keep = None if chosen is None else selection_mask(chosen, end)
-                    out[rows] = expanded.attend(q[rows], first, end, self.scale, keep)
+                    out[rows] = expanded.attend(q[rows], first, end, self.scale)
         return self.o_proj(out.flatten(1))
 
     def absorbs(self, mode: Mode, seg: LatentSegment, native: bool = False) -> bool:
@@ -299,15 +305,13 @@ class MLAttention(nn.Module):
         q: torch.Tensor,
         kv: torch.Tensor,
         prefix_len: int,
-        keep: torch.Tensor | None = None,
         native: bool = False,
     ) -> torch.Tensor:
         """q [n, heads, qk_head_dim]; kv [L, latent_width] cached rows of positions [0, L),
-        the queries at the last n of them; keep: optional [n, L] mask of readable keys
-        -> [n, heads, v_head_dim]."""
+        the queries at the last n of them -> [n, heads, v_head_dim]."""
         k, v = self.expand(kv)
         with region("attention.kernel"):
-            return causal_attention(q, k, v, prefix_len, self.scale, keep, native)
+            return causal_attention(q, k, v, prefix_len, self.scale, native)
 
     def expand(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached rows [L, latent_width] -> per-head keys [L, heads, qk_head_dim] (k_nope,
@@ -326,18 +330,25 @@ class MLAttention(nn.Module):
         seg: LatentSegment,
         cache: torch.Tensor,
         chosen: torch.Tensor | None = None,
+        native: bool = False,
+        keys_read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As `expanded`, attending in latent space: only cache rows are read, and with an
-        indexer's choice `chosen` [n, topk] only the chosen rows. q [n, heads, qk_head_dim]
+        indexer's choice `chosen` [n, topk] (positions, -1 for none) only the chosen rows, in
+        place (`sparse_latent_attention`; keys_read counts them). q [n, heads, qk_head_dim]
         -> [n, heads, v_head_dim]."""
         q_cat = self.latent_query(q)
         # one key head shared by all heads; its value is the whole row, of which the latent
         # part is kept (no copy of the cache to cut the rope part off first)
         if chosen is not None:
-            o = sparse_latent_attention(
-                q_cat, cache[seg.slots_at(chosen.clamp_min(0))], chosen >= 0, self.scale
-            )
-        elif seg.q_len == 1:
+            slots = torch.where(chosen >= 0, seg.slots_at(chosen.clamp_min(0)), -1)
+            rank = self.mla.kv_lora_rank
+            with region("attention.kernel"):
+                o = sparse_latent_attention(
+                    q_cat, cache, slots, rank, self.scale, native, keys_read
+                )
+            return self.values_out(o)
+        if seg.q_len == 1:
             o = _over_parts(q_cat, seg.parts(cache), self.scale)
         else:
             kv = seg.read(cache)[:, None]
@@ -412,12 +423,11 @@ class ExpandedKeys:
         first: int,
         end: int,
         scale: float,
-        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Queries of positions [first, end) over positions [0, end) -> [n, heads, dv]."""
         with region("attention.kernel"):
-            if self.pools is None or keep is not None:
-                return causal_attention(q, self.k[:end], self.v[:end], first, scale, keep)
+            if self.pools is None:
+                return causal_attention(q, self.k[:end], self.v[:end], first, scale)
             k_pool, v_pool, width = self.pools
             kernel = native_prefill_kernel(q.dtype)
             assert kernel is not None
@@ -465,45 +475,68 @@ def causal_attention(
     v: torch.Tensor,
     prefix_len: int,
     scale: float,
-    keep: torch.Tensor | None = None,
     native: bool = False,
 ) -> torch.Tensor:
     """q [n, h, d]; k [L, hk, d], v [L, hk, dv] with hk = h or 1 (one head shared by all);
-    key j is position j, query i position prefix_len + i; keep: optional [n, L] bool of the
-    keys each query may read, causality included -> [n, h, dv]. Runs a fused softmax-attention
-    kernel: with `native`, per-head keys, no mask and a dtype it takes, pipeserve's compiled
-    prefill kernel (pipeserve/kernels), else `attention_with_lse`. Both want one head width: the
-    narrower of q/k and v is zero-padded, which changes no score and no output column."""
+    key j is position j, query i position prefix_len + i, reading keys 0 .. prefix_len + i
+    -> [n, h, dv]. Runs a fused softmax-attention kernel: with `native`, per-head keys and a
+    dtype it takes, pipeserve's compiled prefill kernel (pipeserve/kernels), else
+    `attention_with_lse`. Both want one head width: the narrower of q/k and v is zero-padded,
+    which changes no score and no output column."""
     n, h, d = q.shape
     dv = v.shape[-1]
-    native = (
-        native and k.shape[1] == h and keep is None and native_prefill_kernel(q.dtype) is not None
-    )
+    native = native and k.shape[1] == h and native_prefill_kernel(q.dtype) is not None
     width = -(-max(d, dv) // 16) * 16 if native else max(d, dv)  # the kernel's multiple of 16
     q, k, v = _pad(q, width), _pad(k, width), _pad(v, width)
     if native:
         out = _native_prefill(q, k, v, prefix_len, scale)
     elif k.shape[1] == 1:
-        out = _shared_key_head(q, k, v, prefix_len, scale, keep)
-    elif keep is not None:
-        out = _masked(q, k, v, scale, keep)
+        out = _shared_key_head(q, k, v, prefix_len, scale)
     else:
         out = _prefix_then_chunk(q, k, v, prefix_len, scale)
     return out[..., :dv]
 
 
 def sparse_latent_attention(
-    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, scale: float
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    rank: int,
+    scale: float,
+    native: bool = False,
+    keys_read: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each query over its own chosen rows: q [n, h, W], kv [n, topk, W] (the rows each query
-    may read; keys and values alike), valid [n, topk] (False: padding) -> [n, h, W]."""
+    """DeepSeek-V3.2's sparse attention in latent space: each query's heads over its own
+    chosen rows only. q [n, h, W] (absorbed queries); rows [N, W] (the latent cache, or a
+    view whose rows are contiguous: keys are whole rows, values their first `rank` values);
+    slots [n, topk] (the rows each query reads, -1 for none) -> [n, h, rank]. The work is
+    O(n * topk) whatever the context is, and no [n, L] mask exists: on CPU with `native`, the
+    compiled kernel reads the rows in place (pipeserve/kernels/sparse_attention.cpp); elsewhere
+    the chosen rows are gathered for a block of queries at a time (SPARSE_GATHER_BYTES).
+    keys_read: an int64 counter [1] the (query, row) pairs read are added to."""
+    kernel = native_sparse_kernel() if native and q.device.type == "cpu" else None
+    if kernel is not None and q.dtype in (torch.float32, torch.bfloat16) and rows.dtype == q.dtype:
+        counter = torch.zeros(1, dtype=torch.long) if keys_read is None else keys_read
+        return kernel(q, rows, slots, rank, scale, counter)
     n, h, w = q.shape
-    mask = None
-    # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for its stream
-    if q.device.type != "cpu" or not bool(valid.all()):
-        mask = _additive(valid, q.dtype)[0, 0][:, None, None, :].expand(n, 1, h, -1)
-    out, _ = attention_with_lse(q[:, None], kv[:, None], kv[:, None], False, scale, mask)
-    return out[:, 0]
+    out = q.new_empty(n, h, rank)
+    per = max(1, SPARSE_GATHER_BYTES // (slots.shape[1] * w * q.element_size()))
+    for i in range(0, n, per):
+        chosen = slots[i : i + per]
+        valid = chosen >= 0
+        kv = rows[chosen.clamp_min(0)]  # [b, topk, W]
+        b = kv.shape[0]
+        mask = None
+        # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for it
+        if q.device.type != "cpu" or not bool(valid.all()):
+            mask = _additive(valid, q.dtype)[0, 0][:, None, None, :].expand(b, 1, h, -1)
+        o, _ = attention_with_lse(
+            q[i : i + per, None], kv[:, None], kv[:, None], False, scale, mask
+        )
+        out[i : i + per] = o[:, 0, :, :rank]
+        if keys_read is not None:
+            keys_read += valid.sum()
+    return out
 
 
 def _over_parts(q: torch.Tensor, parts: list[torch.Tensor], scale: float) -> torch.Tensor:
@@ -520,33 +553,23 @@ def _shared_key_head(
     v: torch.Tensor,
     prefix_len: int,
     scale: float,
-    keep: torch.Tensor | None,
 ) -> torch.Tensor:
     """All query heads against one key head: the heads are folded into the query rows (row
-    i * h + head), so the cache rows are read once for every head. Causally (no `keep`) the
-    prefix is one unmasked call and only the chunk's own keys take a mask, [n * h, n], never
-    one of [n * h, prefix_len + n]."""
+    i * h + head), so the cache rows are read once for every head. The prefix is one unmasked
+    call and only the chunk's own keys take a mask, [n * h, n], never one of
+    [n * h, prefix_len + n]."""
     n, h, d = q.shape
     rows, kh, vh = q.reshape(1, 1, n * h, d), _heads_first(k), _heads_first(v)
-    if keep is None and n > 1:
-        own = _additive(_causal(n, n, 0, q.device).repeat_interleave(h, dim=0), q.dtype)
-        chunk = slice(prefix_len, prefix_len + n)
-        parts = [attention_with_lse(rows, kh[:, :, chunk], vh[:, :, chunk], False, scale, own)]
-        if prefix_len:
-            prefix = (kh[:, :, :prefix_len], vh[:, :, :prefix_len])
-            parts.append(attention_with_lse(rows, *prefix, False, scale))
-        return merge_partials(parts)[0, 0].reshape(n, h, -1)
-    mask = None if keep is None else _additive(keep.repeat_interleave(h, dim=0), q.dtype)
-    out, _ = attention_with_lse(rows, kh, vh, False, scale, mask)
-    return out[0, 0].reshape(n, h, -1)
-
-
-def _masked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor
-) -> torch.Tensor:
-    qh, kh, vh = (_heads_first(t) for t in (q, k, v))
-    out, _ = attention_with_lse(qh, kh, vh, False, scale, _additive(keep, q.dtype))
-    return out[0].transpose(0, 1)
+    if n == 1:
+        out, _ = attention_with_lse(rows, kh, vh, False, scale)
+        return out[0, 0].reshape(n, h, -1)
+    own = _additive(_causal(n, n, 0, q.device).repeat_interleave(h, dim=0), q.dtype)
+    chunk = slice(prefix_len, prefix_len + n)
+    parts = [attention_with_lse(rows, kh[:, :, chunk], vh[:, :, chunk], False, scale, own)]
+    if prefix_len:
+        prefix = (kh[:, :, :prefix_len], vh[:, :, :prefix_len])
+        parts.append(attention_with_lse(rows, *prefix, False, scale))
+    return merge_partials(parts)[0, 0].reshape(n, h, -1)
 
 
 def _prefix_then_chunk(

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from selection_oracle import selection_mask
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
 from pipeserve.device import native_index_scores
 from pipeserve.layers import indexer as indexer_mod
-from pipeserve.layers.indexer import Indexer, selection_mask, top_positions
+from pipeserve.layers.indexer import Indexer, top_positions
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary_part
 from pipeserve.models.arch import IndexerConfig, RopeConfig

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from selection_oracle import masked_attention, selection_mask
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
@@ -17,7 +18,6 @@ from pipeserve.distributed.parallel_state import ParallelState
 from pipeserve.layers import linear
 from pipeserve.layers import mla as mla_mod
 from pipeserve.layers.attention_backends import chunked_attention_with_lse
-from pipeserve.layers.indexer import selection_mask
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.mla import (
     MLAttention,
@@ -349,33 +349,33 @@ def test_decode_over_runs_reads_views_and_matches_one_gather(setup: Setup) -> No
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_sparse_absorbed_reads_only_chosen_rows_like_masked_expanded(
-    setup: Setup, q_len: int
+    setup: Setup, q_len: int, native: bool
 ) -> None:
-    """With an indexer's choice (some queries padded with -1), absorbed attention over the
-    gathered chosen rows equals expanded attention over all rows under the selection mask."""
+    """With an indexer's choice (some queries padded with -1, in no order), absorbed attention
+    over the chosen cache rows (the compiled kernel reading them in place, or torch's over the
+    rows gathered) equals plain attention over all the expanded keys under the selection
+    mask, and reads the chosen rows only."""
     layer, cache = setup.layer(), rand(NUM_SLOTS, RANK + ROPE, seed=5)
     length = 90
     slots = scattered_slots(length, 7)
     seg = LatentSegment(0, q_len, slots)
     gen = torch.Generator().manual_seed(8)
-    chosen = torch.stack([torch.randperm(length - q_len + i + 1, generator=gen)[:12]
-                          for i in range(q_len)])
+    chosen = torch.stack(
+        [torch.randperm(length - q_len + i + 1, generator=gen)[:12] for i in range(q_len)]
+    )
     chosen[0, 9:] = -1  # fewer than topk for the first query
     positions = torch.arange(length - q_len, length)
     q = layer.query(rand(q_len, HIDDEN, seed=6), setup.rope(positions, torch.float32))
-    shapes: list[tuple[int, ...]] = []
-    sparse = mla_mod.sparse_latent_attention
-    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mla_mod, "sparse_latent_attention",
-                   lambda q, kv, *a: shapes.append(tuple(kv.shape)) or sparse(q, kv, *a))
-        got = layer.absorbed(q, seg, cache, chosen)
-    assert shapes == [(q_len, 12, RANK + ROPE)]  # the chosen rows only
+    read = torch.zeros(1, dtype=torch.long)
     with torch.no_grad():
-        keep = selection_mask(chosen, length)
-        expected = layer.expanded(q, cache[slots], length - q_len, keep)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        got = layer.absorbed(q, seg, cache, chosen, native, read)
+        k, v = layer.expand(cache[slots])
+        expected = masked_attention(q, k, v, selection_mask(chosen, length), layer.scale)
+    assert read.item() == int((chosen >= 0).sum())  # the chosen rows only
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("mode", ["expanded", "absorbed", "auto"])

@@ -16,6 +16,7 @@ import torch
 
 from pipeserve.engine.engine import Engine
 from pipeserve.layers import indexer as indexer_mod
+from pipeserve.layers import mla as mla_mod
 
 PRESETS = ["tiny-deepseek-v3", "tiny-deepseek-v32"]
 VOCAB = 512
@@ -100,6 +101,27 @@ class BoundaryGaps:
         mp.setattr(indexer_mod, "top_positions", spy)
 
 
+class SparseReads:
+    """Records every in-process sparse attention (prompt chunks and decode steps) and checks
+    its work: each query read min(visible, topk) cache rows (the kernel's own count)."""
+
+    def __init__(self, mp: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        absorbed = mla_mod.MLAttention.absorbed
+
+        def spy(layer, q, seg, cache, chosen=None, native=False, keys_read=None):  # type: ignore[no-untyped-def]
+            if chosen is None:
+                return absorbed(layer, q, seg, cache, chosen, native, keys_read)
+            read = torch.zeros(1, dtype=torch.long)
+            out = absorbed(layer, q, seg, cache, chosen, native, read)
+            visible = seg.prefix_len + 1 + torch.arange(seg.q_len)
+            assert read.item() == int(visible.clamp(max=chosen.shape[1]).sum())
+            self.calls += 1
+            return out
+
+        mp.setattr(mla_mod.MLAttention, "absorbed", spy)
+
+
 def run_engine(path: Path, layout: dict[str, Any], ids: list[list[int]]) -> list[dict[str, Any]]:
     with Engine(str(path), dtype="float32", max_total_tokens=4096, **layout) as engine:
         out = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
@@ -119,10 +141,11 @@ def assert_matches(outputs: list[dict[str, Any]], reference: list[tuple[torch.Te
 def test_matches_transformers(hf_saved, hf_reference, preset: str, layout: str) -> None:
     _, path = hf_saved(preset)
     with pytest.MonkeyPatch.context() as mp:
-        gaps = BoundaryGaps(mp)
+        gaps, reads = BoundaryGaps(mp), SparseReads(mp)
         outputs = run_engine(path, LAYOUTS[layout], prompts())
     if preset == "tiny-deepseek-v32":  # sparse attention really ran, on clear choices
         assert gaps.rows > 500 and gaps.smallest > MIN_RELATIVE_GAP, (gaps.rows, gaps.smallest)
+        assert reads.calls > 0, "no prompt chunk attended sparsely"
     assert_matches(outputs, hf_reference(preset))
 
 

@@ -1,0 +1,299 @@
+// DeepSeek-V3.2's sparse attention in latent space (pipeserve/layers/mla.py, absorbed form):
+// each query attends, in every head, to the cache rows its indexer chose and to no other,
+//
+//   out[i, h] = sum_{s in S_i} softmax_s(scale * q[i, h] . row[s]) row[s][:rank]
+//
+// with S_i = {slots[i, t] : slots[i, t] >= 0} (a set in any order, -1 for none). q [n, H, W] is
+// the absorbed query (q_nope W_UK | q_rope), rows [N, W] the latent cache ([latent | rope] per
+// position, keys and values alike: one key head shared by all H heads, MQA), read in place at
+// the chosen slots: no gathered copy and no [n, L] mask exist, and the work is O(n * |S_i|)
+// whatever the context is.
+//
+// Queries are independent (tasks of kQueries on every thread). For one query the H heads are
+// the rows of a small matrix product with its chosen rows: scores [H, c] = q [H, W] . rows^T
+// in register tiles of 4 heads x 2 rows (each row vector loaded serves four heads, each query
+// vector two rows), the softmax per head over its c scores (2^x polynomial, vectorised over
+// the rows), then out [H, rank] = p [H, c] . rows[:, :rank] over tiles of 8 rows whose weights
+// stay in registers while each output vector takes their 8 multiply-adds. The query block
+// (H x W floats) stays in L1; rows are prefetched ahead, as the chosen ones are scattered.
+// Rows may be strided (a view of wider rows: the first W values of each are read).
+// Plain C++ with GCC's vector extension (8 float lanes: AVX2 here, AVX512 registers half used),
+// compiled for the machine. The (query, row) pairs read are counted, so tests can check that
+// no more than the chosen ones were.
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "prefill_common.h"
+
+namespace {
+
+constexpr int64_t kQueries = 4;  // queries per task (with every head)
+constexpr int64_t kLanes = 8;
+constexpr int64_t kAhead = 24;  // rows ahead whose lines are prefetched
+constexpr int64_t kHeadTile = 4;  // scores: heads x rows per register tile
+constexpr int64_t kRowTile = 2;
+constexpr int64_t kTile = 8;  // rows per pass: scored, weighted, added (one vector of weights)
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+inline v8 load8(const float* p) {
+  v8 r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is a float32's top half
+  v8h bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const v8i wide = __builtin_convertvector(bits, v8i) << 16;
+  v8 r;
+  std::memcpy(&r, &wide, sizeof(r));
+  return r;
+}
+
+inline void store8(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+inline float lanes_sum(v8 a) {
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += a[l];
+  return s;
+}
+
+// e^x for x <= 0 (a score minus its maximum), as 2^n * 2^f with f in [-0.5, 0.5] and 2^f the
+// prefill kernels' polynomial (relative error ~2e-7); below 2^-126 it stays near 2^-126,
+// which no sum holding an e^0 notices.
+inline v8 exp8(v8 x) {
+  v8 t = x * splat(prefill::kLog2e);
+  t = t > splat(-126.f) ? t : splat(-126.f);
+  const v8i n = __builtin_convertvector(t - splat(0.5f), v8i);  // t <= 0: round half down
+  const v8 f = t - __builtin_convertvector(n, v8);
+  v8 p = splat(prefill::kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = p * f + splat(prefill::kExp2Poly[i]);
+  const v8i bits = (n + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+template <typename T>
+struct Inputs {
+  const T* q;
+  const T* rows;
+  const int64_t* slots;
+  T* out;
+  int64_t n, H, W, rank, topk, N, stride;  // stride: between rows
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> q;       // [H, W] the query, scaled, float32
+  std::vector<int64_t> keys;  // its chosen slots
+  std::vector<float> tile;    // [H, kTile]: a tile's scores, then weights
+  std::vector<float> top;     // [H]: each head's running maximum
+  std::vector<float> acc;     // [H, rank]
+  std::vector<float> sums;    // [H]: each head's sum of weights
+  int64_t read = 0;           // (query, row) pairs read by this thread
+};
+
+// Scores of heads h0 .. h0 + HT - 1 against rows row[0 .. RT): HT x RT vector sums over W,
+// then one horizontal sum each, into sc[h * kTile + r0 + r].
+template <typename T, int HT, int RT>
+inline void score_tile(const Inputs<T>& in, const float* q, const T* const* row, int64_t h0,
+                       int64_t r0, float* sc) {
+  const int64_t W = in.W, body = W - W % kLanes;
+  v8 acc[HT][RT] = {};
+  for (int64_t j = 0; j < body; j += kLanes) {
+    v8 rv[RT];
+    for (int r = 0; r < RT; ++r) rv[r] = load8(row[r] + j);
+    for (int h = 0; h < HT; ++h) {
+      const v8 qv = load8(q + (h0 + h) * W + j);
+      for (int r = 0; r < RT; ++r) acc[h][r] += qv * rv[r];
+    }
+  }
+  for (int h = 0; h < HT; ++h)
+    for (int r = 0; r < RT; ++r) {
+      float dot = lanes_sum(acc[h][r]);
+      for (int64_t j = body; j < W; ++j) dot += q[(h0 + h) * W + j] * static_cast<float>(row[r][j]);
+      sc[(h0 + h) * kTile + r0 + r] = dot;
+    }
+}
+
+// Scores of every head against rows row[r0 .. r0 + RT) (they stay in L1 across the heads).
+template <typename T, int RT>
+inline void score_rows(const Inputs<T>& in, const float* q, const T* const* row, int64_t r0,
+                       int64_t hb, int64_t he, float* sc) {
+  int64_t h0 = hb;
+  for (; h0 + kHeadTile <= he; h0 += kHeadTile)
+    score_tile<T, kHeadTile, RT>(in, q, row + r0, h0, r0, sc);
+  for (; h0 < he; ++h0) score_tile<T, 1, RT>(in, q, row + r0, h0, r0, sc);
+}
+
+// acc[h, :rank] += sum_t w[h * kTile + t] * row[t][:rank], t < R, every head
+template <typename T, int R>
+inline void value_tile(const Inputs<T>& in, const T* const* row, const float* w, int64_t hb,
+                       int64_t he, float* accs) {
+  const int64_t rank = in.rank, body = rank - rank % kLanes;
+  for (int64_t h = hb; h < he; ++h) {
+    v8 wv[R];
+    for (int t = 0; t < R; ++t) wv[t] = splat(w[h * kTile + t]);
+    float* acc = accs + h * rank;
+    for (int64_t j = 0; j < body; j += kLanes) {
+      v8 a = load8(acc + j);
+      for (int t = 0; t < R; ++t) a += wv[t] * load8(row[t] + j);
+      store8(acc + j, a);
+    }
+    for (int64_t j = body; j < rank; ++j)
+      for (int t = 0; t < R; ++t) acc[j] += w[h * kTile + t] * static_cast<float>(row[t][j]);
+  }
+}
+
+// Query i's heads hb .. he - 1 over its chosen rows in one pass, kTile rows at a time (an
+// online softmax: each head's running maximum, its sums rescaled when the maximum grows):
+// each row is read once, scored by the heads and added to their values while it is in L1.
+template <typename T>
+void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& s) {
+  const int64_t H = in.H, W = in.W, rank = in.rank;
+  s.keys.clear();
+  for (int64_t t = 0; t < in.topk; ++t) {
+    const int64_t slot = in.slots[i * in.topk + t];
+    if (slot >= 0) s.keys.push_back(slot);
+  }
+  const int64_t c = static_cast<int64_t>(s.keys.size());
+  s.read += c;
+  T* out = in.out + i * H * rank;
+  if (c == 0) {  // nothing chosen: zeros
+    for (int64_t j = hb * rank; j < he * rank; ++j) out[j] = static_cast<T>(0.f);
+    return;
+  }
+  for (int64_t j = hb * W; j < he * W; ++j)
+    s.q[j] = static_cast<float>(in.q[i * H * W + j]) * in.scale;
+  std::fill(s.acc.begin() + hb * rank, s.acc.begin() + he * rank, 0.f);
+  std::fill(s.sums.begin() + hb, s.sums.begin() + he, 0.f);
+  std::fill(s.top.begin() + hb, s.top.begin() + he, -std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < std::min(c, kAhead); ++t)
+    prefetch_row(in.rows + s.keys[t] * in.stride, W * sizeof(T));
+  float* sc = s.tile.data();  // [H, kTile]: scores, then weights
+  const T* row[kTile];
+  for (int64_t c0 = 0; c0 < c; c0 += kTile) {
+    const int64_t R = std::min(kTile, c - c0);
+    for (int64_t t = c0 + kAhead; t < std::min(c, c0 + kAhead + R); ++t)
+      prefetch_row(in.rows + s.keys[t] * in.stride, W * sizeof(T));
+    for (int64_t t = 0; t < R; ++t) row[t] = in.rows + s.keys[c0 + t] * in.stride;
+    int64_t r = 0;
+    for (; r + kRowTile <= R; r += kRowTile)
+      score_rows<T, kRowTile>(in, s.q.data(), row, r, hb, he, sc);
+    for (; r < R; ++r) score_rows<T, 1>(in, s.q.data(), row, r, hb, he, sc);
+    for (int64_t h = hb; h < he; ++h) {  // weights against each head's running maximum
+      float* w = sc + h * kTile;
+      for (int64_t t = R; t < kTile; ++t) w[t] = -std::numeric_limits<float>::infinity();
+      float top = s.top[h];
+      for (int64_t t = 0; t < R; ++t) top = std::max(top, w[t]);
+      if (top > s.top[h]) {  // the maximum grew: what was summed so far shrinks
+        const float shrink = std::exp(s.top[h] - top);  // 0 on the first tile
+        s.sums[h] *= shrink;
+        float* acc = s.acc.data() + h * rank;
+        for (int64_t j = 0; j < rank; ++j) acc[j] *= shrink;
+        s.top[h] = top;
+      }
+      const v8 e = exp8(load8(w) - splat(top));  // kTile = 8 lanes; past R: e^-inf = 0
+      store8(w, e);
+      s.sums[h] += lanes_sum(e);
+    }
+    if (R == kTile) {
+      value_tile<T, kTile>(in, row, sc, hb, he, s.acc.data());
+    } else {
+      for (int64_t t = 0; t < R; ++t) value_tile<T, 1>(in, row + t, sc + t, hb, he, s.acc.data());
+    }
+  }
+  for (int64_t h = hb; h < he; ++h) {
+    const float inv = 1.f / s.sums[h];
+    for (int64_t j = 0; j < rank; ++j) out[h * rank + j] = static_cast<T>(s.acc[h * rank + j] * inv);
+  }
+}
+
+// Tasks of kQueries queries with all heads; when there are too few queries to keep every
+// thread busy (decode steps), of one query and a group of heads (each group reads the rows).
+template <typename T>
+int64_t run(const Inputs<T>& in) {
+  const int64_t threads = at::get_num_threads();
+  int64_t groups = 1;
+  if (in.n < kQueries * threads) {
+    const int64_t wanted = (2 * threads + in.n - 1) / in.n;
+    groups = std::max<int64_t>(1, std::min(wanted, (in.H + kHeadTile - 1) / kHeadTile));
+  }
+  const int64_t per_group = ((in.H + groups - 1) / groups + kHeadTile - 1) / kHeadTile * kHeadTile;
+  groups = (in.H + per_group - 1) / per_group;
+  const int64_t per_task = groups > 1 ? 1 : kQueries;
+  std::atomic<int64_t> read{0};
+  prefill::run_tasks(
+      in.n, groups, per_task,
+      [&] {
+        Scratch s;
+        s.q.resize(in.H * in.W);
+        s.acc.resize(in.H * in.rank);
+        s.sums.resize(in.H);
+        s.top.resize(in.H);
+        s.tile.resize(in.H * kTile);
+        s.keys.reserve(in.topk);
+        return s;
+      },
+      [&](Scratch& s, int64_t group, int64_t q0, int64_t q1) {
+        const int64_t hb = group * per_group, he = std::min(in.H, hb + per_group);
+        for (int64_t i = q0; i < q1; ++i) one_query(in, i, hb, he, s);
+        if (group == 0) read += s.read;  // a query's rows count once, whichever heads read them
+        s.read = 0;
+      });
+  return read.load();
+}
+
+}  // namespace
+
+at::Tensor sparse_latent_attention(at::Tensor q, at::Tensor rows, at::Tensor slots, int64_t rank,
+                                   double scale, at::Tensor keys_read) {
+  TORCH_CHECK(q.dim() == 3 && rows.dim() == 2 && slots.dim() == 2,
+              "q [n,H,W], rows [N,W], slots [n,topk] expected");
+  TORCH_CHECK(rows.scalar_type() == q.scalar_type(), "q and the rows must have one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "sparse_latent_attention takes float32 or bfloat16");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "slots must be int64");
+  TORCH_CHECK(keys_read.scalar_type() == at::kLong && keys_read.numel() == 1 &&
+                  keys_read.is_contiguous(),
+              "keys_read must be one int64");
+  TORCH_CHECK(rows.stride(1) == 1, "each row (of the latent cache) must be contiguous");
+  const int64_t n = q.size(0), H = q.size(1), W = q.size(2), N = rows.size(0);
+  TORCH_CHECK(rows.size(1) == W, "q and the rows disagree on the width");
+  TORCH_CHECK(0 < rank && rank <= W, "the value width must be in (0, W]");
+  TORCH_CHECK(slots.size(0) == n, "slots must have one row per query");
+  q = q.contiguous();
+  slots = slots.contiguous();
+  const int64_t topk = slots.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n * topk; ++j) TORCH_CHECK(sp[j] < N, "a chosen slot is outside the cache");
+  at::Tensor out = at::empty({n, H, rank}, q.options());
+  const float sc = static_cast<float>(scale);
+  int64_t read = 0;
+  if (q.scalar_type() == at::kFloat) {
+    Inputs<float> in{q.data_ptr<float>(), rows.data_ptr<float>(), sp, out.data_ptr<float>(),
+                     n, H, W, rank, topk, N, rows.stride(0), sc};
+    read = run(in);
+  } else {
+    using B = c10::BFloat16;
+    Inputs<B> in{q.data_ptr<B>(), rows.data_ptr<B>(), sp, out.data_ptr<B>(), n, H, W, rank, topk, N,
+                 rows.stride(0), sc};
+    read = run(in);
+  }
+  *keys_read.data_ptr<int64_t>() += read;
+  return out;
+}
