@@ -474,3 +474,20 @@ def test_an_endless_event_ends_the_stream_with_an_error_event(
     assert events[1:] == ["[DONE]"]
     assert s.fakes[0].closed.wait(WAIT_S), "the router never closed the endless stream"
     assert "pipeserve_router_errors_total 1.0" in s.client.get("/metrics").text
+
+
+@pytest.mark.timeout(60)
+def test_a_header_that_cannot_be_forwarded_is_a_400(setup: Callable[..., Setup]) -> None:
+    """A non-ASCII value in a header the router forwards (latin-1 bytes on the wire) is the
+    client's error, a 400 naming the header, not a 500; nothing reaches a decode server."""
+    s = setup(health_interval_s=30.0)
+    for path in ("/v1/completions", "/v1/models"):
+        headers = [(b"content-type", "application/json; charset=\xe9".encode("latin-1"))]
+        if path == "/v1/models":
+            answer = s.client.get(path, headers=headers)
+        else:
+            answer = s.client.post(path, content=b'{"prompt": "hi"}', headers=headers)
+        assert answer.status_code == 400, answer.text
+        assert "content-type header must be ASCII" in answer.json()["error"]["message"]
+    assert s.fakes[0].received == []
+    assert s.complete().status_code == 200  # the router still serves

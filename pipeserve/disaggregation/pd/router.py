@@ -344,8 +344,10 @@ def _add_info_routes(app: FastAPI, state: RouterState) -> None:
         decode = state.decode.pick()
         if decode is None:
             return _no_server(state, [state.decode])
+        headers = _pass(state, request)
+        if isinstance(headers, Response):
+            return headers
         try:
-            headers = _pass(state, request)
             answer = await state.client.get(f"{decode.url}/v1/models", headers=headers)
         except httpx.HTTPError as exc:
             return _upstream_failed(state, decode, exc)
@@ -369,6 +371,9 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
     if denied is not None:
         return denied
     state.metrics.requests.inc()
+    passed = _pass(state, request)
+    if isinstance(passed, Response):
+        return passed
     prefill, decode = state.prefill.pick(), state.decode.pick()
     if prefill is None or decode is None:
         picked = ((state.prefill, prefill), (state.decode, decode))
@@ -377,7 +382,7 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
         body = await request.body()
     except ClientDisconnect:  # gone, or its body passed the size limit (413 already sent)
         return Response(status_code=CLIENT_GONE)
-    headers = {**_pass(state, request), PREFILL_HEADER: prefill.url}
+    headers = {**passed, PREFILL_HEADER: prefill.url}
     sent = state.client.build_request("POST", decode.url + path, content=body, headers=headers)
     try:
         upstream = await _unless_client_leaves(request, state.client.send(sent, stream=True))
@@ -388,11 +393,15 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
     return _relay(state, decode, upstream)
 
 
-def _pass(state: RouterState, request: Request) -> dict[str, str]:
+def _pass(state: RouterState, request: Request) -> dict[str, str] | Response:
     """The headers of a call of a decode server: the client's that it needs (FORWARDED_HEADERS
     only), the router's internal credential, and identity encoding, so that the bytes relayed
-    are the bytes received."""
+    are the bytes received. A 400 where a client's header to forward is not ASCII (HTTP
+    clients send header values as ASCII; httpx would refuse to)."""
     headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+    for name, value in headers.items():
+        if not value.isascii():
+            return _error(400, f"the {name} header must be ASCII")
     return {**headers, "accept-encoding": "identity", **state.internal_headers}
 
 
