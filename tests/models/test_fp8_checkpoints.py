@@ -346,3 +346,23 @@ def test_loading_holds_one_tensor_beyond_the_model(tmp_path: Path) -> None:
     largest = 2048 * 1024 * 4  # one float32 tensor, dequantised
     assert got["model"] > 250e6  # a model big enough that a second copy would show
     assert got["peak_extra"] < file_bytes + 4 * largest + 64 * 2**20, got
+
+
+@pytest.mark.parametrize(
+    ("first", "shape"),
+    [((0, 0), (300, 200)), ((130, 7), (97, 250)), ((127, 128), (1, 1)), ((256, 0), (44, 129))],
+)
+def test_a_slice_is_dequantised_by_the_blocks_that_cover_it(
+    first: tuple[int, int], shape: tuple[int, int]
+) -> None:
+    """Any slice of a weight (a TP rank's rows or columns, starting and ending inside blocks)
+    equals the same slice of the whole weight's element-by-element dequantisation."""
+    gen = torch.Generator().manual_seed(3)
+    whole, scales = quantize_blocks(torch.randn(300, 400, generator=gen))
+    rows = torch.arange(300)[:, None] // 128
+    cols = torch.arange(400)[None, :] // 128
+    reference = whole.float() * scales[rows, cols]
+    (r0, c0), (r, c) = first, shape
+    cover = scales[r0 // 128 :, c0 // 128 :]
+    got = dequantize_blocks(whole[r0 : r0 + r, c0 : c0 + c], cover, first, BLOCK)
+    assert torch.equal(got, reference[r0 : r0 + r, c0 : c0 + c])
