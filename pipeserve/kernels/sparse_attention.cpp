@@ -227,6 +227,7 @@ void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& 
 // thread busy (decode steps), of one query and a group of heads (each group reads the rows).
 template <typename T>
 int64_t run(const Inputs<T>& in) {
+  if (in.n == 0) return 0;
   const int64_t threads = at::get_num_threads();
   int64_t groups = 1;
   if (in.n < kQueries * threads) {

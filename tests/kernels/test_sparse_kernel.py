@@ -116,3 +116,11 @@ def test_few_queries_split_their_heads_over_threads(n: int) -> None:
         torch.set_num_threads(with_threads)
     torch.testing.assert_close(out.double(), oracle(q, rows, slots, 0.2), atol=2e-6, rtol=0)
     assert read.item() == int((slots >= 0).sum())
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_kernel), False])
+def test_no_queries_give_an_empty_answer(native: bool) -> None:
+    q, rows, slots = problem(torch.float32)
+    read = torch.zeros(1, dtype=torch.long)
+    out = sparse_latent_attention(q[:0], rows, slots[:0], RANK, 0.2, native, read)
+    assert out.shape == (0, H, RANK) and read.item() == 0
