@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from pipeserve.models.presets import make_model
-from pipeserve.models.quantization import BLOCK, SCALE_SUFFIX, dequantize_blocks, quantize_blocks
+from pipeserve.models.quantization import write_fp8_checkpoint
 
 PROBE = """
 import json, sys, time, torch
@@ -70,36 +68,6 @@ def shapes(params_b: float) -> dict[str, Any]:
     }
 
 
-def write(src: Path, fp8: Path, bf16: Path) -> None:
-    """`fp8`: the layer linears block-quantised; `bf16`: the same weights dequantised."""
-    for d in (fp8, bf16):
-        d.mkdir(parents=True)
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            (d / name).write_bytes((src / name).read_bytes())
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": list(BLOCK),
-    }
-    (fp8 / "config.json").write_text(json.dumps(config))
-    quantised: dict[str, torch.Tensor] = {}
-    plain: dict[str, torch.Tensor] = {}
-    for file in sorted(src.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118
-                t = f.get_tensor(name)
-                if t.dim() == 2 and ".layers." in name and "norm" not in name:
-                    q, scales = quantize_blocks(t.float())
-                    quantised[name], quantised[name + SCALE_SUFFIX] = q, scales
-                    plain[name] = dequantize_blocks(q, scales, (0, 0), BLOCK).bfloat16()
-                else:
-                    quantised[name] = plain[name] = t.bfloat16()
-    save_file(quantised, str(fp8 / "model.safetensors"))
-    save_file(plain, str(bf16 / "model.safetensors"))
-
-
 def load(path: Path) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, check=True
@@ -117,7 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         src = make_model("tiny-llama", root / "src", overrides=shapes(args.params))
-        write(src, root / "fp8", root / "bf16")
+        write_fp8_checkpoint(src, root / "fp8", root / "bf16", torch.bfloat16)
         report = {"fp8": load(root / "fp8"), "bf16": load(root / "bf16")}
     report["fp8_over_bf16_load_s"] = report["fp8"]["load_s"] / report["bf16"]["load_s"]
     print(json.dumps(report, indent=2))

@@ -305,29 +305,28 @@ def min_pipeline_chunk(device_type: str) -> int:
     return 512 if device_type == "cpu" else 2048
 
 
-def native_decode_kernel() -> Callable[..., torch.Tensor] | None:
-    """The compiled CPU decode-attention kernel, or None (not built, or disabled)."""
+def _native_function(name: str) -> Callable[..., torch.Tensor] | None:
+    """A function of the compiled CPU kernels, or None (not built, or disabled)."""
     from pipeserve.kernels import native
 
     module = native()
-    return None if module is None else module.paged_decode_attention
+    return None if module is None else getattr(module, name)
+
+
+def native_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU decode-attention kernel, or None (not built, or disabled)."""
+    return _native_function("paged_decode_attention")
 
 
 def native_index_scores() -> Callable[..., torch.Tensor] | None:
     """The compiled CPU kernel of DeepSeek-V3.2's indexer scores (float32), or None."""
-    from pipeserve.kernels import native
-
-    module = native()
-    return None if module is None else module.index_scores
+    return _native_function("index_scores")
 
 
 def native_sparse_kernel() -> Callable[..., torch.Tensor] | None:
     """The compiled CPU kernel of DeepSeek-V3.2's sparse attention in latent space (each query
     over its chosen cache rows only, read in place; float32 or bfloat16), or None."""
-    from pipeserve.kernels import native
-
-    module = native()
-    return None if module is None else module.sparse_latent_attention
+    return _native_function("sparse_latent_attention")
 
 
 def native_prefill_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:

@@ -96,7 +96,7 @@ class Indexer(nn.Module):
         topk = self.config.topk
         out = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
         # a request no longer than topk keeps every visible position: no scores needed
-        chosen = self._scores(x, q_latent, rope, cache, segments, new_slots, longer_than=topk)
+        chosen = self.scores(x, q_latent, rope, cache, segments, new_slots, longer_than=topk)
         for seg, scores in zip(segments, chosen, strict=True):
             if scores is not None:
                 out[seg.rows] = top_positions(scores, topk)
@@ -114,24 +114,11 @@ class Indexer(nn.Module):
         cache: torch.Tensor,
         segments: list[LatentSegment],
         new_slots: torch.Tensor | None = None,
-    ) -> list[torch.Tensor]:
-        """As `forward`, but the index scores: per segment [q_len, prefix_len + q_len] float32,
-        -inf at positions after the query's. Writes the segments' keys to the cache."""
-        every = self._scores(x, q_latent, rope, cache, segments, new_slots, longer_than=0)
-        return [s for s in every if s is not None]
-
-    def _scores(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        rope: Rope,
-        cache: torch.Tensor,
-        segments: list[LatentSegment],
-        new_slots: torch.Tensor | None,
-        longer_than: int,
+        longer_than: int = 0,
     ) -> list[torch.Tensor | None]:
-        """Writes every segment's keys; scores those longer than `longer_than` (None for the
-        others)."""
+        """Writes the segments' keys to the cache (as `forward`) -> per segment its index
+        scores [q_len, prefix_len + q_len] float32, -inf at positions after the query's; None
+        for a segment no longer than `longer_than` (not scored)."""
         new = self.keys(x, rope)
         if new_slots is not None:
             cache[new_slots] = new

@@ -159,8 +159,7 @@ class MLAttention(nn.Module):
             kept = [i for i, seg in enumerate(segments) if seg.q_len != 1]
             segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
         for seg, chosen in zip(segments, selected, strict=True):
-            # an indexer's choice is always read in latent space: its rows, in place
-            if chosen is not None or self.absorbs(mode, seg, native):
+            if self.absorbs(mode, seg, native, chosen):
                 out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, chosen, native)
             else:
                 kv = seg.read(cache)
@@ -228,7 +227,7 @@ class MLAttention(nn.Module):
                         self.indexer.scale,
                     )
                     chosen = top_positions(scores, self.indexer.config.topk)
-                if chosen is not None or self.absorbs("auto", seg_view, native):
+                if self.absorbs("auto", seg_view, native, chosen):
                     out[rows] = self.absorbed(q[rows], seg_view, latents, chosen, native)
                 else:
                     if expanded is None:
@@ -236,9 +235,18 @@ class MLAttention(nn.Module):
                     out[rows] = expanded.attend(q[rows], first, end, self.scale)
         return self.o_proj(out.flatten(1))
 
-    def absorbs(self, mode: Mode, seg: LatentSegment, native: bool = False) -> bool:
-        """Whether a segment attends in latent space; "auto" takes the cheaper form (see
-        `absorb_max_queries`), expanded on the compiled kernel being the faster per FLOP."""
+    def absorbs(
+        self,
+        mode: Mode,
+        seg: LatentSegment,
+        native: bool = False,
+        chosen: torch.Tensor | None = None,
+    ) -> bool:
+        """Whether a segment attends in latent space: always with an indexer's choice `chosen`
+        (its rows are read in place, whatever the mode); else "auto" takes the cheaper form
+        (see `absorb_max_queries`), expanded on the compiled kernel being the faster per FLOP."""
+        if chosen is not None:
+            return True
         if mode != "auto":
             return mode == "absorbed"
         limit = self.absorb_max_queries // (NATIVE_EXPANDED_SPEEDUP if native else 1)

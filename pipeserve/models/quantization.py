@@ -24,10 +24,15 @@ other block sizes) or with static activation scales.
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 SUPPORTED = (
     'FP8 with 128x128 block scales ({"quant_method": "fp8", "fmt": "e4m3", '
@@ -78,7 +83,7 @@ def checkpoint_quantization(config: dict[str, Any]) -> Fp8Blocks | None:
             f"quantization_config: fp8 activation_scheme {scheme!r} (static activation "
             f"scales) {refused}"
         )
-    return Fp8Blocks(tuple(BLOCK))  # type: ignore[arg-type]
+    return Fp8Blocks()
 
 
 def dequantize_blocks(
@@ -110,7 +115,7 @@ def quantize_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What an FP8 release stores for a weight [R, C]: the fp8 values and the float32 scale
     grid [ceil(R / bm), ceil(C / bn)], each block scaled so its largest magnitude is fp8's
-    largest (448). For tests and `pipeserve make-model`-style random checkpoints."""
+    largest (448). For random FP8 checkpoints (`write_fp8_checkpoint`)."""
     bm, bn = block
     rows, cols = weight.shape
     grid = (-(-rows // bm), -(-cols // bn))
@@ -121,3 +126,54 @@ def quantize_blocks(
     scales = top / torch.finfo(torch.float8_e4m3fn).max
     q = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn)
     return q.view(grid[0] * bm, grid[1] * bn)[:rows, :cols].contiguous(), scales
+
+
+def stored_as_fp8(name: str, t: torch.Tensor) -> bool:
+    """Which tensors the FP8 releases store as fp8: the linears of attention, MLPs, experts and
+    DeepSeek-V3.2's indexer; not embeddings, norms, the router, the indexer's head weights or
+    the LM head."""
+    return (
+        t.dim() == 2
+        and ".layers." in name
+        and name.endswith(".weight")
+        and "norm" not in name
+        and not name.endswith("mlp.gate.weight")
+        and "weights_proj" not in name
+    )
+
+
+def write_fp8_checkpoint(src: Path, out: Path, dequantised: Path, dtype: torch.dtype) -> int:
+    """From the safetensors checkpoint `src` (a random-weight model; tests and benchmarks):
+    `out` in the FP8 release format (`stored_as_fp8` tensors block-quantised, the rest in
+    `dtype`, quantization_config declared) and `dequantised`, the same weights as that format
+    means them, all in `dtype`, without quantization_config. -> how many tensors were
+    quantised."""
+    fp8: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                t = f.get_tensor(name)
+                if stored_as_fp8(name, t):
+                    q, scales = quantize_blocks(t.float())
+                    fp8[name], fp8[name + SCALE_SUFFIX] = q, scales
+                    plain[name] = dequantize_blocks(q, scales, (0, 0), BLOCK).to(dtype)
+                else:
+                    fp8[name] = plain[name] = t.to(dtype)
+    config = json.loads((src / "config.json").read_text())
+    declared = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+    }
+    for d, weights, cfg in (
+        (out, fp8, {**config, "quantization_config": declared}),
+        (dequantised, plain, config),
+    ):
+        d.mkdir(parents=True)
+        save_file(weights, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(cfg))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / name, d / name)
+    return sum(1 for name in fp8 if name.endswith(SCALE_SUFFIX))

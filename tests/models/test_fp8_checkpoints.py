@@ -31,6 +31,7 @@ from pipeserve.models.quantization import (
     checkpoint_quantization,
     dequantize_blocks,
     quantize_blocks,
+    write_fp8_checkpoint,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,51 +98,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 
-def quantised(name: str, t: torch.Tensor) -> bool:
-    """Which tensors the releases store as fp8: the linears of attention, MLPs, experts and
-    the indexer; not embeddings, norms, the router or the LM head."""
-    return (
-        t.dim() == 2
-        and ".layers." in name
-        and name.endswith(".weight")
-        and "norm" not in name
-        and not name.endswith("mlp.gate.weight")
-        and "weights_proj" not in name
-    )
-
-
-def write_fp8(src: Path, out: Path, deq: Path) -> int:
-    """From checkpoint `src`: `out` in the FP8 release format and `deq`, the same weights
-    dequantised (float32, no quantization_config: what transformers runs). -> how many
-    tensors were quantised."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in src.glob("*.safetensors"):
-        with safe_open(file, framework="pt") as f:
-            tensors.update({n: f.get_tensor(n) for n in f.keys()})  # noqa: SIM118
-    fp8: dict[str, torch.Tensor] = {}
-    plain: dict[str, torch.Tensor] = {}
-    count = 0
-    for name, t in tensors.items():
-        if quantised(name, t):
-            q, scales = quantize_blocks(t.float())
-            fp8[name], fp8[name + SCALE_SUFFIX] = q, scales
-            plain[name] = dequantize_blocks(q, scales, (0, 0), BLOCK)
-            count += 1
-        else:
-            fp8[name] = plain[name] = t.float()
-    config = json.loads((src / "config.json").read_text())
-    for d, weights, cfg in (
-        (out, fp8, {**config, "quantization_config": FP8}),
-        (deq, plain, config),
-    ):
-        d.mkdir(parents=True)
-        save_file(weights, str(d / "model.safetensors"))
-        (d / "config.json").write_text(json.dumps(cfg))
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(src / name, d / name)
-    return count
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """model -> (fp8 checkpoint, dequantised checkpoint)."""
@@ -152,7 +108,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
             preset, overrides = MODELS[model]
             root = tmp_path_factory.mktemp(model)
             src = make_model(preset, root / "src", overrides=overrides)
-            assert write_fp8(src, root / "fp8", root / "deq") > 0
+            assert write_fp8_checkpoint(src, root / "fp8", root / "deq", torch.float32) > 0
             made[model] = root / "fp8", root / "deq"
         return made[model]
 
@@ -333,7 +289,7 @@ def test_loading_holds_one_tensor_beyond_the_model(tmp_path: Path) -> None:
             "num_hidden_layers": 8,
         },
     )
-    write_fp8(src, tmp_path / "fp8", tmp_path / "deq")
+    write_fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "deq", torch.float32)
     probe = subprocess.run(
         [sys.executable, "-c", LOAD_PROBE, str(tmp_path / "fp8")],
         capture_output=True,
