@@ -456,6 +456,7 @@ def cmd_make_model(args: argparse.Namespace) -> None:
 
 def cmd_router(args: argparse.Namespace) -> None:
     from pipeserve.disaggregation.pd.router import run_router
+    from pipeserve.server.connection_guard import ConnectionLimits
 
     try:
         run_router(
@@ -468,9 +469,34 @@ def cmd_router(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             max_request_bytes=args.max_request_bytes,
             pd_auth_key=args.disaggregation_auth_key,
+            limits=ConnectionLimits(
+                args.http_head_timeout,
+                args.http_body_timeout,
+                args.http_max_connections,
+                args.http_max_pending_per_peer,
+            ),
         )
     except ValueError as exc:
         sys.exit(f"pipeserve router: {exc}")
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """The HTTP connection limits, as `pipeserve serve` has them (config.ServerConfig)."""
+    from pipeserve.config import ServerConfig
+
+    for name in (
+        "http_head_timeout",
+        "http_body_timeout",
+        "http_max_connections",
+        "http_max_pending_per_peer",
+    ):
+        f = ServerConfig.__dataclass_fields__[name]
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=_TYPES[str(f.type)],
+            default=f.default,
+            help=f"{f.metadata['help']} (default: {f.default})",
+        )
 
 
 def add_sim_flags(parser: argparse.ArgumentParser) -> None:
@@ -728,6 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared secret of disaggregation, the same on the router and every prefill and "
         "decode server; prefer env PIPESERVE_PD_AUTH_KEY, which the process list does not show",
     )
+    add_connection_flags(router)
     router.set_defaults(func=cmd_router)
     return parser
 

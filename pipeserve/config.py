@@ -415,6 +415,24 @@ class ServerConfig:
         "largest HTTP request body in bytes (64 MiB); larger ones, by Content-Length or as a "
         "chunked body arrives, get HTTP 413",
     )
+    http_head_timeout: float = _flag(
+        5.0,
+        "seconds a connection has to send a request's head, from connect (or from the first "
+        "byte of a later request on a kept-alive connection); then HTTP 408 and close",
+    )
+    http_body_timeout: float = _flag(
+        30.0, "seconds a request has to send its whole body once its head is in; then 408"
+    )
+    http_max_connections: int = _flag(
+        2048,
+        "HTTP connections held at once (at most the descriptor limit less 64); at the cap the "
+        "oldest connection still sending its request is dropped for a new one",
+    )
+    http_max_pending_per_peer: int = _flag(
+        32,
+        "connections one client address may hold while they still send their requests; more "
+        "are closed at once",
+    )
     enable_api_docs: bool = _flag(
         False,
         "serve /docs, /redoc and /openapi.json (off by default: they map the API for anyone "
@@ -619,6 +637,13 @@ def validate(config: EngineConfig) -> None:
         ),
         (config.server.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
         (config.server.max_request_bytes > 0, "--max-request-bytes must be positive"),
+        (config.server.http_head_timeout > 0, "--http-head-timeout must be positive"),
+        (config.server.http_body_timeout > 0, "--http-body-timeout must be positive"),
+        (config.server.http_max_connections > 0, "--http-max-connections must be positive"),
+        (
+            config.server.http_max_pending_per_peer > 0,
+            "--http-max-pending-per-peer must be positive",
+        ),
         (
             p.world_size % p.nnodes == 0,
             f"{_world_words(p)} = {p.world_size} must be divisible by --nnodes {p.nnodes}",

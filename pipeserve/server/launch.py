@@ -14,12 +14,13 @@ from pipeserve.device import with_compute_dtype
 from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.models.resolve import resolve_model_path
 from pipeserve.server.app import create_app
+from pipeserve.server.connection_guard import ConnectionLimits, GuardedServer, uvicorn_options
 from pipeserve.server.state import ServerState
 
 GRACEFUL_SHUTDOWN_S = 3
 
 
-class _Server(uvicorn.Server):
+class _Server(GuardedServer):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
@@ -75,6 +76,14 @@ def serve(flags: dict[str, Any]) -> int:
             port=c.port,
             log_level="warning",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            **uvicorn_options(
+                ConnectionLimits(
+                    c.http_head_timeout,
+                    c.http_body_timeout,
+                    c.http_max_connections,
+                    c.http_max_pending_per_peer,
+                )
+            ),
         ),
         state,
     )

@@ -44,6 +44,7 @@ from starlette.types import Receive, Scope, Send
 
 from pipeserve.disaggregation.pd import auth
 from pipeserve.server.body_limit import BodySizeLimit
+from pipeserve.server.connection_guard import ConnectionLimits, GuardedServer, uvicorn_options
 from pipeserve.server.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,7 @@ def run_router(
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     pd_auth_key: str | None = None,
+    limits: ConnectionLimits | None = None,
 ) -> None:
     """Serve the router with uvicorn until SIGINT/SIGTERM."""
     app = create_router_app(
@@ -284,11 +286,12 @@ def run_router(
         port=port,
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **uvicorn_options(limits or ConnectionLimits()),
     )
     _RouterServer(config).run()
 
 
-class _RouterServer(uvicorn.Server):
+class _RouterServer(GuardedServer):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:  # after the lifespan's first probe round
