@@ -752,7 +752,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="KEY",
         help="shared secret of disaggregation, the same on the router and every prefill and "
-        "decode server; prefer env PIPESERVE_PD_AUTH_KEY, which the process list does not show",
+        "decode server, at least 32 hex digits (`openssl rand -hex 32`); prefer env "
+        "PIPESERVE_PD_AUTH_KEY, which the process list does not show",
     )
     add_connection_flags(router)
     router.set_defaults(func=cmd_router)

@@ -346,9 +346,10 @@ class ParallelConfig:
     node_rank: int = _flag(0, "rank of this node")
     dist_init_addr: str | None = _flag(None, "host:port of node 0 for multi-node launch")
     dist_auth_key: str | None = _secret_flag(
-        "multi-node: a shared secret (give every node the same) that authenticates and "
-        "encrypts the scheduler's ZMQ channels (CURVE); prefer env PIPESERVE_DIST_AUTH_KEY, "
-        "which the process list does not show"
+        "multi-node: a shared secret (give every node the same), at least 32 hex digits "
+        "(`openssl rand -hex 32`), that authenticates and encrypts the scheduler's ZMQ "
+        "channels (CURVE); prefer env PIPESERVE_DIST_AUTH_KEY, which the process list does "
+        "not show"
     )
     heartbeat_interval: float = _flag(
         0.5, "seconds between a worker's heartbeats (sent by a thread of their own)"
@@ -488,8 +489,9 @@ class DisaggregationConfig:
     )
     disaggregation_auth_key: str | None = _secret_flag(
         "prefill/decode disaggregation's shared secret (the same on the router and every "
-        "prefill and decode server): it authenticates the internal HTTP calls and encrypts the "
-        "KV link (CURVE); prefer env PIPESERVE_PD_AUTH_KEY, which the process list does not show"
+        "prefill and decode server), at least 32 hex digits (`openssl rand -hex 32`): it "
+        "authenticates the internal HTTP calls and the KV data link; prefer env "
+        "PIPESERVE_PD_AUTH_KEY, which the process list does not show"
     )
 
     @property
@@ -629,6 +631,10 @@ def validate(config: EngineConfig) -> None:
             f"--node-rank {p.node_rank} must be in [0, --nnodes {p.nnodes})",
         ),
         (p.nnodes == 1 or p.dist_init_addr, "--nnodes > 1 needs --dist-init-addr host:port"),
+        (
+            p.auth_key is None or key_problem(p.auth_key, DIST_KEY_NAME) is None,
+            key_problem(p.auth_key or "", DIST_KEY_NAME) or "",
+        ),
         (config.server.watchdog_timeout > 0, "--watchdog-timeout must be positive"),
         (
             0 < p.heartbeat_interval * 2 <= p.heartbeat_timeout,
@@ -718,6 +724,10 @@ def _disaggregation_checks(config: EngineConfig) -> list[tuple[bool, str]]:
         (d.disaggregation_transfer_timeout > 0, "--disaggregation-transfer-timeout must be > 0"),
         (d.disaggregation_prefill_timeout > 0, "--disaggregation-prefill-timeout must be > 0"),
         (d.pd_auth_key is not None, MISSING_PD_KEY),
+        (
+            d.pd_auth_key is None or key_problem(d.pd_auth_key, PD_KEY_NAME) is None,
+            key_problem(d.pd_auth_key or "", PD_KEY_NAME) or "",
+        ),
         *[
             (valid_server_url(u), f"--disaggregation-prefill-url {u!r}: {URL_FORM}")
             for u in d.disaggregation_prefill_url
@@ -730,11 +740,36 @@ def _disaggregation_checks(config: EngineConfig) -> list[tuple[bool, str]]:
 
 
 URL_FORM = "write a server's base URL as http://HOST:PORT (no path, query or fragment)"
+PD_KEY_NAME = "the PD key (PIPESERVE_PD_AUTH_KEY or --disaggregation-auth-key)"
+DIST_KEY_NAME = "the control plane's key (PIPESERVE_DIST_AUTH_KEY or --dist-auth-key)"
 MISSING_PD_KEY = (
     "prefill/decode disaggregation needs a shared secret: set PIPESERVE_PD_AUTH_KEY (or "
     "--disaggregation-auth-key) to the same value on the router and on every prefill and "
     "decode server, e.g. `export PIPESERVE_PD_AUTH_KEY=$(openssl rand -hex 32)`"
 )
+
+
+MIN_KEY_HEX_DIGITS = 32  # 128 bits
+
+
+def key_problem(key: str, what: str) -> str | None:
+    """Why `key` is not a shared secret of at least 128 random bits, or None. The check is of
+    form (it cannot see where a key came from): at least 32 hex digits, not a short pattern
+    repeated, at least 8 distinct digits (32 random ones have about 14)."""
+    how = (
+        f"{what} must be at least {MIN_KEY_HEX_DIGITS} hex digits (128 bits) from a random "
+        "source: make one with `openssl rand -hex 32`"
+    )
+    text = key.lower()
+    if len(text) < MIN_KEY_HEX_DIGITS or any(c not in "0123456789abcdef" for c in text):
+        return f"{how}; the key given is not (a short or word-like key can be guessed offline)"
+    periodic = any(
+        len(text) % p == 0 and text == text[:p] * (len(text) // p)
+        for p in range(1, len(text) // 2 + 1)
+    )
+    if periodic or len(set(text)) < 8:
+        return f"{how}; the key given is a pattern, not random digits"
+    return None
 
 
 def valid_server_url(url: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from typing import Any
 
 import pytest
@@ -123,6 +124,40 @@ def test_config_is_frozen() -> None:
 def test_invalid_settings_say_what_to_change(flags: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_flags(**flags)
+
+
+WEAK_KEYS = [
+    "summer2024",  # a word list's
+    "secret-pd-key-for-the-cluster-0001",  # long, but not hex: a phrase
+    "0123456789abcdef0123456789abcde",  # 31 hex digits: under 128 bits
+    "abababababababababababababababab",  # a pattern
+    "0000000011111111000000001111111100",  # 2 distinct digits
+]
+
+
+@pytest.mark.parametrize("key", WEAK_KEYS)
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        ({"disaggregation_mode": "prefill"}, "disaggregation_auth_key"),
+        ({"nnodes": 2, "pp_size": 2, "dist_init_addr": "h:1"}, "dist_auth_key"),
+    ],
+)
+def test_short_or_patterned_keys_are_refused(flags: dict[str, Any], name: str, key: str) -> None:
+    """The PD key and the control plane's key must carry 128 random bits: a recorded
+    handshake lets anyone test guesses offline. The refusal says how to make one."""
+    with pytest.raises(ValueError, match=r"at least 32 hex digits.*openssl rand -hex 32"):
+        EngineConfig.from_flags(**flags, **{name: key})
+    EngineConfig.from_flags(**flags, **{name: secrets.token_hex(16)})  # 128 random bits do
+
+
+def test_the_keys_from_the_environment_are_checked_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "summer2024")
+    with pytest.raises(ValueError, match="PIPESERVE_PD_AUTH_KEY"):
+        EngineConfig.from_flags(disaggregation_mode="decode")
+    monkeypatch.setenv("PIPESERVE_DIST_AUTH_KEY", "summer2024")
+    with pytest.raises(ValueError, match="PIPESERVE_DIST_AUTH_KEY"):
+        EngineConfig.from_flags(nnodes=2, pp_size=2, dist_init_addr="h:1")
 
 
 def test_valid_multi_node_layout() -> None:

@@ -515,6 +515,7 @@ READY_FIELDS = (
     "tp_all_reduce",
     "kv_endpoint",
     "kv_control",
+    "kv_control_secret",
 )
 
 
@@ -525,8 +526,8 @@ def _encode_ready(info: dict[str, Any]) -> list[Any]:
 
 
 def _decode_ready(v: Any) -> dict[str, Any]:
-    pages, partition, stage, tp_rank, ep_rank, expert_bytes, all_reduce, endpoint, control = (
-        _fields(v, 9, "ready")
+    pages, partition, stage, tp_rank, ep_rank, expert_bytes, all_reduce, *kv = _fields(
+        v, 10, "ready"
     )
     ranks = (_int(stage), _int(tp_rank), _int(ep_rank))
     values = (
@@ -535,8 +536,7 @@ def _decode_ready(v: Any) -> dict[str, Any]:
         *ranks,
         _int(expert_bytes),
         _str(all_reduce),
-        _str(endpoint),
-        _str(control),
+        *(_str(x) for x in kv),
     )
     return dict(zip(READY_FIELDS, values, strict=True))
 

@@ -100,6 +100,7 @@ def worker_main(args: WorkerArgs) -> None:
             runner = FfnRunner(config, arch, model_path)
         else:
             runner = ModelRunner(config, arch, model_path, num_pages)
+        receiver = getattr(runner, "kv_receiver", None)
         channels.send_status(
             "ready",
             {
@@ -111,8 +112,10 @@ def worker_main(args: WorkerArgs) -> None:
                 "expert_bytes": runner.expert_bytes(),
                 "tp_all_reduce": _all_reduce_kind(state),
                 # prefill/decode disaggregation, decode side: where this rank takes KV
-                "kv_endpoint": getattr(getattr(runner, "kv_receiver", None), "endpoint", ""),
-                "kv_control": getattr(getattr(runner, "kv_receiver", None), "control_endpoint", ""),
+                "kv_endpoint": receiver.endpoint if receiver else "",
+                "kv_control": receiver.control_endpoint if receiver else "",
+                # the control link's secret, random per receiver: only this message carries it
+                "kv_control_secret": receiver.control_secret.hex() if receiver else "",
             },
         )
         started = True

@@ -188,9 +188,9 @@ class Backend:
         order."""
         raise NotImplementedError
 
-    def kv_controls(self) -> tuple[str, ...]:
-        """Decode side of disaggregation: every rank's KV receiver's control socket, in the
-        same order."""
+    def kv_controls(self) -> tuple[tuple[str, bytes], ...]:
+        """Decode side of disaggregation: every rank's KV receiver's control socket and its
+        secret, in the same order."""
         raise NotImplementedError
 
     def expert_bytes_per_rank(self) -> int:
@@ -309,9 +309,10 @@ class InProcessBackend(Backend):
         assert self.runner.kv_receiver is not None, "not a decode server"
         return (self.runner.kv_receiver.endpoint,)
 
-    def kv_controls(self) -> tuple[str, ...]:
-        assert self.runner.kv_receiver is not None, "not a decode server"
-        return (self.runner.kv_receiver.control_endpoint,)
+    def kv_controls(self) -> tuple[tuple[str, bytes], ...]:
+        receiver = self.runner.kv_receiver
+        assert receiver is not None, "not a decode server"
+        return ((receiver.control_endpoint, receiver.control_secret),)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -397,8 +398,9 @@ class WorkerBackend(Backend):
     def kv_endpoints(self) -> tuple[str, ...]:
         return tuple(self.workers.info[r]["kv_endpoint"] for r in sorted(self.workers.info))
 
-    def kv_controls(self) -> tuple[str, ...]:
-        return tuple(self.workers.info[r]["kv_control"] for r in sorted(self.workers.info))
+    def kv_controls(self) -> tuple[tuple[str, bytes], ...]:
+        info = [self.workers.info[r] for r in sorted(self.workers.info)]
+        return tuple((i["kv_control"], bytes.fromhex(i["kv_control_secret"])) for i in info)
 
     def expert_bytes_per_rank(self) -> int:
         return max(i["expert_bytes"] for i in self.workers.info.values())

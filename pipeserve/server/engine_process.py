@@ -29,7 +29,6 @@ import zmq
 
 from pipeserve import envs
 from pipeserve.config import SettingsError
-from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, plan
 from pipeserve.disaggregation.pd.transfer import ReceiverControl
@@ -97,7 +96,6 @@ class EngineLoop:
         control = ReceiverControl(
             engine.backend.kv_endpoints(),
             engine.backend.kv_controls(),
-            auth.pd_key(d.pd_auth_key),
             # a safety net: every way out of a request closes its room; one left open by a
             # fault still expires, a transfer timeout after the request's own deadline
             room_ttl_s=sum(timeouts) + d.disaggregation_transfer_timeout,

@@ -172,4 +172,3 @@ def test_a_destination_from_a_peer_is_checked_like_client_input() -> None:
         with pytest.raises(ValueError, match=message) as info:
             KVDestination.from_json(d, **limits)
         assert "169.254" not in str(info.value), what
-

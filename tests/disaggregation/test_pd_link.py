@@ -21,7 +21,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from pipeserve.disaggregation.pd import link
 from pipeserve.disaggregation.pd.link import Channel, LinkClosed, Server
@@ -31,29 +35,55 @@ pytestmark = pytest.mark.timeout(60)
 SECRET = link.derive("test-pd-key", "test link")
 
 
-class RawPeer:
-    """An initiator written from the protocol's description, over a blocking socket."""
+def _hmac(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
 
-    def __init__(self, endpoint: str, secret: bytes = SECRET, proof: bytes | None = None):
+
+MAGIC = b"PSKVLNK2"
+
+
+class RawPeer:
+    """An initiator written from the protocol's description, over a blocking socket.
+    `hello`: send this instead of a fresh hello (a replay); `confirm`: send this instead of
+    the key confirmation."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        secret: bytes = SECRET,
+        hello: bytes | None = None,
+        confirm: bytes | None = None,
+    ):
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=10)
-        ni = os.urandom(32)
-        self.sock.sendall(b"PSKVLNK1" + ni)
-        reply = self.read(64)
-        nr, their_proof = reply[:32], reply[32:]
-        mac = lambda label: hmac.new(secret, label + ni + nr, hashlib.sha256).digest()  # noqa: E731
-        self.authentic = hmac.compare_digest(their_proof, mac(b"responder"))
-        self.proof = mac(b"initiator") if proof is None else proof
-        self.sock.sendall(self.proof)
-        self.seal = AESGCM(mac(b"i>r"))
+        mine = X25519PrivateKey.generate()
+        ei = mine.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self.hello = hello or MAGIC + ei + _hmac(secret, b"initiator hello" + MAGIC + ei)
+        self.sock.sendall(self.hello)
+        self.reply = self.read_all(64)  # b"" when the listener closed without a word
+        self.authentic = False
         self.counter = 0
+        if len(self.reply) < 64:
+            return
+        er, their_proof = self.reply[:32], self.reply[32:]
+        shared = mine.exchange(X25519PublicKey.from_public_bytes(er))
+        h = hashlib.sha256(self.hello + er).digest()
+        okm = HKDF(hashes.SHA256(), 128, h, b"pipeserve kv link 2").derive(secret + shared)
+        kr, ki, kir = okm[:32], okm[32:64], okm[64:96]
+        self.authentic = hmac.compare_digest(their_proof, _hmac(kr, h))
+        self.sock.sendall(_hmac(ki, h) if confirm is None else confirm)
+        self.seal = AESGCM(kir)
 
-    def read(self, n: int) -> bytes:
+    def read_all(self, n: int) -> bytes:
+        """Up to `n` bytes: fewer only when the other end closes first."""
         data = b""
         while len(data) < n:
-            got = self.sock.recv(n - len(data))
+            try:
+                got = self.sock.recv(n - len(data))
+            except ConnectionResetError:
+                return data
             if not got:
-                raise ConnectionError("closed")
+                return data
             data += got
         return data
 
@@ -172,28 +202,85 @@ def test_the_raw_protocol_is_understood(served) -> None:
 
 
 def test_a_peer_without_the_secret_gets_nothing_in(served) -> None:
+    """A stranger's hello is answered by nothing at all: no proof of the listener's to test
+    guesses of the key against offline (the old protocol answered every hello with one)."""
     s = served()
     wrong = link.derive("another key", "test link")
     impostor = RawPeer(s.listener.endpoint, secret=wrong)
-    assert not impostor.authentic  # it cannot tell the listener is genuine either
-    impostor.sock.sendall(impostor.message([b"forged"]))
-    assert impostor.closed_by_peer()
-    # link.py's own initiator refuses a listener that does not prove the secret
-    with pytest.raises(LinkClosed, match="does not hold the link's key"):
+    assert impostor.reply == b""  # closed before a byte was sent back
+    assert not impostor.authentic
+    # the old protocol's hello, and a hello with a random proof: nothing either
+    for hello in (b"PSKVLNK1" + os.urandom(64), MAGIC + os.urandom(64)):
+        stranger = socket.create_connection(s.listener.sock.getsockname(), timeout=5)
+        stranger.sendall(hello)
+        assert closed(stranger)
+        stranger.close()
+    # link.py's own initiator is closed by a listener under another secret, and refuses a
+    # listener that answers without proving the secret
+    with pytest.raises(LinkClosed, match="closed the connection"):
         connected(s.listener.endpoint, secret=wrong)
-    # a stranger that replays a genuine peer's proof (from another connection) fails too
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+
+        def answer_anything() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                conn.recv(72)
+                conn.sendall(X25519PrivateKey.generate().public_key().public_bytes_raw())
+                conn.sendall(os.urandom(32))
+                conn.recv(1)
+
+        threading.Thread(target=answer_anything, daemon=True).start()
+        port = fake.getsockname()[1]
+        with pytest.raises(LinkClosed, match="does not hold the link's key"):
+            connected(f"tcp://127.0.0.1:{port}")
+    # a recorded hello replayed: closed unanswered while the listener remembers it
     genuine = RawPeer(s.listener.endpoint)
-    replay = RawPeer(s.listener.endpoint, proof=genuine.proof)
-    replay.sock.sendall(replay.message([b"forged"]))
-    assert replay.closed_by_peer()
+    assert genuine.authentic
+    replay = RawPeer(s.listener.endpoint, hello=genuine.hello)
+    assert replay.reply == b""
+    # a confirmation that is not the initiator's: closed
+    wrong_confirm = RawPeer(s.listener.endpoint, confirm=os.urandom(32))
+    assert wrong_confirm.authentic  # the listener proved itself, but takes nothing
+    wrong_confirm.sock.sendall(wrong_confirm.message([b"forged"]))
+    assert wrong_confirm.closed_by_peer()
     junk = socket.create_connection(s.listener.sock.getsockname(), timeout=5)
-    junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(40))
+    junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(60))
     assert closed(junk)
     junk.close()
     genuine.close()
     time.sleep(0.2)
     assert s.got == []
-    assert s.listener.refused["failed or left the handshake"] >= 3
+    assert s.listener.refused["failed or left the handshake"] >= 6
+
+
+def test_a_replayed_hello_that_is_answered_cannot_finish(served) -> None:
+    """Past the listener's memory a replayed hello gets an answer, but without the private
+    half of its key the replayer cannot confirm, nor read or write a record."""
+    s = served()
+    genuine = RawPeer(s.listener.endpoint)
+    other = served()  # same secret, a listener that never saw the hello
+    replay = RawPeer(other.listener.endpoint, hello=genuine.hello)
+    assert len(replay.reply) == 64  # answered: the hello's proof is genuine
+    assert not replay.authentic  # its keys are not the replayer's (no shared secret)
+    replay.sock.sendall(replay.message([b"forged"]))
+    assert replay.closed_by_peer()
+    genuine.close()
+    time.sleep(0.1)
+    assert other.got == []
+
+
+def test_the_handshake_keys_are_fresh_per_connection(served) -> None:
+    """The record keys come from ephemeral keys (forward secrecy): two connections under the
+    same secret get different listener keys and both work."""
+    s = served()
+    a, b = RawPeer(s.listener.endpoint), RawPeer(s.listener.endpoint)
+    assert a.authentic and b.authentic
+    assert a.reply[:32] != b.reply[:32]  # the listener's ephemeral keys differ
+    a.sock.sendall(a.message([b"a"]))
+    b.sock.sendall(b.message([b"b"]))
+    assert s.wait(lambda: sorted(s.got) == [[b"a"], [b"b"]])
+    a.close()
+    b.close()
 
 
 def test_a_tampered_replayed_or_unannounced_record_ends_the_connection(served) -> None:
@@ -262,7 +349,7 @@ def test_authenticated_peers_are_capped(served) -> None:
     first, second = connected(s.listener.endpoint), connected(s.listener.endpoint)
     assert s.wait(lambda: len(s.listener.authenticated) == 2)
     third = socket.create_connection(s.listener.sock.getsockname(), timeout=5)
-    third.sendall(b"PSKVLNK1" + os.urandom(32))
+    third.sendall(MAGIC + os.urandom(64))
     assert closed(third)  # at accept: no handshake is even answered
     third.close()
     assert s.listener.refused["over the peer limit"] == 1

@@ -30,7 +30,7 @@ from pipeserve.disaggregation.pd.router import (
 )
 
 WAIT_S = 10.0  # longest any step may take: a hang fails fast
-PD_KEY = "test-pd-key"
+PD_KEY = "9c41e07a2b5d83f6e1a4c2b9d07f5e38"
 HEALTH_GAUGE = "pipeserve_router_server_healthy"
 
 
@@ -426,11 +426,14 @@ def test_the_router_needs_the_pd_key(
     monkeypatch.delenv("PIPESERVE_PD_AUTH_KEY", raising=False)
     with pytest.raises(ValueError, match="PIPESERVE_PD_AUTH_KEY"):
         create_router_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
-    monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "env-pd-key")
+    monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "e7a2c95b1f4d08e63b7a1c5f9d2e84b0")
     s = setup(pd_auth_key=None)
     assert s.complete().status_code == 200
     [(headers, _)] = s.fakes[0].received
-    assert headers[auth.INTERNAL_HEADER] == auth.internal_token("env-pd-key")
+    assert headers[auth.INTERNAL_HEADER] == auth.internal_token("e7a2c95b1f4d08e63b7a1c5f9d2e84b0")
+    monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "summer2024")  # a word-list key: refused
+    with pytest.raises(ValueError, match="at least 32 hex digits"):
+        create_router_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
 
 
 @pytest.mark.timeout(60)

@@ -12,10 +12,10 @@ refusals, limits and framing: test_pd_link.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -25,13 +25,14 @@ from test_pd_kv_remap import CASES, pools_for, whole_kv
 from test_pd_link import RawPeer
 
 from pipeserve.context_parallel.layout import PageStriping
-from pipeserve.disaggregation.pd import auth
+from pipeserve.disaggregation.pd import auth, link
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
 from pipeserve.disaggregation.pd.transfer import (
     MAX_MESSAGE_POSITIONS,
     KVReceiver,
     KVSender,
     ReceiverControl,
+    TransferError,
     new_room,
     split_positions,
 )
@@ -39,7 +40,7 @@ from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
 
 pytestmark = pytest.mark.timeout(60)
 
-KEY = "test-pd-key"
+KEY = "5f0c9a3e7b21d48e6a90c3f1b7d2e5a4"
 
 
 def run_prefill(
@@ -66,6 +67,23 @@ def wait_done(control: ReceiverControl, room: str, timeout: float = 20.0) -> lis
             return done
         time.sleep(0.01)
     return []
+
+
+def assert_received_whole(
+    dst: SideLayout,
+    dst_pools: dict,
+    whole: Any,
+    dst_slots: torch.Tensor,
+    src_slots: torch.Tensor | None = None,
+) -> None:
+    """Every decode rank's slots hold its heads of the whole KV (6 layers) as the prefill
+    side had them at `src_slots` (8..47 unless given)."""
+    src_slots = torch.arange(8, 48) if src_slots is None else src_slots
+    for (_, tp), pool in dst_pools.items():
+        h0, h1 = dst.heads(tp)
+        for layer in range(6):
+            for got, want in zip(pool.buffers(layer), whole.buffers(layer), strict=True):
+                assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])
 
 
 @pytest.fixture
@@ -105,8 +123,7 @@ def lone_sender(src: SideLayout, timeout_s: float, sides: list) -> KVSender:
 def control_of(receivers: list[KVReceiver], room_ttl_s: float = 3600.0) -> ReceiverControl:
     return ReceiverControl(
         tuple(r.endpoint for r in receivers),
-        tuple(r.control_endpoint for r in receivers),
-        KEY,
+        tuple((r.control_endpoint, r.control_secret) for r in receivers),
         room_ttl_s=room_ttl_s,
     )
 
@@ -183,11 +200,7 @@ def test_context_parallel_ranks_each_send_the_pages_they_hold(sides: list) -> No
     for r, sender in senders.items():  # each CP rank runs every chunk
         list(run_prefill({(0, r): sender}, src, dest, [(8, 40)], [10, 18], prefix=12))
     assert [room_id for room_id, _ in wait_done(control, room)] == [room]
-    for (_, tp), pool in dst_pools.items():
-        h0, h1 = dst.heads(tp)
-        for layer in range(6):
-            for got, want in zip(pool.buffers(layer), whole.buffers(layer), strict=True):
-                assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])
+    assert_received_whole(dst, dst_pools, whole, dst_slots, src_slots)
 
 
 def peer(endpoint: str, key: str = KEY) -> RawPeer:
@@ -218,19 +231,11 @@ def test_a_peer_without_the_key_gets_nothing_in(sides: list) -> None:
     src, dst, _whole, dst_pools, senders, control, dst_slots = build("pp1->tp2", sides)
     room = new_room()
     control.open(room, [(20, 40)], 40)
-    # 40 positions of one head, float32, head_dim 4: what rank (0, 0) expects per layer
-    forged = kv_message(room, 0, (0, 1), [[0, 40]], 40 * 4 * 4)
-    for key in ("another key", "control"):
-        # the control link's key opens the data link no more than any other
-        sock = peer(control.endpoints[0], key) if key != "control" else None
-        if sock is None:
-            sock = RawPeer(control.endpoints[0], auth.kv_control_secret(KEY))
-        assert not sock.authentic
-        open_ = sock.message([b"open", msgpack.packb([new_room(), [[0, 64]], 64, 1e9])])
-        with contextlib.suppress(OSError):  # the receiver may have closed it already
-            sock.sock.sendall(open_)
-            sock.sock.sendall(sock.message(forged))
-        assert sock.closed_by_peer()
+    control_secret = control.controls[0][1]
+    for secret in (auth.kv_link_secret("0" * 31 + "1"), control_secret):
+        # the control link's secret opens the data link no more than any other
+        sock = RawPeer(control.endpoints[0], secret)
+        assert sock.reply == b"" and not sock.authentic  # closed at its hello, unanswered
         sock.close()
     assert untouched(dst_pools, dst_slots)
     assert control.dropped == 0 or wait_dropped(control, 1, 2.0) == 0  # never got in
@@ -270,12 +275,98 @@ def test_forged_messages_change_nothing_and_are_counted(sides: list) -> None:
     assert control.poll() == []  # nothing counted towards the room
     list(run_prefill(senders, src, KVDestination(room, control.endpoints, dst), [(8, 40)], [40]))
     assert [r for r, _ in wait_done(control, room)] == [room]
-    src_slots = torch.arange(8, 48)
-    for (_, tp), pool in dst_pools.items():
-        h0, h1 = dst.heads(tp)
-        for layer in range(6):
-            for got, want in zip(pool.buffers(layer), whole.buffers(layer), strict=True):
-                assert torch.equal(got[:, dst_slots], want[h0:h1, src_slots])
+    assert_received_whole(dst, dst_pools, whole, dst_slots)
+
+
+def tcp_receiver(dst: SideLayout, sides: list) -> KVReceiver:
+    """Rank (0, 0) of `dst` with its control listener on tcp (as on a node other than the
+    engine's), over a pool of NaNs."""
+    pool = pools_for(dst, None, None)[(0, 0)]
+    receiver = KVReceiver(pool, dst, (0, 0), "127.0.0.1", KEY, remote_control=True)
+    sides.append(receiver)
+    return receiver
+
+
+def test_the_pd_key_does_not_open_the_control_link(sides: list) -> None:
+    """The control link's secret is random per receiver, not derived from the PD key: a PD
+    key holder (a prefill server, say) cannot open rooms; only the engine that read the
+    secret from its worker's ready message can."""
+    _src, dst = CASES["pp1->tp2"]
+    receiver = tcp_receiver(dst, sides)
+    for secret in (
+        auth.kv_link_secret(KEY),
+        link.derive(KEY, "disaggregation kv control"),  # what the old code derived
+    ):
+        stranger = RawPeer(receiver.control_endpoint, secret)
+        assert stranger.reply == b"" and not stranger.authentic
+        stranger.close()
+    other = tcp_receiver(dst, sides)
+    assert other.control_secret != receiver.control_secret
+    control = ReceiverControl(
+        (receiver.endpoint,), ((receiver.control_endpoint, receiver.control_secret),)
+    )
+    sides.append(control)
+    control.open(new_room(), [(0, 8)], 8)  # the engine's own opens go through
+
+
+def test_opens_over_held_or_foreign_slots_are_refused(sides: list) -> None:
+    """Even with the control link's secret, an open is refused (answered `refused`, counted)
+    unless its slots lie inside the pool and no open room holds them, its time to live is
+    finite and bounded, and its room is new; the room already there keeps its KV."""
+    src, dst, whole, dst_pools, senders, control, dst_slots = build("pp1->tp2", sides)
+    room = new_room()
+    control.open(room, [(20, 40)], 40)
+    receiver = next(r for r in sides if isinstance(r, KVReceiver))
+    num_slots = receiver.pool.num_slots
+    bad = [
+        ([(30, 8)], 8, 60.0, "slots another room holds"),  # inside the open room
+        ([(0, 4), (2, 4)], 8, 60.0, "slots another room holds"),  # overlapping itself
+        ([(num_slots - 2, 4)], 4, 60.0, "slots outside the pool"),
+        ([(-1, 2)], 2, 60.0, "slots outside the pool"),
+        ([(0, 4)], 5, 60.0, "slot runs that do not cover its tokens"),
+        ([(0, 4)], 4, float("nan"), "a time to live that is not finite and positive"),
+        ([(0, 4)], 4, float("inf"), "a time to live that is not finite and positive"),
+        ([(0, 4)], 4, -1.0, "a time to live that is not finite and positive"),
+    ]
+    for runs, n, ttl, reason in bad:
+        control.room_ttl_s = ttl
+        with pytest.raises(TransferError, match="refused to open"):
+            control.open(new_room(), runs, n)
+        assert receiver.refused_opens[reason] >= 1, reason
+    control.room_ttl_s = 60.0
+    with pytest.raises(TransferError, match="refused to open"):
+        control.open(room, [(80, 4)], 4)  # a room id already open
+    assert receiver.refused_opens["a room that is open already"] == 1
+    # the refused opens left the first room alone: its KV arrives whole
+    list(run_prefill(senders, src, KVDestination(room, control.endpoints, dst), [(8, 40)], [40]))
+    assert [r for r, _ in wait_done(control, room)] == [room]
+    assert_received_whole(dst, dst_pools, whole, dst_slots)
+    control.open(new_room(), [(20, 40)], 40)  # once done, its slots may be opened again
+
+
+def test_a_room_is_done_only_when_every_position_arrived_once(sides: list) -> None:
+    """One piece sent again and again (by a PD key holder) is taken once and then dropped:
+    six copies of a layer's 40 positions add up to a rank's 240 units (6 layers x 1 head x
+    40), but the room is not done until every other layer has come too."""
+    src, dst, _whole, _dst_pools, senders, control, _dst_slots = build("pp1->tp2", sides)
+    room = new_room()
+    control.open(room, [(20, 40)], 40)
+    for rank, endpoint in enumerate(control.endpoints):
+        sock = peer(endpoint)
+        try:
+            piece = kv_message(room, 0, (rank, rank + 1), [[0, 40]], 40 * 4 * 4)
+            for _ in range(6):
+                sock.sock.sendall(sock.message(piece))
+            overlapping = kv_message(room, 0, (rank, rank + 1), [[10, 20]], 20 * 4 * 4)
+            sock.sock.sendall(sock.message(overlapping))
+        finally:
+            sock.close()
+    assert wait_dropped(control, 2 * 6) == 2 * 6  # 5 repeats and 1 overlap per rank
+    assert wait_done(control, room, timeout=1) == []
+    dest = KVDestination(room, control.endpoints, dst)
+    list(run_prefill(senders, src, dest, [(8, 40)], [40]))  # layer 0 again, then the rest
+    assert [r for r, _ in wait_done(control, room)] == [room]
+    assert wait_dropped(control, 2 * 6 + 2) == 2 * 6 + 2  # and the real sender's repeats
 
 
 def test_a_room_expires_with_its_request(sides: list) -> None:

@@ -68,7 +68,8 @@ STAGE_MESSAGES: list[tuple[MsgType, wire.StageBody]] = [
 STATUS_MESSAGES: list[tuple[str, int, Any]] = [
     ("ready", 3, {"num_pages": 4096, "partition": [3, 1], "stage": 1, "tp_rank": 1,
                   "ep_rank": 0, "expert_bytes": 1 << 20, "tp_all_reduce": "shared memory",
-                  "kv_endpoint": "tcp://127.0.0.1:40001", "kv_control": "ipc:///tmp/x/kv"}),
+                  "kv_endpoint": "tcp://127.0.0.1:40001", "kv_control": "ipc:///tmp/x/kv",
+                  "kv_control_secret": "ab" * 32}),
     ("result", 1, RESULT),
     ("heartbeat", 2, None),
     ("error", 0, "Traceback (most recent call last):\n  ...\nValueError: boom"),

@@ -81,7 +81,11 @@ def test_which_engines_capture() -> None:
         ({**triton, "pp_size": 2}, cuda, "pipeline 2"),
         ({**triton, "tp_size": 2}, cuda, "tensor 2"),
         (
-            {**triton, "disaggregation_mode": "decode", "disaggregation_auth_key": "k"},
+            {
+                **triton,
+                "disaggregation_mode": "decode",
+                "disaggregation_auth_key": "7" + "0123456789abcdef" * 2,
+            },
             cuda,
             "disaggregation",
         ),

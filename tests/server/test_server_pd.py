@@ -120,7 +120,7 @@ def check_same_tokens(prefill: Server, decode: Server, router: Router) -> None:
 @pytest.fixture(autouse=True)
 def pd_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """The router and the servers (children: they inherit it) share the PD key."""
-    monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "test-pd-key")
+    monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "3b8e1f6a9d20c47e5a1b8f3c6d92e0a7")
 
 
 def test_prefill_pp2_to_decode_pp1_then_faults(model_dir, tmp_path: Path) -> None:

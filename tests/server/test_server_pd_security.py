@@ -38,7 +38,7 @@ from pipeserve.disaggregation.pd.router import PREFILL_HEADER
 
 pytestmark = pytest.mark.timeout(300)
 
-PD_KEY = "pd-security-test-key"
+PD_KEY = "9c41e07a2b5d83f6e1a4c2b9d07f5e38"
 CLIENT_KEY = "client-key"
 CLIENT = {"Authorization": f"Bearer {CLIENT_KEY}"}
 INTERNAL = {INTERNAL_HEADER: internal_token(PD_KEY)}

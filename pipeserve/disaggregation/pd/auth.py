@@ -10,10 +10,17 @@ link):
   decode server and the decode server's calls of a prefill server. A decode server follows
   `X-Pipeserve-Prefill` only with it, and a prefill server's `POST /pd/prefill` needs it;
   the client API key (`--api-key`) opens neither.
-- the secrets of the KV link (link.py): the decode workers' receivers let in only peers
-  that prove they hold the data link's secret (the prefill workers) or the control link's
-  (their own engine process), and every record is encrypted under keys fresh to its
-  connection, so a peer without the PD key can neither write nor read what travels.
+- the secret of the KV data link (link.py): the decode workers' receivers let in only
+  peers that prove they hold it (the prefill workers), and every record is encrypted under
+  keys fresh to its connection, so a peer without the PD key can neither write nor read
+  what travels.
+
+The KV control link (the decode engine process opening rooms on its own workers) does not
+derive from the PD key: each receiver makes a random secret at start and its engine learns
+it from the worker's ready message on the control plane, so a PD key holder cannot open a
+room. The PD key itself must carry at least 128 random bits (`config.key_problem`): a
+recorded handshake lets one test guesses of it offline, which only a key of that size
+defeats.
 """
 
 from __future__ import annotations
@@ -24,11 +31,11 @@ from collections.abc import Mapping
 
 from pipeserve import envs
 from pipeserve.config import MISSING_PD_KEY as MISSING_KEY
+from pipeserve.config import key_problem
 from pipeserve.disaggregation.pd.link import derive
 
 INTERNAL_HEADER = "X-Pipeserve-Internal"
-KV_LINK = "disaggregation kv link"  # the link secrets' labels
-KV_CONTROL = "disaggregation kv control"
+KV_LINK = "disaggregation kv link"  # the data link secret's label
 
 
 def pd_key(flag: str | None) -> str:
@@ -36,6 +43,9 @@ def pd_key(flag: str | None) -> str:
     key = flag or envs.pd_auth_key()
     if not key:
         raise ValueError(MISSING_KEY)
+    problem = key_problem(key, "the PD key (PIPESERVE_PD_AUTH_KEY or --disaggregation-auth-key)")
+    if problem:
+        raise ValueError(problem)
     return key
 
 
@@ -58,10 +68,3 @@ def is_internal(headers: Mapping[str, str], token: str) -> bool:
 def kv_link_secret(key: str) -> bytes:
     """The KV data link's secret: receivers let in only prefill workers that hold it."""
     return derive(key, KV_LINK)
-
-
-def kv_control_secret(key: str) -> bytes:
-    """The secret of a receiver's control link, which only its own engine process uses (any
-    PD key holder can derive it: on one node the link is also a Unix socket only this user
-    reaches; across nodes it keeps out whoever lacks the PD key)."""
-    return derive(key, KV_CONTROL)

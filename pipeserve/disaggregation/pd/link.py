@@ -11,17 +11,27 @@ handshake takes one round trip), each has HANDSHAKE_S to prove itself, at most `
 authenticated connections are kept (a further one is closed), and an authenticated one
 silent for `idle_s` is closed (a sender that keeps its connection pings every PING_S).
 
-The protocol, both ends holding a 32-byte `secret`:
-1. the connecting end (initiator) sends MAGIC and a fresh 32-byte nonce Ni;
-2. the listening end (responder) answers its fresh nonce Nr and HMAC(secret, "responder" Ni Nr);
-3. the initiator checks that and sends HMAC(secret, "initiator" Ni Nr).
-Each end proves it holds the secret over the other's fresh nonce, so nothing recorded can be
-replayed. Each direction then has an AES-256-GCM key of its own (HMAC(secret, "i>r" Ni Nr) and
-HMAC(secret, "r>i" Ni Nr)) and a record counter as the GCM nonce: a record that was altered,
-replayed, reordered or left out fails to decrypt, and the connection is closed. A record is
-its ciphertext's length (4 bytes) then the ciphertext; a message is a head record (how many
-parts, and each part's size) followed by a record per part. A head announcing a part over the
-listener's `max_part`, or a record whose length is not the one announced, closes the
+The protocol, both ends holding a 32-byte `secret` S (a Noise NNpsk0-like handshake: the
+initiator proves first, ephemeral X25519 keys give forward secrecy):
+1. the connecting end (initiator) sends MAGIC, its fresh X25519 public key Ei and
+   Pi = HMAC-SHA256(S, "initiator hello" MAGIC Ei). The listening end (responder) checks Pi
+   before it sends a byte: a stranger is closed having learnt nothing it could test guesses
+   of S against. A hello repeating an Ei among the listener's last REPLAY_WINDOW is closed
+   too (a replayed hello could not finish anyway: it lacks Ei's private half).
+2. the responder sends its fresh X25519 public key Er and Pr = HMAC(Kr, H), where
+   H = SHA-256(MAGIC Ei Pi Er), D = X25519(er, Ei) = X25519(ei, Er), and
+   HKDF-SHA256(S D, salt H, info "pipeserve kv link 2") gives 128 bytes: Kr, Ki, Kir, Kri.
+3. the initiator checks Pr (the responder holds S and er) and sends Ci = HMAC(Ki, H); the
+   responder checks Ci (the initiator holds S and ei, so the hello was not replayed).
+Records then go initiator to responder under the AES-256-GCM key Kir, the other way under
+Kri, a record counter as the GCM nonce: a record that was altered, replayed, reordered or
+left out fails to decrypt, and the connection is closed. The ephemeral keys are dropped once
+the keys are made, so a recording cannot be decrypted with S learnt later; someone who
+recorded a hello can still test guesses of S against Pi offline, which is why S derives from
+a key of at least 128 random bits (auth.py refuses shorter ones). A record is its
+ciphertext's length (4 bytes) then the ciphertext; a message is a head record (how many
+parts, and each part's size) followed by a record per part. A head announcing a part over
+the listener's `max_part`, or a record whose length is not the one announced, closes the
 connection before any of its body is read. A message of no parts is a ping.
 """
 
@@ -32,7 +42,6 @@ import errno
 import hashlib
 import hmac
 import os
-import secrets
 import selectors
 import socket
 import struct
@@ -42,10 +51,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-MAGIC = b"PSKVLNK1"
-NONCE, MAC, TAG = 32, 32, 16
+MAGIC = b"PSKVLNK2"
+PUBLIC, MAC, TAG = 32, 32, 16
+HELLO = len(MAGIC) + PUBLIC + MAC
+KDF_INFO = b"pipeserve kv link 2"
+REPLAY_WINDOW = 4096  # hellos a listener remembers, to close one that repeats
 MAX_PARTS = 8
 HEAD = struct.Struct(">H")  # number of parts; then one SIZE per part
 SIZE = struct.Struct(">Q")
@@ -70,8 +86,43 @@ def derive(key: str, label: str) -> bytes:
     return hmac.new(key.encode(), f"pipeserve {label}".encode(), hashlib.sha256).digest()
 
 
-def _mac(secret: bytes, label: bytes, ni: bytes, nr: bytes) -> bytes:
-    return hmac.new(secret, label + ni + nr, hashlib.sha256).digest()
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def _public(private: X25519PrivateKey) -> bytes:
+    return private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+class Handshake:
+    """What both ends compute from the handshake: H and the four keys (module docstring)."""
+
+    def __init__(
+        self, secret: bytes, private: X25519PrivateKey, peer: bytes, hello: bytes, er: bytes
+    ):
+        """`private`: this end's ephemeral key; `peer`: the other end's public key."""
+        try:
+            shared = private.exchange(X25519PublicKey.from_public_bytes(peer))
+        except ValueError as exc:  # a low-order point: no shared secret
+            raise LinkClosed("a malformed handshake key") from exc
+        self.h = hashlib.sha256(hello + er).digest()
+        okm = HKDF(hashes.SHA256(), 4 * MAC, self.h, KDF_INFO).derive(secret + shared)
+        self.kr, self.ki, self.kir, self.kri = (okm[i : i + MAC] for i in range(0, 4 * MAC, MAC))
+
+
+class Recent:
+    """The last REPLAY_WINDOW handshake keys a listener was sent."""
+
+    def __init__(self) -> None:
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def first_time(self, key: bytes) -> bool:
+        if key in self._seen:
+            return False
+        self._seen[key] = None
+        if len(self._seen) > REPLAY_WINDOW:
+            self._seen.popitem(last=False)
+        return True
 
 
 def _address(endpoint: str) -> tuple[int, Any]:
@@ -92,24 +143,37 @@ class Channel:
     """One end of a connection: non-blocking, driven by its owner's selector loop through
     `readable()` (complete messages) and `flush()` (queued bytes out)."""
 
-    def __init__(self, sock: socket.socket, secret: bytes, initiator: bool, max_part: int):
+    def __init__(
+        self,
+        sock: socket.socket,
+        secret: bytes,
+        initiator: bool,
+        max_part: int,
+        recent: Recent | None = None,
+    ):
+        """`recent`: a responder's listener's memory of hellos (None: replays not looked
+        for)."""
         sock.setblocking(False)
         self.sock, self.secret, self.initiator, self.max_part = sock, secret, initiator, max_part
         self.ready = False
         self.opened_at = self.heard_at = self.sent_at = time.monotonic()
         self._out: collections.deque[memoryview] = collections.deque()
         self.pending = 0  # bytes queued, not yet taken by the socket
-        self._nonce = secrets.token_bytes(NONCE)
-        self._peer_nonce = b""
+        self._recent = recent
+        self._ephemeral: X25519PrivateKey | None = X25519PrivateKey.generate()
+        self._hello = b""
+        self._handshake: Handshake | None = None
         self._seal: AESGCM | None = None
         self._open: AESGCM | None = None
         self._sent_records = self._read_records = 0
         self._sizes: list[int] = []  # the sizes of the message's parts still to come
         self._parts: list[bytearray] = []
         self._state = "hello-reply" if initiator else "hello"
-        self._want(NONCE + MAC if initiator else len(MAGIC) + NONCE)
+        self._want(PUBLIC + MAC if initiator else HELLO)
         if initiator:
-            self._queue(MAGIC + self._nonce)
+            ei = _public(self._ephemeral)
+            self._hello = MAGIC + ei + _mac(secret, b"initiator hello" + MAGIC + ei)
+            self._queue(self._hello)
 
     @classmethod
     def connect(cls, endpoint: str, secret: bytes, max_part: int) -> Channel:
@@ -234,27 +298,38 @@ class Channel:
 
     def _on_record(self, data: bytearray) -> list[bytearray] | None:
         state = self._state
-        if state == "hello":  # responder: MAGIC Ni
-            if data[: len(MAGIC)] != MAGIC:
+        if state == "hello":  # responder: MAGIC Ei Pi
+            hello = bytes(data)
+            ei = hello[len(MAGIC) : len(MAGIC) + PUBLIC]
+            if hello[: len(MAGIC)] != MAGIC:
                 raise LinkClosed("not the KV link protocol")
-            self._peer_nonce = bytes(data[len(MAGIC) :])
-            self._queue(
-                self._nonce + _mac(self.secret, b"responder", self._peer_nonce, self._nonce)
-            )
+            want = _mac(self.secret, b"initiator hello" + MAGIC + ei)
+            if not hmac.compare_digest(hello[len(MAGIC) + PUBLIC :], want):
+                raise LinkClosed("the peer does not hold the link's key")
+            if self._recent is not None and not self._recent.first_time(ei):
+                raise LinkClosed("a replayed hello")
+            assert self._ephemeral is not None
+            er = _public(self._ephemeral)
+            self._handshake = Handshake(self.secret, self._ephemeral, ei, hello, er)
+            self._ephemeral = None
+            self._queue(er + _mac(self._handshake.kr, self._handshake.h))
             self._state = "proof"
             self._want(MAC)
-        elif state == "hello-reply":  # initiator: Nr, the responder's proof
-            self._peer_nonce, proof = bytes(data[:NONCE]), bytes(data[NONCE:])
-            want = _mac(self.secret, b"responder", self._nonce, self._peer_nonce)
-            if not hmac.compare_digest(proof, want):
+        elif state == "hello-reply":  # initiator: Er Pr
+            er, proof = bytes(data[:PUBLIC]), bytes(data[PUBLIC:])
+            assert self._ephemeral is not None
+            hs = Handshake(self.secret, self._ephemeral, er, self._hello, er)
+            self._ephemeral = None
+            if not hmac.compare_digest(proof, _mac(hs.kr, hs.h)):
                 raise LinkClosed("the listener does not hold the link's key")
-            self._queue(_mac(self.secret, b"initiator", self._nonce, self._peer_nonce))
-            self._keys(self._nonce, self._peer_nonce)
-        elif state == "proof":  # responder: the initiator's proof
-            want = _mac(self.secret, b"initiator", self._peer_nonce, self._nonce)
-            if not hmac.compare_digest(bytes(data), want):
+            self._queue(_mac(hs.ki, hs.h))
+            self._keys(hs)
+        elif state == "proof":  # responder: Ci
+            made = self._handshake
+            assert made is not None
+            if not hmac.compare_digest(bytes(data), _mac(made.ki, made.h)):
                 raise LinkClosed("the peer does not hold the link's key")
-            self._keys(self._peer_nonce, self._nonce)
+            self._keys(made)
         elif state == "length":
             (length,) = LENGTH.unpack(data)
             if self._sizes:
@@ -300,10 +375,10 @@ class Channel:
             raise LinkClosed("a record failed authentication") from exc
         return plain
 
-    def _keys(self, ni: bytes, nr: bytes) -> None:
-        i2r = AESGCM(_mac(self.secret, b"i>r", ni, nr))
-        r2i = AESGCM(_mac(self.secret, b"r>i", ni, nr))
+    def _keys(self, hs: Handshake) -> None:
+        i2r, r2i = AESGCM(hs.kir), AESGCM(hs.kri)
         self._seal, self._open = (i2r, r2i) if self.initiator else (r2i, i2r)
+        self._handshake = None
         self.ready = True
         self._state = "length"
         self._want(LENGTH.size)
@@ -330,6 +405,7 @@ class Listener:
     authenticating: dict[Channel, None] = field(default_factory=dict)  # oldest first
     authenticated: set[Channel] = field(default_factory=set)
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
+    recent: Recent = field(default_factory=Recent)  # hellos seen lately (replays are closed)
 
 
 class Server:
@@ -428,7 +504,7 @@ class Server:
                 self.drop(next(iter(listener.authenticating)))
             try:
                 _tune(sock)
-                channel = Channel(sock, listener.secret, False, listener.max_part)
+                channel = Channel(sock, listener.secret, False, listener.max_part, listener.recent)
             except OSError:  # reset between accept and now
                 sock.close()
                 continue

@@ -37,6 +37,7 @@ prefill worker write into those pages, so it is never logged.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import logging
@@ -47,6 +48,7 @@ import selectors
 import shutil
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +79,7 @@ IDLE_SOCKET_S = 60.0  # a sender closes its connection to a destination unused t
 RECONNECT_S = 0.2  # a sender waits this long before connecting again after a failure
 STATS_EVERY_S = 1.0  # how often the control asks the ranks for their dropped counts
 EXPIRE_EVERY_S = 1.0  # how often a receiver looks for rooms past their time
+MAX_ROOM_TTL_S = 7 * 86400.0  # an open asking a room to live longer is refused
 
 
 def new_room() -> str:
@@ -397,11 +400,50 @@ class _Room:
     expected: int  # layer x head x position units this rank must receive
     owner: Channel  # the control connection that opened it (gets the done notice)
     expires: float  # monotonic time: the room is closed then if nothing closed it before
+    arrived: _Arrivals = field(default_factory=lambda: _Arrivals())
     received: int = 0
     nbytes: int = 0
     wire_s: float = 0.0  # time the link spent on this room's messages (arrival gaps)
     last_sent: float = 0.0  # latest send stamp of the prefill side
     last_arrival: float = 0.0
+
+
+class _Arrivals:
+    """The positions of each (layer, head) a room has received, as sorted, merged runs: a
+    room is done when every position has arrived exactly once (a repeated piece is refused,
+    so it can neither finish a room early nor overwrite what came)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+
+    def add(self, layer: int, heads: range, positions: list[Run]) -> bool:
+        """Record `positions` of `heads` at `layer`; False, recording nothing, when any of
+        them arrived before (or `positions` repeat one another)."""
+        new = sorted((a, a + n) for a, n in positions)
+        if any(b > a2 for (_, b), (a2, _) in zip(new, new[1:], strict=False)):
+            return False
+        held = [self._runs.setdefault((layer, h), []) for h in heads]
+        if not all(_free(runs, a, b) for runs in held for a, b in new):
+            return False
+        for runs in held:
+            for a, b in new:
+                _insert(runs, a, b)
+        return True
+
+
+def _free(runs: list[tuple[int, int]], a: int, b: int) -> bool:
+    i = bisect.bisect_right(runs, (a, math.inf))  # the first run starting after a
+    return not (i > 0 and runs[i - 1][1] > a) and not (i < len(runs) and runs[i][0] < b)
+
+
+def _insert(runs: list[tuple[int, int]], a: int, b: int) -> None:
+    i = bisect.bisect_right(runs, (a, math.inf))
+    if i > 0 and runs[i - 1][1] == a:  # joins the run before
+        i -= 1
+        a = runs.pop(i)[0]
+    if i < len(runs) and runs[i][0] == b:  # and the one after
+        b = runs.pop(i)[1]
+    runs.insert(i, (a, b))
 
 
 @dataclass
@@ -431,9 +473,11 @@ class KVReceiver:
         key: str,
         remote_control: bool = False,
     ) -> None:
-        """`key`: the PD key (the data and control links' secrets derive from it).
-        `remote_control`: the engine process is on another node, so the control listener is
-        tcp:// on `host` (else a Unix socket in a private directory)."""
+        """`key`: the PD key (the data link's secret derives from it; the control link's is
+        random, made here, and reaches the engine process only in this worker's ready
+        message on the control plane). `remote_control`: the engine process is on another
+        node, so the control listener is tcp:// on `host` (else a Unix socket in a private
+        directory)."""
         self.pool, self.layout, self.me = pool, layout, me
         self.first_layer, self.end_layer = layout.stage_layers[me[0]]
         self.my_heads = layout.heads(me[1])
@@ -454,12 +498,15 @@ class KVReceiver:
         self.endpoint: str = self._data.endpoint
         self._control_dir = None if remote_control else private_directory()
         where = f"ipc://{self._control_dir}/kv-control" if self._control_dir else f"tcp://{host}:*"
+        self.control_secret = secrets.token_bytes(32)
         self._control = self._server.listen(
-            where, auth.kv_control_secret(key), MAX_CONTROL_BYTES, CONTROL_PEERS, CONTROL_PENDING
+            where, self.control_secret, MAX_CONTROL_BYTES, CONTROL_PEERS, CONTROL_PENDING
         )
         self.control_endpoint: str = self._control.endpoint
         self._rooms: dict[str, _Room] = {}
+        self._held = torch.zeros(pool.num_slots, dtype=torch.bool)  # slots of open rooms
         self.dropped: collections.Counter[str] = collections.Counter()
+        self.refused_opens: collections.Counter[str] = collections.Counter()
         self._last_arrival = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="kv-receiver")
@@ -496,21 +543,57 @@ class KVReceiver:
         try:
             kind, body = bytes(frames[0]), frames[1]
             if kind == b"open":
-                room, runs, num_tokens, ttl_s = _unpack(body)
-                slots = slot_index([(int(a), int(n)) for a, n in runs])
-                if len(slots) != num_tokens:
-                    raise ValueError("an open's slot runs do not cover its tokens")
-                expected = num_tokens * self.units_per_position
-                self._rooms[room] = _Room(slots, expected, channel, time.monotonic() + ttl_s)
-                self._reply(channel, b"opened", room)
+                self._open(channel, _unpack(body))
             elif kind == b"close":
                 room = _unpack(body)
-                self._rooms.pop(room, None)
+                self._free(room)
                 self._reply(channel, b"closed", room)
             elif kind == b"stats":
                 self._reply(channel, b"stats", "")
-        except Exception:  # a bug of ours: log it, keep serving
+        except Exception:  # a bug of ours, or a malformed message: log it, keep serving
             log.exception("KV receiver: a malformed control message")
+
+    def _open(self, channel: Channel, body: Any) -> None:
+        """A room over slots of the pool that no other open room holds, for a finite time;
+        anything else is refused (answered `refused`) and counted."""
+        room, runs, num_tokens, ttl_s = body
+        problem = None
+        if not (isinstance(room, str) and len(room) == 32 and _is_hex(room)):
+            problem = "a malformed room id"
+        elif room in self._rooms:
+            problem = "a room that is open already"
+        elif not (isinstance(ttl_s, int | float) and 0 < ttl_s <= MAX_ROOM_TTL_S):
+            problem = "a time to live that is not finite and positive"  # NaN fails too
+        elif not (
+            isinstance(runs, list)
+            and all(
+                isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) for r in runs
+            )
+        ):
+            problem = "malformed slot runs"
+        elif not all(a >= 0 and n > 0 and a + n <= self.pool.num_slots for a, n in runs):
+            problem = "slots outside the pool"
+        if problem is None:
+            slots = slot_index([(a, n) for a, n in runs])
+            if type(num_tokens) is not int or len(slots) != num_tokens or num_tokens == 0:
+                problem = "slot runs that do not cover its tokens"
+            elif torch.unique(slots).numel() != len(slots) or bool(self._held[slots].any()):
+                problem = "slots another room holds"
+        if problem is not None:
+            self.refused_opens[problem] += 1
+            log.warning("KV receiver: refused to open a room: %s", problem)
+            self._reply(channel, b"refused", room if isinstance(room, str) else "")
+            return
+        expected = num_tokens * self.units_per_position
+        self._held[slots] = True
+        self._rooms[room] = _Room(slots, expected, channel, time.monotonic() + ttl_s)
+        self._reply(channel, b"opened", room)
+
+    def _free(self, room_id: str) -> None:
+        """The room is over (closed, done or expired): its slots may be opened again."""
+        room = self._rooms.pop(room_id, None)
+        if room is not None:
+            self._held[room.slots] = False
 
     def _reply(self, channel: Channel, kind: bytes, room: str) -> None:
         self._server.send(channel, [kind, _pack([room, sum(self.dropped.values())])])
@@ -532,7 +615,7 @@ class KVReceiver:
         room = self._rooms.get(room_id)
         arrival = time.time()
         if room is not None and room.expires < time.monotonic():  # before the next sweep
-            del self._rooms[room_id]
+            self._free(room_id)
             room = None
         if room is None:  # not open here (never, or no more): dropped
             raise Dropped("no such room")
@@ -552,6 +635,8 @@ class KVReceiver:
         sizes = [row // (d1 - d0) * (h1 - h0) * count for row in self.row_bytes]
         if len(frames) != len(targets) or [len(f) for f in frames] != sizes:
             raise Dropped("the wrong byte size")
+        if not room.arrived.add(layer, range(h0, h1), positions):
+            raise Dropped("positions that arrived before")
         slots = room.slots[slot_index(positions)]
         for buf, frame in zip(targets, frames, strict=True):
             data = torch.frombuffer(frame, dtype=buf.dtype)
@@ -565,8 +650,8 @@ class KVReceiver:
         room.last_sent, room.last_arrival = max(room.last_sent, sent), arrival
         self._last_arrival = arrival
         room.received += (h1 - h0) * count
-        if room.received >= room.expected:
-            del self._rooms[room_id]
+        if room.received == room.expected:  # every position of every piece, once
+            self._free(room_id)
             exposed = max(0.0, room.last_arrival - room.last_sent)
             stats = [room.nbytes, room.wire_s, exposed]
             self._server.send(room.owner, [b"done", _pack([room_id, *stats])])
@@ -574,7 +659,7 @@ class KVReceiver:
     def _expire(self, now: float) -> None:
         """Rooms past their time go (their request is over: failed or timed out)."""
         for room_id in [r for r, room in self._rooms.items() if room.expires < now]:
-            del self._rooms[room_id]
+            self._free(room_id)
 
     def _targets(self, layer: int) -> list[torch.Tensor]:
         if self.layout.latent:
@@ -586,6 +671,10 @@ class KVReceiver:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def _header(data: bytearray) -> list[Any]:
@@ -613,8 +702,7 @@ class ReceiverControl:
     listeners (told to the prefill side), `controls` their control listeners."""
 
     endpoints: tuple[str, ...]
-    controls: tuple[str, ...]
-    key: str = field(repr=False)  # the PD key (the control link's secret derives from it)
+    controls: tuple[tuple[str, bytes], ...] = field(repr=False)  # (endpoint, its secret)
     room_ttl_s: float = 3600.0  # a room not closed by then closes itself
     _links: list[Channel] = field(default_factory=list)
     _done: dict[str, list[RoomStats]] = field(default_factory=dict)
@@ -623,10 +711,9 @@ class ReceiverControl:
     _stats_at: float = 0.0
 
     def __post_init__(self) -> None:
-        secret = auth.kv_control_secret(self.key)
         try:
-            for e in self.controls:
-                self._links.append(Channel.connect(e, secret, MAX_CONTROL_BYTES))
+            for endpoint, secret in self.controls:
+                self._links.append(Channel.connect(endpoint, secret, MAX_CONTROL_BYTES))
         except (ValueError, LinkClosed) as exc:
             self.shutdown()
             raise TransferError(f"cannot reach a decode rank's KV receiver: {exc}") from exc
@@ -645,23 +732,37 @@ class ReceiverControl:
 
     def open(self, room: str, runs: list[Run], num_tokens: int) -> None:
         body = [room, [list(r) for r in runs], num_tokens, self.room_ttl_s]
-        self._ask(b"open", room, body, b"opened")
+        ranks = range(len(self._links))
+        answers = self._ask(b"open", room, body, ranks)
+        if any(a == b"refused" for a in answers.values()):  # the rank's log says why
+            opened = [i for i, a in answers.items() if a == b"opened"]
+            if opened:  # those close it again (the room id may be another's elsewhere)
+                self._ask(b"close", room, room, opened)
+            raise TransferError("a decode rank refused to open a room")
 
     def close(self, room: str) -> None:
         """After this returns no receiver writes into the room's slots any more."""
-        self._ask(b"close", room, room, b"closed")
+        self._ask(b"close", room, room, range(len(self._links)))
         self._done.pop(room, None)
 
-    def _ask(self, kind: bytes, room: str, body: Any, reply: bytes) -> None:
-        for link in self._links:
-            link.send([kind, _pack(body)])
-        want = {(i, reply, room) for i in range(len(self._links))}
+    def _ask(self, kind: bytes, room: str, body: Any, ranks: Iterable[int]) -> dict[int, bytes]:
+        """Send `kind` to `ranks` and wait for each one's answer about `room`."""
+        answers: dict[int, bytes] = {}
+        ranks = list(ranks)
+        for i in ranks:
+            self._links[i].send([kind, _pack(body)])
         deadline = time.monotonic() + CONTROL_TIMEOUT_S
-        while not want <= self._acks:
+        while True:
+            for i in ranks:
+                for answer in (b"opened", b"closed", b"refused"):
+                    if (i, answer, room) in self._acks:
+                        self._acks.discard((i, answer, room))
+                        answers[i] = answer
+            if len(answers) == len(ranks):
+                return answers
             if time.monotonic() > deadline:
                 raise TransferError(f"a decode rank did not confirm {kind.decode()} of a room")
             self._read(timeout_ms=50)
-        self._acks -= want
 
     def poll(self) -> list[tuple[str, RoomStats]]:
         """Rooms whose KV every rank has now received, with their summed costs."""

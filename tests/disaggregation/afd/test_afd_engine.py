@@ -28,33 +28,59 @@ from pipeserve.timeline import (
 
 pytestmark = pytest.mark.timeout(240)
 
-MODELS = {"qwen3-moe": ("tiny-qwen3-moe", {"num_hidden_layers": 4}),
-          "deepseek-v3": ("tiny-deepseek-v3", {"num_hidden_layers": 3})}
-FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 32,
-                         "max_running_requests": 8, "max_total_tokens": 4096}
+MODELS = {
+    "qwen3-moe": ("tiny-qwen3-moe", {"num_hidden_layers": 4}),
+    "deepseek-v3": ("tiny-deepseek-v3", {"num_hidden_layers": 3}),
+}
+FLAGS: dict[str, Any] = {
+    "dtype": "float32",
+    "chunked_prefill_size": 32,
+    "max_running_requests": 8,
+    "max_total_tokens": 4096,
+}
 WORK = Workload((150, 41, 7, 96, 23, 64), (3, 4, 30, 2, 3, 5), seed=11)
 CASES = [
     ("qwen3-moe", {"afd_attention_size": 1, "afd_ffn_size": 1}),
     ("deepseek-v3", {"afd_attention_size": 1, "afd_ffn_size": 2}),
     ("qwen3-moe", {"afd_attention_size": 2, "afd_ffn_size": 2, "afd_ffn_nodes": 2}),
-    ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 1,
-                     "afd_dispatch_mode": "direct"}),
+    ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 1, "afd_dispatch_mode": "direct"}),
     # micro-batches: some empty (6 requests over 2 workers, 3 micro-batches; lone chunks)
     ("qwen3-moe", {"afd_attention_size": 1, "afd_ffn_size": 1, "afd_micro_batches": 2}),
     ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 2, "afd_micro_batches": 3}),
-    ("qwen3-moe", {"afd_attention_size": 2, "afd_ffn_size": 1, "afd_micro_batches": 3,
-                   "afd_dispatch_mode": "direct"}),
+    (
+        "qwen3-moe",
+        {
+            "afd_attention_size": 2,
+            "afd_ffn_size": 1,
+            "afd_micro_batches": 3,
+            "afd_dispatch_mode": "direct",
+        },
+    ),
     # two-stage: one copy per FFN node, forwarded inside it
     ("qwen3-moe", {"afd_attention_size": 1, "afd_ffn_size": 2, "afd_dispatch_mode": "two-stage"}),
-    ("deepseek-v3", {"afd_attention_size": 2, "afd_ffn_size": 4, "afd_ffn_nodes": 2,
-                     "afd_dispatch_mode": "two-stage", "afd_micro_batches": 2}),
+    (
+        "deepseek-v3",
+        {
+            "afd_attention_size": 2,
+            "afd_ffn_size": 4,
+            "afd_ffn_nodes": 2,
+            "afd_dispatch_mode": "two-stage",
+            "afd_micro_batches": 2,
+        },
+    ),
 ]
 
 
-@pytest.mark.parametrize(("model", "layout"), CASES,
-                         ids=[f"{m}-a{f['afd_attention_size']}f{f['afd_ffn_size']}"
-                              f"-{f.get('afd_dispatch_mode', 'direct-rank')}"
-                              f"-mb{f.get('afd_micro_batches', 1)}" for m, f in CASES])
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    CASES,
+    ids=[
+        f"{m}-a{f['afd_attention_size']}f{f['afd_ffn_size']}"
+        f"-{f.get('afd_dispatch_mode', 'direct-rank')}"
+        f"-mb{f.get('afd_micro_batches', 1)}"
+        for m, f in CASES
+    ],
+)
 def test_afd_matches_one_process(models, reference, model: str, layout: dict[str, Any]) -> None:
     with Engine(str(models[model]), **FLAGS, **layout) as engine:
         out = WORK.run(engine)
@@ -90,8 +116,15 @@ def served_per_step(events: list[Event], first_ffn: int) -> set[int]:
     """Per forward of an FFN worker: how many (layer, micro-batch) rows it waited for."""
     counts = set()
     for fwd in (e for e in events if e.kind == "forward" and e.tp_rank >= first_ffn):
-        counts.add(sum(1 for e in events if e.kind == "dispatch_wait"
-                       and e.tp_rank == fwd.tp_rank and fwd.start <= e.start <= fwd.end))
+        counts.add(
+            sum(
+                1
+                for e in events
+                if e.kind == "dispatch_wait"
+                and e.tp_rank == fwd.tp_rank
+                and fwd.start <= e.start <= fwd.end
+            )
+        )
     return counts
 
 
@@ -109,14 +142,21 @@ def interleaved_forwards(events: list[Event], n: int) -> list[Event]:
     return found
 
 
-@pytest.mark.parametrize(("victim", "micro_batches"), [(1, 1), (0, 3)],
-                         ids=["ffn-worker", "attention-worker-3bo"])
-def test_a_killed_worker_fails_the_engine_and_leaves_no_process(models, victim: int,
-                                                                micro_batches: int) -> None:
+@pytest.mark.parametrize(
+    ("victim", "micro_batches"), [(1, 1), (0, 3)], ids=["ffn-worker", "attention-worker-3bo"]
+)
+def test_a_killed_worker_fails_the_engine_and_leaves_no_process(
+    models, victim: int, micro_batches: int
+) -> None:
     """The FFN worker (or, under three micro-batches, the attention worker) dies while a long
     prompt is prefilled (inside a MoE layer's transfers, or between steps): the scheduler
     raises within a bounded time, naming a worker, and no worker is left (the survivor is
     not left waiting for rows or partial sums)."""
-    with Engine(str(models["qwen3-moe"]), **FLAGS, afd_attention_size=1, afd_ffn_size=1,
-                afd_micro_batches=micro_batches) as engine:
+    with Engine(
+        str(models["qwen3-moe"]),
+        **FLAGS,
+        afd_attention_size=1,
+        afd_ffn_size=1,
+        afd_micro_batches=micro_batches,
+    ) as engine:
         kill_during_prefill(engine, victim, 512)

@@ -40,8 +40,7 @@ def slices(*sizes: int) -> list[ReqSlice]:
         ((5, 5), 1, [2]),
     ],
 )
-def test_sizes_cut_at_request_boundaries(sizes: tuple[int, ...], n: int,
-                                         want: list[int]) -> None:
+def test_sizes_cut_at_request_boundaries(sizes: tuple[int, ...], n: int, want: list[int]) -> None:
     assert micro_batch_sizes(slices(*sizes), n) == want
 
 
@@ -73,14 +72,25 @@ class FakeLayer:
     def operations(self) -> dict[str, Any]:
         if not self.moe:
             return {"layer": self._op("layer")}
-        names = ("attention", "gate", "dispatch_a", "dispatch_b", "experts", "combine_a",
-                 "shared_experts", "combine_b", "output", "layer_output")
+        names = (
+            "attention",
+            "gate",
+            "dispatch_a",
+            "dispatch_b",
+            "experts",
+            "combine_a",
+            "shared_experts",
+            "combine_b",
+            "output",
+            "layer_output",
+        )
         return {n: self._op(n) for n in names}
 
     def _op(self, name: str) -> Any:
         def op(state: State, **_: Any) -> dict[str, Any]:
             self.log.append((name, self.layer, state["mb"]))
             return {}
+
         return op
 
 
