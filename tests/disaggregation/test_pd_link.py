@@ -10,6 +10,7 @@ protocol, not against itself."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -322,26 +323,124 @@ def test_a_part_over_the_limit_is_refused_at_its_head(served) -> None:
     assert sent < 256 << 20, "the listener kept reading a 4 GiB part"
 
 
-def test_strangers_cannot_hold_more_than_the_pending_limit(served) -> None:
-    """300 connections that never speak: the listener keeps at most `pending` of them (the
-    oldest evicted), so their descriptors are bounded, and a genuine peer arriving among
-    them still authenticates and delivers."""
+def stranger(address: tuple[str, int], source: str) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect(address)
+    return sock
+
+
+def test_strangers_cannot_hold_more_than_the_pending_limits(served) -> None:
+    """Connections that never speak: one address keeps at most `per_address` of them (the
+    rest are closed at accept), many addresses at most `pending` (the oldest evicted), so
+    their descriptors are bounded, and a genuine peer arriving among them still
+    authenticates and delivers."""
     s = served(pending=16, peers=4)
     address = s.listener.sock.getsockname()
     strangers = []
     try:
-        for i in range(300):
-            strangers.append(socket.create_connection(address, timeout=5))
-            if i == 150:
+        strangers += [stranger(address, "127.0.0.2") for _ in range(60)]
+        assert s.wait(lambda: s.listener.refused["over the per-address pending limit"] >= 52)
+        assert s.connections() <= 8
+        for i in range(240):  # 3 each from 80 addresses
+            strangers.append(stranger(address, f"127.0.1.{i // 3}"))
+            if i == 120:
                 channel = connected(s.listener.endpoint)
                 send(channel, [b"still served"])
         assert s.wait(lambda: s.got == [[b"still served"]])
-        assert s.wait(lambda: s.listener.refused["evicted while authenticating"] >= 280)
+        assert s.wait(lambda: s.listener.refused["evicted while authenticating"] >= 200)
         assert s.connections() <= 16 + 1
         assert len(s.listener.authenticated) == 1
     finally:
         for sock in strangers:
             sock.close()
+
+
+class DelayedPath:
+    """A relay that holds every chunk `delay_s` each way, connecting to `target` from
+    `source`: a sender far away, as the listener sees it."""
+
+    def __init__(self, target: tuple[str, int], source: str, delay_s: float) -> None:
+        self.target, self.source, self.delay_s = target, source, delay_s
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.server.accept()
+            except OSError:
+                return
+            far = socket.socket()
+            far.bind((self.source, 0))
+            far.connect(self.target)
+            for a, b in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := src.recv(65536):
+                time.sleep(self.delay_s)
+                dst.sendall(chunk)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class Flood:
+    """Connections opened as fast as one thread can from `sources` in turn, never speaking
+    (the last `keep` of them stay open)."""
+
+    def __init__(self, target: tuple[str, int], sources: list[str], keep: int = 200) -> None:
+        self.target, self.sources, self.keep = target, sources, keep
+        self.opened = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        held: collections.deque[socket.socket] = collections.deque()
+        while not self.stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(stranger(self.target, self.sources[self.opened % len(self.sources)]))
+                self.opened += 1
+            while len(held) > self.keep:
+                held.popleft().close()
+        for sock in held:
+            sock.close()
+
+    def end(self) -> int:
+        self.stop.set()
+        self.thread.join(10)
+        return self.opened
+
+
+def test_a_far_sender_connects_during_a_flood(served) -> None:
+    """A sender 25 ms away (a relay that delays each way) authenticates and delivers while a
+    stranger floods the listener at the rate one thread manages; and once it authenticated,
+    again while the flood comes from a hundred addresses. Before the per-address cap and the
+    known addresses' own budget, each flood connection evicted the oldest handshake, so one
+    taking a round trip never finished."""
+    s = served(pending=16, peers=8)
+    address = s.listener.sock.getsockname()
+    path = DelayedPath(address, "127.0.0.3", 0.025)
+    try:
+        for sources in (["127.0.0.2"], [f"127.0.2.{i}" for i in range(100)]):
+            flood = Flood(address, sources)
+            time.sleep(0.3)  # at full rate before the sender starts
+            channel = connected(path.endpoint)
+            send(channel, [sources[0].encode()])
+            assert s.wait(lambda sources=sources: [sources[0].encode()] in s.got)
+            opened = flood.end()
+            channel.close()
+            assert opened > 200, opened  # it was a flood
+        assert s.listener.refused["over the per-address pending limit"] > 0
+        assert s.listener.refused["evicted while authenticating"] > 0
+    finally:
+        path.close()
 
 
 def test_authenticated_peers_are_capped(served) -> None:

@@ -5,9 +5,11 @@ record encrypted and authenticated, and a listener that bounds what strangers ca
 Why not ZeroMQ's CURVE (what the link used before): a ZeroMQ listener accepts every TCP
 connection it sees and gives no way to refuse or drop one, so a peer without the key could
 still hold a file descriptor per connection for the handshake's time, as many as it opens.
-Here the listener counts: at most `pending` connections may be authenticating at once (a new
-one past that evicts the oldest, so a flood of idle strangers cannot lock out a sender whose
-handshake takes one round trip), each has HANDSHAKE_S to prove itself, at most `peers`
+Here the listener counts: at most `per_address` connections from one address may be
+authenticating at once (more are closed at accept), and at most `pending` from addresses
+that authenticated before plus as many from others (a new one past that evicts the oldest of
+its kind), so a flood of idle strangers cannot lock out a sender whose handshake takes a
+round trip, new or known; each has HANDSHAKE_S to prove itself, at most `peers`
 authenticated connections are kept (a further one is closed), and an authenticated one
 silent for `idle_s` is closed (a sender that keeps its connection pings every PING_S).
 
@@ -62,6 +64,7 @@ PUBLIC, MAC, TAG = 32, 32, 16
 HELLO = len(MAGIC) + PUBLIC + MAC
 KDF_INFO = b"pipeserve kv link 2"
 REPLAY_WINDOW = 4096  # hellos a listener remembers, to close one that repeats
+KNOWN_ADDRESSES = 1024  # addresses that authenticated lately, remembered by a listener
 MAX_PARTS = 8
 HEAD = struct.Struct(">H")  # number of parts; then one SIZE per part
 SIZE = struct.Struct(">Q")
@@ -196,6 +199,8 @@ class Channel:
         return channel
 
     connecting = False
+    address = ""  # a responder's peer address (its listener counts per address)
+    known = False  # that address authenticated before (a budget of its own)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -404,8 +409,13 @@ class Listener:
     idle_s: float | None  # an authenticated connection silent this long is closed
     authenticating: dict[Channel, None] = field(default_factory=dict)  # oldest first
     authenticated: set[Channel] = field(default_factory=set)
+    per_address: int = 8  # connections one address may have authenticating at once
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     recent: Recent = field(default_factory=Recent)  # hellos seen lately (replays are closed)
+    pending_from: collections.Counter[str] = field(default_factory=collections.Counter)
+    # addresses that completed a handshake lately, most recent last: their new connections
+    # wait in a budget of their own, which strangers cannot evict from
+    known: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
 
 
 class Server:
@@ -423,8 +433,13 @@ class Server:
         peers: int,
         pending: int,
         idle_s: float | None = None,
+        per_address: int = 8,
     ) -> Listener:
-        """Listen at `tcp://HOST:PORT` (`*`: any free port) or `ipc://PATH`."""
+        """Listen at `tcp://HOST:PORT` (`*`: any free port) or `ipc://PATH`. At most
+        `pending` connections authenticate at once from addresses that have authenticated
+        before and as many from others (a new one past that evicts the oldest of its kind),
+        and at most `per_address` from one address (more are closed at accept; a Unix
+        socket's peers are one address)."""
         family, addr = _address(address)
         sock = socket.socket(family, socket.SOCK_STREAM)
         if family != socket.AF_UNIX:
@@ -437,7 +452,11 @@ class Server:
         else:
             host, port = sock.getsockname()[:2]
             endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-        listener = Listener(sock, endpoint, secret, max_part, peers, pending, idle_s)
+        if family == socket.AF_UNIX:
+            per_address = pending
+        listener = Listener(
+            sock, endpoint, secret, max_part, peers, pending, idle_s, per_address=per_address
+        )
         self._selector.register(sock, selectors.EVENT_READ, listener)
         return listener
 
@@ -489,7 +508,7 @@ class Server:
     def _accept(self, listener: Listener) -> None:
         for _ in range(64):  # a burst is taken in a few turns, never all at once
             try:
-                sock, _ = listener.sock.accept()
+                sock, addr = listener.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # out of descriptors or a reset before accept: not fatal
@@ -499,21 +518,34 @@ class Server:
                 listener.refused["over the peer limit"] += 1
                 sock.close()
                 continue
-            if len(listener.authenticating) >= listener.pending:
+            address = addr[0] if isinstance(addr, tuple) else "local"
+            if listener.pending_from[address] >= listener.per_address:
+                listener.refused["over the per-address pending limit"] += 1
+                sock.close()
+                continue
+            known = address in listener.known
+            alike = [c for c in listener.authenticating if c.known == known]
+            if len(alike) >= listener.pending:  # the oldest of its budget makes room
                 listener.refused["evicted while authenticating"] += 1
-                self.drop(next(iter(listener.authenticating)))
+                self.drop(alike[0])
             try:
                 _tune(sock)
                 channel = Channel(sock, listener.secret, False, listener.max_part, listener.recent)
             except OSError:  # reset between accept and now
                 sock.close()
                 continue
+            channel.address, channel.known = address, known
+            listener.pending_from[address] += 1
             listener.authenticating[channel] = None
             self._owner[channel] = listener
             self._selector.register(channel, selectors.EVENT_READ, listener)
 
     def _admit(self, listener: Listener, channel: Channel) -> None:
-        del listener.authenticating[channel]
+        self._unpend(listener, channel)
+        listener.known[channel.address] = None
+        listener.known.move_to_end(channel.address)
+        if len(listener.known) > KNOWN_ADDRESSES:
+            listener.known.popitem(last=False)
         if len(listener.authenticated) >= listener.peers:
             listener.refused["over the peer limit"] += 1
             self.drop(channel)
@@ -539,11 +571,18 @@ class Server:
                     listener.refused["idle"] += 1
                     self.drop(channel)
 
+    @staticmethod
+    def _unpend(listener: Listener, channel: Channel) -> None:
+        if listener.authenticating.pop(channel, 0) is None:  # it was there
+            listener.pending_from[channel.address] -= 1
+            if listener.pending_from[channel.address] <= 0:
+                del listener.pending_from[channel.address]
+
     def drop(self, channel: Channel) -> None:
         listener = self._owner.pop(channel, None)
         if listener is None:
             return
-        listener.authenticating.pop(channel, None)
+        self._unpend(listener, channel)
         listener.authenticated.discard(channel)
         self._selector.unregister(channel)
         channel.close()

@@ -73,6 +73,8 @@ MAX_MESSAGE_POSITIONS = 8192  # positions one kv message carries at most (a chun
 MAX_CONTROL_BYTES = 16 * 2**20  # an open message lists a request's slot runs
 MIN_PART_BYTES = 1 << 20  # a kv message's header may list many runs (context parallelism)
 DATA_PEERS, DATA_PENDING = 256, 64  # the data listener's connection limits (link.py)
+# handshakes one address may have under way: a prefill host's workers reconnecting at once
+DATA_PER_ADDRESS = 16
 CONTROL_PEERS, CONTROL_PENDING = 8, 8
 DATA_IDLE_S = 90.0  # a sender's connection silent this long is closed (senders ping)
 IDLE_SOCKET_S = 60.0  # a sender closes its connection to a destination unused this long
@@ -493,7 +495,13 @@ class KVReceiver:
         max_part = max(max(self.row_bytes) * MAX_MESSAGE_POSITIONS, MIN_PART_BYTES)
         data_secret = auth.kv_link_secret(key)
         self._data = self._server.listen(
-            f"tcp://{host}:*", data_secret, max_part, DATA_PEERS, DATA_PENDING, DATA_IDLE_S
+            f"tcp://{host}:*",
+            data_secret,
+            max_part,
+            DATA_PEERS,
+            DATA_PENDING,
+            DATA_IDLE_S,
+            DATA_PER_ADDRESS,
         )
         self.endpoint: str = self._data.endpoint
         self._control_dir = None if remote_control else private_directory()
