@@ -475,13 +475,17 @@ def cmd_router(args: argparse.Namespace) -> None:
                 args.http_max_connections,
                 args.http_max_pending_per_peer,
             ),
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_ca_certs=args.ssl_ca_certs,
         )
     except ValueError as exc:
         sys.exit(f"pipeserve router: {exc}")
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    """The HTTP connection limits, as `pipeserve serve` has them (config.ServerConfig)."""
+    """The HTTP connection limits and TLS files, as `pipeserve serve` has them
+    (config.ServerConfig)."""
     from pipeserve.config import ServerConfig
 
     for name in (
@@ -489,13 +493,19 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
         "http_body_timeout",
         "http_max_connections",
         "http_max_pending_per_peer",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_ca_certs",
     ):
         f = ServerConfig.__dataclass_fields__[name]
+        help_text = f.metadata["help"]
+        if name == "ssl_ca_certs":
+            help_text = "CA certificates (PEM) that https:// servers must chain to"
         parser.add_argument(
             "--" + name.replace("_", "-"),
-            type=_TYPES[str(f.type)],
+            type=_TYPES[str(f.type).split(" | ")[0]],
             default=f.default,
-            help=f"{f.metadata['help']} (default: {f.default})",
+            help=f"{help_text} (default: {f.default})",
         )
 
 

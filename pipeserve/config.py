@@ -434,6 +434,17 @@ class ServerConfig:
         "connections one client address may hold while they still send their requests; more "
         "are closed at once",
     )
+    ssl_certfile: str | None = _flag(
+        None,
+        "serve HTTPS with this certificate (PEM; with --ssl-keyfile): for the internal legs "
+        "of disaggregation between machines, or any client",
+    )
+    ssl_keyfile: str | None = _flag(None, "the private key of --ssl-certfile (PEM)")
+    ssl_ca_certs: str | None = _flag(
+        None,
+        "CA certificates (PEM) that https:// prefill servers this decode server calls must "
+        "chain to (default: the system's)",
+    )
     enable_api_docs: bool = _flag(
         False,
         "serve /docs, /redoc and /openapi.json (off by default: they map the API for anyone "
@@ -643,6 +654,10 @@ def validate(config: EngineConfig) -> None:
         ),
         (config.server.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
         (config.server.max_request_bytes > 0, "--max-request-bytes must be positive"),
+        (
+            (config.server.ssl_certfile is None) == (config.server.ssl_keyfile is None),
+            "--ssl-certfile and --ssl-keyfile go together",
+        ),
         (config.server.http_head_timeout > 0, "--http-head-timeout must be positive"),
         (config.server.http_body_timeout > 0, "--http-body-timeout must be positive"),
         (config.server.http_max_connections > 0, "--http-max-connections must be positive"),

@@ -183,7 +183,7 @@ def _add_generation_routes(
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
         check_model(state, body.model)
-        prefill = prefill_target(state, request)
+        prefill = await prefill_target(state, request)
         check_prompt_size(state, body.prompt)
         check_engine(state)
         ticket = state.admission.admit(state.metrics)
@@ -214,7 +214,7 @@ def _add_generation_routes(
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: P.ChatCompletionRequest, request: Request) -> Response:
         check_model(state, body.model)
-        prefill = prefill_target(state, request)
+        prefill = await prefill_target(state, request)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
         check_engine(state)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import ssl
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -259,9 +260,25 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
-def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
-    """The uvicorn.Config keywords every pipeserve server takes."""
-    return {"http": guarded_protocol(effective_limits(limits)), "backlog": LISTEN_BACKLOG}
+def uvicorn_options(
+    limits: ConnectionLimits, certfile: str | None = None, keyfile: str | None = None
+) -> dict[str, Any]:
+    """The uvicorn.Config keywords every pipeserve server takes (HTTPS with a certificate)."""
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    tls = {"ssl_certfile": certfile, "ssl_keyfile": keyfile} if certfile else {}
+    return {"http": guarded_protocol(effective_limits(limits)), "backlog": LISTEN_BACKLOG, **tls}
+
+
+def client_tls(ca_certs: str | None) -> ssl.SSLContext | bool:
+    """What httpx verifies an https:// server's certificate against: `ca_certs` (a PEM
+    file) when given, else the system's CAs."""
+    if ca_certs is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-ca-certs {ca_certs!r}: {exc}") from None
 
 
 class GuardedServer(uvicorn.Server):

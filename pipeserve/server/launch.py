@@ -30,7 +30,8 @@ class _Server(GuardedServer):
         if self.started:
             c = self.state.config.server
             print(
-                f"pipeserve ready: serving {self.state.model_name!r} on http://{c.host}:{c.port}",
+                f"pipeserve ready: serving {self.state.model_name!r} on "
+                f"{'https' if c.ssl_certfile else 'http'}://{c.host}:{c.port}",
                 flush=True,
             )
 
@@ -82,7 +83,9 @@ def serve(flags: dict[str, Any]) -> int:
                     c.http_body_timeout,
                     c.http_max_connections,
                     c.http_max_pending_per_peer,
-                )
+                ),
+                c.ssl_certfile,
+                c.ssl_keyfile,
             ),
         ),
         state,

@@ -42,8 +42,8 @@ class ServerState:
         self.on_failure: Callable[[], None] | None = None  # set by the launcher: asks to exit
         # disaggregation's internal credential (None when this server serves whole requests)
         d = config.disaggregation
-        self.pd_token = (
-            auth.internal_token(auth.pd_key(d.pd_auth_key))
+        self.pd_credential = (
+            auth.InternalCredential(auth.pd_key(d.pd_auth_key))
             if d.disaggregation_mode != "null"
             else None
         )

@@ -7,10 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
+import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -18,18 +24,23 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.datastructures import Headers
+from tls_certs import Certs, make_certs
 
 from pipeserve.disaggregation.pd import auth
+from pipeserve.disaggregation.pd.http import prefill_call
 from pipeserve.disaggregation.pd.router import (
     FORWARDED_HEADERS,
     MAX_EVENT_BYTES,
     PREFILL_HEADER,
     create_router_app,
 )
+from pipeserve.server.engine_client import PrefillFailed
 
 WAIT_S = 10.0  # longest any step may take: a hang fails fast
+PIPESERVE = Path(sys.executable).parent / "pipeserve"
 PD_KEY = "9c41e07a2b5d83f6e1a4c2b9d07f5e38"
 HEALTH_GAUGE = "pipeserve_router_server_healthy"
 
@@ -38,11 +49,13 @@ class ServerThread:
     """An ASGI app served by uvicorn in a daemon thread, on a socket bound before start (so
     no other process can take its port)."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, certs: Certs | None = None) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1)
+        scheme = "https" if certs else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.sock.getsockname()[1]}"
+        tls = {"ssl_certfile": str(certs.cert), "ssl_keyfile": str(certs.key)} if certs else {}
+        config = uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1, **tls)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, args=([self.sock],), daemon=True)
 
@@ -154,8 +167,8 @@ def wait_until(ready: Callable[[], bool], what: str) -> None:
 
 
 @contextlib.contextmanager
-def serving(app: FastAPI) -> Iterator[ServerThread]:
-    server = ServerThread(app).start()
+def serving(app: FastAPI, certs: Certs | None = None) -> Iterator[ServerThread]:
+    server = ServerThread(app, certs).start()
     try:
         yield server
     finally:
@@ -165,11 +178,14 @@ def serving(app: FastAPI) -> Iterator[ServerThread]:
 class Setup:
     """One prefill server, `decodes` fake decode servers, and a router in front of them."""
 
-    def __init__(self, stack: contextlib.ExitStack, decodes: int, **router: Any) -> None:
+    def __init__(
+        self, stack: contextlib.ExitStack, decodes: int, certs: Certs | None = None, **router: Any
+    ) -> None:
+        """`certs`: the servers behind the router serve HTTPS with them."""
         self.prefill_state = {"healthy": True}
-        self.prefill = stack.enter_context(serving(prefill_app(self.prefill_state)))
+        self.prefill = stack.enter_context(serving(prefill_app(self.prefill_state), certs))
         self.fakes = [FakeDecode(f"d{i}") for i in range(decodes)]
-        self.decodes = [stack.enter_context(serving(f.app)) for f in self.fakes]
+        self.decodes = [stack.enter_context(serving(f.app, certs)) for f in self.fakes]
         urls = [d.url for d in self.decodes]
         router = {"health_interval_s": 0.2, "pd_auth_key": PD_KEY, **router}
         app = create_router_app([self.prefill.url], urls, **router)
@@ -197,13 +213,14 @@ class Setup:
 
     def upstream_addresses(self) -> list[str]:
         """host:port of every upstream server: what no client-facing answer may contain."""
-        return [server.url.removeprefix("http://") for server in [self.prefill, *self.decodes]]
+        servers = [self.prefill, *self.decodes]
+        return [server.url.split("://", 1)[1] for server in servers]
 
 
 @pytest.fixture
 def setup() -> Iterator[Callable[..., Setup]]:
     with contextlib.ExitStack() as stack:
-        yield lambda decodes=1, **router: Setup(stack, decodes, **router)
+        yield lambda decodes=1, certs=None, **router: Setup(stack, decodes, certs, **router)
 
 
 def sse_events(response: httpx.Response) -> Iterator[str]:
@@ -410,13 +427,32 @@ def test_decode_calls_carry_the_internal_credential_and_not_the_clients(
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert s.client.post("/v1/chat/completions", json=body, headers=forged).status_code == 200
     assert s.client.get("/v1/models", headers=forged).status_code == 200
-    token = auth.internal_token(PD_KEY)
-    [completion, chat, models] = [headers for headers, _ in s.fakes[0].received]
-    for headers in (completion, chat, models):
-        assert headers.getlist(auth.INTERNAL_HEADER) == [token]
-    for headers in (completion, chat):
+    [completion, chat, models] = s.fakes[0].received
+    calls = [
+        ("POST", "/v1/completions", *completion, s.prefill.url),
+        ("POST", "/v1/chat/completions", *chat, s.prefill.url),
+        ("GET", "/v1/models", *models, ""),
+    ]
+    check = auth.InternalCredential(PD_KEY)  # a decode server's
+    for method, path, headers, body, target in calls:
+        assert len(headers.getlist(auth.INTERNAL_HEADER)) == 1
+        assert check.problem(method, path, body, headers, target) is None
+        assert check.problem(method, path, body, headers, target) == (
+            "an internal credential used before"
+        )
+    # made per call: a value seen once opens no other call
+    completion_headers, completion_body = completion
+    for method, path, body, target in [
+        ("POST", "/v1/chat/completions", completion_body, s.prefill.url),
+        ("POST", "/v1/completions", completion_body + b" ", s.prefill.url),
+        ("POST", "/v1/completions", completion_body, "http://attacker.invalid:1"),
+    ]:
+        fresh = auth.InternalCredential(PD_KEY)  # one that never saw it
+        problem = fresh.problem(method, path, body, completion_headers, target)
+        assert problem == "an internal credential that does not verify"
+    for headers, _ in (completion, chat):
         assert headers.getlist(PREFILL_HEADER) == [s.prefill.url]
-    assert PREFILL_HEADER not in models
+    assert PREFILL_HEADER not in models[0]
 
 
 @pytest.mark.timeout(60)
@@ -429,8 +465,9 @@ def test_the_router_needs_the_pd_key(
     monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "e7a2c95b1f4d08e63b7a1c5f9d2e84b0")
     s = setup(pd_auth_key=None)
     assert s.complete().status_code == 200
-    [(headers, _)] = s.fakes[0].received
-    assert headers[auth.INTERNAL_HEADER] == auth.internal_token("e7a2c95b1f4d08e63b7a1c5f9d2e84b0")
+    [(headers, body)] = s.fakes[0].received
+    check = auth.InternalCredential("e7a2c95b1f4d08e63b7a1c5f9d2e84b0")
+    assert check.problem("POST", "/v1/completions", body, headers, s.prefill.url) is None
     monkeypatch.setenv("PIPESERVE_PD_AUTH_KEY", "summer2024")  # a word-list key: refused
     with pytest.raises(ValueError, match="at least 32 hex digits"):
         create_router_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
@@ -494,3 +531,81 @@ def test_a_header_that_cannot_be_forwarded_is_a_400(setup: Callable[..., Setup])
         assert "content-type header must be ASCII" in answer.json()["error"]["message"]
     assert s.fakes[0].received == []
     assert s.complete().status_code == 200  # the router still serves
+
+
+@pytest.mark.timeout(60)
+def test_servers_behind_the_router_speak_https_verified_by_the_ca_given(
+    setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    """With --ssl-ca-certs the router reaches https:// servers whose certificates chain to
+    it, the internal credential inside TLS; without it (the system's CAs) it reaches none."""
+    certs = make_certs(tmp_path)
+    s = setup(certs=certs, ssl_ca_certs=str(certs.ca))
+    assert s.decodes[0].url.startswith("https://")
+    assert s.complete().status_code == 200
+    [(headers, body)] = s.fakes[0].received
+    check = auth.InternalCredential(PD_KEY)
+    assert check.problem("POST", "/v1/completions", body, headers, s.prefill.url) is None
+    untrusting = setup(certs=certs)  # verifies against the system's CAs: no server is up
+    r = untrusting.complete()
+    assert r.status_code == 503, r.text
+    assert untrusting.fakes[0].received == []
+
+
+@pytest.mark.timeout(120)
+def test_the_router_serves_https_with_a_certificate(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    port = free_port()
+    dead = f"https://127.0.0.1:{free_port()}"
+    cmd = [str(PIPESERVE), "router", "--prefill", dead, "--decode", dead, "--port", str(port)]
+    cmd += ["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key)]
+    cmd += ["--ssl-ca-certs", str(certs.ca)]
+    env = {**os.environ, "PIPESERVE_PD_AUTH_KEY": PD_KEY}
+    with (tmp_path / "router.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_until(
+                lambda: b"ready on https://" in (tmp_path / "router.log").read_bytes(),
+                "the router to start",
+            )
+            with httpx.Client(verify=ssl.create_default_context(cafile=certs.ca)) as client:
+                r = client.get(f"https://127.0.0.1:{port}/health")
+            assert r.status_code == 503  # reached over TLS; no server behind it is up
+            with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
+@pytest.mark.timeout(60)
+def test_a_decode_server_calls_https_prefill_servers_verified_by_its_ca(tmp_path: Path) -> None:
+    """The decode server's leg to a prefill server (`http.prefill_call`): over TLS to a
+    certificate chaining to --ssl-ca-certs, its credential made for the call; without the
+    CA the call fails and nothing reaches the prefill server."""
+    certs = make_certs(tmp_path)
+    seen: list[tuple[Headers, bytes]] = []
+    app = FastAPI()
+
+    @app.post("/pd/prefill")
+    async def prefill(request: Request) -> Response:
+        seen.append((request.headers, await request.body()))
+        return JSONResponse({"token": 3, "logprob": -0.5, "top": []})
+
+    def state(ca: Path | None) -> Any:
+        server = SimpleNamespace(ssl_ca_certs=str(ca) if ca else None)
+        d = SimpleNamespace(disaggregation_prefill_timeout=10.0)
+        config = SimpleNamespace(server=server, disaggregation=d)
+        credential = auth.InternalCredential(PD_KEY)
+        return SimpleNamespace(config=config, pd_credential=credential, vocab_size=10)
+
+    with serving(app, certs) as server:
+        call = prefill_call(state(certs.ca), server.url, [1, 2, 3], {}, True, 0)
+        assert asyncio.run(call({"room": "x"})) == (3, -0.5, [])
+        [(headers, body)] = seen
+        check = auth.InternalCredential(PD_KEY)  # the prefill server's
+        assert check.problem("POST", "/pd/prefill", body, headers) is None
+        call = prefill_call(state(None), server.url, [1, 2, 3], {}, True, 0)
+        with pytest.raises(PrefillFailed):
+            asyncio.run(call({"room": "x"}))
+        assert len(seen) == 1

@@ -16,6 +16,7 @@ same PD key), plus a fake prefill server the decode server is configured to call
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import select
 import socket
@@ -33,7 +34,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from server_helpers import Router, Server, drained, error_message, wait_for
 
-from pipeserve.disaggregation.pd.auth import INTERNAL_HEADER, internal_token
+from pipeserve.disaggregation.pd import auth
+from pipeserve.disaggregation.pd.auth import INTERNAL_HEADER, InternalCredential
 from pipeserve.disaggregation.pd.router import PREFILL_HEADER
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 PD_KEY = "9c41e07a2b5d83f6e1a4c2b9d07f5e38"
 CLIENT_KEY = "client-key"
 CLIENT = {"Authorization": f"Bearer {CLIENT_KEY}"}
-INTERNAL = {INTERNAL_HEADER: internal_token(PD_KEY)}
+SIGNER = InternalCredential(PD_KEY)  # what the router and a decode server hold
 HTTP_TIMEOUT_S = 30.0  # a hang fails fast
 SETTLE_S = 30.0
 SECRET = "SECRET-PEER-TEXT"
@@ -88,13 +90,12 @@ class FakePrefill:
 
     def __init__(self) -> None:
         self.answer: tuple[int, bytes] = (200, b"{}")
-        self.calls: list[dict[str, str]] = []
+        self.calls: list[tuple[dict[str, str], bytes]] = []  # headers and body
         self.app = FastAPI()
         self.app.post("/pd/prefill")(self.prefill)
 
     async def prefill(self, request: Request) -> Response:
-        await request.body()
-        self.calls.append(dict(request.headers))
+        self.calls.append((dict(request.headers), await request.body()))
         status, content = self.answer
         return Response(content, status_code=status, media_type="application/json")
 
@@ -156,9 +157,23 @@ def tokens_of(r: httpx.Response) -> list[str]:
     return r.json()["choices"][0]["logprobs"]["tokens"]
 
 
-def complete(base_url: str, headers: dict[str, str] | None = None) -> httpx.Response:
+def complete(
+    base_url: str, headers: dict[str, str] | None = None, prefill: str | None = None
+) -> httpx.Response:
+    """A completion request; `prefill`: as the router sends it, naming that prefill server
+    with an internal credential made for the call."""
+    content = json.dumps(body()).encode()
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    if prefill is not None:
+        headers |= {PREFILL_HEADER: prefill}
+        headers |= SIGNER.headers("POST", "/v1/completions", content, prefill)
     url = base_url + "/v1/completions"
-    return httpx.post(url, json=body(), headers=headers or {}, timeout=HTTP_TIMEOUT_S * 4)
+    return httpx.post(url, content=content, headers=headers, timeout=HTTP_TIMEOUT_S * 4)
+
+
+def internal(content: bytes) -> dict[str, str]:
+    """A decode server's credential for one call of /pd/prefill with `content`."""
+    return SIGNER.headers("POST", "/pd/prefill", content)
 
 
 def post_prefill(server: Server, content: bytes, headers: dict[str, str]) -> httpx.Response:
@@ -208,8 +223,40 @@ def test_the_api_key_serves_end_to_end(cluster: Cluster) -> None:
     content = json.dumps(prefill_body(c.model, transfer=outside)).encode()
     r = post_prefill(c.prefill, content, CLIENT)
     assert r.status_code == 401, r.text
-    r = post_prefill(c.prefill, content, INTERNAL)
+    r = post_prefill(c.prefill, content, internal(content))
     assert r.status_code == 400, (r.text, logs(c.prefill))
+
+
+def test_an_internal_credential_opens_one_call_once(cluster: Cluster) -> None:
+    """The credential is made per call: replayed, moved to another body, stale, or the old
+    fixed token, it opens nothing (401), and the body is never read further."""
+    c = cluster
+    outside = transfer(c.model, endpoints=["tcp://10.9.9.9:5"])
+    content = json.dumps(prefill_body(c.model, transfer=outside)).encode()
+    seen = internal(content)
+    assert post_prefill(c.prefill, content, seen).status_code == 400  # let in, then refused
+    assert post_prefill(c.prefill, content, seen).status_code == 401  # a replay
+    other = json.dumps(prefill_body(c.model)).encode()
+    assert post_prefill(c.prefill, other, internal(content)).status_code == 401
+    stamp, nonce, _ = internal(content)[INTERNAL_HEADER].split(".")
+    stale = str(int(stamp) - int(2 * auth.WINDOW_S * 1000))
+    old = InternalCredential(PD_KEY)
+    with pytest.MonkeyPatch.context() as mp:  # made with a clock two windows behind
+        mp.setattr(auth.time, "time", lambda: int(stale) / 1000)
+        late = old.headers("POST", "/pd/prefill", content)
+    assert post_prefill(c.prefill, content, late).status_code == 401
+    fixed = hmac.new(PD_KEY.encode(), b"pipeserve disaggregation internal http", "sha256")
+    assert post_prefill(c.prefill, content, {INTERNAL_HEADER: fixed.hexdigest()}).status_code == 401
+    # the decode server: a replayed router call is refused too
+    headers = {**CLIENT, "Content-Type": "application/json", PREFILL_HEADER: c.fake_url}
+    raw = json.dumps(body()).encode()
+    headers |= SIGNER.headers("POST", "/v1/completions", raw, c.fake_url)
+    c.fake.answer = (500, b"{}")
+    url = c.decode.base_url + "/v1/completions"
+    first = httpx.post(url, content=raw, headers=headers, timeout=HTTP_TIMEOUT_S)
+    assert first.status_code != 403, first.text  # let in (the fake then fails it)
+    again = httpx.post(url, content=raw, headers=headers, timeout=HTTP_TIMEOUT_S)
+    assert again.status_code == 403, again.text
 
 
 @contextlib.contextmanager
@@ -232,8 +279,7 @@ def test_a_header_naming_an_unconfigured_url_calls_nothing(cluster: Cluster) -> 
             f"{c.fake_url}/../../127.0.0.1:{port}",
         ]
         for name in aimed:
-            headers = {**CLIENT, **INTERNAL, PREFILL_HEADER: name}
-            r = complete(c.decode.base_url, headers)
+            r = complete(c.decode.base_url, CLIENT, prefill=name)
             assert r.status_code == 400, (name, r.text)
             assert "--disaggregation-prefill-url" in error_message(r)
             assert str(port) not in r.text
@@ -262,17 +308,17 @@ def test_a_prefill_server_answering_out_of_range_fails_that_request_only(
     cluster: Cluster,
 ) -> None:
     c = cluster
-    headers = {**CLIENT, **INTERNAL, PREFILL_HEADER: c.fake_url}
     for status, content, said in BAD_ANSWERS:
         calls = len(c.fake.calls)
         c.fake.answer = (status, content)
-        r = complete(c.decode.base_url, headers)
+        r = complete(c.decode.base_url, CLIENT, prefill=c.fake_url)
         assert r.status_code in (400, 503), (content, r.text, logs(c.decode))
         message = error_message(r)
         assert said in message, message
         assert SECRET not in r.text and "100000" not in r.text and "NaN" not in r.text
         assert len(c.fake.calls) == calls + 1, "the decode server never called the fake"
-        assert c.fake.calls[-1].get(INTERNAL_HEADER.lower()) == INTERNAL[INTERNAL_HEADER]
+        called_with, sent = c.fake.calls[-1]
+        assert InternalCredential(PD_KEY).problem("POST", "/pd/prefill", sent, called_with) is None
     assert tokens_of(complete(c.decode.base_url, CLIENT))
     assert wait_for(lambda: drained(c.decode), SETTLE_S), (c.decode.metrics(), logs(c.decode))
     assert c.decode.get("/health").status_code == 200
@@ -305,7 +351,7 @@ def test_malformed_pd_prefill_bodies_get_400(cluster: Cluster) -> None:
     c = cluster
     for name, content in malformed_bodies(c.model).items():
         started = time.monotonic()
-        r = post_prefill(c.prefill, content, INTERNAL)
+        r = post_prefill(c.prefill, content, internal(content))
         assert r.status_code == 400, (name, r.text, logs(c.prefill))
         assert error_message(r), name
         assert time.monotonic() - started < HTTP_TIMEOUT_S, name

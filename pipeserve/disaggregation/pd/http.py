@@ -28,9 +28,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.router import PREFILL_HEADER
 from pipeserve.scheduler.request import MAX_TOP_LOGPROBS
+from pipeserve.server.connection_guard import client_tls
 from pipeserve.server.engine_client import Prefill, PrefillFailed
 from pipeserve.server.errors import ApiError, unavailable
 from pipeserve.server.streams import StreamDelta
@@ -47,7 +47,7 @@ MAX_ANSWER_BYTES = 1 << 20  # a first token with its top logprobs is far smaller
 PEER_TEXT_LOGGED = 300  # characters of a peer's error message kept in the log
 
 
-def prefill_target(state: ServerState, request: Request) -> str | None:
+async def prefill_target(state: ServerState, request: Request) -> str | None:
     """The configured prefill server a request's `X-Pipeserve-Prefill` names (None: no
     header, the request is served here whole). ApiError unless this is a decode server,
     the request carries the internal credential and the name is one of its
@@ -58,12 +58,20 @@ def prefill_target(state: ServerState, request: Request) -> str | None:
     d = state.config.disaggregation
     if d.disaggregation_mode != "decode":
         raise ApiError(400, f"{PREFILL_HEADER} is for decode servers (--disaggregation-mode)")
-    token = state.pd_token
-    if token is None or not auth.is_internal(request.headers, token):
+    credential = state.pd_credential
+    body = await request.body()
+    path = request.url.path
+    problem = (
+        "no PD key"
+        if credential is None
+        else credential.problem("POST", path, body, request.headers, name)
+    )
+    if problem is not None:
+        log.warning("refused %s on %s: %s", PREFILL_HEADER, path, problem)
         raise ApiError(
             403,
-            f"{PREFILL_HEADER} is accepted only with the disaggregation's internal credential "
-            "(the router sends it)",
+            f"{PREFILL_HEADER} is accepted only with the disaggregation's internal credential, "
+            "made for this call (the router sends it)",
             "permission_error",
             code="missing_internal_credential",
         )
@@ -88,8 +96,9 @@ def prefill_call(
 ) -> Prefill:
     """The decode server's call of one request's prefill (see `EngineClient.generate`): to a
     configured prefill server `url`, with the internal credential."""
-    assert state.pd_token is not None, "a decode server has its PD key"
-    headers = {auth.INTERNAL_HEADER: state.pd_token}
+    credential = state.pd_credential
+    assert credential is not None, "a decode server has its PD key"
+    tls = client_tls(state.config.server.ssl_ca_certs)
     timeout_s = state.config.disaggregation.disaggregation_prefill_timeout
     vocab = state.vocab_size
 
@@ -101,9 +110,14 @@ def prefill_call(
             "top_logprobs": top_logprobs,
             "transfer": destination,
         }
+        content = json.dumps(body).encode()
+        headers = {
+            "content-type": "application/json",
+            **credential.headers("POST", PREFILL_PATH, content),
+        }
         try:
-            async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
-                r = await client.post(url + PREFILL_PATH, json=body, headers=headers)
+            async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, verify=tls) as client:
+                r = await client.post(url + PREFILL_PATH, content=content, headers=headers)
         except httpx.HTTPError as exc:
             log.warning("prefill server %s failed: %r", url, exc)
             raise PrefillFailed(f"the prefill server failed ({type(exc).__name__})") from None
@@ -176,20 +190,24 @@ def add_prefill_route(app: FastAPI, state: ServerState) -> None:
     API key: a client cannot make this server send KV anywhere)."""
     from pipeserve.server.responses import until_done
 
-    token = state.pd_token
-    assert token is not None, "a prefill server has its PD key"
+    credential = state.pd_credential
+    assert credential is not None, "a prefill server has its PD key"
 
     @app.post(PREFILL_PATH, include_in_schema=False)
     async def prefill(request: Request) -> Response:
-        if not auth.is_internal(request.headers, token):
+        raw = await request.body()
+        problem = credential.problem("POST", PREFILL_PATH, raw, request.headers)
+        if problem is not None:
+            log.warning("refused %s: %s", PREFILL_PATH, problem)
             raise ApiError(
                 401,
-                f"{PREFILL_PATH} is for decode servers: it needs the internal credential",
+                f"{PREFILL_PATH} is for decode servers: it needs the internal credential, made "
+                "for this call",
                 "authentication_error",
                 code="missing_internal_credential",
             )
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError:
             raise ApiError(400, "the body must be JSON") from None
         ids, params, logprob, top, transfer = prefill_request(body, state.vocab_size)

@@ -44,7 +44,12 @@ from starlette.types import Receive, Scope, Send
 
 from pipeserve.disaggregation.pd import auth
 from pipeserve.server.body_limit import BodySizeLimit
-from pipeserve.server.connection_guard import ConnectionLimits, GuardedServer, uvicorn_options
+from pipeserve.server.connection_guard import (
+    ConnectionLimits,
+    GuardedServer,
+    client_tls,
+    uvicorn_options,
+)
 from pipeserve.server.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -166,6 +171,7 @@ class RouterState:
         request_timeout_s: float,
         api_key: str | None,
         pd_key: str,
+        ca_certs: str | None = None,
     ) -> None:
         self.prefill = Pool("prefill", prefill_urls)
         self.decode = Pool("decode", decode_urls)
@@ -174,12 +180,13 @@ class RouterState:
         self.retry_after_s = max(1, math.ceil(health_interval_s))  # until the next probe
         self.request_timeout_s = request_timeout_s
         self.api_key = api_key.encode() if api_key is not None else None
-        self.internal_headers = auth.internal_headers(pd_key)
+        self.credential = auth.InternalCredential(pd_key)
         self.metrics = RouterMetrics()
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S),
             trust_env=False,  # the servers are addressed directly, never through a proxy
+            verify=client_tls(ca_certs),  # https:// servers' certificates
         )
 
     @property
@@ -195,6 +202,7 @@ def create_router_app(
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     pd_auth_key: str | None = None,
+    ssl_ca_certs: str | None = None,
 ) -> FastAPI:
     """The router as a FastAPI app. Its startup probes every server once, so a router
     started against running servers routes at once. `pd_auth_key` is the PD key (else env
@@ -210,6 +218,7 @@ def create_router_app(
         request_timeout_s,
         api_key,
         auth.pd_key(pd_auth_key),
+        ssl_ca_certs,
     )
 
     @asynccontextmanager
@@ -269,8 +278,12 @@ def run_router(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     pd_auth_key: str | None = None,
     limits: ConnectionLimits | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    ssl_ca_certs: str | None = None,
 ) -> None:
-    """Serve the router with uvicorn until SIGINT/SIGTERM."""
+    """Serve the router with uvicorn until SIGINT/SIGTERM (HTTPS with a certificate; https://
+    servers verified against `ssl_ca_certs`, else the system's CAs)."""
     app = create_router_app(
         prefill_urls,
         decode_urls,
@@ -279,6 +292,7 @@ def run_router(
         api_key,
         max_request_bytes,
         pd_auth_key=pd_auth_key,
+        ssl_ca_certs=ssl_ca_certs,
     )
     config = uvicorn.Config(
         app,
@@ -286,7 +300,7 @@ def run_router(
         port=port,
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        **uvicorn_options(limits or ConnectionLimits()),
+        **uvicorn_options(limits or ConnectionLimits(), ssl_certfile, ssl_keyfile),
     )
     _RouterServer(config).run()
 
@@ -295,7 +309,8 @@ class _RouterServer(GuardedServer):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:  # after the lifespan's first probe round
-            url = f"http://{self.config.host}:{self.config.port}"
+            scheme = "https" if self.config.ssl_certfile else "http"
+            url = f"{scheme}://{self.config.host}:{self.config.port}"
             print(f"pipeserve router ready on {url}", flush=True)
 
 
@@ -350,6 +365,7 @@ def _add_info_routes(app: FastAPI, state: RouterState) -> None:
         headers = _pass(state, request)
         if isinstance(headers, Response):
             return headers
+        headers |= state.credential.headers("GET", "/v1/models", b"")
         try:
             answer = await state.client.get(f"{decode.url}/v1/models", headers=headers)
         except httpx.HTTPError as exc:
@@ -385,7 +401,11 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
         body = await request.body()
     except ClientDisconnect:  # gone, or its body passed the size limit (413 already sent)
         return Response(status_code=CLIENT_GONE)
-    headers = {**passed, PREFILL_HEADER: prefill.url}
+    headers = {
+        **passed,
+        PREFILL_HEADER: prefill.url,
+        **state.credential.headers("POST", path, body, prefill.url),
+    }
     sent = state.client.build_request("POST", decode.url + path, content=body, headers=headers)
     try:
         upstream = await _unless_client_leaves(request, state.client.send(sent, stream=True))
@@ -398,14 +418,14 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
 
 def _pass(state: RouterState, request: Request) -> dict[str, str] | Response:
     """The headers of a call of a decode server: the client's that it needs (FORWARDED_HEADERS
-    only), the router's internal credential, and identity encoding, so that the bytes relayed
-    are the bytes received. A 400 where a client's header to forward is not ASCII (HTTP
-    clients send header values as ASCII; httpx would refuse to)."""
+    only) and identity encoding, so that the bytes relayed are the bytes received (the
+    caller adds the internal credential made for the call). A 400 where a client's header to
+    forward is not ASCII (HTTP clients send header values as ASCII; httpx would refuse to)."""
     headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
     for name, value in headers.items():
         if not value.isascii():
             return _error(400, f"the {name} header must be ASCII")
-    return {**headers, "accept-encoding": "identity", **state.internal_headers}
+    return {**headers, "accept-encoding": "identity"}
 
 
 def _check_key(state: RouterState, request: Request) -> Response | None:
