@@ -199,7 +199,7 @@ class SchedulerChannels:
 
     def _init_sockets(self) -> None:
         self._batch = [self._bind(zmq.PUSH, url) for url in self.endpoints.batch]
-        self._status = self._bind(zmq.PULL, self.endpoints.status, wire.MAX_MESSAGE_BYTES)
+        self._status = self._bind(zmq.PULL, self.endpoints.status, wire.STATUS_MAX_BYTES)
         self._control = self._bind(zmq.PUB, self.endpoints.control)
         for s in self._batch:
             s.setsockopt(zmq.LINGER, 0)
@@ -284,7 +284,7 @@ class WorkerChannels:
         self._lock = threading.Lock()
         self._batch = None
         if batch_url is not None:
-            self._batch = self._connect(zmq.PULL, batch_url, wire.MAX_MESSAGE_BYTES)
+            self._batch = self._connect(zmq.PULL, batch_url, wire.BATCH_MAX_BYTES)
         self._dropped = DropLog(f"worker {rank} batch channel")
         self._control_url = endpoints.control
         self._closed = threading.Event()
@@ -316,6 +316,14 @@ class WorkerChannels:
         data = wire.encode_status(kind, self.rank, payload)
         with self._lock:
             self._status.send(data)
+
+    def send_timeline(self, events: list[Any]) -> None:
+        """The recorded events, in pieces of wire.TIMELINE_PIECE (the last one says so), so
+        that no status message outgrows the channel's cap."""
+        step = wire.TIMELINE_PIECE
+        starts = range(0, max(len(events), 1), step)
+        for start in starts:
+            self.send_status("timeline", (events[start : start + step], start == starts[-1]))
 
     def recv_batch(self) -> tuple[wire.MsgType, wire.StageBody]:
         """The next message from the scheduler that decodes (others are dropped)."""

@@ -136,7 +136,7 @@ def recv(src: int, group: Any, device: torch.device, shard: Shard = Shard()) -> 
 def _recv_meta(
     kind: int, size: int, src: int, group: Any, device: torch.device
 ) -> tuple[MsgType, wire.StageBody]:
-    if size > wire.MAX_MESSAGE_BYTES:
+    if size > wire.BATCH_MAX_BYTES:
         raise RuntimeError(f"the previous stage announced a {size}-byte batch description")
     meta = torch.empty(size, dtype=torch.uint8, device=device)
     dist.recv(meta, src, group=group)

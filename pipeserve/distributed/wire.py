@@ -4,8 +4,14 @@ A message is a msgpack array whose first element is its kind. A dataclass travel
 array of its fields in declaration order; a list of ints or floats as the bytes of an int64
 or float64 array (fast to pack, typed by construction). Decoders check every element and
 build only the classes named here, so anything malformed or hostile raises WireError and
-nothing else: the receiver drops it, no code runs, and a message cannot make the receiver
-allocate more than its own size allows (at most MAX_MESSAGE_BYTES).
+nothing else: the receiver drops it, and no code runs. Each channel has a byte cap for one
+message that fits what it carries (STATUS_MAX_BYTES, BATCH_MAX_BYTES, ENGINE_LINK_MAX_BYTES;
+the sockets refuse longer ones, the decoders check again, and the encoders refuse to make
+them), and msgpack's length limits follow from it. msgpack builds a Python object for every
+container before any schema check, so decoding one message can take up to about 80 times
+its bytes (empty maps or arrays: 1 byte each on the wire, 64-80 in memory): 650 MB for a
+status message at its cap, from a peer allowed on that channel. The worker timeline travels
+in pieces of TIMELINE_PIECE events so that the status cap stays small.
 
   stage messages, scheduler -> first stage (ZMQ) and stage -> stage (P2P meta):
       encode_stage / decode_stage           MsgType + ScheduledBatch | (points, runs) | None
@@ -36,7 +42,12 @@ from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.streams import StreamDelta
 from pipeserve.timeline import Event
 
-MAX_MESSAGE_BYTES = 1 << 30  # a full timeline (200k events per rank) fits
+# a result's prompt logprobs (8 bytes a token: a 1M-token chunk), a timeline piece, a ready
+# message, a traceback; the one channel other nodes' workers speak on
+STATUS_MAX_BYTES = 8 << 20
+BATCH_MAX_BYTES = 64 << 20  # a batch's token ids (8 bytes each: 8M tokens) and KV runs
+ENGINE_LINK_MAX_BYTES = 64 << 20  # a request's token ids; a step's deltas with logprobs
+TIMELINE_PIECE = 4096  # events per timeline status message (~150 bytes each)
 MAX_MAP_LEN = 256  # maps only carry small dicts (settings, stats)
 MAX_PLAIN_DEPTH = 4  # nesting allowed inside those dicts
 
@@ -61,19 +72,29 @@ class MsgType(IntEnum):
 # --- bytes <-> msgpack values -------------------------------------------------------------
 
 
-def _pack(value: Any) -> bytes:
+def _pack(value: Any, limit: int) -> bytes:
     try:
-        return msgpack.packb(value, use_bin_type=True)
+        data = msgpack.packb(value, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"cannot encode {reprlib.repr(value)}: {exc}") from None
+    if len(data) > limit:
+        raise WireError(f"a message of {len(data)} bytes exceeds its channel's {limit}")
+    return data
 
 
-def _unpack(data: bytes) -> Any:
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:  # the other max_*_len limits default to len(data): no length can claim more
+def _unpack(data: bytes, limit: int) -> Any:
+    if len(data) > limit:
+        raise WireError(f"message of {len(data)} bytes exceeds its channel's {limit}")
+    try:  # no length inside can claim more than the cap (nor more than the message)
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_map_len=MAX_MAP_LEN, max_ext_len=0
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=limit,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises several kinds for malformed input
         raise WireError(f"not a msgpack message: {exc}") from None
@@ -465,17 +486,17 @@ def decode_delta(v: Any) -> StreamDelta:
 def encode_stage(kind: MsgType, body: StageBody = None) -> bytes:
     if kind is MsgType.PROXY:
         assert isinstance(body, ScheduledBatch)
-        return _pack([int(kind), encode_batch(body)])
+        return _pack([int(kind), encode_batch(body)], BATCH_MAX_BYTES)
     if kind is MsgType.PROFILE:
         assert isinstance(body, tuple)
         points, runs = body
-        return _pack([int(kind), _pack_pairs(points), _pack_pairs(runs)])
-    return _pack([int(kind)])
+        return _pack([int(kind), _pack_pairs(points), _pack_pairs(runs)], BATCH_MAX_BYTES)
+    return _pack([int(kind)], BATCH_MAX_BYTES)
 
 
 @_decoder
 def decode_stage(data: bytes) -> tuple[MsgType, StageBody]:
-    msg = _unpack(data)
+    msg = _unpack(data, BATCH_MAX_BYTES)
     tag = msg[0] if type(msg) is list and msg else None
     if type(tag) is not int or tag not in MsgType._value2member_map_:
         raise _fail("not a stage message", msg)
@@ -567,9 +588,10 @@ STATUS_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "heartbeat": (_encode_nothing, _decode_nothing),
     "error": (_encode_text, _str),
     "refused": (_encode_text, _str),  # a start-up check refused the settings (its message)
+    # (events, last): a rank's timeline in pieces of at most TIMELINE_PIECE events
     "timeline": (
-        lambda events: [encode_event(e) for e in events],
-        lambda v: _list(decode_event, v),
+        lambda piece: [_bool(piece[1]), [encode_event(e) for e in piece[0]]],
+        lambda v: (_list(decode_event, _fields(v, 2, "timeline piece")[1]), _bool(v[0])),
     ),
     "profile": (_encode_profile_times, _decode_profile_times),
 }
@@ -578,13 +600,13 @@ STATUS_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
 def encode_status(kind: str, rank: int, payload: Any = None) -> bytes:
     if kind not in STATUS_CODECS:
         raise WireError(f"unknown status kind {kind!r}; known: {', '.join(STATUS_CODECS)}")
-    return _pack([kind, rank, STATUS_CODECS[kind][0](payload)])
+    return _pack([kind, rank, STATUS_CODECS[kind][0](payload)], STATUS_MAX_BYTES)
 
 
 @_decoder
 def decode_status(data: bytes) -> tuple[str, int, Any]:
     """(kind, rank, payload), as the workers sent them."""
-    kind, rank, payload = _fields(_unpack(data), 3, "status message")
+    kind, rank, payload = _fields(_unpack(data, STATUS_MAX_BYTES), 3, "status message")
     if type(kind) is not str or kind not in STATUS_CODECS:
         raise _fail("unknown status kind", kind)
     return kind, _int(rank), STATUS_CODECS[kind][1](payload)
@@ -602,18 +624,18 @@ def encode_to_engine(msg: tuple[Any, ...]) -> bytes:
         _, rid, ids, params, return_logprob, top, *transfer = msg
         extra = [_optional(_plain_dict, transfer[0] if transfer else None)]
         body = [kind, rid, _pack_ints(ids), _plain_dict(params), return_logprob, top]
-        return _pack(body + (extra if kind == "add" else []))
+        return _pack(body + (extra if kind == "add" else []), ENGINE_LINK_MAX_BYTES)
     if kind == "pd_prefilled" and len(msg) == 5:
         _, rid, token, logprob, top = msg
-        return _pack([kind, rid, token, logprob, _pack_top([top])[0]])
+        return _pack([kind, rid, token, logprob, _pack_top([top])[0]], ENGINE_LINK_MAX_BYTES)
     if (kind, len(msg)) in (("abort", 2), ("shutdown", 1)):
-        return _pack(list(msg))
+        return _pack(list(msg), ENGINE_LINK_MAX_BYTES)
     raise WireError(f"not a message to the engine: {reprlib.repr(msg)}")
 
 
 @_decoder
 def decode_to_engine(data: bytes) -> tuple[Any, ...]:
-    msg = _unpack(data)
+    msg = _unpack(data, ENGINE_LINK_MAX_BYTES)
     kind = msg[0] if type(msg) is list and msg else None
     if kind in ("add", "pd_reserve"):
         count = 7 if kind == "add" else 6
@@ -650,12 +672,12 @@ def encode_from_engine(msg: tuple[str, Any]) -> bytes:
     kind, payload = msg
     if kind not in FROM_ENGINE_CODECS:
         raise WireError(f"not a message from the engine: {reprlib.repr(msg)}")
-    return _pack([kind, FROM_ENGINE_CODECS[kind][0](payload)])
+    return _pack([kind, FROM_ENGINE_CODECS[kind][0](payload)], ENGINE_LINK_MAX_BYTES)
 
 
 @_decoder
 def decode_from_engine(data: bytes) -> tuple[str, Any]:
-    kind, payload = _fields(_unpack(data), 2, "message from the engine")
+    kind, payload = _fields(_unpack(data, ENGINE_LINK_MAX_BYTES), 2, "message from the engine")
     if type(kind) is not str or kind not in FROM_ENGINE_CODECS:
         raise _fail("not a message from the engine", kind)
     return kind, FROM_ENGINE_CODECS[kind][1](payload)

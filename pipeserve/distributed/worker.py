@@ -370,7 +370,7 @@ class StageWorker:
         reported before it moves on, so no two stages time at once."""
         kind = msg.kind
         if kind is p2p.MsgType.TIMELINE:
-            self.channels.send_status("timeline", self.runner.recorder.take())
+            self.channels.send_timeline(self.runner.recorder.take())
         if kind is p2p.MsgType.PROFILE:
             assert msg.profile is not None
             times = self.runner.profile_prefill(*msg.profile)

@@ -129,8 +129,16 @@ class WorkerSet:
         """Every rank's recorded events (sent down the pipeline in order, so all micro-batches
         launched before are included)."""
         self.channels.send_batch("timeline")
-        msgs = self._collect("timeline", self.world_size, TIMELINE_TIMEOUT_S, "the timeline")
-        return [event for m in msgs for event in m[2]]
+        events: list[Event] = []
+        finished: set[int] = set()  # ranks whose last piece came
+        deadline = time.monotonic() + TIMELINE_TIMEOUT_S
+        while len(finished) < self.world_size:
+            left = max(0.0, deadline - time.monotonic())
+            for _, rank, (piece, last) in self._collect("timeline", 1, left, "the timeline"):
+                events += piece
+                if last:
+                    finished.add(rank)
+        return events
 
     def _collect(
         self, kind: str, count: int, timeout_s: float, what: str

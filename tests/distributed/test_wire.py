@@ -8,6 +8,7 @@ import contextlib
 import math
 import pickle
 import random
+import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
@@ -74,7 +75,7 @@ STATUS_MESSAGES: list[tuple[str, int, Any]] = [
     ("heartbeat", 2, None),
     ("error", 0, "Traceback (most recent call last):\n  ...\nValueError: boom"),
     ("refused", 1, "number of attention heads (4) is not divisible by --tp-size 3"),
-    ("timeline", 1, [EVENT, Event("forward", 0, 0, 1.0, 2.0)]),
+    ("timeline", 1, ([EVENT, Event("forward", 0, 0, 1.0, 2.0)], True)),
     ("profile", 0, (1, [0.004, 0.0091])),
 ]
 SAMPLING_DICT = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
@@ -259,7 +260,43 @@ def test_hostile_shapes_are_wire_errors(data: bytes) -> None:
             decode(data)
 
 
-def test_a_message_over_the_size_limit_is_refused_before_decoding(monkeypatch) -> None:
-    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 16)
+def test_a_message_over_its_channels_cap_is_refused_before_decoding(monkeypatch) -> None:
+    monkeypatch.setattr(wire, "BATCH_MAX_BYTES", 16)
+    data = msgpack.packb([int(MsgType.PROXY), wire.encode_batch(BATCH)], use_bin_type=True)
     with pytest.raises(WireError, match="exceeds"):
-        wire.decode_stage(wire.encode_stage(MsgType.PROXY, BATCH))
+        wire.decode_stage(data)
+    with pytest.raises(WireError, match="exceeds"):  # nor is one made
+        wire.encode_stage(MsgType.PROXY, BATCH)
+
+
+def test_each_channel_has_a_cap_that_fits_what_it_carries() -> None:
+    """Status messages are small (a 1M-token chunk's prompt logprobs, a timeline piece),
+    far under the engine link's and the batch channel's; a traceback over the status cap is
+    refused by the encoder and by the decoder."""
+    assert wire.STATUS_MAX_BYTES <= 8 << 20 < wire.BATCH_MAX_BYTES
+    assert wire.ENGINE_LINK_MAX_BYTES <= 64 << 20 and wire.BATCH_MAX_BYTES <= 64 << 20
+    text = "x" * wire.STATUS_MAX_BYTES
+    with pytest.raises(WireError, match="exceeds"):
+        wire.encode_status("error", 0, text)
+    with pytest.raises(WireError, match="exceeds"):
+        wire.decode_status(msgpack.packb(["error", 0, text]))
+    # what fits: prompt logprobs of a million-token chunk in one result
+    result = BatchResult(1, [1], [0.0], [[-1.0] * 1_000_000], [[]], [0.1])
+    assert wire.decode_status(wire.encode_status("result", 0, result))[2] == result
+
+
+def test_decoding_memory_is_bounded_by_the_status_cap() -> None:
+    """msgpack builds every container before a schema check: the worst case (empty maps
+    or arrays, 1 byte each) takes under 100 times a message's bytes, measured here on 1 MiB;
+    at the status channel's cap that is under 1 GiB."""
+    n = 1 << 20
+    worst = 0.0
+    for filler in ([], {}, [None]):
+        data = msgpack.packb(["error", 0, [filler] * (n // (1 + len(filler)))])
+        tracemalloc.start()
+        with pytest.raises(WireError):
+            wire.decode_status(data)
+        worst = max(worst, tracemalloc.get_traced_memory()[1] / len(data))
+        tracemalloc.stop()
+    assert worst < 100, worst
+    assert worst * wire.STATUS_MAX_BYTES < 1 << 30

@@ -17,6 +17,7 @@ from pipeserve.engine.workers import WorkerError, WorkerSet, report_ranks
 from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
 from pipeserve.scheduler.data_parallel import BatchGroup
+from pipeserve.timeline import Event
 
 pytestmark = pytest.mark.timeout(30)  # a lost result would make wait_results wait forever
 
@@ -94,19 +95,33 @@ def test_results_arriving_during_a_profile_are_kept_in_order() -> None:
 def test_results_arriving_during_a_timeline_are_kept() -> None:
     ws = worker_set(
         [
-            ("timeline", 0, []),
+            ("timeline", 0, ([], True)),
             ("result", 1, result(3)),
-            ("timeline", 1, []),
+            ("timeline", 1, ([], True)),
         ]
     )
     assert ws.collect_timeline() == []
     assert ids(ws.wait_results()) == [(3, 3)]
 
 
+def test_a_timeline_in_pieces_is_put_together() -> None:
+    """A rank's timeline comes in pieces (each status message stays under its cap); the
+    collection waits for every rank's last piece."""
+    a, b, c = (Event("forward", 0, 0, float(t), float(t) + 1) for t in range(3))
+    ws = worker_set(
+        [
+            ("timeline", 0, ([a], False)),
+            ("timeline", 1, ([c], True)),
+            ("timeline", 0, ([b], True)),
+        ]
+    )
+    assert ws.collect_timeline() == [a, c, b]
+
+
 def test_collecting_has_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(workers_mod, "POLL_MS", 1)
     monkeypatch.setattr(workers_mod, "TIMELINE_TIMEOUT_S", 0.05)
-    ws = worker_set([("timeline", 0, []), ("result", 1, result(5))])
+    ws = worker_set([("timeline", 0, ([], True)), ("result", 1, result(5))])
     start = time.monotonic()
     with pytest.raises(WorkerError, match="the timeline took longer"):
         ws.collect_timeline()  # rank 1 never reports
