@@ -430,7 +430,7 @@ class ServerConfig:
         "oldest connection still sending its request is dropped for a new one",
     )
     http_max_pending_per_peer: int = _flag(
-        32,
+        256,
         "connections one client address may hold while they still send their requests; more "
         "are closed at once",
     )

@@ -14,8 +14,11 @@ what uvicorn does and adds:
   closes. An idle kept-alive connection is uvicorn's to close (`timeout_keep_alive`).
 - *pending* connections, those that owe a head or a body, are capped per peer address: a
   peer at `max_pending_per_peer` has its new connections closed at once, so one address
-  cannot crowd out the others. Connections with a request in flight are not pending (a
-  router's pooled connections to a decode server are many and legitimate).
+  cannot crowd out the others. Connections with a request in flight are not pending. The
+  default cap (256) is above the listen backlog (128): asyncio makes every connection it
+  accepts in one tick before any of them has sent a byte, so a lower cap would cut a
+  legitimate burst from one address (a router under load opening a connection per
+  request); with a cap of 256 a flood from one address holds 256 for the head deadline.
 - at `max_connections` in total, the oldest pending connection (any peer) is dropped to
   make room; when none is pending the new connection is closed instead.
 
@@ -55,7 +58,7 @@ class ConnectionLimits:
     head_timeout_s: float = 5.0
     body_timeout_s: float = 30.0
     max_connections: int = 2048
-    max_pending_per_peer: int = 32
+    max_pending_per_peer: int = 256  # above LISTEN_BACKLOG: one tick's burst is never cut
 
     def check(self) -> None:
         """ValueError naming the flag when a limit is not positive."""
@@ -170,8 +173,17 @@ class GuardedH11Protocol(H11Protocol):
             return
         state = self.conn.their_state
         if state is h11.IDLE:
-            if self.deadline_kind != "head":  # the first bytes of a kept-alive's next request
-                self._arm("head")
+            if self.conn.trailing_data[0]:  # part of a next request's head is here
+                if self.deadline_kind != "head":
+                    self._arm("head")
+            else:  # the bytes ended a request whose answer went out first: idle now
+                self._disarm()
+                if self.timeout_keep_alive_task is None and (
+                    self.cycle is None or self.cycle.response_complete
+                ):
+                    self.timeout_keep_alive_task = self.loop.call_later(
+                        self.timeout_keep_alive, self.timeout_keep_alive_handler
+                    )
         elif state is h11.SEND_BODY:
             if self.deadline_kind != "body":
                 self._arm("body")
@@ -282,8 +294,32 @@ def client_tls(ca_certs: str | None) -> ssl.SSLContext | bool:
 
 
 class GuardedServer(uvicorn.Server):
-    """uvicorn's server with failed accepts counted, not logged one traceback each."""
+    """uvicorn's server with failed accepts counted, not logged one traceback each, and with
+    HTTPS, a TLS handshake bounded by the head deadline (asyncio's default is 60 s, and a
+    connection is counted by the caps only once its handshake is done)."""
 
     async def startup(self, sockets: Any = None) -> None:
-        quiet_accept_errors(asyncio.get_running_loop())
-        await super().startup(sockets)
+        loop = asyncio.get_running_loop()
+        quiet_accept_errors(loop)
+        protocol = self.config.http
+        if not (isinstance(protocol, type) and issubclass(protocol, GuardedH11Protocol)):
+            await super().startup(sockets)
+            return
+        handshake_s = protocol.guard.limits.head_timeout_s
+        create_server = loop.create_server
+
+        async def bounded(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("ssl") is not None:
+                kwargs.setdefault("ssl_handshake_timeout", handshake_s)
+            return await create_server(*args, **kwargs)
+
+        try:
+            loop.create_server = bounded  # type: ignore[method-assign]
+        except AttributeError:  # a loop (uvloop's) whose methods cannot be replaced
+            log.info("TLS handshakes keep the event loop's own time limit")
+            await super().startup(sockets)
+            return
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server  # the loop's own method again

@@ -10,7 +10,7 @@ import pytest
 from pipeserve.config import SchedulerConfig
 from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
-from pipeserve.disaggregation.pd.transfer import RoomStats
+from pipeserve.disaggregation.pd.transfer import RoomRefused, RoomStats
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.scheduler.scheduler import Scheduler
@@ -29,7 +29,11 @@ class FakeControl:
         self.done: list[tuple[str, RoomStats]] = []
         self.log: list[tuple[str, int]] = []  # (what, free pages at that moment)
 
+    refuse: set[int] = set()  # sizes of the requests whose room a rank refuses
+
     def open(self, room: str, runs: list, num_tokens: int) -> None:
+        if num_tokens in self.refuse:
+            raise RoomRefused("a decode rank refused to open the request's room")
         self.open_rooms[room] = runs
 
     def close(self, room: str) -> None:
@@ -142,3 +146,19 @@ def test_a_prompt_never_prefilled_fails_at_the_cap() -> None:
     (update,) = t.step()
     assert update.finish_reason == "error" and "not prefilled" in (update.error or "")
     assert sched.kv.allocator.num_free == free and not control.open_rooms
+
+
+def test_a_refused_room_fails_its_request_alone() -> None:
+    """A rank refusing to open a room (its checks: slots, lifetime, a duplicate room) fails
+    that request with an error and frees its pages; the engine and the others go on."""
+    sched, control, t = setup()
+    control.refuse = {40}
+    free = sched.kv.allocator.num_free
+    t.add(req("a", 40))
+    t.add(req("b", 20))
+    assert [rid for rid, _ in t.reserve()] == ["b"]
+    (update,) = t.step()
+    assert update.rid == "a" and update.finish_reason == "error"
+    assert update.error is not None and "refused" in update.error
+    assert sched.kv.allocator.num_free == free - 20 // PAGE  # only b's pages are held
+    assert t.stats()["pd_transfers_failed"] == 1 and "a" not in t

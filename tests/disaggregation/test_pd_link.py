@@ -262,9 +262,11 @@ def test_a_replayed_hello_that_is_answered_cannot_finish(served) -> None:
     other = served()  # same secret, a listener that never saw the hello
     replay = RawPeer(other.listener.endpoint, hello=genuine.hello)
     assert len(replay.reply) == 64  # answered: the hello's proof is genuine
-    assert not replay.authentic  # its keys are not the replayer's (no shared secret)
+    # without Ei's private half the replayer computes other keys: its confirmation (sent by
+    # RawPeer) fails, and the listener closes the connection before any record
     replay.sock.sendall(replay.message([b"forged"]))
     assert replay.closed_by_peer()
+    assert other.listener.refused["failed or left the handshake"] == 1
     genuine.close()
     time.sleep(0.1)
     assert other.got == []
@@ -358,7 +360,8 @@ def test_strangers_cannot_hold_more_than_the_pending_limits(served) -> None:
 
 class DelayedPath:
     """A relay that holds every chunk `delay_s` each way, connecting to `target` from
-    `source`: a sender far away, as the listener sees it."""
+    `source`: a sender far away, as the listener sees it (its connect arrives with its first
+    bytes, as a real sender's final ACK and hello travel together)."""
 
     def __init__(self, target: tuple[str, int], source: str, delay_s: float) -> None:
         self.target, self.source, self.delay_s = target, source, delay_s
@@ -372,9 +375,16 @@ class DelayedPath:
                 near, _ = self.server.accept()
             except OSError:
                 return
+            threading.Thread(target=self._open, args=(near,), daemon=True).start()
+
+    def _open(self, near: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            first = near.recv(65536)
+            time.sleep(self.delay_s)
             far = socket.socket()
             far.bind((self.source, 0))
             far.connect(self.target)
+            far.sendall(first)
             for a, b in ((near, far), (far, near)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -419,16 +429,18 @@ class Flood:
 
 
 def test_a_far_sender_connects_during_a_flood(served) -> None:
-    """A sender 25 ms away (a relay that delays each way) authenticates and delivers while a
-    stranger floods the listener at the rate one thread manages; and once it authenticated,
-    again while the flood comes from a hundred addresses. Before the per-address cap and the
-    known addresses' own budget, each flood connection evicted the oldest handshake, so one
-    taking a round trip never finished."""
+    """A sender 25 ms away (a relay that delays each way), from an address that never
+    authenticated, authenticates and delivers while a stranger floods the listener at the
+    rate one thread manages, from one address and then from a hundred. Before the per-address
+    cap and the rule that only connections without a valid hello are evicted, each flood
+    connection evicted the oldest handshake, so one taking a round trip never finished."""
     s = served(pending=16, peers=8)
     address = s.listener.sock.getsockname()
-    path = DelayedPath(address, "127.0.0.3", 0.025)
+    paths = []
     try:
-        for sources in (["127.0.0.2"], [f"127.0.2.{i}" for i in range(100)]):
+        for n, sources in enumerate((["127.0.0.2"], [f"127.0.2.{i}" for i in range(100)])):
+            path = DelayedPath(address, f"127.0.0.{3 + n}", 0.025)  # a new sender each time
+            paths.append(path)
             flood = Flood(address, sources)
             deadline = time.monotonic() + 10
             while flood.opened < 100:  # at full rate before the sender starts
@@ -442,7 +454,8 @@ def test_a_far_sender_connects_during_a_flood(served) -> None:
         assert s.listener.refused["over the per-address pending limit"] > 0
         assert s.listener.refused["evicted while authenticating"] > 0
     finally:
-        path.close()
+        for path in paths:
+            path.close()
 
 
 def test_authenticated_peers_are_capped(served) -> None:

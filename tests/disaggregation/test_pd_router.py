@@ -609,3 +609,33 @@ def test_a_decode_server_calls_https_prefill_servers_verified_by_its_ca(tmp_path
         with pytest.raises(PrefillFailed):
             asyncio.run(call({"room": "x"}))
         assert len(seen) == 1
+
+
+def test_the_internal_credential_is_checked_head_first_and_taken_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stranger is refused on the head alone (before a body is read); a credential is
+    taken once; past MAX_NONCES remembered, stamps not newer than the last forgotten one
+    are refused (they could be replays of it)."""
+    sign, check = auth.InternalCredential(PD_KEY), auth.InternalCredential(PD_KEY)
+    body = b'{"x": 1}'
+    made = sign.headers("POST", "/pd/prefill", body)
+    headers = {**made, "content-length": str(len(body))}
+    assert check.head_problem("POST", "/pd/prefill", headers) is None
+    wrong = auth.InternalCredential("1" + PD_KEY[1:]).headers("POST", "/pd/prefill", body)
+    assert check.head_problem("POST", "/pd/prefill", {**wrong, "content-length": "8"})
+    assert check.head_problem("POST", "/pd/prefill", {**made, "content-length": "9"})
+    assert check.problem("POST", "/pd/prefill", b'{"x": 2}', made) is not None  # another body
+    assert check.problem("POST", "/pd/prefill", body, made) is None
+    assert check.problem("POST", "/pd/prefill", body, made) == "an internal credential used before"
+    monkeypatch.setattr(auth, "MAX_NONCES", 2)
+    made_now = []
+    for _ in range(3):
+        time.sleep(0.001)  # stamps a millisecond apart
+        made_now.append(sign.headers("GET", "/v1/models", b""))
+    first = made_now[0]
+    for h in made_now:
+        assert check.problem("GET", "/v1/models", b"", h) is None
+    # `made` and `first` were forgotten: a credential as old as them is refused
+    late = {auth.INTERNAL_HEADER: first[auth.INTERNAL_HEADER]}
+    assert check.problem("GET", "/v1/models", b"", late) == "an internal credential used before"

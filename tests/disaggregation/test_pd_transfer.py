@@ -27,12 +27,13 @@ from test_pd_link import RawPeer
 from pipeserve.context_parallel.layout import PageStriping
 from pipeserve.disaggregation.pd import auth, link
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
+from pipeserve.disaggregation.pd.link import Channel
 from pipeserve.disaggregation.pd.transfer import (
     MAX_MESSAGE_POSITIONS,
     KVReceiver,
     KVSender,
     ReceiverControl,
-    TransferError,
+    RoomRefused,
     new_room,
     split_positions,
 )
@@ -309,6 +310,19 @@ def test_the_pd_key_does_not_open_the_control_link(sides: list) -> None:
     control.open(new_room(), [(0, 8)], 8)  # the engine's own opens go through
 
 
+def ask(channel: Channel, message: list[bytes]) -> bytes:
+    """Send one control message on `channel` and return the kind of the answer."""
+    deadline = time.monotonic() + 10
+    while not channel.ready:
+        assert time.monotonic() < deadline, "no handshake"
+        link.drive([channel], 0.05)
+    channel.send(message)
+    while True:
+        assert time.monotonic() < deadline, "no answer"
+        for _, (kind, _body) in link.drive([channel], 0.05):
+            return bytes(kind)
+
+
 def test_opens_over_held_or_foreign_slots_are_refused(sides: list) -> None:
     """Even with the control link's secret, an open is refused (answered `refused`, counted)
     unless its slots lie inside the pool and no open room holds them, its time to live is
@@ -328,15 +342,19 @@ def test_opens_over_held_or_foreign_slots_are_refused(sides: list) -> None:
         ([(0, 4)], 4, float("inf"), "a time to live that is not finite and positive"),
         ([(0, 4)], 4, -1.0, "a time to live that is not finite and positive"),
     ]
+    # the engine's own opens, sent as they are (not capped as ReceiverControl caps them)
+    endpoint, secret = control.controls[0]
+    link_ = Channel.connect(endpoint, secret, 1 << 20)
     for runs, n, ttl, reason in bad:
-        control.room_ttl_s = ttl
-        with pytest.raises(TransferError, match="refused to open"):
-            control.open(new_room(), runs, n)
+        body = msgpack.packb([new_room(), [list(r) for r in runs], n, ttl])
+        assert ask(link_, [b"open", body]) == b"refused", reason
         assert receiver.refused_opens[reason] >= 1, reason
-    control.room_ttl_s = 60.0
-    with pytest.raises(TransferError, match="refused to open"):
+    link_.close()
+    with pytest.raises(RoomRefused, match="refused to open"):
         control.open(room, [(80, 4)], 4)  # a room id already open
     assert receiver.refused_opens["a room that is open already"] == 1
+    control.room_ttl_s = float("inf")  # ReceiverControl caps what it asks for
+    control.open(new_room(), [(num_slots - 4, 4)], 4)
     # the refused opens left the first room alone: its KV arrives whole
     list(run_prefill(senders, src, KVDestination(room, control.endpoints, dst), [(8, 40)], [40]))
     assert [r for r, _ in wait_done(control, room)] == [room]

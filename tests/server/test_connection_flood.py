@@ -18,6 +18,7 @@ import resource
 import secrets
 import select
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ import httpx
 import pytest
 from ports import free_port
 from server_helpers import PIPESERVE, POOL_TOKENS
+from tls_certs import make_certs
 
 from pipeserve.server.connection_guard import DESCRIPTORS_KEPT, quiet_accept_errors
 
@@ -228,3 +230,79 @@ def test_bad_limits_are_refused() -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+@pytest.fixture
+def router(tmp_path: Path) -> Iterator[int]:
+    """A router (no backend: /health answers 503, and at once) with the default caps, a
+    1.5 s head deadline, HTTPS with a throwaway certificate; its port."""
+    certs = make_certs(tmp_path)
+    port = free_port()
+    dead = f"http://127.0.0.1:{free_port()}"
+    cmd = [str(PIPESERVE), "router", "--prefill", dead, "--decode", dead, "--port", str(port)]
+    cmd += ["--http-head-timeout", str(HEAD_S)]
+    cmd += ["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key)]
+    with started(cmd, tmp_path / "router.log", "ready"):
+        yield port
+
+
+def tls_connection(port: int, context: ssl.SSLContext) -> ssl.SSLSocket:
+    return context.wrap_socket(socket.create_connection(("127.0.0.1", port)))
+
+
+def test_a_burst_from_one_address_is_served_whole(router: int) -> None:
+    """100 connections from one client opened at once, then each sends a request: all are
+    answered (a cap below the listen backlog would reset some of them)."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    socks = [tls_connection(router, context) for _ in range(100)]
+    for s in socks:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    for s in socks:
+        s.settimeout(10)
+        assert s.recv(64).startswith(b"HTTP/1.1 503"), "a connection of the burst was cut"
+        s.close()
+
+
+def test_a_tls_handshake_has_the_head_deadline(router: int) -> None:
+    silent = socket.create_connection(("127.0.0.1", router))
+    silent.settimeout(HEAD_S + 5)
+    start = time.monotonic()
+    with contextlib.suppress(ConnectionResetError):
+        assert silent.recv(1) == b""  # closed, the handshake never begun
+    assert time.monotonic() - start < HEAD_S + 4  # not asyncio's 60 s
+    silent.close()
+
+
+def response(s: socket.socket) -> bytes:
+    """One whole HTTP response (head and a Content-Length body) read from `s`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(4096)
+        assert chunk, f"closed after {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += s.recv(4096)
+    return head
+
+
+def test_a_body_sent_after_the_answer_leaves_the_connection_kept_alive(router: int) -> None:
+    """The router answers 503 before reading the body; the rest of the body that follows
+    ends that request, and the connection is then idle (kept alive), not owing a head."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    s = tls_connection(router, context)
+    s.settimeout(10)
+    s.sendall(HALF_BODY)
+    assert response(s).startswith(b"HTTP/1.1 503")
+    s.sendall(b"x" * 999)  # the rest of the body
+    time.sleep(HEAD_S + 0.5)  # past the head deadline: no 408 may come
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert response(s).startswith(b"HTTP/1.1 503")
+    s.close()

@@ -238,15 +238,24 @@ def test_an_internal_credential_opens_one_call_once(cluster: Cluster) -> None:
     assert post_prefill(c.prefill, content, seen).status_code == 401  # a replay
     other = json.dumps(prefill_body(c.model)).encode()
     assert post_prefill(c.prefill, other, internal(content)).status_code == 401
-    stamp, nonce, _ = internal(content)[INTERNAL_HEADER].split(".")
-    stale = str(int(stamp) - int(2 * auth.WINDOW_S * 1000))
+    stamp = internal(content)[INTERNAL_HEADER].split(".")[0]
+    stale = str(int(stamp) - int(2 * auth.WINDOW_S * 1e6))
     old = InternalCredential(PD_KEY)
     with pytest.MonkeyPatch.context() as mp:  # made with a clock two windows behind
-        mp.setattr(auth.time, "time", lambda: int(stale) / 1000)
+        mp.setattr(auth.time, "time", lambda: int(stale) / 1e6)
         late = old.headers("POST", "/pd/prefill", content)
     assert post_prefill(c.prefill, content, late).status_code == 401
     fixed = hmac.new(PD_KEY.encode(), b"pipeserve disaggregation internal http", "sha256")
     assert post_prefill(c.prefill, content, {INTERNAL_HEADER: fixed.hexdigest()}).status_code == 401
+    # digits that are not ASCII ("²³¹" passes str.isdigit, not int): 401, never a 500
+    odd = {INTERNAL_HEADER: "\u00b2\u00b3\u00b9." + seen[INTERNAL_HEADER].split(".", 1)[1]}
+    r = httpx.post(
+        c.prefill.base_url + "/pd/prefill",
+        content=content,
+        headers={k: v.encode("latin-1") for k, v in {**odd, "Content-Type": "x"}.items()},
+        timeout=HTTP_TIMEOUT_S,
+    )
+    assert r.status_code == 401, r.text
     # the decode server: a replayed router call is refused too
     headers = {**CLIENT, "Content-Type": "application/json", PREFILL_HEADER: c.fake_url}
     raw = json.dumps(body()).encode()

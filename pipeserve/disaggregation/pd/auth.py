@@ -13,7 +13,8 @@ link):
   credential is made per call (`InternalCredential`): an HMAC over the method, the path, the
   body's SHA-256, the prefill server named, a timestamp and a random nonce; the receiver
   takes it within WINDOW_S of its timestamp and once only, so a value seen on the network
-  opens nothing else and not even the same call again.
+  opens no other call, nor the same call again on that server (another server of the same
+  role, within the window, could still be sent it once).
 - the secret of the KV data link (link.py): the decode workers' receivers let in only
   peers that prove they hold it (the prefill workers), and every record is encrypted under
   keys fresh to its connection, so a peer without the PD key can neither write nor read
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -57,52 +59,82 @@ def pd_key(flag: str | None) -> str:
 
 WINDOW_S = 60.0  # a credential is taken this long either side of its timestamp
 MAX_NONCES = 200_000  # credentials remembered within the window (legitimate calls only)
+STAMP = re.compile(r"[0-9]{1,17}")  # microseconds since the epoch
 
 
 class InternalCredential:
     """Makes and checks the per-call credential of the internal HTTP legs (module
-    docstring). The clocks of the router and the servers must agree within WINDOW_S."""
+    docstring). The clocks of the router and the servers must agree within WINDOW_S.
+
+    The header is `STAMP.NONCE.HEAD.FULL`: HEAD is an HMAC over the method, the path, the
+    prefill server named, the body's length, STAMP and NONCE, so a receiver refuses a
+    stranger before it reads a byte of the body (`head_problem`); FULL adds the body's
+    SHA-256 (`problem`). A receiver takes a NONCE once: it remembers the last MAX_NONCES,
+    and past that refuses any stamp not newer than the newest it forgot."""
 
     def __init__(self, key: str) -> None:
         self._key = derive(key, "disaggregation internal http")
-        self._seen: dict[str, float] = {}  # nonce -> when it was taken, oldest first
+        self._seen: dict[str, int] = {}  # nonce -> its stamp, in the order taken
+        self._floor = -1  # stamps at or below this may be forgotten nonces: refused
 
-    def _mac(self, method: str, path: str, body: bytes, target: str, stamp: str, nonce: str) -> str:
-        digest = hashlib.sha256(body).hexdigest()
-        text = "\n".join((method.upper(), path, digest, target, stamp, nonce))
-        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
+    def _mac(self, *fields: str) -> str:
+        return hmac.new(self._key, "\n".join(fields).encode(), hashlib.sha256).hexdigest()
 
     def headers(self, method: str, path: str, body: bytes, target: str = "") -> dict[str, str]:
         """The header of one call: `target` is the X-Pipeserve-Prefill value it carries."""
-        stamp, nonce = str(round(time.time() * 1000)), secrets.token_hex(16)  # stamp: ms
-        mac = self._mac(method, path, body, target, stamp, nonce)
-        return {INTERNAL_HEADER: f"{stamp}.{nonce}.{mac}"}
+        stamp, nonce = str(round(time.time() * 1e6)), secrets.token_hex(16)  # stamp: µs
+        head = self._mac("head", method.upper(), path, target, str(len(body)), stamp, nonce)
+        full = self._mac("full", head, hashlib.sha256(body).hexdigest())
+        return {INTERNAL_HEADER: f"{stamp}.{nonce}.{head}.{full}"}
+
+    @staticmethod
+    def _parts(headers: Mapping[str, str]) -> list[str] | None:
+        given = headers.get(INTERNAL_HEADER.lower(), headers.get(INTERNAL_HEADER, ""))
+        parts = given.split(".")
+        if len(parts) != 4 or not STAMP.fullmatch(parts[0]):
+            return None
+        return parts
+
+    def head_problem(
+        self, method: str, path: str, headers: Mapping[str, str], target: str = ""
+    ) -> str | None:
+        """What is wrong with a call's credential that its head alone shows (None: nothing
+        yet): checked before its body is read. The Content-Length header must be there."""
+        parts = self._parts(headers)
+        if parts is None:
+            return "no internal credential"
+        stamp, nonce, head, _ = parts
+        length = headers.get("content-length", "0")
+        want = self._mac("head", method.upper(), path, target, length, stamp, nonce)
+        if not hmac.compare_digest(head.encode("latin-1", "replace"), want.encode()):
+            return "an internal credential that does not verify"
+        if not abs(time.time() - int(stamp) / 1e6) <= WINDOW_S:
+            return "an internal credential out of its time window (are the clocks in sync?)"
+        return None
 
     def problem(
         self, method: str, path: str, body: bytes, headers: Mapping[str, str], target: str = ""
     ) -> str | None:
         """Why a call's credential is not taken (None: it is, and is used up)."""
-        given = headers.get(INTERNAL_HEADER.lower(), headers.get(INTERNAL_HEADER, ""))
-        stamp, _, rest = given.partition(".")
-        nonce, _, mac = rest.partition(".")
-        if not (stamp.isdigit() and len(stamp) < 20):
-            return "no internal credential"
-        when = int(stamp) / 1000
-        want = self._mac(method, path, body, target, stamp, nonce)
-        if not hmac.compare_digest(mac.encode("latin-1", "replace"), want.encode()):
+        headers = {k.lower(): v for k, v in headers.items()} | {"content-length": str(len(body))}
+        problem = self.head_problem(method, path, headers, target)
+        if problem is not None:
+            return problem
+        parts = self._parts(headers)
+        assert parts is not None
+        stamp, nonce, head, full = parts
+        want = self._mac("full", head, hashlib.sha256(body).hexdigest())
+        if not hmac.compare_digest(full.encode("latin-1", "replace"), want.encode()):
             return "an internal credential that does not verify"
-        now = time.time()
-        if not abs(now - when) <= WINDOW_S:  # NaN fails too
-            return "an internal credential out of its time window (are the clocks in sync?)"
-        # a nonce taken at `now` is valid at most until now + 2 WINDOW_S (its stamp is at
-        # least now - WINDOW_S): forget those taken before that, oldest first
-        while self._seen and now - next(iter(self._seen.values())) > 2 * WINDOW_S:
+        # a nonce is valid while its stamp is within the window: forget older ones
+        oldest = round((time.time() - WINDOW_S) * 1e6)
+        while self._seen and next(iter(self._seen.values())) < oldest:
             del self._seen[next(iter(self._seen))]
-        if nonce in self._seen:
+        if nonce in self._seen or int(stamp) <= self._floor:
             return "an internal credential used before"
-        if len(self._seen) >= MAX_NONCES:
-            return "too many internal calls within the replay window"
-        self._seen[nonce] = now
+        if len(self._seen) >= MAX_NONCES:  # forget the first taken; refuse what it may hide
+            self._floor = max(self._floor, self._seen.pop(next(iter(self._seen))))
+        self._seen[nonce] = int(stamp)
         return None
 
 

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
-from pipeserve.disaggregation.pd.transfer import ReceiverControl, RoomStats, new_room
+from pipeserve.disaggregation.pd.transfer import (
+    ReceiverControl,
+    RoomRefused,
+    RoomStats,
+    new_room,
+)
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
 
@@ -69,6 +74,7 @@ class DecodeTransfers:
         self.prefill_timeout_s, self.transfer_timeout_s = prefill_timeout_s, transfer_timeout_s
         self.waiting: deque[Req] = deque()  # no pages yet (memory short)
         self.pending: dict[str, _Pending] = {}
+        self.refused: list[RequestUpdate] = []  # requests whose room a rank refused
         self.totals = TransferTotals()
 
     def __contains__(self, rid: str) -> bool:
@@ -98,6 +104,13 @@ class DecodeTransfers:
             room = new_room()
             try:
                 self.control.open(room, runs, len(req.input_ids))
+            except RoomRefused as exc:  # this request fails alone
+                self.scheduler.drop_transfer(req)
+                self.totals.failed += 1
+                update = RequestUpdate(req.rid, finish_reason="error")
+                update.error = str(exc)
+                self.refused.append(update)
+                continue
             except BaseException:
                 self.scheduler.drop_transfer(req)
                 raise
@@ -118,7 +131,7 @@ class DecodeTransfers:
             p = next((p for p in self.pending.values() if p.room == room), None)
             if p is not None:
                 p.kv = stats
-        updates = []
+        updates, self.refused = self.refused, []
         now = time.monotonic()
         for rid, p in list(self.pending.items()):
             if p.kv is not None and p.first is not None:

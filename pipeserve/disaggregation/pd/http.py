@@ -195,8 +195,10 @@ def add_prefill_route(app: FastAPI, state: ServerState) -> None:
 
     @app.post(PREFILL_PATH, include_in_schema=False)
     async def prefill(request: Request) -> Response:
-        raw = await request.body()
-        problem = credential.problem("POST", PREFILL_PATH, raw, request.headers)
+        problem = credential.head_problem("POST", PREFILL_PATH, request.headers)
+        if problem is None:  # only a key holder's body is read
+            raw = await request.body()
+            problem = credential.problem("POST", PREFILL_PATH, raw, request.headers)
         if problem is not None:
             log.warning("refused %s: %s", PREFILL_PATH, problem)
             raise ApiError(

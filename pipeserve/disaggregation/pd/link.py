@@ -6,10 +6,12 @@ Why not ZeroMQ's CURVE (what the link used before): a ZeroMQ listener accepts ev
 connection it sees and gives no way to refuse or drop one, so a peer without the key could
 still hold a file descriptor per connection for the handshake's time, as many as it opens.
 Here the listener counts: at most `per_address` connections from one address may be
-authenticating at once (more are closed at accept), and at most `pending` from addresses
-that authenticated before plus as many from others (a new one past that evicts the oldest of
-its kind), so a flood of idle strangers cannot lock out a sender whose handshake takes a
-round trip, new or known; each has HANDSHAKE_S to prove itself, at most `peers`
+authenticating at once (more are closed at accept), and at most `pending` in all; a new one
+past that evicts the oldest that has not yet sent a valid hello (one that has holds the key:
+it is never evicted by strangers, and when all of them have, the new connection is closed
+instead). A sender's hello follows its connect at once, so a flood of idle strangers, from
+one address or many, cannot lock out a sender whose handshake takes round trips. Each
+connection has HANDSHAKE_S to prove itself, at most `peers`
 authenticated connections are kept (a further one is closed), and an authenticated one
 silent for `idle_s` is closed (a sender that keeps its connection pings every PING_S).
 
@@ -64,7 +66,6 @@ PUBLIC, MAC, TAG = 32, 32, 16
 HELLO = len(MAGIC) + PUBLIC + MAC
 KDF_INFO = b"pipeserve kv link 2"
 REPLAY_WINDOW = 4096  # hellos a listener remembers, to close one that repeats
-KNOWN_ADDRESSES = 1024  # addresses that authenticated lately, remembered by a listener
 MAX_PARTS = 8
 HEAD = struct.Struct(">H")  # number of parts; then one SIZE per part
 SIZE = struct.Struct(">Q")
@@ -163,7 +164,8 @@ class Channel:
         self._out: collections.deque[memoryview] = collections.deque()
         self.pending = 0  # bytes queued, not yet taken by the socket
         self._recent = recent
-        self._ephemeral: X25519PrivateKey | None = X25519PrivateKey.generate()
+        # a responder makes its key once the hello proved the secret (strangers cost nothing)
+        self._ephemeral = X25519PrivateKey.generate() if initiator else None
         self._hello = b""
         self._handshake: Handshake | None = None
         self._seal: AESGCM | None = None
@@ -173,7 +175,7 @@ class Channel:
         self._parts: list[bytearray] = []
         self._state = "hello-reply" if initiator else "hello"
         self._want(PUBLIC + MAC if initiator else HELLO)
-        if initiator:
+        if self._ephemeral is not None:  # the initiator
             ei = _public(self._ephemeral)
             self._hello = MAGIC + ei + _mac(secret, b"initiator hello" + MAGIC + ei)
             self._queue(self._hello)
@@ -200,7 +202,11 @@ class Channel:
 
     connecting = False
     address = ""  # a responder's peer address (its listener counts per address)
-    known = False  # that address authenticated before (a budget of its own)
+
+    @property
+    def proven(self) -> bool:
+        """A responder's peer sent a valid hello (it holds the secret; not yet confirmed)."""
+        return self._state != "hello"
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -313,9 +319,9 @@ class Channel:
                 raise LinkClosed("the peer does not hold the link's key")
             if self._recent is not None and not self._recent.first_time(ei):
                 raise LinkClosed("a replayed hello")
-            assert self._ephemeral is not None
-            er = _public(self._ephemeral)
-            self._handshake = Handshake(self.secret, self._ephemeral, ei, hello, er)
+            mine = X25519PrivateKey.generate()
+            er = _public(mine)
+            self._handshake = Handshake(self.secret, mine, ei, hello, er)
             self._ephemeral = None
             self._queue(er + _mac(self._handshake.kr, self._handshake.h))
             self._state = "proof"
@@ -413,9 +419,6 @@ class Listener:
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     recent: Recent = field(default_factory=Recent)  # hellos seen lately (replays are closed)
     pending_from: collections.Counter[str] = field(default_factory=collections.Counter)
-    # addresses that completed a handshake lately, most recent last: their new connections
-    # wait in a budget of their own, which strangers cannot evict from
-    known: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
 
 
 class Server:
@@ -436,10 +439,9 @@ class Server:
         per_address: int = 8,
     ) -> Listener:
         """Listen at `tcp://HOST:PORT` (`*`: any free port) or `ipc://PATH`. At most
-        `pending` connections authenticate at once from addresses that have authenticated
-        before and as many from others (a new one past that evicts the oldest of its kind),
-        and at most `per_address` from one address (more are closed at accept; a Unix
-        socket's peers are one address)."""
+        `pending` connections authenticate at once (module docstring: who is evicted) and at
+        most `per_address` from one address (more are closed at accept; a Unix socket's
+        peers are one address)."""
         family, addr = _address(address)
         sock = socket.socket(family, socket.SOCK_STREAM)
         if family != socket.AF_UNIX:
@@ -523,29 +525,46 @@ class Server:
                 listener.refused["over the per-address pending limit"] += 1
                 sock.close()
                 continue
-            known = address in listener.known
-            alike = [c for c in listener.authenticating if c.known == known]
-            if len(alike) >= listener.pending:  # the oldest of its budget makes room
-                listener.refused["evicted while authenticating"] += 1
-                self.drop(alike[0])
+            if len(listener.authenticating) >= listener.pending and not self._evict(listener):
+                listener.refused["over the pending limit"] += 1  # all are key holders'
+                sock.close()
+                continue
             try:
                 _tune(sock)
                 channel = Channel(sock, listener.secret, False, listener.max_part, listener.recent)
             except OSError:  # reset between accept and now
                 sock.close()
                 continue
-            channel.address, channel.known = address, known
+            channel.address = address
             listener.pending_from[address] += 1
             listener.authenticating[channel] = None
             self._owner[channel] = listener
             self._selector.register(channel, selectors.EVENT_READ, listener)
 
+    def _evict(self, listener: Listener) -> bool:
+        """Make room among the connections authenticating: drop the oldest that has not
+        sent a valid hello, after reading what it sent (a hello may be waiting in its socket,
+        not read yet). False when every one of them has."""
+        for channel in list(listener.authenticating):
+            if channel.proven:
+                continue
+            try:
+                channel.readable()  # a responder's hello: no messages yet
+                if channel.pending:
+                    channel.flush()
+                self._interest(channel)
+            except LinkClosed:
+                listener.refused["failed or left the handshake"] += 1
+                self.drop(channel)
+                return True
+            if not channel.proven:
+                listener.refused["evicted while authenticating"] += 1
+                self.drop(channel)
+                return True
+        return False
+
     def _admit(self, listener: Listener, channel: Channel) -> None:
         self._unpend(listener, channel)
-        listener.known[channel.address] = None
-        listener.known.move_to_end(channel.address)
-        if len(listener.known) > KNOWN_ADDRESSES:
-            listener.known.popitem(last=False)
         if len(listener.authenticated) >= listener.peers:
             listener.refused["over the peer limit"] += 1
             self.drop(channel)

@@ -418,19 +418,21 @@ class _Arrivals:
     def __init__(self) -> None:
         self._runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
 
-    def add(self, layer: int, heads: range, positions: list[Run]) -> bool:
-        """Record `positions` of `heads` at `layer`; False, recording nothing, when any of
-        them arrived before (or `positions` repeat one another)."""
+    def has_any(self, layer: int, heads: range, positions: list[Run]) -> bool:
+        """Whether any of `positions` of `heads` at `layer` arrived before (or `positions`
+        repeat one another)."""
         new = sorted((a, a + n) for a, n in positions)
         if any(b > a2 for (_, b), (a2, _) in zip(new, new[1:], strict=False)):
-            return False
-        held = [self._runs.setdefault((layer, h), []) for h in heads]
-        if not all(_free(runs, a, b) for runs in held for a, b in new):
-            return False
-        for runs in held:
-            for a, b in new:
-                _insert(runs, a, b)
-        return True
+            return True
+        held = [self._runs.get((layer, h), []) for h in heads]
+        return not all(_free(runs, a, b) for runs in held for a, b in new)
+
+    def add(self, layer: int, heads: range, positions: list[Run]) -> None:
+        """Record `positions` of `heads` at `layer` (`has_any` said none is here)."""
+        for h in heads:
+            runs = self._runs.setdefault((layer, h), [])
+            for a, n in positions:
+                _insert(runs, a, a + n)
 
 
 def _free(runs: list[tuple[int, int]], a: int, b: int) -> bool:
@@ -643,7 +645,7 @@ class KVReceiver:
         sizes = [row // (d1 - d0) * (h1 - h0) * count for row in self.row_bytes]
         if len(frames) != len(targets) or [len(f) for f in frames] != sizes:
             raise Dropped("the wrong byte size")
-        if not room.arrived.add(layer, range(h0, h1), positions):
+        if room.arrived.has_any(layer, range(h0, h1), positions):
             raise Dropped("positions that arrived before")
         slots = room.slots[slot_index(positions)]
         for buf, frame in zip(targets, frames, strict=True):
@@ -654,6 +656,7 @@ class KVReceiver:
                 view = data.view(h1 - h0, len(slots), -1).to(buf.device)
                 buf[h0 - d0 : h1 - d0, slots.to(buf.device)] = view
             room.nbytes += len(frame)
+        room.arrived.add(layer, range(h0, h1), positions)  # once written, not before
         room.wire_s += arrival - max(sent, self._last_arrival)
         room.last_sent, room.last_arrival = max(room.last_sent, sent), arrival
         self._last_arrival = arrival
@@ -704,6 +707,10 @@ class TransferError(RuntimeError):
     pass
 
 
+class RoomRefused(TransferError):
+    """A decode rank refused to open a room (its log says why): that request fails alone."""
+
+
 @dataclass
 class ReceiverControl:
     """The decode engine's handle on its ranks' receivers: `endpoints` are their data
@@ -739,14 +746,14 @@ class ReceiverControl:
             self._read(timeout_ms=50)
 
     def open(self, room: str, runs: list[Run], num_tokens: int) -> None:
-        body = [room, [list(r) for r in runs], num_tokens, self.room_ttl_s]
+        body = [room, [list(r) for r in runs], num_tokens, min(self.room_ttl_s, MAX_ROOM_TTL_S)]
         ranks = range(len(self._links))
         answers = self._ask(b"open", room, body, ranks)
         if any(a == b"refused" for a in answers.values()):  # the rank's log says why
             opened = [i for i, a in answers.items() if a == b"opened"]
             if opened:  # those close it again (the room id may be another's elsewhere)
                 self._ask(b"close", room, room, opened)
-            raise TransferError("a decode rank refused to open a room")
+            raise RoomRefused("a decode rank refused to open the request's room")
 
     def close(self, room: str) -> None:
         """After this returns no receiver writes into the room's slots any more."""
