@@ -30,7 +30,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             names = ["--" + f.name.replace("_", "-")]
             if f.name == "model_path":
                 names.insert(0, "--model")
-            help_text = f"{f.metadata['help']} (default: {f.default})"
+            said = "default:" in f.metadata["help"]  # the help says the default in words
+            help_text = f.metadata["help"] + ("" if said else f" (default: {f.default})")
             if f.type == "bool":
                 group.add_argument(
                     *names, dest=f.name, action="store_true", default=None, help=help_text
@@ -537,7 +538,11 @@ def _allow_fp8(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pipeserve",
+        description="pipeserve: LLM inference for very long prompts (chunked pipeline "
+        "parallelism); `pipeserve COMMAND --help` for a command's flags",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for a few prompts")

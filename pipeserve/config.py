@@ -41,6 +41,11 @@ def _secret_flag(help: str) -> Any:
     return field(default=None, repr=False, metadata={"help": help})
 
 
+AFD_DISPATCH_MODES = ("direct-rank", "direct", "two-stage")
+CP_PREFIX_MODES = ("auto", "merge", "regather")
+CP_KV_EXCHANGES = ("all-gather", "ring")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str | None = _flag(
@@ -236,6 +241,7 @@ class ParallelConfig:
         "chunk's queries to its own pages, partial results merged by log-sum-exp), "
         "'regather' (the prefix KV all-gathered per layer), 'auto' (whichever moves fewer "
         "bytes; decode steps merge)",
+        choices=CP_PREFIX_MODES,
     )
     cp_kv_exchange: str = _flag(
         "all-gather",
@@ -243,6 +249,7 @@ class ParallelConfig:
         "launched before the query projection) or 'ring' (each rank's block passed around a "
         "ring while the blocks held are attended, merged by log-sum-exp; the prefix is then "
         "always merged)",
+        choices=CP_KV_EXCHANGES,
     )
     enable_sharded_cp: bool = _flag(
         False,
@@ -293,6 +300,7 @@ class ParallelConfig:
         "attention-FFN disaggregation: 'direct-rank' (a token goes once to each FFN worker "
         "holding one of its experts), 'direct' (once per selected expert) or 'two-stage' "
         "(once per FFN node, forwarded inside the node to the workers holding its experts)",
+        choices=AFD_DISPATCH_MODES,
     )
     pp_async_batch_depth: int = _flag(
         1,
@@ -403,7 +411,9 @@ class ParallelConfig:
 class ServerConfig:
     host: str = _flag("127.0.0.1", "address to serve HTTP on (loopback unless you say otherwise)")
     port: int = _flag(30000, "HTTP port")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer <key>' on every API call")
+    api_key: str | None = _flag(
+        None, "require 'Authorization: Bearer <key>' on /v1/* (not on /health or /metrics)"
+    )
     served_model_name: str | None = _flag(None, "model name clients use (default: directory name)")
     watchdog_timeout: float = _flag(
         300.0, "seconds a step may take; beyond, or when a worker dies, fail and shut down"
@@ -466,7 +476,8 @@ class DisaggregationConfig:
     )
     disaggregation_transfer_backend: str = _flag(
         "tcp",
-        "KV transfer engine (tcp: ZeroMQ over TCP, local or between machines)",
+        "KV transfer engine (tcp: pipeserve's authenticated, encrypted KV link over TCP, "
+        "local or between machines)",
         choices=("tcp",),
     )
     disaggregation_host: str = _flag(
@@ -824,17 +835,10 @@ def _dynamic_chunking_checks(s: SchedulerConfig) -> list[tuple[bool, str]]:
     ]
 
 
-AFD_DISPATCH_MODES = ("direct-rank", "direct", "two-stage")
-
-
 def _world_words(p: ParallelConfig) -> str:
     if p.afd_enabled:
         return "--afd-attention-size + --afd-ffn-size"
     return "--tp-size * --pp-size * --ep-size * --cp-size"
-
-
-CP_PREFIX_MODES = ("auto", "merge", "regather")
-CP_KV_EXCHANGES = ("all-gather", "ring")
 
 
 def _cp_checks(p: ParallelConfig) -> list[tuple[bool, str]]:

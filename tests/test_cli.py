@@ -296,3 +296,15 @@ def test_bench_worker_node_gets_the_cp_layout(monkeypatch) -> None:
     with pytest.raises(SystemExit, match="runs one layout per command"):
         main(["bench", *node, "--cp-size", "1,2"])
     assert len(started) == 2
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench", "router"])
+def test_help_says_each_default_once_and_names_no_old_link(command: str, capsys) -> None:
+    """Every flag's help prints its default once (a help that says it in words adds none),
+    and no help names the KV link's old transports (ZeroMQ, CURVE)."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    flags = text.split(" --")
+    assert [f for f in flags if f.count("(default:") > 1] == []
+    assert "ZeroMQ over TCP" not in text and "KV link (CURVE)" not in text
