@@ -36,6 +36,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from pipeserve.distributed import wire
+from pipeserve.distributed.gate import Gate, Tunnel, gate_secret
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ class SchedulerChannels:
             self.endpoints = Endpoints.tcp(host, base_port, width, auth_key)
             self._keys = CurveKeys.derive(auth_key) if auth_key else None
         self._auth: ThreadAuthenticator | None = None
+        self._gate: Gate | None = None
         try:
             self._start_authenticator()
             self._init_sockets()
@@ -198,12 +200,27 @@ class SchedulerChannels:
         self._auth.configure_curve_callback("*", ClientKey(self._keys.client_public))
 
     def _init_sockets(self) -> None:
-        self._batch = [self._bind(zmq.PUSH, url) for url in self.endpoints.batch]
-        self._status = self._bind(zmq.PULL, self.endpoints.status, wire.STATUS_MAX_BYTES)
-        self._control = self._bind(zmq.PUB, self.endpoints.control)
+        """With a key across nodes the sockets bind to loopback and the public ports are the
+        gate's (gate.py); else they bind where the endpoints say."""
+        e = self.endpoints
+        gated = e.auth_key is not None and e.directory is None
+        routes: dict[str, str] = {}
+
+        def bind(kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
+            sock = self._bind(kind, "tcp://127.0.0.1:*" if gated else url, max_bytes)
+            routes[url] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            return sock
+
+        self._batch = [bind(zmq.PUSH, url) for url in e.batch]
+        self._status = bind(zmq.PULL, e.status, wire.STATUS_MAX_BYTES)
+        self._control = bind(zmq.PUB, e.control)
         for s in self._batch:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        if gated:
+            assert e.auth_key is not None
+            targets = {public: _host_port(inside) for public, inside in routes.items()}
+            self._gate = Gate(gate_secret(e.auth_key), targets)
 
     def _bind(self, kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -259,9 +276,16 @@ class SchedulerChannels:
         its term() can then block that later, unrelated moment for good."""
         if self._auth is not None:
             self._auth.stop()
+        if self._gate is not None:
+            self._gate.close()
         self.ctx.destroy(linger=0)
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
 
 
 class WorkerChannels:
@@ -280,6 +304,10 @@ class WorkerChannels:
         self.heartbeat_s, self.orphan_timeout_s = heartbeat_s, orphan_timeout_s
         self.ctx = zmq.Context()
         self._keys = CurveKeys.derive(endpoints.auth_key) if endpoints.auth_key else None
+        self._tunnel: Tunnel | None = None
+        if endpoints.auth_key is not None and endpoints.directory is None:  # through the gate
+            urls = [endpoints.status, endpoints.control, *([batch_url] if batch_url else [])]
+            self._tunnel = Tunnel(gate_secret(endpoints.auth_key), urls)
         self._status = self._connect(zmq.PUSH, endpoints.status)
         self._lock = threading.Lock()
         self._batch = None
@@ -303,13 +331,15 @@ class WorkerChannels:
         for t in self._threads:
             t.join(timeout=5)
         self.ctx.destroy(linger=linger_ms)
+        if self._tunnel is not None:
+            self._tunnel.close()
 
     def _connect(self, kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         if self._keys is not None:
             secure_client(sock, self._keys)
-        sock.connect(url)
+        sock.connect(self._tunnel.local[url] if self._tunnel is not None else url)
         return sock
 
     def send_status(self, kind: str, payload: Any = None) -> None:

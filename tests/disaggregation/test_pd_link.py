@@ -10,7 +10,6 @@ protocol, not against itself."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import hashlib
 import hmac
@@ -27,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from floods import Flood, stranger
 
 from pipeserve.disaggregation.pd import link
 from pipeserve.disaggregation.pd.link import Channel, LinkClosed, Server
@@ -325,13 +325,6 @@ def test_a_part_over_the_limit_is_refused_at_its_head(served) -> None:
     assert sent < 256 << 20, "the listener kept reading a 4 GiB part"
 
 
-def stranger(address: tuple[str, int], source: str) -> socket.socket:
-    sock = socket.socket()
-    sock.bind((source, 0))
-    sock.connect(address)
-    return sock
-
-
 def test_strangers_cannot_hold_more_than_the_pending_limits(served) -> None:
     """Connections that never speak: one address keeps at most `per_address` of them (the
     rest are closed at accept), many addresses at most `pending` (the oldest evicted), so
@@ -398,34 +391,6 @@ class DelayedPath:
 
     def close(self) -> None:
         self.server.close()
-
-
-class Flood:
-    """Connections opened as fast as one thread can from `sources` in turn, never speaking
-    (the last `keep` of them stay open)."""
-
-    def __init__(self, target: tuple[str, int], sources: list[str], keep: int = 200) -> None:
-        self.target, self.sources, self.keep = target, sources, keep
-        self.opened = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        held: collections.deque[socket.socket] = collections.deque()
-        while not self.stop.is_set():
-            with contextlib.suppress(OSError):
-                held.append(stranger(self.target, self.sources[self.opened % len(self.sources)]))
-                self.opened += 1
-            while len(held) > self.keep:
-                held.popleft().close()
-        for sock in held:
-            sock.close()
-
-    def end(self) -> int:
-        self.stop.set()
-        self.thread.join(10)
-        return self.opened
 
 
 def test_a_far_sender_connects_during_a_flood(served) -> None:

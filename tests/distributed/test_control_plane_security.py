@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import stat
 import time
 from pathlib import Path
@@ -23,10 +24,13 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from floods import Flood
 from ports import free_port
 
-from pipeserve.distributed import wire
+from pipeserve.disaggregation.pd import link
+from pipeserve.distributed import gate, wire
 from pipeserve.distributed.channels import CurveKeys, SchedulerChannels, secure_client
+from pipeserve.distributed.gate import Tunnel, gate_secret
 from pipeserve.engine.backend import WorkerBackend
 from pipeserve.engine.engine import Engine
 
@@ -148,40 +152,57 @@ def test_a_single_node_pipeline_listens_on_no_network_address(engine: Engine) ->
 # --- CURVE ----------------------------------------------------------------------------------
 
 
-def client(ctx: zmq.Context, kind: int, url: str, key: str | None) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    if key is not None:
-        secure_client(sock, CurveKeys.derive(key))
-    sock.connect(url)
-    return sock
+RIGHT, WRONG = "5e1c" * 8, "a7d3" * 8  # two keys of 128 bits
+
+
+class Clients:
+    """ZMQ clients of the scheduler's sockets, each as a worker would make it: with a key,
+    through a tunnel to the gate under that key (gate.py); without, straight at the port."""
+
+    def __init__(self, channels: SchedulerChannels) -> None:
+        self.endpoints = channels.endpoints
+        self.ctx = zmq.Context()
+        self.tunnels: list[Tunnel] = []
+
+    def __call__(self, kind: int, url: str, key: str | None) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:
+            secure_client(sock, CurveKeys.derive(key))
+            tunnel = Tunnel(gate_secret(key), [url])
+            self.tunnels.append(tunnel)
+            url = tunnel.local[url]
+        sock.connect(url)
+        return sock
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+        for tunnel in self.tunnels:
+            tunnel.close()
 
 
 def test_with_an_auth_key_only_the_right_key_gets_through() -> None:
     base = free_port(3)
-    channels = SchedulerChannels("127.0.0.1", 1, base, auth_key="right key")
-    ctx = zmq.Context()
+    channels = SchedulerChannels("127.0.0.1", 1, base, auth_key=RIGHT)
+    client = Clients(channels)
     try:
         heartbeat = wire.encode_status("heartbeat", 0)
-        senders = [client(ctx, zmq.PUSH, channels.endpoints.status, key)
-                   for key in ("wrong key", None)]
+        senders = [client(zmq.PUSH, channels.endpoints.status, key) for key in (WRONG, None)]
         for sender in senders:
             sender.send(heartbeat, zmq.NOBLOCK)
         assert channels.poll(POLL_MS) is None
-        outsiders = [client(ctx, zmq.PULL, channels.endpoints.batch[0], key)
-                     for key in ("wrong key", None)]
-        spies = [client(ctx, zmq.SUB, channels.endpoints.control, key)
-                 for key in ("wrong key", None)]
+        outsiders = [client(zmq.PULL, channels.endpoints.batch[0], key) for key in (WRONG, None)]
+        spies = [client(zmq.SUB, channels.endpoints.control, key) for key in (WRONG, None)]
         for spy in spies:
             spy.setsockopt(zmq.SUBSCRIBE, b"")
         time.sleep(POLL_MS / 1000)
         assert not channels.send_batch("timeline", block=False)  # no authenticated taker
 
-        sender = client(ctx, zmq.PUSH, channels.endpoints.status, "right key")
+        sender = client(zmq.PUSH, channels.endpoints.status, RIGHT)
         sender.send(heartbeat)
         assert channels.poll(10_000) == ("heartbeat", 0, None)
         assert channels.poll(POLL_MS) is None  # and nothing of the others' came after it
-        worker = client(ctx, zmq.PULL, channels.endpoints.batch[0], "right key")
+        worker = client(zmq.PULL, channels.endpoints.batch[0], RIGHT)
         deadline = time.monotonic() + 10
         while not channels.send_batch("timeline", block=False):
             assert time.monotonic() < deadline, "the right key never connected"
@@ -191,7 +212,7 @@ def test_with_an_auth_key_only_the_right_key_gets_through() -> None:
         for sock in [*outsiders, *spies]:
             assert not sock.poll(POLL_MS)
     finally:
-        ctx.destroy(linger=0)
+        client.close()
         channels.close()
 
 
@@ -257,27 +278,59 @@ def test_partition_and_pages_are_broadcast_as_tensors(tmp_path: Path) -> None:
 def test_a_stranger_s_silent_connections_are_closed_after_the_handshake_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """ZMQ takes every TCP connection to the scheduler's sockets and cannot cap them: a
-    connection that never completes the (CURVE) handshake is closed after HANDSHAKE_MS, so
-    a stranger cannot keep connections (file descriptors) open by the thousand."""
-    import socket
-
-    from pipeserve.distributed import channels as channels_mod
-
-    monkeypatch.setattr(channels_mod, "HANDSHAKE_MS", 500)
+    """The scheduler's public ports are the gate's link listeners: a connection that never
+    completes the link handshake is closed after link.HANDSHAKE_S, having been sent nothing
+    (ZeroMQ, which would greet it, is on loopback only)."""
+    monkeypatch.setattr(link, "HANDSHAKE_S", 0.5)
     base = free_port(3)
-    channels = SchedulerChannels("127.0.0.1", 1, base, auth_key="right key")
+    channels = SchedulerChannels("127.0.0.1", 1, base, auth_key=RIGHT)
     strangers: list[socket.socket] = []
     try:
-        for port in range(base, base + 3):  # the batch, status and control sockets
+        for port in range(base, base + 3):  # the batch, status and control ports
             for _ in range(10):
                 strangers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         deadline = time.monotonic() + 10
-        for s in strangers:  # each reads ZMQ's greeting, then the end of the connection
+        for s in strangers:
             s.settimeout(max(0.01, deadline - time.monotonic()))
-            while s.recv(4096):
-                pass
+            assert s.recv(4096) == b""  # closed without a word
     finally:
         for s in strangers:
             s.close()
+        channels.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_flood_leaves_a_late_worker_served() -> None:
+    """Strangers open connections to the scheduler's status port as fast as one thread can,
+    from one address and from a hundred: the scheduler holds a bounded number of them (the
+    gate's per-address and pending caps; ZeroMQ never sees them), and a worker that connects
+    in the middle of the flood delivers its first message at once."""
+    base = free_port(3)
+    channels = SchedulerChannels("127.0.0.1", 1, base, auth_key=RIGHT)
+    client = Clients(channels)
+    before = open_fds()
+    status = ("127.0.0.1", base + 1)
+    try:
+        for sources in (["127.0.0.2"], [f"127.0.3.{i}" for i in range(100)]):
+            flood = Flood(status, sources, keep=400)
+            deadline = time.monotonic() + 10
+            while flood.opened < 300:
+                assert time.monotonic() < deadline, flood.opened
+                time.sleep(0.01)
+            held = open_fds() - before - len(flood.held)  # the flood's own sockets excluded
+            start = time.monotonic()
+            sender = client(zmq.PUSH, channels.endpoints.status, RIGHT)
+            sender.send(wire.encode_status("heartbeat", 0))
+            got = channels.poll(10_000)
+            waited = time.monotonic() - start
+            flood.end()
+            assert got == ("heartbeat", 0, None)
+            assert waited < 5, waited
+            assert held <= gate.PENDING + 16, held  # not one descriptor per connection
+            sender.close()
+    finally:
+        client.close()
         channels.close()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,10 +37,13 @@ def completions(printed: str) -> list[tuple[str, str, str]]:
     return re.findall(pattern, printed)
 
 
-def run_nodes(commands: list[list[str]]) -> list[tuple[int, str, str]]:
+def run_nodes(
+    commands: list[list[str]], env: dict[str, str] | None = None
+) -> list[tuple[int, str, str]]:
     """Start node 1's command, then node 0's; wait for both (node 1 exits after node 0);
     kill what is left on a timeout. -> (return code, stdout, stderr) per command."""
-    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env)
              for cmd in commands]
     try:
         outs = [nodes[0].communicate(timeout=120), nodes[1].communicate(timeout=60)]
@@ -51,7 +55,10 @@ def run_nodes(commands: list[list[str]]) -> list[tuple[int, str, str]]:
     return [(p.returncode, out, err) for p, (out, err) in zip(nodes, outs, strict=True)]
 
 
-def test_two_node_launch_matches_one_command(model_dir, capsys) -> None:
+@pytest.mark.parametrize("key", [None, "3c9e71a0f5b24d86e27a4b0c91d5f368"], ids=["no-key", "gated"])
+def test_two_node_launch_matches_one_command(model_dir, capsys, key: str | None) -> None:
+    """Also with a key: then every worker reaches the scheduler through its tunnel and the
+    gate (distributed/gate.py), node 0's own workers too."""
     model = model_dir("tiny-qwen3")
     main(generate_args(model))
     expected = completions(capsys.readouterr().out)
@@ -60,9 +67,13 @@ def test_two_node_launch_matches_one_command(model_dir, capsys) -> None:
 
     port = free_port(4)  # store, then batch, status and control ports (TP 1)
     multi = [*generate_args(model), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    env = {**os.environ, **({"PIPESERVE_DIST_AUTH_KEY": key} if key else {})}
+    if key is None:
+        env.pop("PIPESERVE_DIST_AUTH_KEY", None)
     (rc1, out1, err1), (rc0, out0, err0) = run_nodes(
-        [[PIPESERVE, *multi, "--node-rank", str(rank)] for rank in (1, 0)])
+        [[PIPESERVE, *multi, "--node-rank", str(rank)] for rank in (1, 0)], env)
     assert rc0 == 0, err0
+    assert ("unauthenticated" in err0) == (key is None)
     assert rc1 == 0, err1  # node 1 exited on its own, cleanly
     assert "node 1: workers [1] started" in out1
     assert ">>>" not in out1  # only node 0 schedules and prints

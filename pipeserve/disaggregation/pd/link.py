@@ -50,7 +50,7 @@ import selectors
 import socket
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -421,6 +421,13 @@ class Listener:
     pending_from: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
+@dataclass(frozen=True)
+class Watch:
+    """A socket the Server's owner serves in the same poll (`Server.watch`)."""
+
+    on_events: Callable[[int], None]
+
+
 class Server:
     """Listeners and their connections, served by one thread's `poll()`."""
 
@@ -467,6 +474,9 @@ class Server:
         and connection they came on."""
         got: list[tuple[Listener, Channel, list[bytearray]]] = []
         for key, events in self._selector.select(timeout_s):
+            if isinstance(key.data, Watch):  # a socket of the owner's, served alongside
+                key.data.on_events(events)
+                continue
             if not isinstance(key.fileobj, Channel):
                 self._accept(key.data)
                 continue
@@ -490,6 +500,26 @@ class Server:
                 self.drop(channel)
         self._sweep(time.monotonic())
         return got
+
+    def watch(self, sock: socket.socket, events: int, on_events: Callable[[int], None]) -> None:
+        """Serve another socket in the same `poll()`: `on_events(events)` when it is ready
+        (`events` again to change what to wait for, `unwatch` before closing it)."""
+        watch = Watch(on_events)
+        if self._watched(sock):
+            self._selector.modify(sock, events, watch)
+        else:
+            self._selector.register(sock, events, watch)
+
+    def _watched(self, sock: socket.socket) -> bool:
+        try:
+            self._selector.get_key(sock)
+        except KeyError:
+            return False
+        return True
+
+    def unwatch(self, sock: socket.socket) -> None:
+        if self._watched(sock):
+            self._selector.unregister(sock)
 
     def send(self, channel: Channel, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         """Queue a message to a connection (False if it is gone)."""
@@ -611,7 +641,7 @@ class Server:
             self.drop(channel)
         for key in list(self._selector.get_map().values()):
             self._selector.unregister(key.fileobj)
-            if not isinstance(key.fileobj, Channel):
+            if isinstance(key.data, Listener):
                 key.data.sock.close()
         self._selector.close()
 
