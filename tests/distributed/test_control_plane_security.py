@@ -328,7 +328,7 @@ def test_a_flood_leaves_a_late_worker_served() -> None:
             waited = time.monotonic() - start
             flood.end()
             assert got == ("heartbeat", 0, None)
-            assert waited < 5, waited
+            assert waited < 1.0, waited  # here 0.03-0.04 s; the flood against ZeroMQ: ~3 s
             assert held <= gate.PENDING + 16, held  # not one descriptor per connection
             sender.close()
     finally:
