@@ -204,11 +204,14 @@ class SchedulerChannels:
         gate's (gate.py); else they bind where the endpoints say."""
         e = self.endpoints
         gated = e.auth_key is not None and e.directory is None
+        if gated:  # the sockets themselves: Unix sockets only this user reaches
+            self._directory = private_directory()
         routes: dict[str, str] = {}
 
         def bind(kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
-            sock = self._bind(kind, "tcp://127.0.0.1:*" if gated else url, max_bytes)
-            routes[url] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            inside = f"{self._directory}/gate-{len(routes)}" if gated else ""
+            sock = self._bind(kind, f"ipc://{inside}" if gated else url, max_bytes)
+            routes[url] = inside
             return sock
 
         self._batch = [bind(zmq.PUSH, url) for url in e.batch]
@@ -219,8 +222,7 @@ class SchedulerChannels:
             s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         if gated:
             assert e.auth_key is not None
-            targets = {public: _host_port(inside) for public, inside in routes.items()}
-            self._gate = Gate(gate_secret(e.auth_key), targets)
+            self._gate = Gate(gate_secret(e.auth_key), routes)
 
     def _bind(self, kind: int, url: str, max_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -281,11 +283,6 @@ class SchedulerChannels:
         self.ctx.destroy(linger=0)
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
-
-
-def _host_port(url: str) -> tuple[str, int]:
-    host, _, port = url.removeprefix("tcp://").rpartition(":")
-    return host, int(port)
 
 
 class WorkerChannels:

@@ -14,9 +14,13 @@ and a worker's first connection waited seconds. Through the gate:
   hello), closes a handshake after link.HANDSHAKE_S and keeps at most PEERS authenticated.
   Then the gate opens a plain connection to the ZMQ socket on loopback and copies bytes
   both ways.
-- every worker (`Tunnel`): a loopback listener per scheduler port; the worker's ZMQ socket
-  connects there, and the tunnel carries each such connection to the gate over a link
-  channel of its own.
+- every worker (`Tunnel`): a Unix socket per scheduler port in a directory only this user
+  can enter; the worker's ZMQ socket connects there, and the tunnel carries each such
+  connection to the gate over a link channel of its own. The scheduler's ZMQ sockets are
+  Unix sockets in its private directory too, so no other local user reaches either hop.
+- each direction of a splice stops reading while the other side has BACKLOG bytes queued,
+  so a stalled reader stalls its sender (ZeroMQ's queue limits and send timeouts still
+  apply) instead of growing a buffer here; a closing side's queued bytes are written first.
 
 ZeroMQ's CURVE stays on inside (keys from the same --dist-auth-key), so what crosses the
 network is encrypted twice; the link adds the bounds and forward secrecy. One thread per
@@ -27,9 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import selectors
+import shutil
 import socket
+import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 from pipeserve.disaggregation.pd.link import Channel, LinkClosed, Listener, Server, derive
@@ -37,6 +45,8 @@ from pipeserve.disaggregation.pd.link import Channel, LinkClosed, Listener, Serv
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 18  # bytes read from a plain socket at a time (one link message)
+BACKLOG = 4 * CHUNK  # queued bytes past which the other side of a splice stops reading
+DRAIN_S = 1.0  # a closing tunnel still moves what is queued or arriving for this long
 PEERS = 1024  # authenticated connections per scheduler port (a worker makes one)
 PENDING, PER_ADDRESS = 64, 16  # handshakes under way, in all and from one address
 POLL_S = 0.05
@@ -52,14 +62,13 @@ class _Plain:
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.out = bytearray()
 
-    @property
-    def interest(self) -> int:
-        return selectors.EVENT_READ | (selectors.EVENT_WRITE if self.out else 0)
+    def interest(self, link_backlog: int) -> int:
+        """Read unless the link it feeds has BACKLOG bytes queued; write while it owes."""
+        read = selectors.EVENT_READ if link_backlog < BACKLOG else 0
+        return read | (selectors.EVENT_WRITE if self.out else 0)
 
     def read(self) -> bytes:
         """What arrived (ConnectionError once the other end closed)."""
@@ -84,10 +93,10 @@ class _Plain:
 class Gate:
     """Node 0's public ports, each spliced to a scheduler socket on loopback."""
 
-    def __init__(self, secret: bytes, routes: dict[str, tuple[str, int]]) -> None:
-        """`routes`: public `tcp://HOST:PORT` -> the loopback address of its ZMQ socket."""
+    def __init__(self, secret: bytes, routes: dict[str, str]) -> None:
+        """`routes`: public `tcp://HOST:PORT` -> the Unix socket path of its ZMQ socket."""
         self._server = Server()
-        self._targets: dict[Listener, tuple[str, int]] = {}
+        self._targets: dict[Listener, str] = {}
         try:
             for public, target in routes.items():
                 listener = self._server.listen(
@@ -98,6 +107,7 @@ class Gate:
             self._server.close()
             raise
         self._plains: dict[Channel, _Plain] = {}
+        self._handlers: dict[Channel, Callable[[int], None]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="control-gate")
         self._thread.start()
@@ -113,6 +123,8 @@ class Gate:
                     self._to_plain(listener, channel, message)
                 self._pair_new()
                 self._unpair_gone()
+                for channel, plain in self._plains.items():  # reading resumes as links drain
+                    self._watch(channel, plain)
             except Exception:  # a bug of ours, or the OS's: the next turn serves on
                 log.exception("control gate: serving its connections failed")
         for channel in list(self._plains):
@@ -126,15 +138,31 @@ class Gate:
 
     def _pair(self, listener: Listener, channel: Channel) -> _Plain | None:
         """The plain connection to the scheduler socket of an authenticated channel."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            plain = _Plain(socket.create_connection(self._targets[listener], timeout=5))
+            sock.settimeout(5)
+            sock.connect(self._targets[listener])
         except OSError as exc:
+            sock.close()
             log.warning("control gate: cannot reach the scheduler socket: %s", exc)
             self._server.drop(channel)
             return None
+        plain = _Plain(sock)
         self._plains[channel] = plain
-        self._server.watch(plain.sock, plain.interest, self._handler(channel, plain))
+        self._handlers[channel] = self._handler(channel, plain)
+        self._watch(channel, plain)
         return plain
+
+    def _watch(self, channel: Channel, plain: _Plain) -> None:
+        handler = self._handlers.get(channel)
+        if handler is None:
+            return
+        self._server.pause(channel, len(plain.out) >= BACKLOG)  # the scheduler reads slowly
+        events = plain.interest(channel.pending)
+        if events:
+            self._server.watch(plain.sock, events, handler)
+        else:  # paused: its link is backed up and it owes nothing
+            self._server.unwatch(plain.sock)
 
     def _unpair_gone(self) -> None:
         live: set[Channel] = set()
@@ -151,10 +179,10 @@ class Gate:
                 data = plain.read() if events & selectors.EVENT_READ else b""
                 if data and not self._server.send(channel, [data]):
                     raise ConnectionError("the link is gone")
-            except OSError:  # ConnectionError included
+            except Exception:  # the connection ends (ConnectionError: the other end closed)
                 self._close(channel)
                 return
-            self._server.watch(plain.sock, plain.interest, on_events)
+            self._watch(channel, plain)
 
         return on_events
 
@@ -169,13 +197,22 @@ class Gate:
         except OSError:
             self._close(channel)
             return
-        self._server.watch(plain.sock, plain.interest, self._handler(channel, plain))
+        self._watch(channel, plain)
 
     def _close(self, channel: Channel) -> None:
+        """End a splice; what its plain side still owes is written if the socket takes it
+        now, and the link's queued records are sent by Server.drop as far as they go."""
         plain = self._plains.pop(channel, None)
+        self._handlers.pop(channel, None)
+        with contextlib.suppress(LinkClosed, OSError):
+            channel.flush()
         self._server.drop(channel)
         if plain is not None:
             self._server.unwatch(plain.sock)
+            with contextlib.suppress(OSError):
+                plain.sock.setblocking(True)
+                plain.sock.settimeout(0.5)
+                plain.write()
             plain.sock.close()
 
     def close(self) -> None:
@@ -187,16 +224,21 @@ class Tunnel:
     """A worker's loopback ports: each connection to one is carried to its gate port."""
 
     def __init__(self, secret: bytes, gates: list[str]) -> None:
-        """`gates`: the public `tcp://HOST:PORT`s; `local[gate]` is where to connect."""
+        """`gates`: the public `tcp://HOST:PORT`s; `local[gate]` is where to connect (an
+        ipc:// socket in a directory only this user can enter)."""
         self._secret = secret
         self._selector = selectors.DefaultSelector()
         self._listening: dict[socket.socket, str] = {}
         self.local: dict[str, str] = {}
-        for gate in dict.fromkeys(gates):
-            sock = socket.create_server(("127.0.0.1", 0))
+        self._directory = tempfile.mkdtemp(prefix="pipeserve-tunnel-", dir="/tmp")  # 0700
+        for i, gate in enumerate(dict.fromkeys(gates)):
+            path = os.path.join(self._directory, f"gate-{i}")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(path)
+            sock.listen(16)
             sock.setblocking(False)
             self._listening[sock] = gate
-            self.local[gate] = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+            self.local[gate] = f"ipc://{path}"
             self._selector.register(sock, selectors.EVENT_READ, None)
         self._pairs: dict[Channel, _Plain] = {}
         self._waiting: dict[Channel, bytearray] = {}  # bytes read before the handshake ended
@@ -205,17 +247,26 @@ class Tunnel:
         self._thread.start()
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            for key, events in self._selector.select(POLL_S):
+        drain_until = None
+        while True:
+            if self._stop.is_set() and drain_until is None:
+                drain_until = time.monotonic() + DRAIN_S
+            ready = self._selector.select(POLL_S if drain_until is None else 0.01)
+            for key, events in ready:
                 try:
                     self._on(key, events)
                 except Exception:  # a bug of ours: the next turn serves on
                     log.exception("control tunnel: serving a connection failed")
+            if drain_until is not None:  # closing: until nothing moves or DRAIN_S passed
+                owed = any(c.pending or p.out for c, p in self._pairs.items())
+                if (not ready and not owed) or time.monotonic() > drain_until:
+                    break
         for channel in list(self._pairs):
             self._close(channel)
         for sock in self._listening:
             sock.close()
         self._selector.close()
+        shutil.rmtree(self._directory, ignore_errors=True)
 
     def _on(self, key: selectors.SelectorKey, events: int) -> None:
         if key.fileobj in self._listening:
@@ -230,13 +281,19 @@ class Tunnel:
                 if events & selectors.EVENT_WRITE:
                     channel.flush()
                 if events & selectors.EVENT_READ:
-                    for message in channel.readable():
+                    try:
+                        messages = channel.readable()
+                    except LinkClosed as exc:  # what came before the close still goes out
+                        for message in exc.messages:
+                            plain.write(b"".join(message))
+                        raise
+                    for message in messages:
                         for part in message:
                             plain.write(part)
                 if channel.ready and channel in self._waiting:
                     early = self._waiting.pop(channel)
-                    if early:
-                        channel.send([early])
+                    for start in range(0, len(early), CHUNK):
+                        channel.send([early[start : start + CHUNK]])
                 if channel.pending:
                     channel.flush()
             else:
@@ -251,8 +308,30 @@ class Tunnel:
         except (LinkClosed, OSError):
             self._close(channel)
             return
-        self._selector.modify(channel, channel.interest, channel)
-        self._selector.modify(plain.sock, plain.interest, channel)
+        self._interest(channel, plain)
+
+    def _interest(self, channel: Channel, plain: _Plain) -> None:
+        """Each side reads only while the other has under BACKLOG bytes queued (a side
+        with nothing to wait for is left out of the selector until it has)."""
+        link = channel.interest
+        if len(plain.out) >= BACKLOG:
+            link &= ~selectors.EVENT_READ
+        backlog = channel.pending + len(self._waiting.get(channel, b""))
+        self._set(channel, link, channel)
+        self._set(plain.sock, plain.interest(backlog), channel)
+
+    def _set(self, obj: Channel | socket.socket, events: int, channel: Channel) -> None:
+        try:
+            self._selector.get_key(obj)
+            registered = True
+        except KeyError:
+            registered = False
+        if events and registered:
+            self._selector.modify(obj, events, channel)
+        elif events:
+            self._selector.register(obj, events, channel)
+        elif registered:
+            self._selector.unregister(obj)
 
     def _accept(self, listening: socket.socket) -> None:
         try:
@@ -269,7 +348,7 @@ class Tunnel:
         self._pairs[channel] = plain
         self._waiting[channel] = bytearray()
         self._selector.register(channel, channel.interest, channel)
-        self._selector.register(plain.sock, plain.interest, channel)
+        self._selector.register(plain.sock, plain.interest(0), channel)
 
     def _close(self, channel: Channel) -> None:
         plain = self._pairs.pop(channel, None)

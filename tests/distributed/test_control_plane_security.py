@@ -275,6 +275,32 @@ def test_partition_and_pages_are_broadcast_as_tensors(tmp_path: Path) -> None:
     assert got[0][3] == got[1][3] and "2,1" in got[0][3]
 
 
+def test_curve_still_guards_the_sockets_behind_the_gate() -> None:
+    """A client that passes the gate (its secret) but lacks the CURVE client key, or has
+    another, still delivers nothing and takes nothing: the gate adds to CURVE, not instead."""
+    base = free_port(3)
+    channels = SchedulerChannels("127.0.0.1", 1, base, auth_key=RIGHT)
+    ctx = zmq.Context()
+    tunnels = []
+    try:
+        heartbeat = wire.encode_status("heartbeat", 0)
+        for curve in (WRONG, None):
+            tunnel = Tunnel(gate_secret(RIGHT), [channels.endpoints.status])
+            tunnels.append(tunnel)
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                secure_client(sock, CurveKeys.derive(curve))
+            sock.connect(tunnel.local[channels.endpoints.status])
+            sock.send(heartbeat, zmq.NOBLOCK)  # queued for a peer that never completes
+        assert channels.poll(POLL_MS) is None  # (the right key gets through: the test above)
+    finally:
+        ctx.destroy(linger=0)
+        for tunnel in tunnels:
+            tunnel.close()
+        channels.close()
+
+
 def test_a_stranger_s_silent_connections_are_closed_after_the_handshake_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -289,10 +315,10 @@ def test_a_stranger_s_silent_connections_are_closed_after_the_handshake_limit(
         for port in range(base, base + 3):  # the batch, status and control ports
             for _ in range(10):
                 strangers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 3  # HANDSHAKE_S 0.5 and a sweep's turn
         for s in strangers:
             s.settimeout(max(0.01, deadline - time.monotonic()))
-            assert s.recv(4096) == b""  # closed without a word
+            assert s.recv(4096) == b""  # closed without a word, in time
     finally:
         for s in strangers:
             s.close()
@@ -329,7 +355,8 @@ def test_a_flood_leaves_a_late_worker_served() -> None:
             flood.end()
             assert got == ("heartbeat", 0, None)
             assert waited < 1.0, waited  # here 0.03-0.04 s; the flood against ZeroMQ: ~3 s
-            assert held <= gate.PENDING + 16, held  # not one descriptor per connection
+            cap = gate.PER_ADDRESS if len(sources) == 1 else gate.PENDING
+            assert held <= cap + 8, held  # not one descriptor per connection
             sender.close()
     finally:
         client.close()

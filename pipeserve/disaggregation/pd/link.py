@@ -201,6 +201,7 @@ class Channel:
         return channel
 
     connecting = False
+    paused = False  # its owner reads nothing from it for now (the reader behind is full)
     address = ""  # a responder's peer address (its listener counts per address)
 
     @property
@@ -213,10 +214,11 @@ class Channel:
 
     @property
     def interest(self) -> int:
-        """The selector events to wait for: reading always, writing while bytes are queued
-        (or the connect is under way)."""
+        """The selector events to wait for: reading unless its owner paused it, writing
+        while bytes are queued (or the connect is under way)."""
         writing = self.pending or self.connecting
-        return selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
+        reading = 0 if self.paused else selectors.EVENT_READ
+        return reading | (selectors.EVENT_WRITE if writing else 0)
 
     def close(self) -> None:
         self.sock.close()
@@ -510,7 +512,7 @@ class Server:
         else:
             self._selector.register(sock, events, watch)
 
-    def _watched(self, sock: socket.socket) -> bool:
+    def _watched(self, sock: socket.socket | Channel) -> bool:
         try:
             self._selector.get_key(sock)
         except KeyError:
@@ -601,11 +603,24 @@ class Server:
         else:
             listener.authenticated.add(channel)
 
+    def pause(self, channel: Channel, paused: bool) -> None:
+        """Stop (or resume) reading a connection: its peer's sends then wait on TCP."""
+        if channel.paused != paused:
+            channel.paused = paused
+            self._interest(channel)
+
     def _interest(self, channel: Channel) -> None:
         if channel not in self._owner:
             return
-        if self._selector.get_key(channel).events != channel.interest:
-            self._selector.modify(channel, channel.interest, self._owner[channel])
+        events = channel.interest
+        registered = self._watched(channel)
+        if events and registered:
+            if self._selector.get_key(channel).events != events:
+                self._selector.modify(channel, events, self._owner[channel])
+        elif events:
+            self._selector.register(channel, events, self._owner[channel])
+        elif registered:  # paused with nothing to send: nothing to wait for
+            self._selector.unregister(channel)
 
     def _sweep(self, now: float) -> None:
         for listener in {*self._owner.values()}:
@@ -633,7 +648,8 @@ class Server:
             return
         self._unpend(listener, channel)
         listener.authenticated.discard(channel)
-        self._selector.unregister(channel)
+        if self._watched(channel):
+            self._selector.unregister(channel)
         channel.close()
 
     def close(self) -> None:
