@@ -470,12 +470,7 @@ def cmd_router(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             max_request_bytes=args.max_request_bytes,
             pd_auth_key=args.disaggregation_auth_key,
-            limits=ConnectionLimits(
-                args.http_head_timeout,
-                args.http_body_timeout,
-                args.http_max_connections,
-                args.http_max_pending_per_peer,
-            ),
+            limits=ConnectionLimits.of(args),
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
             ssl_ca_certs=args.ssl_ca_certs,

@@ -304,7 +304,7 @@ class WorkerChannels:
         self._tunnel: Tunnel | None = None
         if endpoints.auth_key is not None and endpoints.directory is None:  # through the gate
             urls = [endpoints.status, endpoints.control, *([batch_url] if batch_url else [])]
-            self._tunnel = Tunnel(gate_secret(endpoints.auth_key), urls)
+            self._tunnel = Tunnel(gate_secret(endpoints.auth_key), urls, private_directory())
         self._status = self._connect(zmq.PUSH, endpoints.status)
         self._lock = threading.Lock()
         self._batch = None

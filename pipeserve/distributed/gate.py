@@ -35,7 +35,6 @@ import os
 import selectors
 import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -223,14 +222,15 @@ class Gate:
 class Tunnel:
     """A worker's loopback ports: each connection to one is carried to its gate port."""
 
-    def __init__(self, secret: bytes, gates: list[str]) -> None:
-        """`gates`: the public `tcp://HOST:PORT`s; `local[gate]` is where to connect (an
-        ipc:// socket in a directory only this user can enter)."""
+    def __init__(self, secret: bytes, gates: list[str], directory: str) -> None:
+        """`gates`: the public `tcp://HOST:PORT`s; `local[gate]` is where to connect, an
+        ipc:// socket in `directory` (one only this user can enter: channels'
+        `private_directory`), which the tunnel owns and removes when it closes."""
         self._secret = secret
         self._selector = selectors.DefaultSelector()
         self._listening: dict[socket.socket, str] = {}
         self.local: dict[str, str] = {}
-        self._directory = tempfile.mkdtemp(prefix="pipeserve-tunnel-", dir="/tmp")  # 0700
+        self._directory = directory
         for i, gate in enumerate(dict.fromkeys(gates)):
             path = os.path.join(self._directory, f"gate-{i}")
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -30,6 +30,7 @@ tick: a flood against a full descriptor table wrote tens of MB a second).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import resource
 import ssl
@@ -59,6 +60,17 @@ class ConnectionLimits:
     body_timeout_s: float = 30.0
     max_connections: int = 2048
     max_pending_per_peer: int = 256  # above LISTEN_BACKLOG: one tick's burst is never cut
+
+    @classmethod
+    def of(cls, flags: Any) -> ConnectionLimits:
+        """The limits its `http_*` attributes give (a ServerConfig, or the router's parsed
+        arguments, which take the same flags)."""
+        return cls(
+            flags.http_head_timeout,
+            flags.http_body_timeout,
+            flags.http_max_connections,
+            flags.http_max_pending_per_peer,
+        )
 
     def check(self) -> None:
         """ValueError naming the flag when a limit is not positive."""
@@ -247,9 +259,7 @@ def effective_limits(limits: ConnectionLimits) -> ConnectionLimits:
     soft = raise_descriptor_limit()
     room = max(16, soft - DESCRIPTORS_KEPT) if soft != resource.RLIM_INFINITY else None
     if room is not None and limits.max_connections > room:
-        return ConnectionLimits(
-            limits.head_timeout_s, limits.body_timeout_s, room, limits.max_pending_per_peer
-        )
+        return dataclasses.replace(limits, max_connections=room)
     return limits
 
 

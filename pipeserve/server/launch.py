@@ -78,12 +78,7 @@ def serve(flags: dict[str, Any]) -> int:
             log_level="warning",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             **uvicorn_options(
-                ConnectionLimits(
-                    c.http_head_timeout,
-                    c.http_body_timeout,
-                    c.http_max_connections,
-                    c.http_max_pending_per_peer,
-                ),
+                ConnectionLimits.of(c),
                 c.ssl_certfile,
                 c.ssl_keyfile,
             ),

@@ -29,7 +29,12 @@ from ports import free_port
 
 from pipeserve.disaggregation.pd import link
 from pipeserve.distributed import gate, wire
-from pipeserve.distributed.channels import CurveKeys, SchedulerChannels, secure_client
+from pipeserve.distributed.channels import (
+    CurveKeys,
+    SchedulerChannels,
+    private_directory,
+    secure_client,
+)
 from pipeserve.distributed.gate import Tunnel, gate_secret
 from pipeserve.engine.backend import WorkerBackend
 from pipeserve.engine.engine import Engine
@@ -169,7 +174,7 @@ class Clients:
         sock.setsockopt(zmq.LINGER, 0)
         if key is not None:
             secure_client(sock, CurveKeys.derive(key))
-            tunnel = Tunnel(gate_secret(key), [url])
+            tunnel = Tunnel(gate_secret(key), [url], private_directory())
             self.tunnels.append(tunnel)
             url = tunnel.local[url]
         sock.connect(url)
@@ -285,7 +290,7 @@ def test_curve_still_guards_the_sockets_behind_the_gate() -> None:
     try:
         heartbeat = wire.encode_status("heartbeat", 0)
         for curve in (WRONG, None):
-            tunnel = Tunnel(gate_secret(RIGHT), [channels.endpoints.status])
+            tunnel = Tunnel(gate_secret(RIGHT), [channels.endpoints.status], private_directory())
             tunnels.append(tunnel)
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)

@@ -15,6 +15,7 @@ import pytest
 from ports import free_port
 
 from pipeserve.disaggregation.pd import link
+from pipeserve.distributed.channels import private_directory
 from pipeserve.distributed.gate import BACKLOG, Gate, Tunnel, gate_secret
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,7 +62,7 @@ def spliced(request) -> Iterator:
         target = Target(echo)
         public = f"tcp://127.0.0.1:{free_port()}"
         gate = Gate(SECRET, {public: target.path})
-        tunnel = Tunnel(SECRET, [public])
+        tunnel = Tunnel(SECRET, [public], private_directory())
         made.extend([tunnel, gate, target.sock])
         client = socket.socket(socket.AF_UNIX)
         client.connect(tunnel.local[public].removeprefix("ipc://"))

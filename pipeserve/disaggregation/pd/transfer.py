@@ -57,7 +57,14 @@ import torch
 
 from pipeserve.context_parallel.layout import PageStriping, runs_of
 from pipeserve.disaggregation.pd import auth
-from pipeserve.disaggregation.pd.kv_remap import KVDestination, Piece, Rank, SideLayout, plan
+from pipeserve.disaggregation.pd.kv_remap import (
+    ROOM_FORM,
+    KVDestination,
+    Piece,
+    Rank,
+    SideLayout,
+    plan,
+)
 from pipeserve.disaggregation.pd.link import PING_S, Channel, LinkClosed, Server, drive
 from pipeserve.distributed.channels import private_directory
 from pipeserve.layers.attention import gather_index
@@ -568,7 +575,7 @@ class KVReceiver:
         anything else is refused (answered `refused`) and counted."""
         room, runs, num_tokens, ttl_s = body
         problem = None
-        if not (isinstance(room, str) and len(room) == 32 and _is_hex(room)):
+        if not (isinstance(room, str) and ROOM_FORM.fullmatch(room)):
             problem = "a malformed room id"
         elif room in self._rooms:
             problem = "a room that is open already"
@@ -682,10 +689,6 @@ class KVReceiver:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def _is_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)
 
 
 def _header(data: bytearray) -> list[Any]:
