@@ -209,6 +209,8 @@ def test_other_quantisations_are_refused_in_one_line(
     assert "\n" not in message and named in message and "128x128 block scales" in message
     with pytest.raises(ValueError, match="is not supported"):
         checkpoint_quantization({"quantization_config": quant})
+    if quant["quant_method"] != "awq":
+        return  # the command line's exit is the same for every refusal: one start is enough
     cli = subprocess.run(
         [
             sys.executable,
