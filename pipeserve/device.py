@@ -323,6 +323,12 @@ def native_index_scores() -> Callable[..., torch.Tensor] | None:
     return _native_function("index_scores")
 
 
+def native_index_topk() -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU kernel of DeepSeek-V3.2's indexer selection (scores and top-k fused:
+    each query's index_topk best positions; float32), or None."""
+    return _native_function("index_topk")
+
+
 def native_sparse_kernel() -> Callable[..., torch.Tensor] | None:
     """The compiled CPU kernel of DeepSeek-V3.2's sparse attention in latent space (each query
     over its chosen cache rows only, read in place; float32 or bfloat16), or None."""

@@ -20,6 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_scores", &index_scores,
         "DeepSeek-V3.2 indexer scores, ReLU and head sum fused, causal (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("index_topk", &index_topk,
+        "DeepSeek-V3.2 indexer: each query's topk best positions, the scores never leaving "
+        "the kernel (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("sparse_latent_attention", &sparse_latent_attention,
         "DeepSeek-V3.2 sparse attention in latent space: each query's heads over its chosen "
         "cache rows only, read in place; adds the rows read to keys_read (CPU, float32 or "

@@ -7,15 +7,17 @@
 // No [H, n, L] tensor of per-head logits exists: a query's per-head dot products with a block
 // of kKeys keys live in registers, are ReLU'd, weighted and summed over the heads there, and
 // only the head sum is stored. Keys are packed per block transposed ([d][kKeys]), so the inner
-// loop is a fused multiply-add of a broadcast query value into kKeys key lanes, for three
-// queries at once (each key vector loaded feeds all three): plain C++ that the compiler vectorises
-// for the machine's widest vectors (-march=native: 8 lanes with AVX2, 16 with AVX512). Blocks
-// of a query's future are skipped, the rest of its row is masked. Work is split over blocks
-// of queries as the prefill kernels split theirs (prefill::run_tasks).
+// loop is a fused multiply-add of a broadcast query value into the block's two key vectors,
+// for kPair queries at once: a register tile of kPair x 2 vectors of dot products (12 of 16
+// AVX2 registers), each key vector loaded feeding kPair multiply-adds. GCC's vector extension,
+// 8 float lanes, compiled for the machine (AVX2 here; AVX512 machines run the same 8-lane
+// code). Blocks of a query's future are skipped, the rest of its row is masked. Work is split
+// over blocks of queries as the prefill kernels split theirs (prefill::run_tasks).
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -23,90 +25,182 @@
 
 namespace {
 
-constexpr int64_t kKeys = 32;     // keys per packed block
-constexpr int64_t kPair = 3;      // queries per pass: each key vector loaded serves all three
-constexpr int64_t kQueries = 16;  // queries per task
+constexpr int64_t kLanes = 8;
+constexpr int64_t kKeys = 2 * kLanes;  // keys per packed block: two vectors
+constexpr int64_t kPair = 6;           // queries per register tile
+constexpr int64_t kQueries = 24;       // queries per task
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
 struct Inputs {
   const float* q;
   const float* w;
   const float* packed;  // [blocks][d][kKeys], zero past L
-  float* out;
   int64_t n, H, d, L, prefix;
   float scale;
 };
 
-// Queries i .. i + P - 1 against one key block: acc[p][j] = sum_h w_ph * max(0, q_ph . k_j).
-// Their dot products (P x kKeys floats) stay in registers over the d-loop.
-template <int64_t P>
+// Where a task's score rows go: row i at base + (i - row0) * L (the output tensor, or a
+// thread's scratch rows when only the top-k leave the kernel).
+struct Rows {
+  float* base;
+  int64_t row0;
+  float* row(const Inputs& in, int64_t i) const { return base + (i - row0) * in.L; }
+};
+
+// Queries i .. i + P - 1 against one key block: acc[p] = sum_h w_ph * max(0, q_ph . k_block),
+// kKeys floats per query. Their dot products (P x 2 vectors) stay in registers over the d-loop.
+template <int P>
 inline void query_block(const Inputs& in, int64_t i, int64_t block, float (*acc)[kKeys]) {
-  float dots[P][kKeys];
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t j = 0; j < kKeys; ++j) acc[p][j] = 0.f;
+  v8 sum[P][2];
+  for (int p = 0; p < P; ++p) sum[p][0] = sum[p][1] = splat(0.f);
   const float* kb = in.packed + block * in.d * kKeys;
+  const v8 zero = splat(0.f);
   for (int64_t h = 0; h < in.H; ++h) {
     const float* qh[P];
-    for (int64_t p = 0; p < P; ++p) {
+    v8 dots[P][2];
+    for (int p = 0; p < P; ++p) {
       qh[p] = in.q + ((i + p) * in.H + h) * in.d;
-      for (int64_t j = 0; j < kKeys; ++j) dots[p][j] = 0.f;
+      dots[p][0] = dots[p][1] = zero;
     }
     for (int64_t t = 0; t < in.d; ++t) {
-      const float* kt = kb + t * kKeys;
-      for (int64_t p = 0; p < P; ++p) {
-        const float qv = qh[p][t];
-        for (int64_t j = 0; j < kKeys; ++j) dots[p][j] += qv * kt[j];
+      const v8 k0 = load8(kb + t * kKeys), k1 = load8(kb + t * kKeys + kLanes);
+      for (int p = 0; p < P; ++p) {
+        const v8 qv = splat(qh[p][t]);
+        dots[p][0] += qv * k0;
+        dots[p][1] += qv * k1;
       }
     }
-    for (int64_t p = 0; p < P; ++p) {
-      const float wh = in.w[(i + p) * in.H + h] * in.scale;  // scale > 0: w relu(s x) = ws relu(x)
-      for (int64_t j = 0; j < kKeys; ++j) acc[p][j] += wh * std::max(dots[p][j], 0.f);
+    for (int p = 0; p < P; ++p) {
+      const v8 wh = splat(in.w[(i + p) * in.H + h] * in.scale);  // scale > 0: w relu(s x) = ws relu(x)
+      sum[p][0] += wh * (dots[p][0] > zero ? dots[p][0] : zero);
+      sum[p][1] += wh * (dots[p][1] > zero ? dots[p][1] : zero);
     }
+  }
+  for (int p = 0; p < P; ++p) {
+    std::memcpy(acc[p], &sum[p][0], sizeof(v8));
+    std::memcpy(acc[p] + kLanes, &sum[p][1], sizeof(v8));
   }
 }
 
-// Rows i .. i + P - 1 of the scores: each query's visible blocks, its future masked.
-template <int64_t P>
-void rows(const Inputs& in, int64_t i, float (*acc)[kKeys]) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t last = in.prefix + i + P;  // keys 0 .. last - 1 are visible to some row
+// One key block's scores for rows i .. i + P - 1, up to each query's own position.
+template <int P>
+void tile(const Inputs& in, const Rows& out, int64_t i, int64_t block, float (*acc)[kKeys]) {
+  query_block<P>(in, i, block, acc);
+  const int64_t j0 = block * kKeys;
+  for (int p = 0; p < P; ++p) {
+    const int64_t visible = in.prefix + i + p + 1;
+    if (j0 < visible)
+      std::memcpy(out.row(in, i + p) + j0, acc[p], std::min(kKeys, visible - j0) * sizeof(float));
+  }
+}
+
+// The last rows of a task, fewer than kPair of them, in one tile.
+void rest(const Inputs& in, const Rows& out, int64_t i, int64_t count, int64_t block,
+          float (*acc)[kKeys]) {
+  switch (count) {
+    case 5: return tile<5>(in, out, i, block, acc);
+    case 4: return tile<4>(in, out, i, block, acc);
+    case 3: return tile<3>(in, out, i, block, acc);
+    case 2: return tile<2>(in, out, i, block, acc);
+    case 1: return tile<1>(in, out, i, block, acc);
+    default: return;
+  }
+}
+
+// Rows q0 .. q1 - 1 up to each query's own position: key block by key block (a block, d x
+// kKeys floats, stays in L1 while every tile of the task's queries uses it), tiles whose
+// queries all precede the block skipped. Nothing past a query's position is written.
+void task_rows(const Inputs& in, const Rows& out, int64_t q0, int64_t q1, float (*acc)[kKeys]) {
+  const int64_t last = in.prefix + q1;  // keys 0 .. last - 1 are visible to some row
   for (int64_t block = 0; block * kKeys < last; ++block) {
-    query_block<P>(in, i, block, acc);
-    const int64_t j0 = block * kKeys;
-    for (int64_t p = 0; p < P; ++p) {
-      const int64_t visible = in.prefix + i + p + 1;
-      if (j0 < visible)
-        std::memcpy(in.out + (i + p) * in.L + j0, acc[p],
-                    std::min(kKeys, visible - j0) * sizeof(float));
-    }
-  }
-  for (int64_t p = 0; p < P; ++p) {
-    float* row = in.out + (i + p) * in.L;
-    std::fill(row + in.prefix + i + p + 1, row + in.L, neg_inf);
+    // the first tile some of whose queries see the block (visible = prefix + i + 1)
+    const int64_t seen = std::max<int64_t>(q0, block * kKeys - in.prefix - kPair + 1);
+    int64_t i = q0 + (seen - q0) / kPair * kPair;
+    for (; i + kPair <= q1; i += kPair) tile<kPair>(in, out, i, block, acc);
+    rest(in, out, i, q1 - i, block, acc);
   }
 }
 
-void run(const Inputs& in) {
+struct Acc {
+  float rows[kPair][kKeys];
+};
+
+// Every score row, its future -inf, into out [n, L].
+void run_scores(const Inputs& in, float* out) {
   // tasks of kQueries queries on every thread, later (longer) rows first: the prefill
   // kernels' split, with one "head" (the heads are summed inside a task)
-  struct Acc {
-    float rows[kPair][kKeys];
-  };
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   prefill::run_tasks(
       in.n, 1, kQueries, [] { return Acc{}; },
       [&](Acc& acc, int64_t, int64_t q0, int64_t q1) {
-        int64_t i = q0;
-        for (; i + kPair <= q1; i += kPair) rows<kPair>(in, i, acc.rows);
-        for (; i < q1; ++i) rows<1>(in, i, acc.rows);
+        task_rows(in, Rows{out, 0}, q0, q1, acc.rows);
+        for (int64_t i = q0; i < q1; ++i)
+          std::fill(out + i * in.L + in.prefix + i + 1, out + (i + 1) * in.L, neg_inf);
       });
 }
 
-}  // namespace
+// The positions of row's `topk` best among its first `visible` scores into pick[0 .. topk),
+// the earlier position first among equal scores at the boundary (as layers/indexer.py's
+// top_positions; -0.0 equals 0.0 in these comparisons); all of them, then -1s, when there
+// are no more than topk. A selection: the topk-th best by nth_element over a copy, then one
+// pass in position order. `copy` holds at least `visible` floats.
+void select_row(const float* row, int64_t visible, int64_t topk, float* copy, int64_t* pick) {
+  if (visible <= topk) {
+    for (int64_t j = 0; j < topk; ++j) pick[j] = j < visible ? j : -1;
+    return;
+  }
+  std::memcpy(copy, row, visible * sizeof(float));
+  std::nth_element(copy, copy + topk - 1, copy + visible, std::greater<float>());
+  const float kth = copy[topk - 1];
+  int64_t above = 0;
+  for (int64_t j = 0; j < visible; ++j) above += row[j] > kth;
+  int64_t ties = topk - above, taken = 0;
+  for (int64_t j = 0; j < visible && taken < topk; ++j) {
+    if (row[j] > kth || (row[j] == kth && ties > 0)) {
+      ties -= row[j] == kth;
+      pick[taken++] = j;
+    }
+  }
+}
 
-at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale) {
+// Each row's top-k positions into pick [n, topk]; the scores of a task's rows live only in
+// its thread's scratch (rows x L floats, rows fewer when L is long).
+void run_topk(const Inputs& in, int64_t topk, int64_t* pick) {
+  constexpr int64_t kScratchFloats = int64_t{1} << 22;  // 16 MiB of score rows per thread
+  const int64_t per = std::max<int64_t>(
+      kPair, std::min<int64_t>(kQueries, kScratchFloats / in.L / kPair * kPair));
+  struct Scratch {
+    Acc acc;
+    std::vector<float> rows, copy;
+  };
+  prefill::run_tasks(
+      in.n, 1, per, [] { return Scratch{}; },
+      [&](Scratch& s, int64_t, int64_t q0, int64_t q1) {
+        s.rows.resize(static_cast<size_t>(per * in.L));
+        s.copy.resize(static_cast<size_t>(in.L));
+        task_rows(in, Rows{s.rows.data(), q0}, q0, q1, s.acc.rows);
+        for (int64_t i = q0; i < q1; ++i)
+          select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),
+                     pick + i * topk);
+      });
+}
+
+// Checks and the keys packed per block; the queries' inputs.
+Inputs prepare(at::Tensor& q, at::Tensor& w, at::Tensor& k, int64_t prefix, double scale,
+               std::vector<float>& packed) {
   TORCH_CHECK(q.dim() == 3 && w.dim() == 2 && k.dim() == 2, "q [n,H,d], w [n,H], k [L,d] expected");
   TORCH_CHECK(q.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
                   k.scalar_type() == at::kFloat,
-              "index_scores takes float32 (widen bfloat16 first)");
+              "the indexer kernels take float32 (widen bfloat16 first)");
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2), L = k.size(0);
   TORCH_CHECK(w.size(0) == n && w.size(1) == H, "w must be [n, H]");
   TORCH_CHECK(k.size(1) == d, "q and k disagree on the head dim");
@@ -116,15 +210,32 @@ at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix
   w = w.contiguous();
   k = k.contiguous();
   const int64_t blocks = (L + kKeys - 1) / kKeys;
-  std::vector<float> packed(static_cast<size_t>(blocks * d * kKeys), 0.f);
+  packed.assign(static_cast<size_t>(blocks * d * kKeys), 0.f);
   const float* kp = k.data_ptr<float>();
   for (int64_t j = 0; j < L; ++j) {
     float* dst = packed.data() + (j / kKeys) * d * kKeys + j % kKeys;
     for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = kp[j * d + t];
   }
-  at::Tensor out = at::empty({n, L}, q.options());
-  Inputs in{q.data_ptr<float>(), w.data_ptr<float>(), packed.data(), out.data_ptr<float>(),
-            n, H, d, L, prefix, static_cast<float>(scale)};
-  run(in);
+  return Inputs{q.data_ptr<float>(), w.data_ptr<float>(), packed.data(), n, H, d, L, prefix,
+                static_cast<float>(scale)};
+}
+
+}  // namespace
+
+at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale) {
+  std::vector<float> packed;
+  const Inputs in = prepare(q, w, k, prefix, scale, packed);
+  at::Tensor out = at::empty({in.n, in.L}, q.options());
+  run_scores(in, out.data_ptr<float>());
   return out;
+}
+
+at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
+                      int64_t topk) {
+  TORCH_CHECK(topk > 0, "topk must be positive");
+  std::vector<float> packed;
+  const Inputs in = prepare(q, w, k, prefix, scale, packed);
+  at::Tensor pick = at::empty({in.n, topk}, q.options().dtype(at::kLong));
+  run_topk(in, topk, pick.data_ptr<int64_t>());
+  return pick;
 }

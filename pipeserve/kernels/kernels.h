@@ -25,6 +25,8 @@ bool prefill_attention_avx2_supported();
 at::Tensor sparse_latent_attention(at::Tensor q, at::Tensor rows, at::Tensor slots, int64_t rank,
                                    double scale, at::Tensor keys_read);
 at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale);
+at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
+                      int64_t topk);
 
 // Sum all-reduce among the TP ranks of one machine over a POSIX shared-memory segment (see
 // shm_allreduce.cpp). Rank 0 creates the segment; the others open it by name.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeserve.device import native_index_scores
+from pipeserve.device import native_index_scores, native_index_topk
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.linear import ReplicatedLinear
 from pipeserve.layers.rotary import apply_rotary_part
@@ -94,17 +94,39 @@ class Indexer(nn.Module):
         `new_slots`, every token's, in one op where given) -> [tokens, index_topk] long:
         selected positions of each token's request, -1 for none."""
         topk = self.config.topk
+        self.write_keys(x, rope, cache, segments, new_slots)
         out = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
-        # a request no longer than topk keeps every visible position: no scores needed
-        chosen = self.scores(x, q_latent, rope, cache, segments, new_slots, longer_than=topk)
-        for seg, scores in zip(segments, chosen, strict=True):
-            if scores is not None:
-                out[seg.rows] = top_positions(scores, topk)
-            else:
+        q = w = None
+        for seg in segments:
+            if seg.length > topk:
+                if q is None or w is None:
+                    q, w = self.queries(q_latent, rope), self.head_weights(x)
+                k = seg.read(cache)
+                out[seg.rows] = causal_top_positions(
+                    q[seg.rows], w[seg.rows], k, seg.prefix_len, self.scale, topk
+                )
+            else:  # a request no longer than topk keeps every visible position: no scores
                 every = torch.arange(topk, device=x.device)[None]
                 last = seg.prefix_len + torch.arange(seg.q_len, device=x.device)[:, None]
                 out[seg.rows] = torch.where(every <= last, every, -1)
         return out
+
+    def write_keys(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        cache: torch.Tensor,
+        segments: list[LatentSegment],
+        new_slots: torch.Tensor | None = None,
+    ) -> None:
+        """Caches the tokens' index keys at each segment's new slots (at `new_slots`, every
+        token's, in one op where given)."""
+        new = self.keys(x, rope)
+        if new_slots is not None:
+            cache[new_slots] = new
+        else:
+            for seg in segments:
+                cache[seg.new_slots] = new[seg.rows]
 
     def scores(
         self,
@@ -114,26 +136,16 @@ class Indexer(nn.Module):
         cache: torch.Tensor,
         segments: list[LatentSegment],
         new_slots: torch.Tensor | None = None,
-        longer_than: int = 0,
-    ) -> list[torch.Tensor | None]:
+    ) -> list[torch.Tensor]:
         """Writes the segments' keys to the cache (as `forward`) -> per segment its index
-        scores [q_len, prefix_len + q_len] float32, -inf at positions after the query's; None
-        for a segment no longer than `longer_than` (not scored)."""
-        new = self.keys(x, rope)
-        if new_slots is not None:
-            cache[new_slots] = new
-        else:
-            for seg in segments:
-                cache[seg.new_slots] = new[seg.rows]
-        if all(seg.length <= longer_than for seg in segments):
-            return [None] * len(segments)
+        scores [q_len, prefix_len + q_len] float32, -inf at positions after the query's (what
+        `forward` selects from, formed here whole: for tests and tools)."""
+        self.write_keys(x, rope, cache, segments, new_slots)
         q, w = self.queries(q_latent, rope), self.head_weights(x)
         return [
             causal_index_scores(
                 q[seg.rows], w[seg.rows], seg.read(cache), seg.prefix_len, self.scale
             )
-            if seg.length > longer_than
-            else None
             for seg in segments
         ]
 
@@ -171,6 +183,19 @@ def causal_index_scores(
         scores[s : s + block] = _head_sum(q[s : s + block], w[s : s + block], kt, scale)
     future = torch.ones_like(scores, dtype=torch.bool).triu(prefix_len + 1)
     return scores.masked_fill_(future, float("-inf"))
+
+
+def causal_top_positions(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, prefix_len: int, scale: float, topk: int
+) -> torch.Tensor:
+    """`top_positions` of `causal_index_scores`: q [n, heads, d], w [n, heads], k [L, d]
+    -> [n, topk] long, each query's chosen positions (-1 for none). On a CPU one compiled
+    kernel (index_scores.cpp: `index_topk`) scores a block of queries into its thread's
+    scratch rows and selects there, so no [n, L] tensor of scores exists; elsewhere the
+    scores are formed and selected as the two functions do."""
+    if q.device.type == "cpu" and (kernel := native_index_topk()) is not None:
+        return kernel(q.float(), w.float(), k.float(), prefix_len, scale, topk)
+    return top_positions(causal_index_scores(q, w, k, prefix_len, scale), topk)
 
 
 def _head_sum(q: torch.Tensor, w: torch.Tensor, kt: torch.Tensor, scale: float) -> torch.Tensor:

@@ -38,11 +38,7 @@ from pipeserve.device import native_prefill_kernel, native_sparse_kernel
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention_backends import attention_with_lse
 from pipeserve.layers.attention_parts import DecodePlan, merge_partials
-from pipeserve.layers.indexer import (
-    Indexer,
-    causal_index_scores,
-    top_positions,
-)
+from pipeserve.layers.indexer import Indexer, causal_top_positions
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.layernorm import RMSNorm
 from pipeserve.layers.linear import (
@@ -219,14 +215,14 @@ class MLAttention(nn.Module):
                 chosen = None
                 if self.indexer is not None and end > self.indexer.config.topk:
                     assert index_q is not None and index_w is not None
-                    scores = causal_index_scores(
+                    chosen = causal_top_positions(
                         index_q[rows],
                         index_w[rows],
                         rows_all[:end, width:],
                         first,
                         self.indexer.scale,
+                        self.indexer.config.topk,
                     )
-                    chosen = top_positions(scores, self.indexer.config.topk)
                 if self.absorbs("auto", seg_view, native, chosen):
                     out[rows] = self.absorbed(q[rows], seg_view, latents, chosen, native)
                 else:

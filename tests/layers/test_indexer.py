@@ -15,7 +15,7 @@ from selection_oracle import selection_mask
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
-from pipeserve.device import native_index_scores
+from pipeserve.device import native_index_scores, native_index_topk
 from pipeserve.layers import indexer as indexer_mod
 from pipeserve.layers.indexer import Indexer, top_positions
 from pipeserve.layers.latent_segment import LatentSegment
@@ -286,6 +286,48 @@ def test_the_selection_is_the_sort_s_on_ties_signed_zeros_and_short_rows() -> No
         assert torch.equal(
             canonical(top_positions(scores, topk)), reference_positions(scores, topk)
         )
+
+
+@pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
+@pytest.mark.parametrize(
+    ("n", "prefix", "heads", "dim", "topk"),
+    [
+        (1, 0, 1, 8, 4),
+        (5, 3, 4, 32, 2),
+        (37, 100, 16, 64, 50),
+        (130, 0, 3, 24, 64),
+        (64, 300, 2, 128, 300),
+        (20, 300_000, 1, 8, 2048),  # scratch rows for fewer queries per task
+    ],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
+    n: int, prefix: int, heads: int, dim: int, topk: int, ties: bool
+) -> None:
+    """The fused kernel (scores kept in its scratch rows, nth_element, one pass in position
+    order) picks what the rule picks on the same scores (the scores kernel's: the same
+    arithmetic). ties: small integer queries and keys, some head weights zero or negative,
+    so many scores are equal (0 above all) and the boundary falls among them."""
+    q, w, k = rand(n, heads, dim, seed=4), rand(n, heads, seed=5), rand(prefix + n, dim, seed=6)
+    if ties:
+        q, k = (q * 2).round(), (k * 2).round()
+        w = w.round()  # -1, 0 or 1 mostly: zero-weight heads and -0.0 sums
+    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 0.25, topk)
+    scores = indexer_mod.causal_index_scores(q, w, k, prefix, 0.25)
+    assert torch.equal(canonical(picked), reference_positions(scores, topk))
+    if ties and topk >= 50 and prefix + n > topk:  # the boundary fell among equal scores
+        kth = scores.sort(dim=-1, descending=True).values[:, topk - 1 : topk + 1]
+        assert (kth[:, 0] == kth[:, 1]).any()
+
+
+def test_without_the_kernel_the_selection_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, w, k = rand(40, 4, 16, seed=7), rand(40, 4, seed=8), rand(240, 16, seed=9)
+    q, k, w = (q * 2).round(), (k * 2).round(), w.round()
+    got = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64)
+    monkeypatch.setattr(indexer_mod, "native_index_topk", lambda: None)
+    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
+    want = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64)
+    assert torch.equal(canonical(got), canonical(want))
 
 
 class Sorts(torch.overrides.TorchFunctionMode):

@@ -86,9 +86,10 @@ class BoundaryGaps:
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
         self.smallest = float("inf")
         self.rows = 0
-        top = indexer_mod.top_positions
+        select = indexer_mod.causal_top_positions
 
-        def spy(scores: torch.Tensor, topk: int) -> torch.Tensor:
+        def spy(q, w, k, prefix_len: int, scale: float, topk: int) -> torch.Tensor:
+            scores = indexer_mod.causal_index_scores(q, w, k, prefix_len, scale)
             values = scores.sort(dim=-1, descending=True).values
             over = torch.isfinite(values).sum(-1) > topk  # rows that drop some key
             if over.any():
@@ -96,9 +97,9 @@ class BoundaryGaps:
                 gap = (v[:, topk - 1] - v[:, topk]) / v[:, 0].abs().clamp_min(1e-30)
                 self.smallest = min(self.smallest, gap.min().item())
                 self.rows += int(over.sum())
-            return top(scores, topk)
+            return select(q, w, k, prefix_len, scale, topk)
 
-        mp.setattr(indexer_mod, "top_positions", spy)
+        mp.setattr(indexer_mod, "causal_top_positions", spy)
 
 
 class SparseReads:
