@@ -738,11 +738,6 @@ def _disaggregation_checks(config: EngineConfig) -> list[tuple[bool, str]]:
             "parallelism splits prompts: use it on the prefill side)",
         ),
         (
-            not p.shard_linear_layers,
-            f"--disaggregation-mode {mode} with --shard-linear-layers is not built yet (both "
-            "hook every layer)",
-        ),
-        (
             not p.enable_two_batch_overlap,
             f"--disaggregation-mode {mode} with --enable-two-batch-overlap is not built yet "
             "(the KV is sent layer by layer from the plain forward)",

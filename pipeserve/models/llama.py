@@ -8,7 +8,7 @@ the parallel layer classes.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -29,6 +29,16 @@ from pipeserve.op_profile import region
 from pipeserve.runner.forward_batch import ForwardBatch
 
 Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class LayerHook(Protocol):
+    """Work around each of a stage's layers (n: its index among the stage's layers): what
+    shard linear (context_parallel/layer_shards) and PD's KV sender (disaggregation/pd)
+    provide. Several may be set; `after` runs in the reverse order of `before`."""
+
+    def before(self, n: int) -> None: ...
+
+    def after(self, n: int) -> None: ...
 
 
 class LlamaMLP(nn.Module):
@@ -218,9 +228,9 @@ class LlamaForCausalLM(nn.Module):
             if arch.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
-        # shard linear (pipeserve/context_parallel/layer_shards): before(i) / after(i) around
-        # the stage's i-th layer; None: off
-        self.layer_hooks: Any = None
+        # what runs around each of the stage's layers (shard linear's weight broadcasts, PD's
+        # KV sending): before(n) in this order, after(n) in the reverse one
+        self.layer_hooks: list[LayerHook] = []
 
     def make_layer(self, layer_id: int) -> nn.Module:
         a = self.arch
@@ -244,11 +254,11 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.cos_sin(fb.positions, self.dtype)
         hooks = self.layer_hooks
         for n, i in enumerate(self.layer_ids):
-            if hooks is not None:
-                hooks.before(n)
+            for hook in hooks:
+                hook.before(n)
             hidden, residual = self.model.layers[i](hidden, residual, rope, fb)
-            if hooks is not None:
-                hooks.after(n)
+            for hook in reversed(hooks):
+                hook.after(n)
         return self._final_norm(hidden, residual, fb.native.batched)
 
     def forward_interleaved(

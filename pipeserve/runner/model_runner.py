@@ -191,7 +191,7 @@ class ModelRunner:
         self.param_bytes = sum(p.nbytes for p in self.model.parameters())  # all held
         sharded = config.parallel.shard_linear_layers and self.state.cp_size > 1
         self.shards = self._shard_linear() if sharded else None
-        self.model.layer_hooks = self.shards
+        self.model.layer_hooks = [self.shards] if self.shards is not None else []
         name = f"s{self.state.pp_rank}r{self.state.stage_rank}"
         self.op_profile = OpProfile.from_env(name, self.device)
         self.tiers = self._tier_store(num_pages, name) if c.enable_hierarchical_cache else None
@@ -216,7 +216,7 @@ class ModelRunner:
             timeout = d.disaggregation_transfer_timeout
             striping = self.cp.striping if self.cp is not None else None
             self.kv_sender = KVSender(self.kv_pool, layout, me, layers, timeout, striping, key)
-            self.model.layer_hooks = self.kv_sender
+            self.model.layer_hooks.append(self.kv_sender)  # after shard linear's, if any
         else:
             # the engine process is on node 0: other nodes' control listeners need tcp
             remote = self.config.parallel.node_rank != 0

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation served for real: `pipeserve serve --disaggregation-mode
 prefill|decode` processes behind `pipeserve router`.
 
-- The tokens (fp32, greedy) of prompts spanning many chunks are those of co-located
-  serving, for prefill PP2 -> decode PP1 and prefill PP1 -> decode TP2.
+- The tokens (greedy) of prompts spanning many chunks are those of co-located serving, for
+  prefill PP2 -> decode PP1, prefill PP1 -> decode TP2 and sharded CP2 -> decode PP1 (DeepSeek;
+  there also transformers', in float32).
 - Faults: a client that leaves mid-prefill, the prefill server killed (-9) mid-transfer,
   the decode server killed mid-decode: the request ends with an error or an abort (never
   hangs), every page reserved for it on both sides is free again (read from /metrics),
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from server_helpers import (
     Router,
     Server,
@@ -217,9 +219,34 @@ def decode_killed_mid_decode(prefill: Server, decode: Server, router: Router) ->
     assert prefill.post("/v1/completions", body(prompts()[1])).status_code == 200
 
 
-def test_prefill_cp2_mla_to_decode_pp1(model_dir, tmp_path: Path) -> None:
+def test_prefill_sharded_cp2_mla_to_decode_pp1_as_transformers(model_dir, tmp_path: Path) -> None:
     """DeepSeek's latent cache, computed by two context-parallel ranks that each hold a
-    stripe of the pages, to one decode rank that holds them all."""
+    stripe of the pages and, under shard linear, only every other layer's o_proj (its layer
+    hooks broadcast them; the KV sender's hooks run beside them), to one decode rank that
+    holds them all: float32 greedy tokens equal transformers' on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeserve.tokenizer import Tokenizer
+
     model = model_dir("tiny-deepseek-v3")
-    with servers(model, tmp_path, ["--cp-size", "2"], []) as (prefill, decode, router):
+    f32 = ["--dtype", "float32"]
+    sharded = ["--cp-size", "2", "--shard-linear-layers", "kv_b_proj,o_proj", *f32]
+    with servers(model, tmp_path, sharded, f32) as (prefill, decode, router):
         check_same_tokens(prefill, decode, router)
+        reqs = [body(p, logprobs=0, ignore_eos=True) for p in prompts()]
+        disaggregated = [tokens_of(r) for r in run_all(router.complete, reqs)]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    text = Tokenizer(model).token_text
+    for prompt, got in zip(prompts(), disaggregated, strict=True):
+        x = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=10,
+                min_new_tokens=10,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert got == [text(t) for t in out[0, len(prompt) :].tolist()]
