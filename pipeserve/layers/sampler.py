@@ -1,8 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p; a private generator per seeded
-request, so its tokens do not depend on what else is in the batch. Nothing here reads a
-device value on the host (the forward's stream runs on)."""
+request, so its tokens do not depend on what else is in the batch; and the logprobs asked for
+(the sampled tokens', the most likely ones', the prompt's). Nothing here reads a device value
+on the host (the forward's stream runs on)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -67,3 +70,39 @@ class Sampler:
         drop |= sorted_p < sorted_p[:, :1] * column([p.min_p for p in params])
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)
+
+
+def output_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, wanted: bool, top_k: int
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Log-probabilities (of the raw model distribution, before temperature and cuts) of the
+    sampled tokens `ids` [rows], where `wanted`, and the `top_k` most likely with their ids
+    (none for 0): (chosen [rows], (values, ids) [rows, top_k])."""
+    if not wanted:
+        return None, None
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, ids[:, None])[:, 0]
+    if top_k <= 0:
+        return chosen, None
+    values, top_ids = logp.topk(top_k, dim=-1)
+    return chosen, (values, top_ids)
+
+
+def prompt_logprobs(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """Prompt logprobs: for each of `rows` of `hidden`, the float32 log-probability of its
+    target token (the next one in the prompt), the LM head (`logits_of`) applied
+    LOGPROB_ROWS_PER_PASS rows at a time."""
+    out = [torch.empty(0, dtype=torch.float32, device=hidden.device)]
+    for i in range(0, rows.shape[0], LOGPROB_ROWS_PER_PASS):
+        logits = logits_of(hidden[rows[i : i + LOGPROB_ROWS_PER_PASS]])
+        part = targets[i : i + LOGPROB_ROWS_PER_PASS]
+        out.append(torch.log_softmax(logits, dim=-1).gather(1, part[:, None])[:, 0])
+    return torch.cat(out).float()

@@ -19,7 +19,7 @@ from pipeserve.batch_overlap.two_batch import split_batch
 from pipeserve.config import EngineConfig
 from pipeserve.context_parallel.attention import CpContext
 from pipeserve.context_parallel.layer_shards import LayerShards
-from pipeserve.context_parallel.layout import PageStriping, runs_of
+from pipeserve.context_parallel.layout import PageStriping
 from pipeserve.device import (
     memory_budget,
     native_decode_kernel,
@@ -44,13 +44,14 @@ from pipeserve.layers.attention_backends import (
     triton_chosen,
 )
 from pipeserve.layers.moe import FusedMoE
-from pipeserve.layers.sampler import Sampler
+from pipeserve.layers.sampler import Sampler, output_logprobs, prompt_logprobs
 from pipeserve.mem_cache.host_tier import tier_pages
 from pipeserve.mem_cache.tier_store import TierStore
 from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig, param_count, routed_expert_params
 from pipeserve.models.registry import build_model
 from pipeserve.op_profile import OpProfile
+from pipeserve.runner.chunk_profiler import profile_prefill
 from pipeserve.runner.cuda_graph import (
     DecodeGraphs,
     bucket_for,
@@ -62,13 +63,11 @@ from pipeserve.runner.cuda_graph import (
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.runner.kv_layout import build_kv_pool, stage_kv_bytes_per_token
 from pipeserve.runner.stage_output import PendingResult, SampledTensors, StageOutput
-from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
+from pipeserve.scheduler.batch import Run, ScheduledBatch
 from pipeserve.streams import DeviceStreams
 from pipeserve.timeline import Recorder
 
 log = logging.getLogger(__name__)
-
-LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)
 
 
 def kv_pool_pages(
@@ -475,37 +474,9 @@ class ModelRunner:
         return empty, None if self.state.is_last_stage else torch.empty_like(empty)
 
     def profile_prefill(self, points: list[tuple[int, int]], runs: list[Run]) -> list[float]:
-        """Seconds of one prompt chunk per (prefix_len, chunk_len) point on this stage's layers
-        (a later stage gets zero hidden states). The KV lives in `runs`, slots the scheduler
-        lent for the purpose; the prefix is never computed: attention over zeroed slots costs
-        what it costs over real keys, so a point costs one chunk's forward."""
-        self._zero_slots(runs_prefix(runs, max(p + n for p, n in points)))  # those read
-        times = [self._time_chunk(prefix, n, runs) for prefix, n in points]
-        self.recorder.take()
-        return times
-
-    def _time_chunk(self, prefix: int, n: int, runs: list[Run]) -> float:
-        ids = [i % self.arch.vocab_size for i in range(n)]
-        runs = runs_prefix(runs, prefix + n)
-        s = ReqSlice("profile", ids, prefix, runs, sample=False, chunk_index=1 if prefix else 0)
-        batch = ScheduledBatch(-1, [s])
-        fb = self.prepare(batch)
-        hidden = None
-        if not self.state.is_first_stage:  # this rank's rows: under CP its share of the chunk
-            rows = fb.positions.shape[0]
-            hidden = torch.zeros(rows, self.arch.hidden_size, dtype=self.dtype, device=self.device)
-        out = self.execute(batch, fb, hidden, None if hidden is None else torch.zeros_like(hidden))
-        out.wait()
-        return batch.stage_times[-1]
-
-    def _zero_slots(self, runs: list[Run]) -> None:
-        """Lent slots may hold anything (never written memory: NaNs, denormals, which some
-        CPUs compute slowly); zeros keep the profile's timings honest."""
-        if self.cp is not None:  # the slots of this rank's pages
-            num = sum(n for _, n in runs)
-            runs = runs_of(self.cp.striping.owned(runs, 0, num, torch.device("cpu"))[1])
-        for start, n in runs:
-            self.kv_pool.zero_slots(start, n)
+        """Seconds of one prompt chunk per (prefix_len, chunk_len) point on this stage's
+        layers (runner/chunk_profiler.py)."""
+        return profile_prefill(self, points, runs)
 
     def forward(
         self,
@@ -521,36 +492,15 @@ class ModelRunner:
         """Sampled tokens and the logprobs asked for, left on the device (no host sync)."""
         self.sampler.release(batch.released)
         samples = [s for s in batch.slices if s.sample]
-        prompt = self._prompt_logprobs(fb, hidden)
+        logits_of = self.model.compute_logits
+        prompt = prompt_logprobs(logits_of, hidden, fb.logprob_rows, fb.logprob_targets)
         if not samples:
             ids = torch.empty(0, dtype=torch.long, device=self.device)
             return SampledTensors(ids, None, None, prompt)
-        logits = self.model.compute_logits(hidden[fb.sample_rows])
+        logits = logits_of(hidden[fb.sample_rows])
         params = [s.sampling for s in samples]
         ids = self.sampler.sample(logits, params, [s.rid for s in samples])  # type: ignore[arg-type]
-        chosen, top = self._output_logprobs(logits, ids, samples)
+        wanted = any(s.return_logprob for s in samples)
+        top_k = max(s.top_logprobs for s in samples)
+        chosen, top = output_logprobs(logits, ids, wanted, top_k)
         return SampledTensors(ids, chosen, top, prompt)
-
-    @staticmethod
-    def _output_logprobs(
-        logits: torch.Tensor,
-        ids: torch.Tensor,
-        samples: list[ReqSlice],
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Log-probabilities (of the raw model distribution, before temperature and cuts) of
-        the sampled tokens, and the k most likely with their ids, where asked."""
-        if not any(s.return_logprob for s in samples):
-            return None, None
-        logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp.gather(1, ids[:, None])[:, 0]
-        k = max(s.top_logprobs for s in samples)
-        return chosen, (tuple(logp.topk(k, dim=-1)) if k > 0 else None)  # type: ignore[return-value]
-
-    def _prompt_logprobs(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        out = [torch.empty(0, dtype=torch.float32, device=hidden.device)]
-        for i in range(0, fb.logprob_rows.shape[0], LOGPROB_ROWS_PER_PASS):
-            rows = fb.logprob_rows[i : i + LOGPROB_ROWS_PER_PASS]
-            targets = fb.logprob_targets[i : i + LOGPROB_ROWS_PER_PASS]
-            logits = self.model.compute_logits(hidden[rows])
-            out.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0])
-        return torch.cat(out).float()
