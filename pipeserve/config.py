@@ -163,7 +163,7 @@ class SchedulerConfig:
         None,
         "max prompt tokens per request per forward (-1: no chunking); default: "
         f"{DEFAULT_CHUNK_SIZE} on one worker, and for PP/TP layouts a size picked from a "
-        "start-up measurement (printed; see the README)",
+        "start-up measurement (printed; see docs/chunking.md)",
     )
     max_prefill_tokens: int = _flag(16384, "token budget of one prefill batch")
     max_running_requests: int = _flag(128, "max requests holding KV at once")

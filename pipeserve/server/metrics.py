@@ -1,4 +1,4 @@
-"""Prometheus metrics of the server (names are listed in the README)."""
+"""Prometheus metrics of the server (names, types and labels: docs/deployment.md#metrics)."""
 
 from __future__ import annotations
 
