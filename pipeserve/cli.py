@@ -19,6 +19,7 @@ from pipeserve import envs
 from pipeserve.config import AREA_TYPES, SettingsError
 from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.models.default_model import BENCH_PRESET
+from pipeserve.scheduler.request import SamplingParams
 
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -550,10 +551,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--raw", action="store_true", help="send the prompts as they are (no chat template)"
     )
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    # the sampling defaults are Engine.generate's (SamplingParams): one set (docs/python-api.md)
+    sampling = SamplingParams()
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=sampling.max_new_tokens,
+        help="tokens to generate per prompt at most (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=sampling.temperature,
+        help="0: greedy (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--top-p", type=float, default=sampling.top_p, help="nucleus cut (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=sampling.top_k,
+        help="keep the k most likely tokens; -1: all (default: %(default)s)",
+    )
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
 

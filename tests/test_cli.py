@@ -57,7 +57,7 @@ def test_make_model_list_and_missing_arguments(capsys) -> None:
 def test_generate_prints_greedy_text(cli_model: Path, capsys, raw: bool) -> None:
     """The default prompts go through the model's chat template as user messages (the
     preset has one); --raw sends completions' prompts as they are."""
-    main(["generate", "--model", str(cli_model), "--max-new-tokens", "4",
+    main(["generate", "--model", str(cli_model), "--max-new-tokens", "4", "--temperature", "0",
           *(["--raw"] if raw else [])])
     printed = capsys.readouterr().out
     assert f"model: {cli_model} (Qwen3ForCausalLM)" in printed

