@@ -578,9 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="offline prefill/decode benchmark")
-    bench.add_argument("--input-len", type=int, default=1024)
-    bench.add_argument("--output-len", type=int, default=16)
-    bench.add_argument("--num-prompts", type=int, default=1)
+    bench.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
+    bench.add_argument("--output-len", type=int, default=16, help="new tokens per request")
+    bench.add_argument("--num-prompts", type=int, default=1, help="requests, sent at once")
     bench.add_argument("--baseline", choices=["hf"], help="also run Hugging Face transformers")
     bench.add_argument("--json", help="save the results here")
     bench.add_argument("--trace", help="write a Chrome/Perfetto trace of every stage here")
@@ -631,24 +631,26 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     bs = sub.add_parser("bench-serving", help="load a running server over HTTP")
-    bs.add_argument("--base-url", default="http://127.0.0.1:30000")
-    bs.add_argument("--num-prompts", type=int, default=32)
-    bs.add_argument("--input-len", type=int, default=512)
-    bs.add_argument("--output-len", type=int, default=64)
+    bs.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server to load")
+    bs.add_argument("--num-prompts", type=int, default=32, help="requests in all")
+    bs.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
+    bs.add_argument("--output-len", type=int, default=64, help="new tokens per request")
     bs.add_argument(
         "--request-rate",
         type=float,
         default=float("inf"),
         help="Poisson arrivals per second (inf: all at once)",
     )
-    bs.add_argument("--max-concurrency", type=int, default=None)
-    bs.add_argument("--api-key", default=None)
-    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument(
+        "--max-concurrency", type=int, help="requests in flight at most (default: all of them)"
+    )
+    bs.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (serve --api-key)")
+    bs.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrivals")
     bs.add_argument("--json", help="save the results here")
     bs.set_defaults(func=cmd_bench_serving)
 
     tune = sub.add_parser("tune", help="find the chunk settings with the lowest TTFT")
-    tune.add_argument("--input-len", type=int, default=16384)
+    tune.add_argument("--input-len", type=int, default=16384, help="prompt tokens to tune for")
     tune.add_argument(
         "--budget-s", type=float, default=900.0, help="stop starting trials after this"
     )
@@ -691,9 +693,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine's scheduler on a cost model of a named cluster (simulated time)",
     )
     add_sim_flags(sim)
-    sim.add_argument("--input-len", type=int, default=131072)
-    sim.add_argument("--output-len", type=int, default=1)
-    sim.add_argument("--num-prompts", type=int, default=1)
+    sim.add_argument("--input-len", type=int, default=131072, help="prompt tokens per request")
+    sim.add_argument("--output-len", type=int, default=1, help="new tokens per request")
+    sim.add_argument("--num-prompts", type=int, default=1, help="requests")
     sim.add_argument(
         "--request-rate",
         type=float,
@@ -735,7 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     make = sub.add_parser("make-model", help="write a built-in model as an HF checkpoint")
     make.add_argument("--preset", help="preset name (see --list)")
     make.add_argument("--out", help="output directory")
-    make.add_argument("--shard-size-mb", type=int, default=2048)
+    make.add_argument(
+        "--shard-size-mb", type=int, default=2048, help="safetensors files of at most this size"
+    )
     make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     make.add_argument("--list", action="store_true", help="list the presets")
     make.set_defaults(func=cmd_make_model)
@@ -750,8 +754,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument(
         "--decode", nargs="+", required=True, metavar="URL", help="decode servers' base URLs"
     )
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=30000)
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    router.add_argument("--port", type=int, default=30000, help="port to listen on")
     router.add_argument(
         "--api-key",
         default=None,

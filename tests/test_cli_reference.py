@@ -38,3 +38,13 @@ def test_every_environment_variable_the_package_reads_is_in_the_table() -> None:
     read -= {"XDG_CACHE_HOME", "TRITON_INTERPRET"}  # others' variables, read as they define
     table = {name for name, _ in cli_reference.env_variables()}
     assert read and read <= table, sorted(read - table)
+
+
+def test_every_flag_says_what_it_does() -> None:
+    silent = [
+        (name, action.option_strings[0])
+        for name, sub in cli_reference.commands(build_parser()).items()
+        for action in sub._actions
+        if action.option_strings and not (action.help or "").strip()
+    ]
+    assert silent == []
