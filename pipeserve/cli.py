@@ -433,7 +433,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
         path = convert(args.gguf, args.out)
     except (OSError, ValueError) as exc:
         sys.exit(f"pipeserve convert: {exc}")
-    print(f"wrote {path} (config.json, model.safetensors, tokenizer.json)")
+    names = ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja")
+    written = ", ".join(n for n in names if (path / n).is_file())
+    print(f"wrote {path} ({written})")
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:

@@ -177,7 +177,10 @@ def test_engine_takes_a_gguf_file_or_its_directory(plain: Path, tmp_path: Path) 
 
 def test_convert_command(plain: Path, tmp_path: Path, capsys: Any) -> None:
     main(["convert", str(plain), str(tmp_path / "out")])
-    assert "wrote" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "config.json" in printed
+    # it names the tokenizer only where one was written (a vocabulary it could rebuild)
+    assert ("tokenizer.json" in printed) == (tmp_path / "out" / "tokenizer.json").is_file()
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
     assert config["tie_word_embeddings"] is False and config["head_dim"] == 64
