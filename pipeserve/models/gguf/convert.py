@@ -69,7 +69,12 @@ def convert(gguf_path: str | Path, out: str | Path, dtype: str = "float32") -> P
     return out
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
 def _write_tokenizer(reader: GGUFReader, out: Path) -> None:
+    for name in TOKENIZER_FILES:  # an earlier conversion's into this directory: not this one's
+        (out / name).unlink(missing_ok=True)
     try:
         tokenizer, tok_config = tokenizer_from_gguf(reader)
     except ValueError as exc:
