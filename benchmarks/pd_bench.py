@@ -123,7 +123,8 @@ def transfers_done(url: str, n: int) -> dict[str, float]:
     deadline = time.monotonic() + 30
     while True:
         m = metrics(url)
-        if m.get('pipeserve_pd_transfers{state="done"}', 0) >= n or time.monotonic() > deadline:
+        done = m.get('pipeserve_pd_transfers_total{state="done"}', 0)
+        if done >= n or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
 
@@ -184,20 +185,20 @@ def transfer(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         colocated = complete(p_url, tokens(args.input_len, 2), 1)
     delta = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("pipeserve_pd_")}
     wire, exposed = (
-        delta["pipeserve_pd_transfer_wire_seconds"],
-        delta["pipeserve_pd_transfer_exposed_seconds"],
+        delta["pipeserve_pd_transfer_wire_seconds_total"],
+        delta["pipeserve_pd_transfer_exposed_seconds_total"],
     )
     return {
         "input_len": args.input_len,
         "chunk": args.chunk,
         "netlab_rate": args.netlab,
-        "kv_bytes": delta["pipeserve_pd_transfer_bytes"],
+        "kv_bytes": delta["pipeserve_pd_transfer_bytes_total"],
         "wire_s": wire,
         "exposed_s": exposed,
         "hidden_share": 1 - exposed / wire if wire > 0 else None,
         "ttft_disaggregated_s": pd["seconds"],
         "ttft_colocated_prefill_server_s": colocated["seconds"],
-        "failed_transfers": delta.get('pipeserve_pd_transfers{state="failed"}', 0.0),
+        "failed_transfers": delta.get('pipeserve_pd_transfers_total{state="failed"}', 0.0),
     }
 
 

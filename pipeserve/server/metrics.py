@@ -87,34 +87,41 @@ class Metrics:
         self._init_disaggregation(r)
 
     def _init_disaggregation(self, r: CollectorRegistry) -> None:
-        """A decode server's KV transfers (prefill/decode disaggregation)."""
-        self.pd_transfers = Gauge(
+        """A decode server's KV transfers (prefill/decode disaggregation): totals since start
+        are counters (`*_total`), what holds now gauges."""
+        self.pd_transfers = Totals(
             "pipeserve_pd_transfers",
-            "requests' KV transfers since start by outcome (done, failed), and now "
-            "(active: pages reserved, KV arriving; waiting: for pages)",
-            ["state"],
+            "requests' KV transfers since start, by outcome (done, failed)",
+            r,
+            "state",
+            ("done", "failed"),
+        )
+        self.pd_active = Gauge(
+            "pipeserve_pd_transfers_active",
+            "KV transfers now under way (pages reserved, KV arriving)",
             registry=r,
         )
-        self.pd_bytes = Gauge(
-            "pipeserve_pd_transfer_bytes", "KV bytes received, since start", registry=r
+        self.pd_waiting = Gauge(
+            "pipeserve_pd_transfers_waiting", "KV transfers now waiting for pages", registry=r
         )
-        self.pd_wire = Gauge(
+        self.pd_bytes = Totals("pipeserve_pd_transfer_bytes", "KV bytes received", r)
+        self.pd_wire = Totals(
             "pipeserve_pd_transfer_wire_seconds",
             "time the links spent carrying received KV (per request its slowest rank)",
-            registry=r,
+            r,
         )
-        self.pd_exposed = Gauge(
+        self.pd_exposed = Totals(
             "pipeserve_pd_transfer_exposed_seconds",
             "KV transfer time after the prefill side's last layer was computed (not hidden "
-            "behind prefill), since start",
-            registry=r,
+            "behind prefill)",
+            r,
         )
-        self.pd_dropped = Gauge(
+        self.pd_dropped = Totals(
             "pipeserve_pd_kv_messages_dropped",
-            "KV messages the receivers refused since start (no such room, another stage's "
-            "layer or rank's heads, positions outside the room, a wrong size, malformed): "
-            "late ones of aborted requests, or forged",
-            registry=r,
+            "KV messages the receivers refused (no such room, another stage's layer or rank's "
+            "heads, positions outside the room, a wrong size, malformed): late ones of aborted "
+            "requests, or forged",
+            r,
         )
 
     def update(self, stats: dict[str, Any], healthy: bool) -> None:
@@ -138,12 +145,39 @@ class Metrics:
             self.tier_capacity.labels(tier=tier).set(capacity)
             self.tier_loaded.labels(tier=tier).set(stats.get(f"hicache_loaded_{tier}_tokens", 0))
         if "pd_transfers_done" in stats:
-            for state in ("done", "failed", "active", "waiting"):
-                self.pd_transfers.labels(state=state).set(stats[f"pd_transfers_{state}"])
-            self.pd_bytes.set(stats["pd_transfer_bytes"])
-            self.pd_wire.set(stats["pd_transfer_wire_s"])
-            self.pd_exposed.set(stats["pd_transfer_exposed_s"])
-            self.pd_dropped.set(stats["pd_kv_messages_dropped"])
+            for state in ("done", "failed"):
+                self.pd_transfers.reach(stats[f"pd_transfers_{state}"], state)
+            self.pd_active.set(stats["pd_transfers_active"])
+            self.pd_waiting.set(stats["pd_transfers_waiting"])
+            self.pd_bytes.reach(stats["pd_transfer_bytes"])
+            self.pd_wire.reach(stats["pd_transfer_wire_s"])
+            self.pd_exposed.reach(stats["pd_transfer_exposed_s"])
+            self.pd_dropped.reach(stats["pd_kv_messages_dropped"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Totals:
+    """A Prometheus counter (exposed as `<name>_total`) fed with the engine's running totals:
+    each update adds what the total grew by since the last one."""
+
+    def __init__(
+        self,
+        name: str,
+        help: str,
+        registry: CollectorRegistry,
+        label: str | None = None,
+        values: tuple[str, ...] = (),
+    ) -> None:
+        self.counter = Counter(name, help, [label] if label else [], registry=registry)
+        for value in values:  # exported at 0 from the start, not from the first event
+            self.counter.labels(value)
+        self.seen: dict[str, float] = {}
+
+    def reach(self, total: float, label: str | None = None) -> None:
+        key = label or ""
+        grown = total - self.seen.get(key, 0.0)
+        if grown > 0:
+            (self.counter.labels(label) if label is not None else self.counter).inc(grown)
+            self.seen[key] = total

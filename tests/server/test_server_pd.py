@@ -96,7 +96,11 @@ def run_all(post: Any, reqs: list[dict[str, Any]]) -> list[httpx.Response]:
 
 def pd_stats(server: Server) -> dict[str, float]:
     m = server.metrics()
-    return {k.split('"')[1]: v for k, v in m.items() if k.startswith("pipeserve_pd_transfers{")}
+    totals = {
+        k.split('"')[1]: v for k, v in m.items() if k.startswith("pipeserve_pd_transfers_total{")
+    }
+    now = {s: m[f"pipeserve_pd_transfers_{s}"] for s in ("active", "waiting")}
+    return totals | now
 
 
 def settled(*sides: Server) -> bool:
@@ -111,7 +115,7 @@ def check_same_tokens(prefill: Server, decode: Server, router: Router) -> None:
     disaggregated = [tokens_of(r) for r in run_all(router.complete, reqs)]
     stats = pd_stats(decode)
     assert stats["done"] == len(reqs) and stats["failed"] == 0, stats
-    assert decode.metrics()["pipeserve_pd_transfer_bytes"] > 0
+    assert decode.metrics()["pipeserve_pd_transfer_bytes_total"] > 0
     # co-located serving on each side's own layout
     for side in (decode, prefill):
         direct = [tokens_of(side.post("/v1/completions", r)) for r in reqs]
