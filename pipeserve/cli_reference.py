@@ -21,12 +21,14 @@ DEFAULT_SAID = re.compile(r"\s?\(default: ([^()]*)\)\s*$")
 ENV_NAME = re.compile(r"^([A-Z][A-Z0-9_]+)(=[^\s:]+)?[:\s]")
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    """The parser's subcommands action (pipeserve has one)."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """The subcommands' parsers by name, in the order `--help` lists them."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+    return dict(_subcommands(parser).choices)
 
 
 def env_variables() -> list[tuple[str, str]]:
@@ -87,9 +89,7 @@ def render() -> str:
         "code disagree. `pipeserve COMMAND --help` prints the same.\n",
         "| command | what it does |\n| --- | --- |",
     ]
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            parts += [f"| `{c.dest}` | {c.help} |" for c in action._choices_actions]
+    parts += [f"| `{c.dest}` | {c.help} |" for c in _subcommands(parser)._choices_actions]
     first = next(iter(subs.values()))
     parts += [
         f"\n## Engine flags\n\nShared by {', '.join(f'`{n}`' for n in engine)}.\n",

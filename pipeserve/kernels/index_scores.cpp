@@ -149,32 +149,29 @@ void run_scores(const Inputs& in, float* out) {
       });
 }
 
-// A score as the selection ranks it: NaN (from NaN or infinite inputs) as -inf, below every
-// number, so every comparison below is a strict weak order and a row always yields topk
-// positions.
-inline float ranked(float x) { return std::isnan(x) ? -std::numeric_limits<float>::infinity() : x; }
-
 // The positions of row's `topk` best among its first `visible` scores into pick[0 .. topk),
 // the earlier position first among equal scores at the boundary (as layers/indexer.py's
 // top_positions; -0.0 equals 0.0 in these comparisons); all of them, then -1s, when there
-// are no more than topk. A selection: the topk-th best by nth_element over a copy, then one
-// pass in position order. `copy` holds at least `visible` floats.
-void select_row(const float* row, int64_t visible, int64_t topk, float* copy, int64_t* pick) {
+// are no more than topk. NaN (from NaN or infinite inputs) ranks as -inf, below every number:
+// the row (the thread's scratch) is rewritten so, once, and every comparison below is then a
+// strict weak order, so a row always yields topk positions. A selection: the topk-th best by
+// nth_element over a copy, then one pass in position order. `copy` holds `visible` floats.
+void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t* pick) {
   std::fill(pick, pick + topk, int64_t{-1});
   if (visible <= topk) {
     for (int64_t j = 0; j < visible; ++j) pick[j] = j;
     return;
   }
-  for (int64_t j = 0; j < visible; ++j) copy[j] = ranked(row[j]);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < visible; ++j) copy[j] = row[j] = std::isnan(row[j]) ? neg_inf : row[j];
   std::nth_element(copy, copy + topk - 1, copy + visible, std::greater<float>());
   const float kth = copy[topk - 1];
   int64_t above = 0;
-  for (int64_t j = 0; j < visible; ++j) above += ranked(row[j]) > kth;
+  for (int64_t j = 0; j < visible; ++j) above += row[j] > kth;
   int64_t ties = topk - above, taken = 0;
   for (int64_t j = 0; j < visible && taken < topk; ++j) {
-    const float v = ranked(row[j]);
-    if (v > kth || (v == kth && ties > 0)) {
-      ties -= v == kth;
+    if (row[j] > kth || (row[j] == kth && ties > 0)) {
+      ties -= row[j] == kth;
       pick[taken++] = j;
     }
   }
