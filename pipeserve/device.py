@@ -335,6 +335,13 @@ def native_sparse_kernel() -> Callable[..., torch.Tensor] | None:
     return _native_function("sparse_latent_attention")
 
 
+def native_sparse_expanded_kernel() -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU kernel of DeepSeek-V3.2's sparse attention on up-projected keys (each
+    query over its chosen positions only, swept in cache-sized blocks; float32 or bfloat16),
+    or None."""
+    return _native_function("sparse_expanded_attention")
+
+
 def native_prefill_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """The compiled CPU prefill-attention kernel for `dtype`, or None: bfloat16 products on
     CPUs with AVX512-BF16; else float32 arithmetic on CPUs with AVX2 and FMA, for float32

@@ -51,6 +51,18 @@ def native_kernels_enabled() -> bool:
     return os.environ.get("PIPESERVE_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no")
 
 
+def sparse_attention_form() -> str:
+    """PIPESERVE_SPARSE_ATTENTION_FORM: DeepSeek-V3.2's sparse attention on CPU, `latent` (always
+    in latent space) or `expanded` (on up-projected keys, wherever the compiled kernel is
+    built); `auto` or unset: the cheaper by the layer's cost rule."""
+    raw = os.environ.get("PIPESERVE_SPARSE_ATTENTION_FORM", "").strip().lower() or "auto"
+    if raw not in ("auto", "latent", "expanded"):
+        raise ValueError(
+            f"PIPESERVE_SPARSE_ATTENTION_FORM={raw!r}: expected auto, latent or expanded"
+        )
+    return raw
+
+
 def cpu_native_bf16() -> bool | None:
     """PIPESERVE_CPU_BF16: 0 hides the CPU's native bfloat16 matmul from `--dtype best` (the
     float32 rule on any CPU), 1 claims it (the bfloat16 rule); unset: read the CPU's flags."""

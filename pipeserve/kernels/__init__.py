@@ -30,10 +30,11 @@ SOURCES = [
         "shm_allreduce.cpp",
         "index_scores.cpp",
         "sparse_attention.cpp",
+        "sparse_expanded.cpp",
         "bindings.cpp",
     )
 ]
-HEADERS = [HERE / "kernels.h", HERE / "prefill_common.h"]
+HEADERS = [HERE / "kernels.h", HERE / "prefill_common.h", HERE / "vec8.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
 

@@ -29,6 +29,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "cache rows only, read in place; adds the rows read to keys_read (CPU, float32 or "
         "bfloat16)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("sparse_expanded_attention", &sparse_expanded_attention,
+        "DeepSeek-V3.2 sparse attention on up-projected keys: each query's heads over its "
+        "chosen positions only, swept in blocks that stay in cache; adds the positions read "
+        "to keys_read (CPU, float32 or bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<ShmAllReduce>(m, "ShmAllReduce")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())
       .def("all_reduce_", &ShmAllReduce::all_reduce_, "sum in place across the ranks",

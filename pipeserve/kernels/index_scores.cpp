@@ -23,23 +23,18 @@
 #include <vector>
 
 #include "prefill_common.h"
+#include "vec8.h"
 
 namespace {
 
-constexpr int64_t kLanes = 8;
+constexpr int64_t kLanes = vec8::kLanes;
 constexpr int64_t kKeys = 2 * kLanes;  // keys per packed block: two vectors
 constexpr int64_t kPair = 6;           // queries per register tile
 constexpr int64_t kQueries = 24;       // queries per task
 
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-  v8 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+using vec8::load8;
+using vec8::splat;
+using vec8::v8;
 
 struct Inputs {
   const float* q;

@@ -24,6 +24,8 @@ at::Tensor paged_prefill_attention_avx2(at::Tensor q, at::Tensor k_cache,
 bool prefill_attention_avx2_supported();
 at::Tensor sparse_latent_attention(at::Tensor q, at::Tensor rows, at::Tensor slots, int64_t rank,
                                    double scale, at::Tensor keys_read);
+at::Tensor sparse_expanded_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor rope,
+                                     at::Tensor positions, double scale, at::Tensor keys_read);
 at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale);
 at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
                       int64_t topk);

@@ -30,64 +30,24 @@
 #include <vector>
 
 #include "prefill_common.h"
+#include "vec8.h"
 
 namespace {
 
 constexpr int64_t kQueries = 4;  // queries per task (with every head)
-constexpr int64_t kLanes = 8;
+constexpr int64_t kLanes = vec8::kLanes;
 constexpr int64_t kAhead = 24;  // rows ahead whose lines are prefetched
 constexpr int64_t kHeadTile = 4;  // scores: heads x rows per register tile
 constexpr int64_t kRowTile = 2;
 constexpr int64_t kTile = 8;  // rows per pass: scored, weighted, added (one vector of weights)
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-
-inline v8 load8(const float* p) {
-  v8 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-
-inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is a float32's top half
-  v8h bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  const v8i wide = __builtin_convertvector(bits, v8i) << 16;
-  v8 r;
-  std::memcpy(&r, &wide, sizeof(r));
-  return r;
-}
-
-inline void store8(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-
-inline float lanes_sum(v8 a) {
-  float s = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) s += a[l];
-  return s;
-}
-
-// e^x for x <= 0 (a score minus its maximum), as 2^n * 2^f with f in [-0.5, 0.5] and 2^f the
-// prefill kernels' polynomial (relative error ~2e-7); below 2^-126 it stays near 2^-126,
-// which no sum holding an e^0 notices.
-inline v8 exp8(v8 x) {
-  v8 t = x * splat(prefill::kLog2e);
-  t = t > splat(-126.f) ? t : splat(-126.f);
-  const v8i n = __builtin_convertvector(t - splat(0.5f), v8i);  // t <= 0: round half down
-  const v8 f = t - __builtin_convertvector(n, v8);
-  v8 p = splat(prefill::kExp2Poly[0]);
-  for (int i = 1; i < 6; ++i) p = p * f + splat(prefill::kExp2Poly[i]);
-  const v8i bits = (n + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
+using vec8::exp8;
+using vec8::lanes_sum;
+using vec8::load8;
+using vec8::prefetch_span;
+using vec8::splat;
+using vec8::store8;
+using vec8::v8;
 
 template <typename T>
 struct Inputs {
@@ -224,13 +184,13 @@ void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& 
   std::fill(s.sums.begin() + hb, s.sums.begin() + he, 0.f);
   std::fill(s.top.begin() + hb, s.top.begin() + he, -std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < std::min(c, kAhead); ++t)
-    prefetch_row(in.rows + s.keys[t] * in.stride, W * sizeof(T));
+    prefetch_span(in.rows + s.keys[t] * in.stride, W * sizeof(T));
   float* sc = s.tile.data();  // [H, kTile]: scores, then weights
   const T* row[kTile];
   for (int64_t c0 = 0; c0 < c; c0 += kTile) {
     const int64_t R = std::min(kTile, c - c0);
     for (int64_t t = c0 + kAhead; t < std::min(c, c0 + kAhead + R); ++t)
-      prefetch_row(in.rows + s.keys[t] * in.stride, W * sizeof(T));
+      prefetch_span(in.rows + s.keys[t] * in.stride, W * sizeof(T));
     for (int64_t t = 0; t < R; ++t) row[t] = in.rows + s.keys[c0 + t] * in.stride;
     int64_t r = 0;
     for (; r + kRowTile <= R; r += kRowTile)

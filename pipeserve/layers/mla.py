@@ -17,10 +17,13 @@ Two ways to attend to the cache, equal up to rounding:
   mscale, `mla_softmax_scale`), not of the latent width.
 
 DeepSeek-V3.2 (an indexer): a query whose request is longer than index_topk reads only the
-rows its indexer chose, always absorbed (`sparse_latent_attention`): the heads are then the
-rows of a small matrix product with each chosen latent row, read in place from the cache, so
-the work is O(topk) per query and nothing is expanded per chunk (expanded keys would have to
-be made for every position of the request, and gathered per head).
+positions its indexer chose, O(topk) work per query whatever the context (`sparse`), in one
+of two forms: in latent space (`sparse_latent_attention`: the heads are the rows of a small
+matrix product with each chosen latent row, read in place from the cache; decode steps,
+short chunks, wide latents), or, on the compiled CPU kernels, on the up-projected keys of the
+whole request (`sparse_expanded`: fewer multiply-adds per chosen pair, 3.4x at V3's widths,
+for one up-projection per chunk; long chunks of models with few heads). No [q_len, length]
+mask exists in either.
 
 Tensor parallelism: q_b_proj (or q_proj) and kv_b_proj are column-parallel over heads, o_proj
 row-parallel; the latent projection and its norm are replicated, so every rank caches the same
@@ -34,7 +37,12 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from pipeserve.device import native_prefill_kernel, native_sparse_kernel
+from pipeserve import envs
+from pipeserve.device import (
+    native_prefill_kernel,
+    native_sparse_expanded_kernel,
+    native_sparse_kernel,
+)
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention_backends import attention_with_lse
 from pipeserve.layers.attention_parts import DecodePlan, merge_partials
@@ -61,6 +69,12 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_d
 NATIVE_EXPANDED_SPEEDUP = 2
 # sparse_latent_attention off the compiled kernel: bytes of rows gathered per block of queries
 SPARSE_GATHER_BYTES = 2**27
+# V3.2's two forms on the compiled CPU kernels, in multiply-adds of the latent kernel
+# (sparse_attention.cpp): one of the expanded kernel (sparse_expanded.cpp) costs about this many
+# (each reads a key or value of its own from L2; benchmarks/v32_kernels.py, 2-2.5 on Zen 3), one
+# of the up-projection (a matrix product) this many
+SPARSE_EXPANDED_MAC = 2.5
+UP_PROJECTION_MAC = 0.4
 Mode = Literal["auto", "expanded", "absorbed"]  # auto: the cheaper (MLAttention.absorbs)
 NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm ignore the config's rms_norm_eps
 
@@ -75,11 +89,8 @@ class MLAttention(nn.Module):
     q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; V3.2: indexer.*).
 
     With an `indexer` config (DeepSeek-V3.2's sparse attention) every query attends only to
-    the `topk` positions its indexer selects; a request whose queries see at most topk
-    positions attends causally to all of them, as the selection would keep them all. Absorbed
-    segments (decode steps, short chunks) gather and read only the chosen cache rows; expanded
-    chunks up-project the whole prefix anyway and apply the choice as a mask (a sparse prefill
-    kernel, as FlashMLA's, would read only the chosen rows there too)."""
+    the `topk` positions its indexer selects (`sparse`); a request whose queries see at most
+    topk positions attends causally to all of them, as the selection would keep them all."""
 
     def __init__(
         self,
@@ -155,8 +166,10 @@ class MLAttention(nn.Module):
             kept = [i for i, seg in enumerate(segments) if seg.q_len != 1]
             segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
         for seg, chosen in zip(segments, selected, strict=True):
-            if self.absorbs(mode, seg, native, chosen):
-                out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, chosen, native)
+            if chosen is not None:
+                out[seg.rows] = self.sparse(q[seg.rows], seg, cache, chosen, native)
+            elif self.absorbs(mode, seg, native):
+                out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, native=native)
             else:
                 kv = seg.read(cache)
                 out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, native)
@@ -223,7 +236,9 @@ class MLAttention(nn.Module):
                         self.indexer.scale,
                         self.indexer.config.topk,
                     )
-                if self.absorbs("auto", seg_view, native, chosen):
+                if chosen is not None and self.sparse_expands(end - first, end, native, q.dtype):
+                    out[rows] = self.sparse_expanded(q[rows], latents[:end], chosen)
+                elif chosen is not None or self.absorbs("auto", seg_view, native):
                     out[rows] = self.absorbed(q[rows], seg_view, latents, chosen, native)
                 else:
                     if expanded is None:
@@ -231,18 +246,10 @@ class MLAttention(nn.Module):
                     out[rows] = expanded.attend(q[rows], first, end, self.scale)
         return self.o_proj(out.flatten(1))
 
-    def absorbs(
-        self,
-        mode: Mode,
-        seg: LatentSegment,
-        native: bool = False,
-        chosen: torch.Tensor | None = None,
-    ) -> bool:
-        """Whether a segment attends in latent space: always with an indexer's choice `chosen`
-        (its rows are read in place, whatever the mode); else "auto" takes the cheaper form
-        (see `absorb_max_queries`), expanded on the compiled kernel being the faster per FLOP."""
-        if chosen is not None:
-            return True
+    def absorbs(self, mode: Mode, seg: LatentSegment, native: bool = False) -> bool:
+        """Whether a segment without an indexer's choice attends in latent space: "auto" takes
+        the cheaper form (see `absorb_max_queries`), expanded on the compiled kernel being the
+        faster per FLOP."""
         if mode != "auto":
             return mode == "absorbed"
         limit = self.absorb_max_queries // (NATIVE_EXPANDED_SPEEDUP if native else 1)
@@ -317,16 +324,82 @@ class MLAttention(nn.Module):
         with region("attention.kernel"):
             return causal_attention(q, k, v, prefix_len, self.scale, native)
 
-    def expand(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached rows [L, latent_width] -> per-head keys [L, heads, qk_head_dim] (k_nope,
-        then the shared k_rope) and values [L, heads, v_head_dim]."""
+    def up_project(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cached rows [L, latent_width] -> views k_nope [L, heads, qk_nope_head_dim] and v
+        [L, heads, v_head_dim] of one up-projection, and k_rope [L, qk_rope_head_dim] (the
+        rows' own, shared by the heads)."""
         m, h = self.mla, self.num_heads
         c, k_rope = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         with region("mla.up_projection"):
             up = self.kv_b_proj(c).view(kv.shape[0], h, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = up.split([m.qk_nope_head_dim, m.v_head_dim], -1)
+        return k_nope, v, k_rope
+
+    def expand(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows [L, latent_width] -> per-head keys [L, heads, qk_head_dim] (k_nope,
+        then the shared k_rope) and values [L, heads, v_head_dim]."""
+        k_nope, v, k_rope = self.up_project(kv)
+        h = self.num_heads
         with region("mla.expand_keys"):
             return torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1)], dim=-1), v
+
+    def sparse(
+        self,
+        q: torch.Tensor,
+        seg: LatentSegment,
+        cache: torch.Tensor,
+        chosen: torch.Tensor,
+        native: bool = False,
+        keys_read: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """V3.2: the segment's queries over the positions their indexer chose, `chosen` [n,
+        topk] (-1 for none), and no others, in the cheaper form (`sparse_expands`): on the
+        up-projected keys of the request, or in latent space on its cache rows (`absorbed`).
+        keys_read counts the (query, position) pairs read. q [n, heads, qk_head_dim] -> [n,
+        heads, v_head_dim]."""
+        if self.sparse_expands(seg.q_len, seg.length, native, q.dtype):
+            return self.sparse_expanded(q, seg.read(cache), chosen, keys_read)
+        return self.absorbed(q, seg, cache, chosen, native, keys_read)
+
+    def sparse_expands(self, q_len: int, length: int, native: bool, dtype: torch.dtype) -> bool:
+        """Whether `q_len` queries of a request of `length` positions attend to their chosen
+        positions on up-projected keys: on the compiled CPU kernels, when up-projecting every
+        position (once per segment) and then (qk_head_dim + v_head_dim) multiply-adds per
+        chosen pair and head cost less than 2 * kv_lora_rank + qk_rope_head_dim per pair in
+        latent space, each form's multiply-adds weighed by its speed (SPARSE_EXPANDED_MAC,
+        UP_PROJECTION_MAC). Long prompt chunks of a model with few heads expand; decode steps
+        and short chunks, and wide latents as DeepSeek-V3.2's own, stay latent.
+        PIPESERVE_SPARSE_ATTENTION_FORM=latent|expanded overrides the rule."""
+        if not native or dtype not in (torch.float32, torch.bfloat16) or self.indexer is None:
+            return False
+        form = envs.sparse_attention_form()
+        if form == "latent" or native_sparse_expanded_kernel() is None:
+            return False
+        if form == "expanded":
+            return True
+        m = self.mla
+        pairs = q_len * min(self.indexer.config.topk, length)
+        up = length * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) * UP_PROJECTION_MAC
+        expanded = up + pairs * (m.qk_head_dim + m.v_head_dim) * SPARSE_EXPANDED_MAC
+        return expanded < pairs * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
+
+    def sparse_expanded(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        chosen: torch.Tensor,
+        keys_read: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`sparse` on up-projected keys: kv [L, latent_width] cached rows of positions [0, L),
+        all up-projected (no per-head copy of k_rope: the kernel reads the shared one from the
+        rows), then each query's heads over its chosen positions only
+        (pipeserve/kernels/sparse_expanded.cpp)."""
+        kernel = native_sparse_expanded_kernel()
+        assert kernel is not None, "sparse_expands chose a kernel that is not built"
+        k_nope, v, k_rope = self.up_project(kv)
+        counter = torch.zeros(1, dtype=torch.long) if keys_read is None else keys_read
+        with region("attention.kernel"):
+            return kernel(q, k_nope, v, k_rope, chosen, self.scale, counter)
 
     def absorbed(
         self,

@@ -80,7 +80,13 @@ def _id(model: str, flags: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize(("model", "layout"), CASES, ids=[_id(*c) for c in CASES])
-def test_cp_matches_one_process(models, reference, model: str, layout: dict[str, Any]) -> None:
+def test_cp_matches_one_process(
+    models, reference, model: str, layout: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if model == "deepseek-v32" and not layout.get("enable_sharded_cp"):
+        # V3.2's sparse attention on up-projected keys in one case (latent in the sharded one,
+        # as its short blocks choose): the CP blocks' own path to the expanded kernel
+        monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", "expanded")
     with Engine(str(models[model]), **FLAGS, **layout) as engine:
         out = WORK.run(engine)
     WORK.assert_matches(out, reference[model], atol=1e-4)

@@ -14,6 +14,7 @@ import pytest
 import test_hf_parity
 import torch
 
+from pipeserve.device import native_sparse_expanded_kernel
 from pipeserve.engine.engine import Engine
 from pipeserve.layers import indexer as indexer_mod
 from pipeserve.layers import mla as mla_mod
@@ -103,24 +104,26 @@ class BoundaryGaps:
 
 
 class SparseReads:
-    """Records every in-process sparse attention (prompt chunks and decode steps) and checks
-    its work: each query read min(visible, topk) cache rows (the kernel's own count)."""
+    """Records every in-process sparse attention (prompt chunks and decode steps) in the form
+    `form` forces (mla.MLAttention.sparse_expands): "expanded" (up-projected keys, wherever
+    the compiled kernel is built) or "latent", and checks its work: each query read
+    min(visible, topk) positions (the kernels' own count)."""
 
-    def __init__(self, mp: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        absorbed = mla_mod.MLAttention.absorbed
+    def __init__(self, mp: pytest.MonkeyPatch, form: str) -> None:
+        self.calls = {"expanded": 0, "latent": 0}
+        mp.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", form)
+        sparse = mla_mod.MLAttention.sparse
 
-        def spy(layer, q, seg, cache, chosen=None, native=False, keys_read=None):  # type: ignore[no-untyped-def]
-            if chosen is None:
-                return absorbed(layer, q, seg, cache, chosen, native, keys_read)
+        def spy(layer, q, seg, cache, chosen, native=False, keys_read=None):  # type: ignore[no-untyped-def]
             read = torch.zeros(1, dtype=torch.long)
-            out = absorbed(layer, q, seg, cache, chosen, native, read)
+            expands = layer.sparse_expands(seg.q_len, seg.length, native, q.dtype)
+            out = sparse(layer, q, seg, cache, chosen, native, read)
             visible = seg.prefix_len + 1 + torch.arange(seg.q_len)
             assert read.item() == int(visible.clamp(max=chosen.shape[1]).sum())
-            self.calls += 1
+            self.calls["expanded" if expands else "latent"] += 1
             return out
 
-        mp.setattr(mla_mod.MLAttention, "absorbed", spy)
+        mp.setattr(mla_mod.MLAttention, "sparse", spy)
 
 
 def run_engine(path: Path, layout: dict[str, Any], ids: list[list[int]]) -> list[dict[str, Any]]:
@@ -137,16 +140,24 @@ def assert_matches(outputs: list[dict[str, Any]], reference: list[tuple[torch.Te
         assert out["output_ids"] == tokens
 
 
-@pytest.mark.parametrize("layout", ["chunk128", "chunk48-page16"])
+FORMS = [("chunk128", "latent"), ("chunk48-page16", "expanded")]  # V3.2's sparse attention
+
+
+@pytest.mark.parametrize(("layout", "form"), FORMS)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_matches_transformers(hf_saved, hf_reference, preset: str, layout: str) -> None:
+def test_matches_transformers(hf_saved, hf_reference, preset: str, layout: str, form: str) -> None:
+    """V3.2's sparse attention in each form: latent in one layout, on up-projected keys in the
+    other (where the compiled kernels are built; latent elsewhere)."""
     _, path = hf_saved(preset)
     with pytest.MonkeyPatch.context() as mp:
-        gaps, reads = BoundaryGaps(mp), SparseReads(mp)
+        gaps, reads = BoundaryGaps(mp), SparseReads(mp, form)
         outputs = run_engine(path, LAYOUTS[layout], prompts())
     if preset == "tiny-deepseek-v32":  # sparse attention really ran, on clear choices
         assert gaps.rows > 500 and gaps.smallest > MIN_RELATIVE_GAP, (gaps.rows, gaps.smallest)
-        assert reads.calls > 0, "no prompt chunk attended sparsely"
+        if native_sparse_expanded_kernel() is None:
+            form = "latent"
+        assert reads.calls[form] > 0, f"no prompt chunk attended sparsely in {form} form"
+        assert sum(reads.calls.values()) == reads.calls[form]
     assert_matches(outputs, hf_reference(preset))
 
 
@@ -165,8 +176,9 @@ def test_radix_cache_hits_match_transformers(hf_saved, preset: str) -> None:
     model, path = hf_saved(preset)
     first = prompts()[1]
     second = first[:500] + [(t * 7 + 3) % VOCAB for t in first[500:560]]
-    with Engine(str(path), dtype="float32", max_total_tokens=4096, chunked_prefill_size=128,
-                page_size=16) as engine:
+    with Engine(
+        str(path), dtype="float32", max_total_tokens=4096, chunked_prefill_size=128, page_size=16
+    ) as engine:
         engine.generate(input_ids=[first], sampling_params=GREEDY)
         (out,) = engine.generate(input_ids=[second], sampling_params=GREEDY)
     assert out["meta_info"]["cached_tokens"] == 496

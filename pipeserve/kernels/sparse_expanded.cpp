@@ -1,0 +1,298 @@
+// DeepSeek-V3.2's sparse attention on up-projected keys (pipeserve/layers/mla.py, prompt
+// chunks long enough that up-projecting the request's latents costs less than attending in
+// latent space, `MLAttention.sparse_expands`): each query attends, in every head, to the
+// positions its indexer chose and no other,
+//
+//   out[i, h] = sum_{p in S_i} softmax_p(scale * q[i, h] . key[p, h]) v[p, h]
+//
+// with key[p, h] = [k[p, h] | rope[p]] (the per-head k_nope, then the roped k_rope that every
+// head shares; no rope: whole per-head keys) and S_i = {pos[i, t] : pos[i, t] >= 0}. Per
+// (query, position, head) this is dk + dr + dv multiply-adds, against 2 * kv_lora_rank + dr in
+// latent space (3.4x fewer at DeepSeek-V3's widths), but each reads a value of its own: per-head
+// keys are not shared by the heads as a latent row is, so the kernel is bound by reading them
+// from L2 (about 2.5x the time per multiply-add of the latent kernel on Zen 3), not by
+// arithmetic.
+//
+// The chosen positions are scattered over the request's expanded keys (tens of MB), so the
+// work is blocked by position: a task's queries (up to kMaxTask) sweep the positions in spans
+// that stay in L3 (kSpanBytes: each span read from memory once per task), a tile of
+// kTileQueries queries at a time (their running state stays in L2) over the span's blocks of
+// kBlock positions. Within a block a query's chosen positions are a run of its ascending list
+// (sorted here when the caller's is not); each head's scores over the run are eight dot
+// products side by side (eight independent chains of multiply-adds, reduced into one vector),
+// its weights by 2^x polynomial against a running maximum (an online softmax across blocks),
+// then its values in register tiles of kRows positions (each output vector loaded and stored
+// once per kRows). Plain C++ with GCC's 8-lane vector extension, compiled for the machine;
+// float32 or bfloat16 storage (widened on load), float32 arithmetic. The (query, position)
+// pairs read are counted, so tests can check that no more than the chosen ones were.
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "prefill_common.h"
+#include "vec8.h"
+
+namespace {
+
+using vec8::exp8;
+using vec8::kLanes;
+using vec8::lanes_sum;
+using vec8::load8;
+using vec8::splat;
+using vec8::store8;
+using vec8::v8;
+using vec8::v8i;
+
+constexpr int64_t kBlock = 64;     // positions per block (~256 KB of keys and values at H = 8)
+constexpr int64_t kMaxTask = 512;  // queries per task at most
+constexpr int64_t kRows = 4;       // positions per register tile
+constexpr int64_t kTileQueries = 32;          // queries sweeping a span's blocks together
+constexpr int64_t kSpanBytes = int64_t{4} << 20;  // keys and values of a span of positions
+
+template <typename T>
+struct Inputs {
+  const T* q;            // [n, H, dk + dr], contiguous
+  const T* k;            // k[p, h, :dk] at k + p * sk0 + h * sk1
+  const T* v;            // v[p, h, :dv] at v + p * sv0 + h * sv1
+  const T* rope;         // rope[p, :dr] at rope + p * sr0; dr may be 0
+  const int64_t* pos;    // [n, topk]
+  T* out;                // [n, H, dv]
+  int64_t n, H, dk, dr, dv, L, topk;
+  int64_t sk0, sk1, sv0, sv1, sr0;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<int64_t> pos;                 // the task's queries' chosen positions, ascending
+  std::vector<int64_t> next, end;           // per query: the next of its positions to read, its last
+  std::vector<float> q;                     // [queries, H, dk + dr], scaled, float32
+  std::vector<float> acc;                   // [queries, H, dv]
+  std::vector<float> top, sums;             // [queries, H]
+  std::vector<float> w;                     // a run's scores, then weights (padded to lanes)
+  int64_t read = 0;
+};
+
+// One vector of eight vectors' lane sums: lane r holds the sum of a[r]'s lanes.
+inline v8 lane_sums(const v8 (&a)[kLanes]) {
+  const auto hadd = [](v8 x, v8 y) {  // pairwise sums of x's and y's lanes, interleaved
+    return __builtin_shuffle(x, y, v8i{0, 2, 8, 10, 4, 6, 12, 14}) +
+           __builtin_shuffle(x, y, v8i{1, 3, 9, 11, 5, 7, 13, 15});
+  };
+  const v8 g0 = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));  // halves' sums of a[0..4)
+  const v8 g1 = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  return __builtin_shuffle(g0, g1, v8i{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(g0, g1, v8i{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+// Scores of one head (query qh, scaled, dk + dr floats) against eight positions p[0 .. 8):
+// eight dot products side by side (eight independent chains of multiply-adds, each query
+// vector loaded feeding all eight), reduced into one vector, lane r for p[r].
+template <typename T>
+inline v8 score8(const Inputs<T>& in, const float* qh, const int64_t* p, int64_t h) {
+  const int64_t kb = in.dk - in.dk % kLanes, rb = in.dr - in.dr % kLanes;
+  const T* kr[kLanes];
+  const T* rr[kLanes];
+  v8 acc[kLanes];
+  for (int r = 0; r < kLanes; ++r) {
+    kr[r] = in.k + p[r] * in.sk0 + h * in.sk1;
+    rr[r] = in.dr ? in.rope + p[r] * in.sr0 : nullptr;
+    acc[r] = splat(0.f);  // not `= {}`: GCC zeroes that through memory
+  }
+  for (int64_t j = 0; j < kb; j += kLanes) {
+    const v8 qv = load8(qh + j);
+    for (int r = 0; r < kLanes; ++r) acc[r] += qv * load8(kr[r] + j);
+  }
+  const float* qr = qh + in.dk;
+  for (int64_t j = 0; j < rb; j += kLanes) {
+    const v8 qv = load8(qr + j);
+    for (int r = 0; r < kLanes; ++r) acc[r] += qv * load8(rr[r] + j);
+  }
+  v8 s = lane_sums(acc);
+  if (kb < in.dk || rb < in.dr)
+    for (int r = 0; r < kLanes; ++r) {
+      float tail = 0.f;
+      for (int64_t j = kb; j < in.dk; ++j) tail += qh[j] * static_cast<float>(kr[r][j]);
+      for (int64_t j = rb; j < in.dr; ++j) tail += qr[j] * static_cast<float>(rr[r][j]);
+      s[r] += tail;
+    }
+  return s;
+}
+
+// acc[:dv] += sum_r w[r] * v[p[r], h, :dv], r < R.
+template <typename T, int R>
+inline void value_tile(const Inputs<T>& in, const int64_t* p, int64_t h, const float* w,
+                       float* acc) {
+  const int64_t body = in.dv - in.dv % kLanes;
+  const T* vr[R];
+  v8 wv[R];
+  for (int r = 0; r < R; ++r) {
+    vr[r] = in.v + p[r] * in.sv0 + h * in.sv1;
+    wv[r] = splat(w[r]);
+  }
+  for (int64_t j = 0; j < body; j += kLanes) {
+    v8 a = load8(acc + j);
+    for (int r = 0; r < R; ++r) a += wv[r] * load8(vr[r] + j);
+    store8(acc + j, a);
+  }
+  for (int64_t j = body; j < in.dv; ++j)
+    for (int r = 0; r < R; ++r) acc[j] += w[r] * static_cast<float>(vr[r][j]);
+}
+
+// One head of one query over its positions p[0 .. c) of a block: scores, the running maximum
+// (what was summed shrinks when it grows), weights, values.
+template <typename T>
+void head_run(const Inputs<T>& in, const float* qh, const int64_t* p, int64_t c, int64_t h,
+              float* w, float& top, float& sum, float* acc) {
+  const int64_t padded = (c + kLanes - 1) / kLanes * kLanes;
+  for (int64_t r = 0; r < padded; r += kLanes) {
+    int64_t p8[kLanes];  // past c: the last position again, its score then dropped
+    for (int64_t t = 0; t < kLanes; ++t) p8[t] = p[std::min(r + t, c - 1)];
+    store8(w + r, score8(in, qh, p8, h));
+  }
+  float best = top;
+  for (int64_t t = 0; t < c; ++t) best = std::max(best, w[t]);
+  if (best > top) {
+    const float shrink = std::exp(top - best);  // 0 on the first run
+    sum *= shrink;
+    for (int64_t j = 0; j < in.dv; ++j) acc[j] *= shrink;
+    top = best;
+  }
+  for (int64_t t = c; t < padded; ++t) w[t] = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < padded; t += kLanes) store8(w + t, exp8(load8(w + t) - splat(top)));
+  for (int64_t t = 0; t < c; ++t) sum += w[t];
+  int64_t r = 0;
+  for (; r + kRows <= c; r += kRows) value_tile<T, kRows>(in, p + r, h, w + r, acc);
+  for (; r < c; ++r) value_tile<T, 1>(in, p + r, h, w + r, acc);
+}
+
+// Queries q0 .. q1 - 1, every head, sweeping the positions block by block.
+template <typename T>
+void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
+  const int64_t m = q1 - q0, H = in.H, dq = in.dk + in.dr, dv = in.dv;
+  s.pos.clear();
+  s.next.assign(m, 0);
+  s.end.assign(m, 0);
+  int64_t last = -1;
+  for (int64_t t = 0; t < m; ++t) {
+    s.next[t] = static_cast<int64_t>(s.pos.size());
+    for (int64_t j = 0; j < in.topk; ++j) {
+      const int64_t p = in.pos[(q0 + t) * in.topk + j];
+      if (p >= 0) s.pos.push_back(p);
+    }
+    s.end[t] = static_cast<int64_t>(s.pos.size());
+    const auto first = s.pos.begin() + s.next[t], stop = s.pos.begin() + s.end[t];
+    if (!std::is_sorted(first, stop)) std::sort(first, stop);
+    if (first != stop) last = std::max(last, *(stop - 1));
+  }
+  s.read += static_cast<int64_t>(s.pos.size());
+  s.q.resize(m * H * dq);
+  for (int64_t j = 0; j < m * H * dq; ++j)
+    s.q[j] = static_cast<float>(in.q[q0 * H * dq + j]) * in.scale;
+  s.acc.assign(m * H * dv, 0.f);
+  s.sums.assign(m * H, 0.f);
+  s.top.assign(m * H, -std::numeric_limits<float>::infinity());
+  s.w.resize(kBlock + kLanes);
+  // positions in spans that stay in L3 (each read from memory once per task), within a span
+  // tiles of queries whose state stays in L2 while they sweep its blocks
+  const int64_t per_position = (H * (in.dk + dv) + in.dr) * static_cast<int64_t>(sizeof(T));
+  const int64_t span = std::max<int64_t>(1, kSpanBytes / per_position / kBlock) * kBlock;
+  for (int64_t s0 = 0; s0 <= last; s0 += span) {
+    const int64_t s1 = std::min(s0 + span, last + 1);
+    for (int64_t t0 = 0; t0 < m; t0 += kTileQueries) {
+      const int64_t t1 = std::min(m, t0 + kTileQueries);
+      for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
+        const int64_t b1 = b0 + kBlock;
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t c0 = s.next[t];
+          int64_t c1 = c0;
+          while (c1 < s.end[t] && s.pos[c1] < b1) ++c1;
+          if (c1 == c0) continue;
+          s.next[t] = c1;
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t th = t * H + h;
+            head_run(in, s.q.data() + th * dq, s.pos.data() + c0, c1 - c0, h, s.w.data(),
+                     s.top[th], s.sums[th], s.acc.data() + th * dv);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t th = 0; th < m * H; ++th) {
+    T* out = in.out + (q0 * H + th) * dv;
+    const float inv = s.sums[th] > 0.f ? 1.f / s.sums[th] : 0.f;  // nothing chosen: zeros
+    for (int64_t j = 0; j < dv; ++j) out[j] = static_cast<T>(s.acc[th * dv + j] * inv);
+  }
+}
+
+template <typename T>
+int64_t run(const Inputs<T>& in) {
+  if (in.n == 0) return 0;
+  const int64_t threads = at::get_num_threads();
+  const int64_t per = std::max<int64_t>(1, std::min(kMaxTask, (in.n + threads - 1) / threads));
+  std::atomic<int64_t> read{0};
+  prefill::run_tasks(
+      in.n, 1, per, [] { return Scratch{}; },
+      [&](Scratch& s, int64_t, int64_t q0, int64_t q1) {
+        task(in, s, q0, q1);
+        read += s.read;
+        s.read = 0;
+      });
+  return read.load();
+}
+
+}  // namespace
+
+at::Tensor sparse_expanded_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor rope,
+                                     at::Tensor positions, double scale, at::Tensor keys_read) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && positions.dim() == 2,
+              "q [n,H,dk+dr], k [L,H,dk], v [L,H,dv], positions [n,topk] expected");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "sparse_expanded_attention takes float32 or bfloat16");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must have one dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
+  TORCH_CHECK(keys_read.scalar_type() == at::kLong && keys_read.numel() == 1 &&
+                  keys_read.is_contiguous(),
+              "keys_read must be one int64");
+  const int64_t n = q.size(0), H = q.size(1), L = k.size(0), dk = k.size(2), dv = v.size(2);
+  TORCH_CHECK(k.size(1) == H && v.size(1) == H && v.size(0) == L,
+              "k and v must be [L, H, d] with q's heads");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "each head's key and value must be contiguous");
+  const bool shared = rope.numel() > 0;
+  const int64_t dr = shared ? rope.size(1) : 0;
+  if (shared) {
+    TORCH_CHECK(rope.dim() == 2 && rope.size(0) == L && rope.stride(1) == 1,
+                "rope must be [L, dr] with contiguous rows");
+    TORCH_CHECK(rope.scalar_type() == q.scalar_type(), "rope must have q's dtype");
+  }
+  TORCH_CHECK(q.size(2) == dk + dr, "q must be as wide as a key with its rope part");
+  TORCH_CHECK(positions.size(0) == n, "positions must have one row per query");
+  q = q.contiguous();
+  positions = positions.contiguous();
+  const int64_t topk = positions.size(1);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n * topk; ++j)
+    TORCH_CHECK(-1 <= pp[j] && pp[j] < L, "a chosen position is outside the keys");
+  at::Tensor out = at::empty({n, H, dv}, q.options());
+  const float sc = static_cast<float>(scale);
+  int64_t read = 0;
+  const auto launch = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* rp = shared ? rope.data_ptr<T>() : nullptr;
+    Inputs<T> in{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), rp, pp, out.data_ptr<T>(),
+                 n, H, dk, dr, dv, L, topk, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                 shared ? rope.stride(0) : 0, sc};
+    read = run(in);
+  };
+  if (q.scalar_type() == at::kFloat) {
+    launch(static_cast<float*>(nullptr));
+  } else {
+    launch(static_cast<c10::BFloat16*>(nullptr));
+  }
+  *keys_read.data_ptr<int64_t>() += read;
+  return out;
+}

@@ -1,0 +1,66 @@
+// Eight float lanes in GCC's vector extension, what the DeepSeek-V3.2 kernels share (the
+// indexer's scores, the sparse attention in latent and in expanded form): loads of float32
+// and of bfloat16 (widened), stores, broadcast, a horizontal sum, e^x for x <= 0 and a
+// prefetch of a span. Compiled for the machine: AVX2 registers, or the low half of AVX512's.
+#pragma once
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "prefill_common.h"
+
+namespace vec8 {
+
+constexpr int64_t kLanes = 8;
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+inline v8 load8(const float* p) {
+  v8 r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is a float32's top half
+  v8h bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const v8i wide = __builtin_convertvector(bits, v8i) << 16;
+  v8 r;
+  std::memcpy(&r, &wide, sizeof(r));
+  return r;
+}
+
+inline void store8(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+inline float lanes_sum(v8 a) {
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += a[l];
+  return s;
+}
+
+// e^x for x <= 0 (a score minus its maximum), as 2^n * 2^f with f in [-0.5, 0.5] and 2^f the
+// prefill kernels' polynomial (relative error ~2e-7); below 2^-126 it stays near 2^-126,
+// which no sum holding an e^0 notices.
+inline v8 exp8(v8 x) {
+  v8 t = x * splat(prefill::kLog2e);
+  t = t > splat(-126.f) ? t : splat(-126.f);
+  const v8i n = __builtin_convertvector(t - splat(0.5f), v8i);  // t <= 0: round half down
+  const v8 f = t - __builtin_convertvector(n, v8);
+  v8 p = splat(prefill::kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = p * f + splat(prefill::kExp2Poly[i]);
+  const v8i bits = (n + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+}  // namespace vec8

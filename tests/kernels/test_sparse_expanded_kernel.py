@@ -1,0 +1,172 @@
+"""DeepSeek-V3.2's sparse attention on up-projected keys (kernels/sparse_expanded.cpp, what
+`MLAttention.sparse_expanded` runs): each query's heads over its chosen positions only, keys
+[k_nope | the shared k_rope] read from strided views of one up-projection, against float64
+softmax attention under the selection's mask; the positions read are counted; the layer's
+choice between this form and the latent one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from selection_oracle import masked_attention, selection_mask
+
+from pipeserve.device import native_sparse_expanded_kernel
+from pipeserve.layers.mla import MLAttention
+from pipeserve.models.arch import IndexerConfig, MLAConfig
+
+pytestmark = pytest.mark.skipif(
+    native_sparse_expanded_kernel() is None, reason="no native kernels here"
+)
+# odd sizes: widths with tails past the kernel's 8 lanes, runs that are not whole tiles, a
+# request long enough for several blocks of 64 positions and spans of positions
+N, H, DK, DR, DV, L, TOPK = 45, 3, 13, 5, 11, 700, 90
+
+
+def problem(dtype: torch.dtype, seed: int = 0):
+    """q; k, v as views of one [L, H, DK + DV] up-projection; rope as a view of wider rows;
+    each query's choice of TOPK positions in shuffled order, with holes."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(N, H, DK + DR, generator=gen).to(dtype)
+    up = torch.randn(L, H, DK + DV, generator=gen).to(dtype)
+    rows = torch.randn(L, 7 + DR, generator=gen).to(dtype)
+    positions = torch.stack([torch.randperm(L, generator=gen)[:TOPK] for _ in range(N)])
+    positions[3, 10:] = -1
+    positions[5, :] = -1  # nothing chosen: zeros
+    positions[7, ::2] = -1  # holes anywhere
+    positions[8] = torch.arange(L - TOPK, L)  # one run across the last blocks, in order
+    return q, up[..., :DK], up[..., DK:], rows[:, 7:], positions
+
+
+def oracle(q, k, v, rope, positions, scale):
+    keys = torch.cat([k, rope[:, None].expand(-1, H, -1)], dim=-1)
+    return masked_attention(q, keys, v, selection_mask(positions, L), scale)
+
+
+def attend(q, k, v, rope, positions, scale, read=None):
+    kernel = native_sparse_expanded_kernel()
+    read = torch.zeros(1, dtype=torch.long) if read is None else read
+    return kernel(q, k, v, rope, positions, scale, read)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attends_to_the_chosen_positions_only(dtype: torch.dtype) -> None:
+    q, k, v, rope, positions = problem(dtype)
+    read = torch.zeros(1, dtype=torch.long)
+    out = attend(q, k, v, rope, positions, 0.3, read)
+    expected = oracle(q, k, v, rope, positions, 0.3)
+    assert out.dtype == dtype and out.shape == (N, H, DV)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    else:  # float32 arithmetic, one rounding of the output to bfloat16
+        torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2**-8)
+    assert (out[5] == 0).all()
+    assert read.item() == int((positions >= 0).sum())
+
+
+def test_keys_without_a_shared_rope_part() -> None:
+    """Whole per-head keys (the context-parallel path's expanded keys) and no rope: the same
+    numbers as the keys split in two."""
+    q, k, v, rope, positions = problem(torch.float32, seed=1)
+    whole = torch.cat([k, rope[:, None].expand(-1, H, -1)], dim=-1).contiguous()
+    split = attend(q, k, v, rope, positions, 0.2)
+    joined = attend(q, whole, v, torch.empty(0), positions, 0.2)
+    torch.testing.assert_close(joined, split, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_and_order_of_a_choice_change_nothing(threads: int) -> None:
+    q, k, v, rope, positions = problem(torch.float32, seed=2)
+    ordered = positions.sort(dim=-1).values  # -1s first, then increasing
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        shuffled = attend(q, k, v, rope, positions, 0.2)
+        sorted_out = attend(q, k, v, rope, ordered, 0.2)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(shuffled, sorted_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(
+        shuffled.double(), oracle(q, k, v, rope, positions, 0.2), atol=2e-6, rtol=0
+    )
+
+
+def test_a_position_outside_the_keys_is_refused() -> None:
+    q, k, v, rope, positions = problem(torch.float32)
+    positions[9, 4] = L
+    with pytest.raises(RuntimeError, match="outside the keys"):
+        attend(q, k, v, rope, positions, 0.2)
+
+
+def test_no_queries_give_an_empty_answer() -> None:
+    q, k, v, rope, positions = problem(torch.float32)
+    read = torch.zeros(1, dtype=torch.long)
+    out = attend(q[:0], k, v, rope, positions[:0], 0.2, read)
+    assert out.shape == (0, H, DV) and read.item() == 0
+
+
+def layer(rank: int, heads: int, nope: int = 64, rope: int = 32) -> MLAttention:
+    mla = MLAConfig(
+        q_lora_rank=64,
+        kv_lora_rank=rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=nope,
+        rope_interleave=False,
+    )
+    index = IndexerConfig(n_heads=4, head_dim=32, topk=2048)
+    return MLAttention(128, heads, mla, None, torch.float32, indexer=index)
+
+
+def test_long_chunks_of_narrow_latents_expand_decode_steps_stay_latent() -> None:
+    """The cost rule: with the benchmark's widths (latent 256, heads of 96/64) a 2,048-query
+    chunk of a 16K request expands and a decode step does not; at DeepSeek-V3's widths (latent
+    512, heads of 192/128) a 512-query chunk of a 128K request stays latent (up-projecting
+    every position would cost more than it saves); nothing expands off the compiled kernels
+    or their dtypes."""
+    narrow = layer(256, 8)
+    assert narrow.sparse_expands(2048, 16384, True, torch.float32)
+    assert narrow.sparse_expands(2048, 16384, True, torch.bfloat16)
+    assert not narrow.sparse_expands(1, 16384, True, torch.float32)
+    assert not narrow.sparse_expands(2048, 16384, False, torch.float32)
+    assert not narrow.sparse_expands(2048, 16384, True, torch.float16)
+    v3 = layer(512, 8, nope=128, rope=64)
+    assert not v3.sparse_expands(512, 131072, True, torch.float32)
+
+
+def test_the_form_can_be_forced_and_a_wrong_one_is_refused(monkeypatch: pytest.MonkeyPatch):
+    narrow = layer(256, 8)
+    monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", "latent")
+    assert not narrow.sparse_expands(2048, 16384, True, torch.float32)
+    monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", "expanded")
+    assert narrow.sparse_expands(1, 16384, True, torch.float32)
+    assert not narrow.sparse_expands(1, 16384, False, torch.float32)  # no kernel: latent
+    monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", "dense")
+    with pytest.raises(ValueError, match="expected auto, latent or expanded"):
+        narrow.sparse_expands(2048, 16384, True, torch.float32)
+
+
+def test_the_layer_computes_the_same_in_both_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLAttention.sparse on up-projected keys equals the latent form on the same choice."""
+    from pipeserve.layers.latent_segment import LatentSegment
+
+    torch.manual_seed(0)
+    lay = layer(64, 4)
+    for p in lay.parameters():
+        p.data.normal_(0, 0.2)
+    length, n = 300, 40
+    cache = torch.randn(length + 5, 64 + 32)
+    slots = torch.randperm(length + 5)[:length]
+    seg = LatentSegment(0, n, slots)
+    q = torch.randn(n, 4, 96)
+    gen = torch.Generator().manual_seed(3)
+    chosen = torch.stack(
+        [torch.randperm(length - n + i + 1, generator=gen)[:100] for i in range(n)]
+    )
+    forms = {}
+    for name in ("expanded", "latent"):
+        monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", name)
+        assert lay.sparse_expands(n, length, True, torch.float32) == (name == "expanded")
+        read = torch.zeros(1, dtype=torch.long)
+        forms[name] = lay.sparse(q, seg, cache, chosen, True, read)
+        assert read.item() == n * 100
+    torch.testing.assert_close(forms["expanded"], forms["latent"], atol=1e-5, rtol=1e-5)
