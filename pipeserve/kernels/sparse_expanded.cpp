@@ -195,7 +195,7 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   s.acc.assign(m * H * dv, 0.f);
   s.sums.assign(m * H, 0.f);
   s.top.assign(m * H, -std::numeric_limits<float>::infinity());
-  s.w.resize(kBlock + kLanes);
+  s.w.resize(in.topk + kLanes);  // a run: at most a query's choice (a repeated position)
   // positions in spans that stay in L3 (each read from memory once per task), within a span
   // tiles of queries whose state stays in L2 while they sweep its blocks
   const int64_t per_position = (H * (in.dk + dv) + in.dr) * static_cast<int64_t>(sizeof(T));

@@ -90,6 +90,18 @@ def test_threads_and_order_of_a_choice_change_nothing(threads: int) -> None:
     )
 
 
+def test_a_position_chosen_many_times_is_read_each_time() -> None:
+    """A choice that repeats one position more often than a block holds positions (what no
+    indexer gives, but a caller may): one run longer than a block, every copy weighed alike,
+    so the answer is that position's value."""
+    q, k, v, rope, positions = problem(torch.float32, seed=4)
+    positions[2] = 5
+    read = torch.zeros(1, dtype=torch.long)
+    out = attend(q, k, v, rope, positions, 0.2, read)
+    torch.testing.assert_close(out[2], v[5], atol=1e-6, rtol=1e-5)
+    assert read.item() == int((positions >= 0).sum())
+
+
 def test_a_position_outside_the_keys_is_refused() -> None:
     q, k, v, rope, positions = problem(torch.float32)
     positions[9, 4] = L
