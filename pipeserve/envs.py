@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -49,6 +50,16 @@ def profile_cache_enabled() -> bool:
 def native_kernels_enabled() -> bool:
     """PIPESERVE_NATIVE_KERNELS=0 uses the pure-torch attention paths only."""
     return os.environ.get("PIPESERVE_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no")
+
+
+def ram_claims_dir() -> Path:
+    """PIPESERVE_RESERVATIONS_DIR: where the pipeserve runs of this host write their claims of
+    RAM (default: a directory per user under /dev/shm, else under the temporary directory)."""
+    raw = os.environ.get("PIPESERVE_RESERVATIONS_DIR")
+    if raw:
+        return Path(raw)
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"pipeserve-ram-claims-{os.getuid()}"
 
 
 def sparse_attention_form() -> str:

@@ -16,6 +16,19 @@ from pipeserve.models.presets import make_model
 TINY_PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
 
 
+@pytest.fixture(autouse=True)
+def _own_ram_claims(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each test sees only the host-RAM claims of the runs it starts (pipeserve/mem_cache/
+    host_reservations.py), in a directory of its own (made only if a run claims): an engine
+    that another test holds must not shrink this test's. Inherited by spawned processes."""
+    folder = tmp_path_factory.getbasetemp() / "ram-claims" / str(abs(hash(request.node.nodeid)))
+    monkeypatch.setenv("PIPESERVE_RESERVATIONS_DIR", str(folder))
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):
     """model_dir(preset) -> path of a checkpoint made once per test session."""

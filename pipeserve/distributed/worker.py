@@ -213,7 +213,7 @@ def _agree_on_dtype(
 
 def _agree_on_host_tier(config: EngineConfig, device: torch.device) -> EngineConfig:
     """Every rank caps HiCache's host tier as node 0's launching process decided (from its
-    free memory: `with_host_tier`), so all derive the same page counts."""
+    free memory: `with_host_memory`), so all derive the same page counts."""
     if not config.cache.enable_hierarchical_cache:
         return config
     agreed = broadcast_text(repr(config.cache.hicache_size), device)

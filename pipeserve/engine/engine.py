@@ -20,7 +20,8 @@ from pipeserve.device import (
 )
 from pipeserve.disaggregation.pd.kv_remap import SideLayout
 from pipeserve.engine.backend import Backend, InProcessBackend, WorkerBackend
-from pipeserve.mem_cache.host_tier import with_host_tier
+from pipeserve.mem_cache.host_reservations import Reservation
+from pipeserve.mem_cache.host_tier import claim_bytes, with_host_memory
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.kv_layout import kv_bytes_per_token
@@ -70,7 +71,19 @@ class Engine:
 
     def _start(self, model_path: str | None, flags: dict[str, Any]) -> None:
         config = with_compute_dtype(EngineConfig.from_flags(model_path=model_path, **flags))
-        self.config = with_host_tier(config)
+        self.config = with_host_memory(config)
+        # the RAM this run will fill, claimed for the host's other pipeserve runs to see
+        claim = claim_bytes(self.config)
+        what = self.config.model.model_path or "the built-in model"
+        self._ram_claim = Reservation(claim, what) if claim else None
+        try:
+            self._start_backend()
+        except BaseException:
+            if self._ram_claim is not None:
+                self._ram_claim.release()
+            raise
+
+    def _start_backend(self) -> None:
         m = self.config.model
         self.model_path = resolve_model_path(m.model_path, m.dtype)
         self.arch = ArchConfig.load(self.model_path)
@@ -125,6 +138,8 @@ class Engine:
         try:
             backend.shutdown()
         finally:
+            if self._ram_claim is not None:
+                self._ram_claim.release()
             del backend  # the last reference: pool, model and loop go with it
             gc.collect()  # the backend's reference cycles (scheduler <-> chunking hooks)
             release_cached_memory(resolve_device(self.config.model.device))

@@ -7,6 +7,10 @@ with what fits; and an engine with default flags starts with its host tier lazil
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +19,8 @@ from pipeserve.config import EngineConfig, SettingsError
 from pipeserve.engine.engine import Engine
 from pipeserve.mem_cache import host_tier
 from pipeserve.mem_cache.hicache import HOST
-from pipeserve.mem_cache.host_tier import GIB, tier_pages, with_host_tier
+from pipeserve.mem_cache.host_reservations import Reservation, claimed_bytes
+from pipeserve.mem_cache.host_tier import GIB, claim_bytes, tier_pages, with_host_memory
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.mem_cache.tier_store import TierStore
 
@@ -32,21 +37,66 @@ def config(**flags) -> EngineConfig:
 def test_the_cap_is_what_is_free_less_the_cpu_pools_and_a_margin(monkeypatch) -> None:
     machine(monkeypatch, ram_gib=100, free_gib=90)
     # 90 free - 50 for the CPU pools (--mem-fraction-static 0.5) - 10 kept free = 30
-    assert with_host_tier(config()).cache.hicache_size == pytest.approx(30)
-    assert with_host_tier(config(mem_fraction_static=0.3)).cache.hicache_size == pytest.approx(50)
-    two = with_host_tier(config(pp_size=2)).cache.hicache_size  # two workers on the node
+    assert with_host_memory(config()).cache.hicache_size == pytest.approx(30)
+    assert with_host_memory(config(mem_fraction_static=0.3)).cache.hicache_size == pytest.approx(50)
+    two = with_host_memory(config(pp_size=2)).cache.hicache_size  # two workers on the node
     assert two == pytest.approx(15)
     machine(monkeypatch, ram_gib=100, free_gib=40)  # another process holds 60
-    assert with_host_tier(config()).cache.hicache_size == 0
+    assert with_host_memory(config()).cache.hicache_size == 0
     plain = EngineConfig.from_flags(device="cpu")
-    assert with_host_tier(plain) is plain  # no HiCache: nothing decided
+    assert with_host_memory(plain) is plain  # no HiCache: nothing decided
 
 
 def test_a_size_over_what_is_free_is_refused_with_what_fits(monkeypatch) -> None:
     machine(monkeypatch, ram_gib=100, free_gib=90)
-    assert with_host_tier(config(hicache_size=30.0)).cache.hicache_size == 30.0
+    assert with_host_memory(config(hicache_size=30.0)).cache.hicache_size == 30.0
     with pytest.raises(SettingsError, match=r"--hicache-size 31 GiB .* use --hicache-size 30.0"):
-        with_host_tier(config(hicache_size=31.0))
+        with_host_memory(config(hicache_size=31.0))
+
+
+def test_other_runs_claims_shrink_the_cpu_pools_and_the_tier(monkeypatch) -> None:
+    """RAM 100 GiB, 90 free (the other runs' pools are untouched yet): a run that claims 50
+    leaves 100 - 10 kept - 50 = 40 for this one's CPU pools (0.4 of RAM instead of 0.5); its
+    host tier gets min(90, 100 - 50) - 40 - 10 = 0; a run sized by --max-total-tokens keeps
+    its flags; when less than 2 GiB would be left, the start is refused naming the claim."""
+    machine(monkeypatch, ram_gib=100, free_gib=90)
+    plain = EngineConfig.from_flags(device="cpu")
+    assert with_host_memory(plain) is plain  # nobody else: unchanged
+    assert claim_bytes(plain) == 50 * GIB
+    other = Reservation(50 * GIB, "serve tiny-llama")
+    assert claimed_bytes()[0] == 50 * GIB
+    assert with_host_memory(plain).cache.mem_fraction_static == pytest.approx(0.4)
+    assert with_host_memory(config()).cache.hicache_size == 0
+    tokens = EngineConfig.from_flags(device="cpu", max_total_tokens=4096)
+    assert with_host_memory(tokens) is tokens and claim_bytes(tokens) == 0
+    more = Reservation(39 * GIB, "serve bench")
+    with pytest.raises(
+        SettingsError,
+        match=r"other pipeserve runs on this host claim 89.0 of "
+        r"100.0 GiB \(50.0 GiB by pid \d+ \(serve tiny-llama\), 39.0 GiB",
+    ):
+        with_host_memory(plain)
+    more.release()
+    other.release()
+    assert claimed_bytes()[0] == 0
+    assert with_host_memory(plain) is plain
+
+
+def test_a_killed_runs_claim_counts_for_nothing() -> None:
+    """A process that dies holding a claim (no shutdown, no exit handlers) leaves a file that
+    the next reader drops."""
+    code = (
+        "import os, signal\n"
+        "from pipeserve.mem_cache.host_reservations import Reservation\n"
+        "r = Reservation(7 * 2**30, 'killed')\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    folder = Path(os.environ["PIPESERVE_RESERVATIONS_DIR"])
+    assert len(list(folder.glob("*.claim.json"))) == 1  # left behind
+    assert claimed_bytes() == (0, [])
+    assert not list(folder.glob("*.claim.json"))
 
 
 def test_tier_pages_takes_the_ratio_up_to_the_cap() -> None:
@@ -94,3 +144,19 @@ def test_an_engine_with_default_flags_starts_and_serves(model_dir) -> None:
     assert cap is not None and cap > 0
     assert 0 < stats["hicache_host_capacity_tokens"] * per_token <= cap * GIB
     assert all(len(o["output_ids"]) == 3 for o in out)
+
+
+def test_a_second_engine_on_the_host_takes_what_the_first_left(model_dir) -> None:
+    """The real machine: an engine with default flags claims --mem-fraction-static (0.5) of
+    RAM; a second one started beside it takes 0.9 - 0.5 = 0.4 of RAM; the first's claim goes
+    when it shuts down."""
+    path = str(model_dir("tiny-llama"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with Engine(path, device="cpu") as first:
+        assert claimed_bytes()[0] == int(ram * 0.5)
+        with Engine(path, device="cpu") as second:
+            assert second.config.cache.mem_fraction_static == pytest.approx(0.4, abs=1e-3)
+            out = second.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+            assert isinstance(out, dict) and len(out["output_ids"]) == 2
+        assert first.config.cache.mem_fraction_static == 0.5
+    assert claimed_bytes() == (0, [])
