@@ -149,20 +149,56 @@ void run_scores(const Inputs& in, float* out) {
 // top_positions; -0.0 equals 0.0 in these comparisons); all of them, then -1s, when there
 // are no more than topk. NaN (from NaN or infinite inputs) ranks as -inf, below every number:
 // the row (the thread's scratch) is rewritten so, once, and every comparison below is then a
-// strict weak order, so a row always yields topk positions. A selection: the topk-th best by
-// nth_element over a copy, then one pass in position order. `copy` holds `visible` floats.
-void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t* pick) {
+// strict weak order, so a row always yields topk positions.
+//
+// A selection in four passes over the row, none of them a sort: (1) NaN to -inf and the range
+// of the finite scores; (2) a histogram of kBins equal bins over that range (-inf in the
+// lowest, +inf in the highest: the bin is monotone in the score), from which the bin holding
+// the topk-th best and the count above it follow; (3) that bin's scores gathered into `copy`
+// and the topk-th best found among them alone (nth_element over a few, not over the row);
+// (4) the positions in order: every score above it, then the earliest of those equal to it.
+// `copy` holds `visible` floats, `tags` each score's bin, `bins` kBins counters.
+constexpr int64_t kBins = 2048;
+
+void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t* pick,
+                int64_t* bins, uint16_t* tags) {
   std::fill(pick, pick + topk, int64_t{-1});
   if (visible <= topk) {
     for (int64_t j = 0; j < visible; ++j) pick[j] = j;
     return;
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < visible; ++j) copy[j] = row[j] = std::isnan(row[j]) ? neg_inf : row[j];
-  std::nth_element(copy, copy + topk - 1, copy + visible, std::greater<float>());
-  const float kth = copy[topk - 1];
-  int64_t above = 0;
-  for (int64_t j = 0; j < visible; ++j) above += row[j] > kth;
+  const float inf = std::numeric_limits<float>::infinity();
+  float lo = inf, hi = -inf;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float x = std::isnan(row[j]) ? neg_inf : row[j];
+    row[j] = x;
+    if (std::isfinite(x)) {
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+    }
+  }
+  // bin(x): 0 at lo and below, kBins - 1 at hi and above, equal widths between; a weakly
+  // increasing function of x (a subtraction and a product by a positive constant round
+  // monotonically), so every score of a higher bin is at least every score of a lower one
+  const float scale = hi > lo ? (kBins - 1) / (hi - lo) : 0.f;
+  const auto bin = [&](float x) -> int64_t {
+    if (!(x > lo)) return 0;
+    if (!(x < hi)) return kBins - 1;
+    const float t = (x - lo) * scale;  // +inf where hi - lo is too small for 1 / it
+    return t < kBins - 1 ? static_cast<int64_t>(t) : kBins - 1;
+  };
+  std::fill(bins, bins + kBins, int64_t{0});
+  for (int64_t j = 0; j < visible; ++j) ++bins[tags[j] = static_cast<uint16_t>(bin(row[j]))];
+  int64_t above = 0, b = kBins - 1;
+  while (above + bins[b] < topk) above += bins[b--];  // some bin holds the topk-th: visible > topk
+  int64_t c = 0;
+  for (int64_t j = 0; j < visible; ++j)
+    if (tags[j] == b) copy[c++] = row[j];  // the bins counted (fast-math may round twice apart)
+  const int64_t need = topk - above;  // in 1 .. bins[b]
+  std::nth_element(copy, copy + need - 1, copy + c, std::greater<float>());
+  const float kth = copy[need - 1];
+  for (int64_t t = 0; t < c; ++t) above += copy[t] > kth;
   int64_t ties = topk - above, taken = 0;
   for (int64_t j = 0; j < visible && taken < topk; ++j) {
     if (row[j] > kth || (row[j] == kth && ties > 0)) {
@@ -183,6 +219,8 @@ void run_topk(const Inputs& in, int64_t topk, int64_t* pick) {
   struct Scratch {
     Acc acc;
     std::vector<float> rows, copy;
+    std::vector<int64_t> bins = std::vector<int64_t>(kBins);
+    std::vector<uint16_t> tags;
   };
   prefill::run_tasks(
       in.n, 1, per, [] { return Scratch{}; },
@@ -190,10 +228,11 @@ void run_topk(const Inputs& in, int64_t topk, int64_t* pick) {
         // a decode step's one query: one row, not a whole task's
         s.rows.resize(std::max(s.rows.size(), static_cast<size_t>((q1 - q0) * in.L)));
         s.copy.resize(static_cast<size_t>(in.L));
+        s.tags.resize(static_cast<size_t>(in.L));
         task_rows(in, Rows{s.rows.data(), q0}, q0, q1, s.acc.rows);
         for (int64_t i = q0; i < q1; ++i)
           select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),
-                     pick + i * topk);
+                     pick + i * topk, s.bins.data(), s.tags.data());
       });
 }
 

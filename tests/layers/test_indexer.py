@@ -313,10 +313,11 @@ def test_the_selection_is_the_sort_s_on_ties_signed_zeros_and_short_rows() -> No
 def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
     n: int, prefix: int, heads: int, dim: int, topk: int, ties: bool
 ) -> None:
-    """The fused kernel (scores kept in its scratch rows, nth_element, one pass in position
-    order) picks what the rule picks on the same scores (the scores kernel's: the same
-    arithmetic). ties: small integer queries and keys, some head weights zero or negative,
-    so many scores are equal (0 above all) and the boundary falls among them."""
+    """The fused kernel (scores kept in its scratch rows, a histogram, nth_element over one
+    bin, one pass in position order) picks what the rule picks on the same scores (the scores
+    kernel's: the same arithmetic). ties: small integer queries and keys, some head weights
+    zero or negative, so many scores are equal (0 above all) and the boundary falls among
+    them."""
     q, w, k = rand(n, heads, dim, seed=4), rand(n, heads, seed=5), rand(prefix + n, dim, seed=6)
     if ties:
         q, k = (q * 2).round(), (k * 2).round()
@@ -327,6 +328,26 @@ def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
     if ties and topk >= 50 and prefix + n > topk:  # the boundary fell among equal scores
         kth = scores.sort(dim=-1, descending=True).values[:, topk - 1 : topk + 1]
         assert ((kth[:, 0] == kth[:, 1]) & torch.isfinite(kth[:, 1])).any()
+
+
+@pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
+@pytest.mark.parametrize("spread", ["tiny", "denormal", "infinite", "one-value"])
+def test_the_selection_holds_on_every_spread_of_scores(spread: str) -> None:
+    """The kernel's histogram over each row's range of finite scores: a range a few ulps wide,
+    one too narrow for its reciprocal (denormal scores), rows with +inf scores (infinite keys),
+    and rows of one value; each picks what the rule picks on the same scores."""
+    n, prefix, topk = 12, 200, 64
+    q, w = torch.ones(n, 1, 1), torch.ones(n, 1)
+    k = 1.0 + torch.arange(prefix + n, dtype=torch.float32)[:, None].remainder(7) * 2**-20
+    if spread == "denormal":
+        k = torch.arange(prefix + n, dtype=torch.float32)[:, None].remainder(5) * 1e-42
+    elif spread == "infinite":
+        k[::9] = float("inf")
+    elif spread == "one-value":
+        k = torch.full((prefix + n, 1), 0.5)
+    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 1.0, topk)
+    scores = indexer_mod.causal_index_scores(q, w, k, prefix, 1.0)
+    assert torch.equal(canonical(picked), reference_positions(scores, topk))
 
 
 @pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
