@@ -61,7 +61,7 @@ struct Inputs {
   const T* rope;         // rope[p, :dr] at rope + p * sr0; dr may be 0
   const int64_t* pos;    // [n, topk]
   T* out;                // [n, H, dv]
-  int64_t n, H, dk, dr, dv, L, topk;
+  int64_t n, H, dk, dr, dv, topk;
   int64_t sk0, sk1, sv0, sv1, sr0;
   float scale;
 };
@@ -284,7 +284,7 @@ at::Tensor sparse_expanded_attention(at::Tensor q, at::Tensor k, at::Tensor v, a
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* rp = shared ? rope.data_ptr<T>() : nullptr;
     Inputs<T> in{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), rp, pp, out.data_ptr<T>(),
-                 n, H, dk, dr, dv, L, topk, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                 n, H, dk, dr, dv, topk, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                  shared ? rope.stride(0) : 0, sc};
     read = run(in);
   };

@@ -236,10 +236,10 @@ class MLAttention(nn.Module):
                         self.indexer.scale,
                         self.indexer.config.topk,
                     )
-                if chosen is not None and self.sparse_expands(end - first, end, native, q.dtype):
-                    out[rows] = self.sparse_expanded(q[rows], latents[:end], chosen)
-                elif chosen is not None or self.absorbs("auto", seg_view, native):
-                    out[rows] = self.absorbed(q[rows], seg_view, latents, chosen, native)
+                if chosen is not None:
+                    out[rows] = self.sparse(q[rows], seg_view, latents, chosen, native)
+                elif self.absorbs("auto", seg_view, native):
+                    out[rows] = self.absorbed(q[rows], seg_view, latents, native=native)
                 else:
                     if expanded is None:
                         expanded = ExpandedKeys(*self.expand(latents), native)

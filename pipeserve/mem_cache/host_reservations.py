@@ -101,7 +101,6 @@ class Reservation:
     collected, or the process exits)."""
 
     def __init__(self, nbytes: int, what: str) -> None:
-        self.nbytes = nbytes
         pid = os.getpid()
         started = _start_time(pid) or "?"
         with _locked() as folder:

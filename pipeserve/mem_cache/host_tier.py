@@ -72,7 +72,8 @@ def with_host_memory(config: EngineConfig) -> EngineConfig:
     host tier cap made concrete (--hicache-size in GiB per worker). Called once where a run
     starts. Raises SettingsError when nothing is left, or an explicit --hicache-size exceeds
     what is free."""
-    others, claims = claimed_bytes() if _single_host(config) else (0, [])
+    counted = _pools_in_ram(config) or config.cache.enable_hierarchical_cache
+    others, claims = claimed_bytes() if counted and _single_host(config) else (0, [])
     if _pools_in_ram(config) and others:
         config = _fraction_left(config, others, claims)
     return _with_host_tier(config, others)
