@@ -37,6 +37,7 @@ TESTS = os.environ.get("TESTS", "").split()  # pytest arguments instead of TEST_
 PY = sys.executable
 TEST_FILES = [  # compile checks first, then the engine
     "tests/kernels/test_triton_attention.py",
+    "tests/kernels/test_triton_fp8.py",
     "tests/layers/test_attention_backends.py",
     "tests/layers/test_moe_grouped.py",
     "tests/cuda/test_engine_cuda.py",
@@ -79,6 +80,15 @@ def profile(name: str, cap: float, *flags: Any) -> Stage:
     return Stage(name, argv + [str(f) for f in flags], cap, report=report)
 
 
+def fp8_gemm() -> Stage:
+    """The block-scaled FP8 product against bfloat16 on the dequantised weights."""
+    report = LOGS / "fp8-gemm.json"
+    argv = [PY, str(ROOT / "benchmarks" / "fp8_gemm.py"), "--json", str(report)]
+    if DRY:
+        argv += ["--device", "cpu", "--small", "--rows", "1", "--repeats", "1"]
+    return Stage("fp8-gemm", argv, 60, report=report)
+
+
 def stages() -> list[Stage]:
     """In priority order. The default (auto) is the Triton path with CUDA graphs, prompt
     chunks over 16K keys on torch's flash kernels; the other backends run by name."""
@@ -103,6 +113,7 @@ def stages() -> list[Stage]:
         bench("decode-64", 60, *decode, "--compare-loops"),
         bench("decode-1", 45, *one),
         bench("prefill-32k", 60, "--input-len", k32, *prefill, "--repeat", 2, *hf),
+        fp8_gemm(),
         bench("decode-64-nograph", 60, *decode, *nograph),
         bench("decode-1-nograph", 45, *one, *nograph),
         bench("decode-64-torch", 90, *eager, *torch_),
@@ -242,6 +253,11 @@ def headline(stage: Stage) -> str:
         words.append(
             f"hf prefill {b['prefill_s']:.4f} s out {b['output_throughput_tok_s']:.0f} "
             f"tok/s ratio {r['ratio_to_baseline']} kernels {b.get('sdpa_kernels')}"
+        )
+    for row in r.get("results", []):  # fp8-gemm
+        words.append(
+            f"{row['shape']} rows {row['rows']}: fp8/bf16 {row['fp8_over_dequantised']:.2f}, "
+            f"error {row['fp8_rel_error']:.1e}"
         )
     if "wall_ms_per_step" in r:
         words.append(

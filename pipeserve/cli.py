@@ -528,12 +528,15 @@ def add_sim_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _allow_fp8(parser: argparse.ArgumentParser) -> None:
-    """The simulator's --dtype is the weights' and also knows fp8 (default: the checkpoint's,
-    fp8 where its quantization_config says so)."""
+    """The simulator's --dtype is the weights' and also knows fp8 (default: what the engine
+    holds; for an FP8 checkpoint bf16, or fp8 under --fp8-weights keep)."""
     for action in parser._actions:
         if action.dest == "dtype":
             action.choices = ["auto", "fp8", "bfloat16", "float16", "float32"]
-            action.help = "simulated weight dtype (default: the checkpoint's; fp8 for FP8 ones)"
+            action.help = (
+                "simulated weight dtype (default: what the engine holds: the checkpoint's "
+                "dtype; an FP8 checkpoint's in bfloat16, or in fp8 with --fp8-weights keep)"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,6 +42,7 @@ def _secret_flag(help: str) -> Any:
 
 
 AFD_DISPATCH_MODES = ("direct-rank", "direct", "two-stage")
+FP8_WEIGHTS = ("dequantize", "keep")
 CP_PREFIX_MODES = ("auto", "merge", "regather")
 CP_KV_EXCHANGES = ("all-gather", "ring")
 
@@ -61,6 +62,17 @@ class ModelConfig:
         "native bf16 products (AVX512-BF16, AMX), float32 on other CPUs (chosen once where the "
         "run starts, logged); 'auto': the checkpoint's",
         choices=DTYPES,
+    )
+    fp8_weights: str = _flag(
+        "dequantize",
+        "FP8 block-quantised checkpoints (DeepSeek-V3/V3.2, Qwen3 FP8): 'dequantize' (each "
+        "weight dequantised to --dtype as it loads, on every device) or 'keep' (CUDA GPUs of "
+        "compute capability 8.9 and up, with triton: the linears and the routed experts keep "
+        "their fp8 values and 128x128 block scales, half bfloat16's bytes, and multiply by "
+        "Triton kernels with activations quantised per 1x128 group; not yet measured on a "
+        "GPU). Under 'keep' MLA's kv_b_proj and any layer whose TP slice starts inside a "
+        "128-block are dequantised",
+        choices=FP8_WEIGHTS,
     )
     context_length: int | None = _flag(
         None, "maximum tokens per request (prompt + output); default: the model's"
@@ -581,6 +593,10 @@ def validate(config: EngineConfig) -> None:
     checks = [
         (m.dtype in DTYPES, f"--dtype {m.dtype!r} is not one of {', '.join(DTYPES)}"),
         (
+            m.fp8_weights in FP8_WEIGHTS,
+            f"--fp8-weights {m.fp8_weights!r} is not one of {', '.join(FP8_WEIGHTS)}",
+        ),
+        (
             m.attention_backend in ATTENTION_BACKENDS,
             f"--attention-backend {m.attention_backend!r} is not one of "
             + ", ".join(ATTENTION_BACKENDS),
@@ -632,6 +648,11 @@ def validate(config: EngineConfig) -> None:
             "--tp-size 1",
         ),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
+        (
+            m.fp8_weights == "dequantize" or not p.shard_linear_layers,
+            "--shard-linear-layers moves weights between CP ranks in the compute dtype; it does "
+            "not take --fp8-weights keep",
+        ),
         *_afd_checks(p),
         *_cp_checks(p),
         (p.two_batch_overlap_min_tokens >= 0, "--two-batch-overlap-min-tokens must be >= 0"),

@@ -358,6 +358,27 @@ def native_prefill_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | N
     return None
 
 
+def fp8_gemm_unavailable(device: torch.device) -> str | None:
+    """Why --fp8-weights keep cannot run on `device` (None: it can): the block-scaled FP8
+    product (kernels/triton_fp8.py) needs fp8 matrix units and triton."""
+    if device.type != "cuda":
+        return (
+            f"needs a CUDA GPU (this is {device.type}; on CPUs FP8 checkpoints are dequantised, "
+            "as torch has no block-scaled fp8 product there)"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return (
+            "needs fp8 matrix units (compute capability 8.9 or newer); this GPU's is "
+            f"{capability[0]}.{capability[1]}"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "needs triton, which does not import here"
+    return None
+
+
 def prefers_blockwise_attention(device: torch.device) -> bool:
     """Prompt chunks on a CPU run faster as plain matmul blocks than in the fused kernel;
     accelerators use their fused kernels."""

@@ -63,17 +63,36 @@ class LazyTensor:
         slices[dim] = slice(base + start, base + start + length)
         return LazyTensor(self._handle, self.name, tuple(slices), self._scales)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether this is (a slice of) an FP8 block-quantised weight."""
+        return self._scales is not None
+
+    def starts(self) -> tuple[int, ...]:
+        """Where the slice starts in the checkpoint tensor, per dimension."""
+        return tuple(s.start for s in self._slices)
+
     def load(self) -> torch.Tensor:
         values = self._handle.get_slice(self.name)[self._slices]
         if self._scales is None:
             return values
+        start = (self._slices[0].start, self._slices[1].start)
+        return dequantize_blocks(values, self._cover(), start, self._scales[1])
+
+    def load_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 weight's slice as stored: (fp8 values, the rows and columns of the scale grid
+        that cover it, from the block holding its first element)."""
+        assert self._scales is not None, f"{self.name} is not block-quantised"
+        return self._handle.get_slice(self.name)[self._slices], self._cover().float()
+
+    def _cover(self) -> torch.Tensor:
+        assert self._scales is not None
         grid, block = self._scales
         cover = grid
         for dim, (s, b) in enumerate(zip(self._slices, block, strict=True)):
             first, last = s.start // b, (max(s.stop, s.start + 1) - 1) // b
             cover = cover.narrow(dim, first, last - first + 1)
-        start = (self._slices[0].start, self._slices[1].start)
-        return dequantize_blocks(values, cover.load(), start, block)
+        return cover.load()
 
 
 def _check_grid(name: str, shape: list[int], grid: LazyTensor, block: tuple[int, int]) -> None:

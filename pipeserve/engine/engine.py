@@ -12,6 +12,7 @@ from typing import Any, cast
 from pipeserve import kernels
 from pipeserve.config import EngineConfig, SettingsError, is_refusal
 from pipeserve.device import (
+    fp8_gemm_unavailable,
     release_cached_memory,
     resolve_device,
     resolve_dtype,
@@ -89,11 +90,16 @@ class Engine:
         self.arch = ArchConfig.load(self.model_path)
         compute = resolve_dtype(m.dtype, self.arch.torch_dtype, m.device)
         warn_if_emulated(compute, resolve_device(m.device))
+        if m.fp8_weights == "keep":
+            reason = fp8_gemm_unavailable(resolve_device(m.device))
+            if reason is not None:
+                raise ValueError(f"--fp8-weights keep {reason}; use --fp8-weights dequantize")
         if self.arch.quantization is not None:
+            kept = "kept in fp8 where the layer allows it" if m.fp8_weights == "keep" else None
             log.info(
-                "%s, dequantised to %s at load",
+                "%s, %s",
                 self.arch.quantization.describe(),
-                str(compute).removeprefix("torch."),
+                kept or f"dequantised to {str(compute).removeprefix('torch.')} at load",
             )
         self.tokenizer = load_tokenizer(self.config.model, self.model_path)
         self.context_len = self.arch.context_length(self.config.model.context_length)

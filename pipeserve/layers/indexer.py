@@ -78,7 +78,7 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(dim, K_NORM_EPS, dtype)
         # float32, as transformers' _keep_in_fp32_modules asks (it honours that for float16
         # loads only; a bfloat16 transformers model computes these head weights in bfloat16)
-        self.weights_proj = ReplicatedLinear(hidden_size, heads, False, torch.float32)
+        self.weights_proj = ReplicatedLinear(hidden_size, heads, False, torch.float32, fp8=False)
 
     def forward(
         self,

@@ -126,7 +126,10 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, latent_width(m), bias, dtype)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, NORM_EPS, dtype)
         per_head = m.qk_nope_head_dim + m.v_head_dim
-        self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, heads * per_head, False, dtype)
+        # read as a matrix by the absorbed attention and the up-projection: never kept in fp8
+        self.kv_b_proj = ColumnParallelLinear(
+            m.kv_lora_rank, heads * per_head, False, dtype, fp8=False
+        )
 
     def forward(
         self,

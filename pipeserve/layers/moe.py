@@ -37,7 +37,13 @@ from pipeserve.distributed.parallel_state import (
 )
 from pipeserve.layers import batch_invariant
 from pipeserve.layers.activation import silu_and_mul
-from pipeserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
+from pipeserve.layers.linear import (
+    BLOCK,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    keeps_fp8,
+)
 from pipeserve.model_loader import copy_into
 from pipeserve.moe.dispatcher import Dispatched, Dispatcher, LocalDispatcher, make_dispatcher
 from pipeserve.moe.dispatcher.afd import AfdDispatcher
@@ -132,7 +138,17 @@ class FusedMoE(nn.Module):
     """This rank's routed experts' weights stacked: w13 [local experts, 2*inter_local, hidden]
     (gate; up) and w2 [local experts, hidden, inter_local]. Local expert i is global expert
     `experts[i]`: all of them at ep size 1 (under TP with the intermediate dim split), else
-    this ep rank's block of the placement (whole experts)."""
+    this ep rank's block of the placement (whole experts).
+
+    Built inside `keeping_fp8_weights` with an intermediate slice that starts and splits on
+    128-blocks, the weights are the checkpoint's fp8 values with their scale grids beside them
+    (`w13_scale_inv` [local experts, ceil(2*inter_local / 128), ceil(hidden / 128)],
+    `w2_scale_inv` likewise) and the experts run as two grouped block-scaled FP8 products
+    (kernels/triton_fp8.py); an expert stored unquantised turns the layer back to the compute
+    dtype as it loads."""
+
+    w13_scale_inv: torch.Tensor | None
+    w2_scale_inv: torch.Tensor | None
 
     def __init__(
         self,
@@ -150,14 +166,20 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts  # routed experts of the whole model
         self._init_placement(num_experts)
         local = len(self.experts)
+        self.dtype = dtype
+        kept = keeps_fp8() and self.inter % BLOCK == 0  # then every slice starts on a block
+        stored = torch.float8_e4m3fn if kept else dtype
         self.w13 = nn.Parameter(
-            torch.empty(local, 2 * self.inter, hidden, dtype=dtype), requires_grad=False
+            torch.empty(local, 2 * self.inter, hidden, dtype=stored), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(local, hidden, self.inter, dtype=dtype), requires_grad=False
+            torch.empty(local, hidden, self.inter, dtype=stored), requires_grad=False
         )
         for p in (self.w13, self.w2):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        for name, p in (("w13_scale_inv", self.w13), ("w2_scale_inv", self.w2)):
+            grid = (local, -(-p.shape[1] // BLOCK), -(-p.shape[2] // BLOCK))
+            self.register_buffer(name, torch.zeros(grid) if kept else None, False)
 
     def _init_placement(self, num_experts: int) -> None:
         """The experts held here and the layer's dispatcher (it keeps no state between calls,
@@ -183,13 +205,49 @@ class FusedMoE(nn.Module):
         """shard_id = (global expert id, part): part 0 gate, 1 up (rows of w13), 2 down (w2)."""
         assert isinstance(shard_id, tuple)
         expert, part = shard_id
-        dst = param.data[self._local(expert)]
+        local = self._local(expert)
         start = self.tp_rank * self.inter
-        if part == 2:
-            copy_into(dst, loaded.narrow(1, start, self.inter))
-        else:
-            rows = dst.narrow(0, part * self.inter, self.inter)
-            copy_into(rows, loaded.narrow(0, start, self.inter))
+        row = 0 if part == 2 else part * self.inter
+        src = (
+            loaded.narrow(1, start, self.inter)
+            if part == 2
+            else loaded.narrow(0, start, self.inter)
+        )
+        if self.w13_scale_inv is not None and not src.quantized:
+            self._dequantize()
+        grids = self.w2_scale_inv if part == 2 else self.w13_scale_inv
+        dst = (self.w2 if part == 2 else self.w13).data[local].narrow(0, row, src.shape[0])
+        if grids is None:
+            copy_into(dst, src)
+            return
+        if list(dst.shape) != src.shape:
+            raise ValueError(
+                f"checkpoint tensor {src.name} has shape {src.shape}, expected {list(dst.shape)}"
+            )
+        values, grid = src.load_fp8()
+        dst.copy_(values)
+        grids[local].narrow(0, row // BLOCK, grid.shape[0]).copy_(grid)
+
+    def _dequantize(self) -> None:
+        """Back to the compute dtype (what is loaded so far kept, as its real values)."""
+        from pipeserve.models.quantization import dequantize_blocks
+
+        for name in ("w13", "w2"):
+            param, grids = getattr(self, name), getattr(self, f"{name}_scale_inv")
+            values = (
+                torch.stack(
+                    [
+                        dequantize_blocks(w.cpu(), g.cpu(), (0, 0), (BLOCK, BLOCK))
+                        for w, g in zip(param.data, grids, strict=True)
+                    ]
+                )
+                if len(param)
+                else torch.empty(param.shape)
+            )
+            plain = nn.Parameter(values.to(param.device, self.dtype), requires_grad=False)
+            plain.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            setattr(self, name, plain)
+            setattr(self, f"{name}_scale_inv", None)
 
     def _local(self, expert: int) -> int:
         if expert not in self._local_index:
@@ -261,7 +319,7 @@ class FusedMoE(nn.Module):
         tokens the other ranks send. Nothing to do when nothing is routed between ranks."""
         if isinstance(self.dispatcher, LocalDispatcher):
             return
-        x = self.w13.new_empty((0, self.w13.shape[2]))
+        x = self.w13.new_empty((0, self.w13.shape[2]), dtype=self.dtype)
         ids = torch.empty((0, self.top_k), dtype=torch.long, device=x.device)
         self.partial(x, ids.float(), ids)
 
@@ -277,6 +335,8 @@ class FusedMoE(nn.Module):
         grouped: True runs them as grouped GEMMs, which never wait for the device, where
         `can_group_experts` allows; False one product per expert (group sizes read on the
         host); None: `grouped_by_default` for x's device."""
+        if self.w13_scale_inv is not None:
+            return self._run_grouped(x, weights, local_ids, fp8=True)
         if grouped is None:
             grouped = grouped_by_default(x.device)
         if grouped and can_group_experts(self.w13, self.w2):
@@ -304,11 +364,12 @@ class FusedMoE(nn.Module):
         return out
 
     def _run_grouped(
-        self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor
+        self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, fp8: bool = False
     ) -> torch.Tensor:
         """The (row, slot) pairs sorted by expert, experts elsewhere last, through two grouped
-        GEMMs whose group ends are computed on the device; then each row's k outputs, back in
-        slot order, weighted and summed by one product (no atomics: the same sum every run)."""
+        GEMMs whose group ends are computed on the device (torch's, or with `fp8` the
+        block-scaled FP8 kernel's); then each row's k outputs, back in slot order, weighted and
+        summed by one product (no atomics: the same sum every run)."""
         rows, top_k = local_ids.shape
         if rows == 0:
             return torch.zeros_like(x)
@@ -317,10 +378,17 @@ class FusedMoE(nn.Module):
         ends = torch.searchsorted(  # [n] int32: end of each expert's pairs
             buckets, torch.arange(n, device=x.device), right=True, out_int32=True
         )
-        mm = _GROUPED_MM
-        assert mm is not None, "checked by can_group_experts"
-        h = silu_and_mul(mm(x[order // top_k], self.w13.transpose(1, 2), offs=ends))
-        y = mm(h, self.w2.transpose(1, 2), offs=ends)  # [rows * k, hidden]
+        if fp8:
+            from pipeserve.kernels.triton_fp8 import fp8_grouped_linear
+
+            assert self.w13_scale_inv is not None and self.w2_scale_inv is not None
+            h = fp8_grouped_linear(x[order // top_k], self.w13, self.w13_scale_inv, ends)
+            y = fp8_grouped_linear(silu_and_mul(h), self.w2, self.w2_scale_inv, ends)
+        else:
+            mm = _GROUPED_MM
+            assert mm is not None, "checked by can_group_experts"
+            h = silu_and_mul(mm(x[order // top_k], self.w13.transpose(1, 2), offs=ends))
+            y = mm(h, self.w2.transpose(1, 2), offs=ends)  # [rows * k, hidden]
         # pairs past ends[-1] (experts elsewhere) hold whatever was in memory, NaN included
         y = torch.where(buckets[:, None] < n, y, 0)
         by_slot = torch.empty_like(y).index_copy_(0, order, y).view(rows, top_k, -1)
@@ -416,7 +484,7 @@ class SharedExperts(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         h = silu_and_mul(self.gate_up_proj(x))
-        return batch_invariant.linear(h, self.down_proj.weight)  # down_proj's unreduced part
+        return self.down_proj.matmul(h)  # down_proj's unreduced part
 
 
 class MoEBlock(nn.Module):

@@ -2,7 +2,8 @@
 --model NAME`) and `pipeserve make-model --preset NAME`, which writes just config.json.
 
 The values are those of the models' published config.json files (FP8 checkpoints: the
-`quantization_config` says so, and the simulator then takes fp8 weights by default).
+`quantization_config` says so; the simulator then counts what the engine holds of them,
+bfloat16 weights, or fp8 under --fp8-weights keep).
 Qwen3-235B-A22B carries the YaRN scaling its model card gives for 131072 tokens.
 """
 

@@ -13,9 +13,10 @@ quantised is the checkpoint's business (a weight with a scale beside it is; embe
 routers and the LM head usually are not), not a list of module names. pipeserve dequantises
 each such tensor as it is read, slice by slice (a TP rank reads only its rows, which may cut a
 block), and computes in the run's compute dtype: weight memory is that of the compute dtype,
-as the engine's KV budget counts it. (The simulator's default for an FP8 checkpoint still
-counts fp8 weights, what an engine with fp8 GEMMs holds; `pipeserve simulate --dtype bfloat16`
-counts what this one holds.)
+as the engine's KV budget counts it. With `--fp8-weights keep` (GPUs with fp8 matrix units,
+layers/linear.py, layers/moe.py) the linears and routed experts keep the fp8 values and
+their scale grids instead and multiply by kernels/triton_fp8.py. The simulator counts what
+the engine holds in each case.
 
 Refused at start-up, in one line: every other quantisation (AWQ, GPTQ, bitsandbytes,
 compressed-tensors, ...), and fp8 without 128 x 128 blocks (per-tensor or per-channel scales,

@@ -43,6 +43,7 @@ from pipeserve.layers.attention_backends import (
     select_attention_kernels,
     triton_chosen,
 )
+from pipeserve.layers.linear import keeping_fp8_weights
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler, output_logprobs, prompt_logprobs
 from pipeserve.mem_cache.host_tier import tier_pages
@@ -156,7 +157,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
         self.state = get_parallel_state()
         set_single_batch_overlap(SingleBatchOverlap.from_config(config.parallel))
-        self.model = build_model(arch, self.dtype, self.device)
+        keep = config.model.fp8_weights == "keep" and arch.quantization is not None
+        with keeping_fp8_weights(keep):
+            self.model = build_model(arch, self.dtype, self.device)
         load_weights(self.model, model_path)
         self.model.eval()
         c = config.cache
@@ -187,7 +190,10 @@ class ModelRunner:
         if config.model.enable_deterministic_inference:
             self._init_deterministic()
         self.cp = self._context_parallel() if self.state.cp_size > 1 else None
-        self.param_bytes = sum(p.nbytes for p in self.model.parameters())  # all held
+        # all held: the parameters, and the block scales of weights kept in fp8
+        self.param_bytes = sum(p.nbytes for p in self.model.parameters()) + sum(
+            b.nbytes for name, b in self.model.named_buffers() if name.endswith("scale_inv")
+        )
         sharded = config.parallel.shard_linear_layers and self.state.cp_size > 1
         self.shards = self._shard_linear() if sharded else None
         self.model.layer_hooks = [self.shards] if self.shards is not None else []

@@ -54,12 +54,17 @@ class SimSpec:
             raise ValueError("--request-rate must be positive (inf: all at once)")
 
 
-def precision_for(spec: SimSpec, config: dict[str, Any], hw: Hardware) -> Precision:
-    """The weights' dtype named, else the hardware's compute dtype (a CPU calibrated in
-    float32 holds and computes everything in it), else the checkpoint's."""
+def precision_for(
+    spec: SimSpec, config: dict[str, Any], hw: Hardware, fp8_weights: str = "dequantize"
+) -> Precision:
+    """The weights' dtype named, else what the engine would hold: the hardware's compute
+    dtype on a CPU calibrated in it; for an FP8 checkpoint bfloat16, as the engine dequantises
+    it at load, or fp8 with --fp8-weights keep; else the checkpoint's dtype."""
     if spec.dtype in (None, "auto") and hw.compute_dtype is not None:
         return Precision(hw.compute_dtype, hw.compute_dtype)
     weights = spec.dtype if spec.dtype not in (None, "auto") else weight_dtype(config)
+    if spec.dtype in (None, "auto") and weights == "fp8" and fp8_weights != "keep":
+        weights = "bfloat16"
     return Precision(weights, "float32" if weights == "float32" else "bfloat16")
 
 
@@ -72,7 +77,7 @@ def simulate_with(flags: dict[str, Any], spec: SimSpec, hw: Hardware) -> dict[st
     """`simulate` on a given hardware description (e.g. efficiencies being fitted)."""
     raw, source = load_config(spec.model)
     arch = ArchConfig.from_dict(raw)
-    precision = precision_for(spec, raw, hw)
+    precision = precision_for(spec, raw, hw, flags.get("fp8_weights", "dequantize"))
     engine_flags = {k: v for k, v in flags.items() if k not in ("model_path", "dtype")}
     if hw.kind == "gpu":  # the engine's default share is a CPU's (of RAM, beside the OS)
         engine_flags.setdefault("mem_fraction_static", GPU_MEM_FRACTION)

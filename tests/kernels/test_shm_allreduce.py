@@ -33,8 +33,9 @@ def rank_main(name, rank, world, dtype, numel, barrier, results) -> None:
     for step in range(3):  # several calls in a row reuse the segment
         x = contribution(rank, step, dtype, numel)
         comm.all_reduce_(x)
-        results.put((rank, step, x.view(torch.uint8 if dtype != torch.float32 else torch.int32)
-                     .tolist()))
+        results.put(
+            (rank, step, x.view(torch.uint8 if dtype != torch.float32 else torch.int32).tolist())
+        )
 
 
 def contribution(rank: int, step: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -49,8 +50,10 @@ def test_every_rank_gets_the_exact_sum(world: int, dtype: torch.dtype) -> None:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(world), ctx.Queue()
     name = f"/pipeserve-test-{os.getpid()}-{world}-{dtype}".replace("torch.", "")
-    procs = [ctx.Process(target=rank_main, args=(name, r, world, dtype, numel, barrier, results))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=rank_main, args=(name, r, world, dtype, numel, barrier, results))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     got = [results.get(timeout=60) for _ in range(3 * world)]

@@ -5,25 +5,18 @@ Never skipped: triton is a test dependency. On a GPU (-m cuda), compiled at real
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 CASES = Path(__file__).with_name("triton_interpreted.py")
 
 
 @pytest.mark.timeout(300)
 def test_triton_kernels_match_float64_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)]
-    cmd += ["-W", "ignore::DeprecationWarning"]  # the interpreter's numpy scalar conversions
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    run_interpreted(CASES, timeout=240)
 
 
 def _reference(q, k, v, q_pos, scale):

@@ -191,18 +191,22 @@ def test_two_batch_overlap_splits_by_the_engines_rules_and_hides_dispatch() -> N
     assert tbo["two_batch_forwards"] == tbo["forwards"]  # every rank has a 4096-token chunk
     assert tbo["seconds_by_class"]["ep_comm"] < plain["seconds_by_class"]["ep_comm"]
     # the engine's rules: no split below --two-batch-overlap-min-tokens ...
-    small = simulate(base | {"enable_two_batch_overlap": True,
-                             "two_batch_overlap_min_tokens": 8192}, spec)
+    small = simulate(
+        base | {"enable_two_batch_overlap": True, "two_batch_overlap_min_tokens": 8192}, spec
+    )
     assert small["two_batch_forwards"] == 0
     # ... nor when a rank has nothing to split (4 prompts on 8 ranks: all or none)
-    idle = simulate(base | {"enable_two_batch_overlap": True},
-                    SimSpec(**{**spec.__dict__, "num_prompts": 4}))
+    idle = simulate(
+        base | {"enable_two_batch_overlap": True}, SimSpec(**{**spec.__dict__, "num_prompts": 4})
+    )
     assert idle["two_batch_forwards"] == 0
 
 
 def test_an_idle_first_ep_rank_still_leaves_a_trace() -> None:
-    r = simulate({"ep_size": 4, "chunked_prefill_size": 4096},
-                 SimSpec("qwen3-235b-a22b", "h20", input_len=8192))
+    r = simulate(
+        {"ep_size": 4, "chunked_prefill_size": 4096},
+        SimSpec("qwen3-235b-a22b", "h20", dtype="fp8", input_len=8192),
+    )
     fwd = [e for e in r["events"] if e.kind == "forward"]
     assert fwd and all(e.rids == ["sim-0"] for e in fwd)
 
@@ -245,3 +249,20 @@ def test_refusals_and_notes() -> None:
     r = simulate({"context_length": 256}, spec)
     assert r["notes"] and "raised" in r["notes"][0]
     assert load_config("qwen3-235b-a22b")[1] == "preset qwen3-235b-a22b"
+
+
+def test_an_fp8_checkpoint_is_counted_as_the_engine_holds_it() -> None:
+    """DeepSeek-V3.1's FP8 release: by default the engine dequantises it at load, so the
+    simulator counts bfloat16 weights; with --fp8-weights keep it counts fp8, as --dtype fp8
+    does; fp8 holds about half the bytes."""
+    spec = SimSpec("deepseek-v3.1", "h20", input_len=4096)
+    flags = {"tp_size": 8, "pp_size": 2, "nnodes": 2}
+    runs = {
+        "dequantize": simulate(flags, spec),
+        "keep": simulate({**flags, "fp8_weights": "keep"}, spec),
+        "fp8": simulate(flags, SimSpec("deepseek-v3.1", "h20", dtype="fp8", input_len=4096)),
+    }
+    weights = {k: r["precision"]["weights"] for k, r in runs.items()}
+    assert weights == {"dequantize": "bfloat16", "keep": "fp8", "fp8": "fp8"}
+    held = {k: r["memory"]["weight_gb_per_device"] for k, r in runs.items()}
+    assert held["keep"] == held["fp8"] < 0.6 * held["dequantize"]
