@@ -3,8 +3,8 @@ interpreter: the block-scaled product (kernels/triton_fp8.py) against the block 
 float64; the linear layers' loading of raw fp8 values and their scale grids (kept where each of
 a rank's 128-blocks is one of the checkpoint's, dequantised where a TP slice or a fused part
 starts inside a block or the tensor is stored unquantised); the scales really read; whole
-engines (Qwen3, DeepSeek-V3.2 with MLA, its indexer and shared experts) against the dequantised
-path whose kept layers see the same quantised activations.
+engines (Qwen3-MoE, DeepSeek-V3.2 with MLA, its indexer, shared and routed experts) against
+the dequantised path whose kept layers see the same quantised activations.
 
 Run by test_triton_fp8.py in a process of its own with TRITON_INTERPRET=1; not collected on
 its own (no test_ prefix)."""
@@ -248,15 +248,7 @@ def test_grouped_experts_are_each_experts_block_math() -> None:
         start = end
 
 
-ENGINE_MODELS = {
-    "tiny-qwen3": {
-        "hidden_size": 256,
-        "intermediate_size": 384,
-        "head_dim": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-    },
+ENGINE_MODELS = {  # every block whole: 64-wide heads, 128-multiple widths
     "tiny-qwen3-moe": {
         "hidden_size": 256,
         "moe_intermediate_size": 128,
@@ -271,6 +263,7 @@ ENGINE_MODELS = {
         "kv_lora_rank": 128,
         "moe_intermediate_size": 256,
         "intermediate_size": 384,
+        "num_hidden_layers": 2,  # a dense MLP layer, then a MoE one
     },
 }
 
@@ -329,15 +322,15 @@ def test_an_engine_keeping_fp8_serves_its_block_math(tmp_path, monkeypatch, pres
 
     kept, kept_bytes, got = run("keep")
     with monkeypatch.context() as patched:
-        if "moe" in preset or "deepseek" in preset:
-            patched.setattr(moe.FusedMoE, "_run_looped", experts_seeing_fp8_inputs)
+        patched.setattr(moe.FusedMoE, "_run_looped", experts_seeing_fp8_inputs)
         _, plain_bytes, same_inputs = run("dequantize", fake=kept)
     _, _, plain = run("dequantize")
     kinds = {name.rsplit(".", 1)[-1] for name in kept}
-    if preset == "tiny-qwen3":
-        assert kinds == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    elif preset == "tiny-qwen3-moe":
-        assert {"qkv_proj", "o_proj", "w13_scale_inv", "w2_scale_inv"} <= kinds
+    if preset == "tiny-qwen3-moe":  # layer 1 is a dense MLP (mlp_only_layers)
+        assert kinds == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} | {
+            "w13_scale_inv",
+            "w2_scale_inv",
+        }
     else:  # MLA less kv_b_proj, the indexer's projections, the MLPs and the experts
         assert "kv_b_proj" not in kinds and {"w13_scale_inv", "w2_scale_inv"} <= kinds
         assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "wq_b", "wk"} <= kinds

@@ -233,7 +233,7 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
     counted = [Counted(getattr(module, name)) for module, name in fused]
     for (module, name), c in zip(fused, counted, strict=True):
         monkeypatch.setattr(module, name, c)
-    model = str(model_dir(preset))
+    model = str(model_dir(preset, num_hidden_layers=2))  # fewer interpreted launches
     # V3.2: longer than its index_topk (64), so decode steps read only the indexer's choice
     base = [(7 * j) % 300 + 1 for j in range(90 if preset.endswith("v32") else 40)]
     prompts = [base, base[:24] + [9, 8, 7], [(5 * j) % 300 + 2 for j in range(5)]]
@@ -280,7 +280,7 @@ def test_auto_s_mix_of_triton_and_library_kernels_serves_the_same_tokens(
         return fb
 
     monkeypatch.setattr(forward_batch.ForwardBatch, "prepare", classmethod(prepare))
-    model = str(model_dir("tiny-qwen3"))
+    model = str(model_dir("tiny-qwen3", num_hidden_layers=2))
     base = [(7 * j) % 300 + 1 for j in range(40)]
     prompts = [base, [(5 * j) % 300 + 2 for j in range(12)]]
     params = {"max_new_tokens": 5, "temperature": 0}
@@ -446,7 +446,7 @@ def test_decode_steps_over_the_graph_buffers_serve_the_same_tokens(
         return real_run(self, fb)
 
     monkeypatch.setattr(cuda_graph.DecodeGraphs, "run", run)
-    model = str(model_dir(preset))
+    model = str(model_dir(preset, num_hidden_layers=2))
     prompts = [[(7 * j) % 300 + 1 for j in range(n)] for n in (12, 5, 9)]
     # the requests end at different steps: 3, then 2, then 1 decoding
     params = [{"max_new_tokens": n, "temperature": 0} for n in (6, 2, 4)]
