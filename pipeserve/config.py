@@ -649,6 +649,11 @@ def validate(config: EngineConfig) -> None:
         ),
         (p.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0"),
         (
+            m.fp8_weights == "dequantize" or not m.enable_deterministic_inference,
+            "--enable-deterministic-inference needs batch-invariant products, which the FP8 "
+            "kernels of --fp8-weights keep are not shown to be; use --fp8-weights dequantize",
+        ),
+        (
             m.fp8_weights == "dequantize" or not p.shard_linear_layers,
             "--shard-linear-layers moves weights between CP ranks in the compute dtype; it does "
             "not take --fp8-weights keep",

@@ -38,6 +38,13 @@ def test_keep_is_refused_beside_shard_linear_layers() -> None:
     EngineConfig.from_flags(cp_size=2, shard_linear_layers="qkv_proj")  # the default: taken
 
 
+def test_keep_is_refused_with_deterministic_inference() -> None:
+    """The FP8 kernels' tiles depend on the batch's rows: no batch-invariance is claimed."""
+    with pytest.raises(SettingsError, match="^--enable-deterministic-inference .*dequantize$"):
+        EngineConfig.from_flags(fp8_weights="keep", enable_deterministic_inference=True)
+    EngineConfig.from_flags(enable_deterministic_inference=True)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 64, 2048])
 def test_the_fp8_product_on_a_gpu(m: int) -> None:
