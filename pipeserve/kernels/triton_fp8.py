@@ -42,6 +42,26 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q[:, :k], scales
 
 
+@triton.jit
+def _add_group_products(
+    acc, A, A_SCALE, m, m_ok, W, W_SCALE_ROWS, n, N, K, sa, sw, GROUPS: tl.constexpr
+):
+    """acc [rows, cols] plus rows m (where m_ok) of the quantised activations times weight
+    rows n: one fp8 dot per 128-wide group, scaled by the rows' activation scales and the
+    weight rows' block scales (W_SCALE_ROWS: each weight row's row of the scale grid)."""
+    k = tl.arange(0, 128)
+    for g in range(GROUPS):
+        kk = g * 128 + k
+        inside = kk[None, :] < K
+        a = tl.load(A + m[:, None] * sa + kk[None, :], mask=m_ok[:, None] & inside, other=0.0)
+        w = tl.load(W + n[:, None] * sw + kk[None, :], mask=(n[:, None] < N) & inside, other=0.0)
+        a_scale = tl.load(A_SCALE + m * GROUPS + g, mask=m_ok, other=0.0)
+        w_scale = tl.load(W_SCALE_ROWS + g, mask=n < N, other=0.0)
+        part = tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+        acc += part * a_scale[:, None] * w_scale[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "row_offset"])
 def _fp8_gemm_kernel(
     A,
@@ -65,18 +85,11 @@ def _fp8_gemm_kernel(
 ):
     m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    k = tl.arange(0, 128)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_rows = (n + row_offset) // 128  # each weight row's block row in the scale grid
-    for g in range(GROUPS):
-        kk = g * 128 + k
-        inside = kk[None, :] < K
-        a = tl.load(A + m[:, None] * sa + kk[None, :], mask=(m[:, None] < M) & inside, other=0.0)
-        w = tl.load(W + n[:, None] * sw + kk[None, :], mask=(n[:, None] < N) & inside, other=0.0)
-        a_scale = tl.load(A_SCALE + m * GROUPS + g, mask=m < M, other=0.0)
-        w_scale = tl.load(W_SCALE + w_rows * sws + g, mask=n < N, other=0.0)
-        part = tl.dot(a, tl.trans(w), out_dtype=tl.float32)
-        acc += part * a_scale[:, None] * w_scale[None, :]
+    acc = _add_group_products(
+        acc, A, A_SCALE, m, m < M, W, W_SCALE + w_rows * sws, n, N, K, sa, sw, GROUPS
+    )
     if HAS_BIAS:
         acc += tl.load(BIAS + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     out = OUT + m[:, None] * so + n[None, :]
@@ -160,30 +173,16 @@ def _fp8_grouped_kernel(
     m0 = tl.program_id(0) * BLOCK_M
     m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    k = tl.arange(0, 128)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     start = tl.program_id(0).to(tl.int64) * 0  # an int64 scalar, as the ends it takes
     for e in range(E):
         end = tl.load(ENDS + e).to(tl.int64)
         if (start < end) & (start < m0 + BLOCK_M) & (end > m0):
             rows = (m >= start) & (m < end)
-            w_base = W + e * swe
-            s_base = W_SCALE + e * sse + (n // 128) * sws
-            for g in range(GROUPS):
-                kk = g * 128 + k
-                inside = kk[None, :] < K
-                a = tl.load(
-                    A + m[:, None] * sa + kk[None, :], mask=rows[:, None] & inside, other=0.0
-                )
-                w = tl.load(
-                    w_base + n[:, None] * sw + kk[None, :],
-                    mask=(n[:, None] < N) & inside,
-                    other=0.0,
-                )
-                a_scale = tl.load(A_SCALE + m * GROUPS + g, mask=rows, other=0.0)
-                w_scale = tl.load(s_base + g, mask=n < N, other=0.0)
-                part = tl.dot(a, tl.trans(w), out_dtype=tl.float32)
-                acc += part * a_scale[:, None] * w_scale[None, :]
+            scale_rows = W_SCALE + e * sse + (n // 128) * sws
+            acc = _add_group_products(
+                acc, A, A_SCALE, m, rows, W + e * swe, scale_rows, n, N, K, sa, sw, GROUPS
+            )
         start = end
     last = tl.load(ENDS + E - 1).to(tl.int64)
     out = OUT + m[:, None] * so + n[None, :]

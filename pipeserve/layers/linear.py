@@ -30,10 +30,18 @@ from pipeserve.layers import batch_invariant
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:
+    from pipeserve.config import EngineConfig
     from pipeserve.model_loader import LazyTensor
+    from pipeserve.models.arch import ArchConfig
 
 BLOCK = 128  # the FP8 checkpoints' block size (models/quantization.py)
 _keep_fp8 = False  # whether layers built now keep FP8 checkpoint weights in FP8
+
+
+def fp8_kept(config: EngineConfig, arch: ArchConfig) -> bool:
+    """Whether this run keeps its checkpoint's weights in FP8: --fp8-weights keep on an FP8
+    block-quantised checkpoint."""
+    return config.model.fp8_weights == "keep" and arch.quantization is not None
 
 
 def keeps_fp8() -> bool:
@@ -52,14 +60,43 @@ def keeping_fp8_weights(enabled: bool) -> Iterator[None]:
         _keep_fp8 = before
 
 
+def copy_fp8(weight: torch.Tensor, grid: torch.Tensor, row: int, part: LazyTensor) -> None:
+    """`part`'s raw fp8 values into `weight` [R, C] from row `row` on (a multiple of 128, as
+    `part`'s first row and column are), and the scale-grid rows that cover them into `grid`."""
+    values, cover = part.load_fp8()
+    weight.narrow(0, row, values.shape[0]).copy_(values)
+    grid.narrow(0, row // BLOCK, cover.shape[0]).copy_(cover)
+
+
+def dequantized(
+    weight: torch.Tensor, grid: torch.Tensor, dtype: torch.dtype, loader: object
+) -> nn.Parameter:
+    """A parameter of `weight`'s real values (fp8 [R, C] with its grid, or stacked [E, R, C]
+    with [E, ...] grids) in `dtype` on its device, loaded by `loader`."""
+    from pipeserve.models.quantization import dequantize_blocks
+
+    def real(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return dequantize_blocks(w.cpu(), g.cpu(), (0, 0), (BLOCK, BLOCK))
+
+    if weight.dim() == 2:
+        values = real(weight, grid)
+    else:
+        values = torch.empty(weight.shape)
+        for w, g, out in zip(weight, grid, values, strict=True):
+            out.copy_(real(w, g))
+    param = nn.Parameter(values.to(weight.device, dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by --tp-size {denominator}")
     return numerator // denominator
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | None = None) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class LinearBase(nn.Module):
@@ -118,22 +155,14 @@ class LinearBase(nn.Module):
                 f"checkpoint tensor {part.name} has shape {part.shape}, expected "
                 f"[{min(rows, self.weight.shape[0] - row)}, {self.weight.shape[1]}]"
             )
-        values, grid = part.load_fp8()
         assert self.scale_inv is not None
-        self.weight.data.narrow(0, row, rows).copy_(values)
-        self.scale_inv.narrow(0, row // BLOCK, grid.shape[0]).copy_(grid)
+        copy_fp8(self.weight.data, self.scale_inv, row, part)
         return True
 
     def _dequantize(self) -> None:
         """Back to the compute dtype (what is loaded so far kept, as its real values)."""
-        from pipeserve.models.quantization import dequantize_blocks
-
         assert self.scale_inv is not None
-        weight, grid = self.weight.data.cpu(), self.scale_inv.cpu()
-        values = dequantize_blocks(weight, grid, (0, 0), (BLOCK, BLOCK))
-        self.weight = _param(*weight.shape, dtype=self.dtype, device=self.weight.device)
-        self.weight.data.copy_(values)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.weight = dequantized(self.weight.data, self.scale_inv, self.dtype, self.weight_loader)
         self.scale_inv = None
 
     def matmul(self, x: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -41,6 +41,8 @@ from pipeserve.layers.linear import (
     BLOCK,
     MergedColumnParallelLinear,
     RowParallelLinear,
+    copy_fp8,
+    dequantized,
     divide,
     keeps_fp8,
 )
@@ -216,7 +218,8 @@ class FusedMoE(nn.Module):
         if self.w13_scale_inv is not None and not src.quantized:
             self._dequantize()
         grids = self.w2_scale_inv if part == 2 else self.w13_scale_inv
-        dst = (self.w2 if part == 2 else self.w13).data[local].narrow(0, row, src.shape[0])
+        weight = (self.w2 if part == 2 else self.w13).data[local]
+        dst = weight.narrow(0, row, src.shape[0])
         if grids is None:
             copy_into(dst, src)
             return
@@ -224,29 +227,13 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"checkpoint tensor {src.name} has shape {src.shape}, expected {list(dst.shape)}"
             )
-        values, grid = src.load_fp8()
-        dst.copy_(values)
-        grids[local].narrow(0, row // BLOCK, grid.shape[0]).copy_(grid)
+        copy_fp8(weight, grids[local], row, src)
 
     def _dequantize(self) -> None:
         """Back to the compute dtype (what is loaded so far kept, as its real values)."""
-        from pipeserve.models.quantization import dequantize_blocks
-
         for name in ("w13", "w2"):
-            param, grids = getattr(self, name), getattr(self, f"{name}_scale_inv")
-            values = (
-                torch.stack(
-                    [
-                        dequantize_blocks(w.cpu(), g.cpu(), (0, 0), (BLOCK, BLOCK))
-                        for w, g in zip(param.data, grids, strict=True)
-                    ]
-                )
-                if len(param)
-                else torch.empty(param.shape)
-            )
-            plain = nn.Parameter(values.to(param.device, self.dtype), requires_grad=False)
-            plain.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-            setattr(self, name, plain)
+            weight, grids = getattr(self, name).data, getattr(self, f"{name}_scale_inv")
+            setattr(self, name, dequantized(weight, grids, self.dtype, self.weight_loader))
             setattr(self, f"{name}_scale_inv", None)
 
     def _local(self, expert: int) -> int:

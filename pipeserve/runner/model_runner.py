@@ -43,7 +43,7 @@ from pipeserve.layers.attention_backends import (
     select_attention_kernels,
     triton_chosen,
 )
-from pipeserve.layers.linear import keeping_fp8_weights
+from pipeserve.layers.linear import fp8_kept, keeping_fp8_weights
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler, output_logprobs, prompt_logprobs
 from pipeserve.mem_cache.host_tier import tier_pages
@@ -157,8 +157,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
         self.state = get_parallel_state()
         set_single_batch_overlap(SingleBatchOverlap.from_config(config.parallel))
-        keep = config.model.fp8_weights == "keep" and arch.quantization is not None
-        with keeping_fp8_weights(keep):
+        with keeping_fp8_weights(fp8_kept(config, arch)):
             self.model = build_model(arch, self.dtype, self.device)
         load_weights(self.model, model_path)
         self.model.eval()

@@ -34,7 +34,7 @@ from pipeserve.distributed.parallel_state import (
     get_expert_placement,
     get_parallel_state,
 )
-from pipeserve.layers.linear import keeping_fp8_weights
+from pipeserve.layers.linear import fp8_kept, keeping_fp8_weights
 from pipeserve.layers.moe import FusedMoE, expert_checkpoint_names, held_experts
 from pipeserve.model_loader import load_weights
 from pipeserve.models.arch import ArchConfig
@@ -102,8 +102,7 @@ class FfnRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
         self.state = get_parallel_state()
-        keep = config.model.fp8_weights == "keep" and arch.quantization is not None
-        with torch.device(self.device), keeping_fp8_weights(keep):
+        with torch.device(self.device), keeping_fp8_weights(fp8_kept(config, arch)):
             self.model = FfnModel(arch, self.dtype)
         load_weights(self.model, model_path)
         self.model.eval()
