@@ -38,7 +38,7 @@ PY = sys.executable
 TEST_FILES = [  # compile checks first, then the engine
     "tests/kernels/test_triton_attention.py",
     "tests/kernels/test_triton_fp8.py",
-    "tests/layers/test_attention_backends.py",
+    "tests/backends/test_torch_ops.py",
     "tests/layers/test_moe_grouped.py",
     "tests/cuda/test_engine_cuda.py",
     "tests/cuda/test_cuda_graphs.py",

@@ -33,9 +33,8 @@ from typing import Any
 
 import torch
 
+from pipeserve.backends.triton_backend import TritonBackend
 from pipeserve.config import SchedulerConfig
-from pipeserve.layers.attention import NativeKernels
-from pipeserve.layers.attention_backends import AttentionKernels
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.runner.stage_output import SampledTensors, batch_result
@@ -46,7 +45,7 @@ from pipeserve.scheduler.scheduler import Scheduler
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-TRITON = NativeKernels(batched=True, backend=AttentionKernels("cpu"))
+TRITON = TritonBackend()
 EOS = 0
 VOCAB = 32000
 PHASES = ("schedule", "prepare_torch", "prepare_triton", "expand_on_device", "result", "process")

@@ -16,7 +16,8 @@ from pipeserve import envs
 DTYPES = ("best", "auto", "bfloat16", "float16", "float32")
 DYNAMIC_CHUNKING_MODELS = ("prefix-quadratic", "quadratic")
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
-ATTENTION_BACKENDS = ("auto", "native", "torch", "flashinfer", "triton")
+# built in, and those registered (pipeserve/backends/registry.py)
+ATTENTION_BACKENDS = ["auto", "native", "torch", "flashinfer", "triton"]
 
 
 class SettingsError(ValueError):

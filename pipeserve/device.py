@@ -379,12 +379,6 @@ def fp8_gemm_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def prefers_blockwise_attention(device: torch.device) -> bool:
-    """Prompt chunks on a CPU run faster as plain matmul blocks than in the fused kernel;
-    accelerators use their fused kernels."""
-    return device.type == "cpu"
-
-
 class ComputeStream:
     """An in-order queue of device work that runs while the caller's thread goes on.
 

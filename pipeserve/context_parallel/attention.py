@@ -41,11 +41,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from pipeserve.backends.torch_backend import TorchBackend
+from pipeserve.backends.torch_ops import attention_with_lse
 from pipeserve.context_parallel.layout import PageStriping
 from pipeserve.context_parallel.zigzag import rank_blocks
-from pipeserve.device import prefers_blockwise_attention
-from pipeserve.layers.attention import BLOCKWISE_MIN_TOKENS, blockwise_prefill
-from pipeserve.layers.attention_backends import attention_with_lse
 from pipeserve.layers.attention_parts import KVPart, merge_partials, merge_partials_lse
 from pipeserve.scheduler.batch import ScheduledBatch
 from pipeserve.timeline import now, record_comm
@@ -792,6 +791,4 @@ def _causal(
     cached: list[KVPart] = [(keys[:, :first], values[:, :first])] if first else []
     k_self = keys[:, first:end].transpose(0, 1)
     v_self = values[:, first:end].transpose(0, 1)
-    if prefers_blockwise_attention(q.device) and q.shape[0] >= BLOCKWISE_MIN_TOKENS:
-        return blockwise_prefill(q, k_self, v_self, cached, attn.scale)
-    return attn._fused(q, k_self, v_self, cached)
+    return TorchBackend(q.device.type).prompt_chunk(attn, q, k_self, v_self, cached)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeserve.layers.attention import gather_index
+from pipeserve.layers.attention_parts import gather_index
 from pipeserve.scheduler.batch import Run, runs_prefix
 
 

@@ -1,11 +1,9 @@
-"""What the attention kernels exchange with the paged attention layer: parts of a request's
-cached K/V, the plan of a batch's decode steps, and merging attention results over disjoint
-key sets by their log-sum-exp. Imported by the layer and by every kernel backend, so neither
-imports the other for them."""
+"""What attention backends share: parts of a request's cached K/V, page tables as slot runs,
+and merging attention results over disjoint key sets by their log-sum-exp."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -13,6 +11,7 @@ import torch
 from pipeserve.scheduler.batch import Run
 
 KVPart = tuple[torch.Tensor, torch.Tensor]  # k, v of some cached positions: [kv_heads, n, d]
+VIEW_MIN_TOKENS = 256  # shorter runs are cheaper to gather than to attend to separately
 
 
 @dataclass
@@ -53,42 +52,6 @@ class SlotRuns:
         return slots.add_(torch.arange(self.total, device=slots.device))
 
 
-@dataclass
-class DecodePlan:
-    """All single-token steps of a batch. With the native kernel (or the batched Triton one):
-    every step's runs of KV slots, read in one pass. Otherwise: one batched call over their
-    short KV parts (padded gather + mask), plus per-request calls over long runs read in
-    place."""
-
-    rows: torch.Tensor  # [b] token rows of the steps
-    gather: torch.Tensor | None = None  # [b, n] slot ids of each step's short part (pad: 0)
-    mask: torch.Tensor | None = None  # [b, 1, 1, n] additive: 0 real keys, -inf padding
-    views: list[tuple[int, list[Run]]] = field(default_factory=list)  # (step, long runs)
-    runs: torch.Tensor | None = None  # native: [r, 2] (first slot, length), steps in order
-    offsets: torch.Tensor | None = None  # native: [b + 1] where each step's runs start
-    lengths: list[int] = field(default_factory=list)  # each step's real keys in `gather`
-    # the batched Triton kernel: each step's KV slots (int32) and where each step's start;
-    # as `slot_runs` (these None) until `AttentionPlan.expanded()`
-    kv_indptr: torch.Tensor | None = None
-    kv_indices: torch.Tensor | None = None
-    slot_runs: SlotRuns | None = None
-
-
-@dataclass
-class ExtendPlan:
-    """All prompt chunks of a batch for the batched accelerator kernel (one launch per layer):
-    each chunk's KV slots (its prefix and itself, in order), its rows and positions, and the
-    launch's blocks of query rows (pipeserve/kernels/triton_attention.py)."""
-
-    chunks: torch.Tensor  # [c, 3] int32: (first row, rows, prefix length)
-    block_chunk: torch.Tensor  # [blocks] int32: the chunk of each block of query rows
-    block_first: torch.Tensor  # [blocks] int32: its first row within the chunk
-    # the page table: as `slot_runs` (the others None) until `AttentionPlan.expanded()`
-    slot_runs: SlotRuns | None = None
-    kv_indptr: torch.Tensor | None = None  # [c + 1] int32: where each chunk's slots start
-    kv_indices: torch.Tensor | None = None  # int32: the slot of every position of each chunk
-
-
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine attention over disjoint key sets: weights exp(lse_i - lse_total)."""
     return merge_partials_lse(parts)[0]
@@ -106,3 +69,42 @@ def merge_partials_lse(
     for (o, _), lse in zip(parts, lse_all, strict=True):
         out += o.float() * torch.exp(lse - total)[..., None]
     return out.to(parts[0][0].dtype), total
+
+
+def split_runs(runs: list[Run], num: int) -> tuple[list[Run], list[Run]]:
+    """Positions [0, num) of a request's KV as long runs (read in place) and short runs
+    (gathered)."""
+    views: list[Run] = []
+    short: list[Run] = []
+    left = num
+    for start, length in runs:
+        if left == 0:
+            break
+        n = min(length, left)
+        (views if n >= VIEW_MIN_TOKENS else short).append((start, n))
+        left -= n
+    return views, short
+
+
+def gather_index(
+    groups: list[list[Run]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot ids of each group's runs, one row per group, padded with slot 0: ([groups, width],
+    lengths [groups]). A handful of tensor ops however many tokens the runs cover."""
+    starts = [s for g in groups for s, _ in g]
+    counts = [n for g in groups for _, n in g]
+    lengths = [sum(n for _, n in g) for g in groups]
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    run_len, seg_len = t(counts), t(lengths)
+    total = int(seg_len.sum())
+    pos = torch.arange(total, device=device)
+    run_first = torch.cumsum(run_len, 0) - run_len  # position where each run begins
+    slots = torch.repeat_interleave(t(starts) - run_first, run_len) + pos
+    seg_first = torch.cumsum(seg_len, 0) - seg_len
+    row = torch.repeat_interleave(torch.arange(len(groups), device=device), seg_len)
+    out = torch.zeros(len(groups), max(lengths, default=0), dtype=torch.long, device=device)
+    out[row, pos - seg_first[row]] = slots
+    return out, seg_len

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeserve.layers.attention import split_runs
+from pipeserve.layers.attention_parts import split_runs
 
 Run = tuple[int, int]  # (first cache slot, number of slots)
 

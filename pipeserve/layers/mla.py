@@ -38,14 +38,15 @@ import torch
 from torch import nn
 
 from pipeserve import envs
+from pipeserve.backends.base import AttentionPlan
+from pipeserve.backends.torch_ops import attention_with_lse
 from pipeserve.device import (
     native_prefill_kernel,
     native_sparse_expanded_kernel,
     native_sparse_kernel,
 )
 from pipeserve.distributed.parallel_state import get_tp_size
-from pipeserve.layers.attention_backends import attention_with_lse
-from pipeserve.layers.attention_parts import DecodePlan, merge_partials
+from pipeserve.layers.attention_parts import merge_partials
 from pipeserve.layers.indexer import Indexer, causal_top_positions
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.layernorm import RMSNorm
@@ -140,15 +141,15 @@ class MLAttention(nn.Module):
         mode: Mode = "auto",
         index_cache: torch.Tensor | None = None,
         native: bool = False,
-        batched: DecodePlan | None = None,
+        batched: AttentionPlan | None = None,
         new_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [tokens, hidden]; cache [slots, latent_width] of this layer (index_cache [slots,
         index_head_dim] with an indexer), written at each segment's new slots, then read at
         all its slots -> [tokens, hidden], all-reduced. native: expanded prompt chunks may run
-        the compiled CPU prefill kernel (bfloat16 or float32). batched: the decode steps' slot
-        tables for the batched Triton kernel, one absorbed launch for all of them (with an
-        indexer, over each step's chosen rows). new_slots: every token's slot [tokens] (the
+        the compiled CPU prefill kernel (bfloat16 or float32). batched: a backend's plan of the
+        decode steps for its batched latent decode, one absorbed launch for all of them (with
+        an indexer, over each step's chosen rows). new_slots: every token's slot [tokens] (the
         batch's write slots), written in one op instead of segment by segment (what a CUDA
         graph's decode step, whose segments are not kept, relies on)."""
         with region("mla.query"):
@@ -163,9 +164,10 @@ class MLAttention(nn.Module):
         positions = self.index_positions(x, q_latent, rope, index_cache, segments, new_slots)
         selected = self.selections(positions, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
-        if batched is not None:
-            chosen = None if positions is None else positions[batched.rows]
-            out[batched.rows] = self.absorbed_batch(q[batched.rows], cache, batched, chosen)
+        steps = None if batched is None else batched.backend.latent_rows(batched.meta)
+        if batched is not None and steps is not None:
+            chosen = None if positions is None else positions[steps]
+            out[steps] = self.absorbed_batch(q[steps], cache, batched, chosen)
             kept = [i for i, seg in enumerate(segments) if seg.q_len != 1]
             segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
         for seg, chosen in zip(segments, selected, strict=True):
@@ -439,24 +441,17 @@ class MLAttention(nn.Module):
         self,
         q: torch.Tensor,
         cache: torch.Tensor,
-        plan: DecodePlan,
+        plan: AttentionPlan,
         chosen: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`absorbed` for every decode step of a batch in one Triton launch: q [b, heads,
-        qk_head_dim] over each step's latent rows (plan.kv_indices), or with an indexer's
-        choice `chosen` [b, topk] (positions, -1 for none) over the chosen rows only
+        """`absorbed` for every decode step of a batch in one launch of the plan's backend:
+        q [b, heads, qk_head_dim] over each step's latent rows, or with an indexer's choice
+        `chosen` [b, topk] (positions, -1 for none) over the chosen rows only
         -> [b, heads, v_head_dim]."""
-        from pipeserve.kernels.triton_attention import paged_decode
-
         q_cat = self.latent_query(q)[:, None]  # [b, 1 key head, heads, W]
-        assert plan.kv_indptr is not None and plan.kv_indices is not None
-        indptr, indices = plan.kv_indptr, plan.kv_indices
-        if chosen is not None:
-            indptr, indices = _chosen_slots(chosen, indptr, indices)
-        rows = cache[None]  # one key head: [latent | rope] rows, values their latent part
         rope = self.mla.qk_rope_head_dim
-        o = paged_decode(q_cat, rows, rows, indptr, indices, self.scale, rope=rope)
-        return self.values_out(o[:, 0])  # o: [b, 1, heads, rank]
+        o = plan.backend.latent_decode(q_cat, cache, plan.meta, chosen, self.scale, rope)
+        return self.values_out(o)  # o: [b, heads, rank]
 
     def latent_query(self, q: torch.Tensor) -> torch.Tensor:
         """Absorbed attention's query: q [n, heads, qk_head_dim] -> [n, heads, latent_width],
@@ -514,24 +509,6 @@ class ExpandedKeys:
             runs = torch.tensor([[0, end]], dtype=torch.long)  # the kernel is CPU-only
             out = kernel(_pad(q, width).contiguous(), k_pool, v_pool, runs, first, scale)
             return out[..., : self.dv]
-
-
-def _chosen_slots(
-    chosen: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode steps' page table narrowed to an indexer's choice: chosen [b, topk] positions
-    (-1: none) of each step's sequence (indices[indptr[i]:indptr[i + 1]]) -> a table of topk
-    slots per step, -1 where nothing is chosen. A step whose sequence is no longer than
-    topk reads all of it (as `selections` says: the choice would keep every position)."""
-    b, topk = chosen.shape
-    lengths = (indptr[1:] - indptr[:-1]).long()
-    every = torch.arange(topk, device=chosen.device)[None, :].expand(b, topk)
-    positions = torch.where((lengths <= topk)[:, None], every, chosen)
-    valid = (positions >= 0) & (positions < lengths[:, None])
-    flat = (indptr[:-1].long()[:, None] + positions.clamp_min(0)).clamp_max(indices.numel() - 1)
-    slots = torch.where(valid, indices[flat], -1).to(torch.int32)
-    table_ptr = torch.arange(b + 1, device=chosen.device, dtype=torch.int32) * topk
-    return table_ptr, slots.flatten()
 
 
 def absorb_max_queries(mla: MLAConfig) -> int:

@@ -51,7 +51,7 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
         pool = fb.kv_pool
         index = pool.index_keys(self.layer_id) if self.self_attn.indexer is not None else None
         cache = pool.latent(self.layer_id)
-        native = fb.native.prefill
+        native = fb.attn.backend.prefill_kernel(x.dtype) is not None  # a compiled dense kernel
         if fb.cp is not None:
             return self.self_attn.forward_context_parallel(
                 x, rope, fb.cp, self.layer_id, cache, index, native
@@ -63,7 +63,7 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
             fb.latent_segments,
             index_cache=index,
             native=native,
-            batched=fb.attn.decode,  # set only for the batched Triton kernel
+            batched=fb.attn if fb.attn.meta is not None else None,  # a batched latent decode
             new_slots=fb.out_slots,
         )
 

@@ -13,6 +13,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from pipeserve.backends.base import TORCH_NORMS, NormKernels
 from pipeserve.batch_overlap.operations import OpFn, Outputs, State, execute
 from pipeserve.batch_overlap.single_batch import get_single_batch_overlap
 from pipeserve.batch_overlap.strategies import Strategy, forward_stages
@@ -84,33 +85,27 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.heads, self.head_dim)  # [tokens, heads, d]
         k = k.view(n, self.kv_heads, self.head_dim)
         v = v.view(n, self.kv_heads, self.head_dim)
-        if fb.native.batched:
-            o = self._attend_fused(q, k, v, rope, fb)
-            if o is not None:
-                return self.o_proj(o)
+        fused = self._rope_and_store(q, k, v, rope, fb)
+        if fused is not None:
+            return self.o_proj(self.attn.attend(fused, fb.kv_pool, fb.attn))
         q, k = self.norm_q(q), self.norm_k(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.attn(q, k, v, fb.kv_pool, fb.out_slots, fb.attn)
         return self.o_proj(o)
 
-    def _attend_fused(
+    def _rope_and_store(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, fb: ForwardBatch
     ) -> torch.Tensor | None:
-        """The Triton path: q/k norms, rotary and the KV write in one launch, then attention;
-        None where that kernel does not fit the layer (the torch ops run instead)."""
-        from pipeserve.kernels import triton_rope
-
-        cache = fb.kv_pool.buffers(self.attn.layer_id)
+        """The backend's one kernel for the q/k norms, rotary and the KV write -> q as
+        attention reads it; None where it has none for this layer (the torch ops run)."""
         weights = None
         if (norms := self.qk_norms()) is not None:
             q_norm, k_norm = norms
-            if q_norm.eps != k_norm.eps:  # the kernel takes one
+            if q_norm.eps != k_norm.eps:  # such a kernel takes one
                 return None
             weights = (q_norm.weight, k_norm.weight, q_norm.eps)
-        if not triton_rope.fits((q, k, v), rope, cache, weights):
-            return None
-        q = triton_rope.norm_rope_store(q, k, v, *rope, *cache, fb.out_slots, weights)
-        return self.attn.attend(q, fb.kv_pool, fb.attn)
+        cache = fb.kv_pool.buffers(self.attn.layer_id)
+        return fb.attn.backend.rope_and_store((q, k, v), rope, cache, fb.out_slots, weights)
 
     def _forward_context_parallel(
         self, x: torch.Tensor, rope: Rope, fb: ForwardBatch
@@ -150,13 +145,13 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms and attention: the MLP's input and the residual stream."""
-        triton = fb.native.batched  # the Triton path: one launch per norm and residual add
+        norms = fb.attn.norms  # the batch's backend's norm kernels
         if residual is None:
-            residual, x = x, self.input_layernorm(x, triton)
+            residual, x = x, self.input_layernorm(x, norms)
         else:
-            x, residual = self.input_layernorm.add_and_norm(x, residual, triton)
+            x, residual = self.input_layernorm.add_and_norm(x, residual, norms)
         x = self.attend(x, rope, fb)
-        return self.post_attention_layernorm.add_and_norm(x, residual, triton)
+        return self.post_attention_layernorm.add_and_norm(x, residual, norms)
 
     def operations(self) -> dict[str, OpFn]:
         """The layer as operations (pipeserve/batch_overlap): a MoE layer offers attention,
@@ -259,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.model.layers[i](hidden, residual, rope, fb)
             for hook in reversed(hooks):
                 hook.after(n)
-        return self._final_norm(hidden, residual, fb.native.batched)
+        return self._final_norm(hidden, residual, fb.attn.norms)
 
     def forward_interleaved(
         self,
@@ -278,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
         stages = forward_stages(layers, strategy, get_single_batch_overlap())
         outs = execute(stages, states, carried, strategy.delta)
         return [
-            self._final_norm(o["hidden"], o["residual"], fb.native.batched)
+            self._final_norm(o["hidden"], o["residual"], fb.attn.norms)
             for o, fb in zip(outs, fbs, strict=True)
         ]
 
@@ -291,14 +286,17 @@ class LlamaForCausalLM(nn.Module):
         return hidden, residual
 
     def _final_norm(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, triton: bool = False
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norms: NormKernels = TORCH_NORMS,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         norm = self.model.norm
         if norm is None:
             return hidden, residual
         if residual is None:
-            return norm(hidden, triton), None
-        return norm.add_and_norm(hidden, residual, triton)[0], None
+            return norm(hidden, norms), None
+        return norm.add_and_norm(hidden, residual, norms)[0], None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 logits (last stage only)."""

@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: a step's hundreds of kernel launches replayed as one.
 
 A decode step of a batch is captured once per bucket of batch sizes (`graph_buckets`), at
-start-up, over persistent buffers (`DecodeGraphs`): the token ids, positions, KV write slots
-and the batched Triton kernel's page table. A step of n requests is padded to the smallest
+start-up, over persistent buffers (`DecodeGraphs`): the token ids, positions and KV write
+slots, and the attention backend's own (`AttentionBackend.graph_buffers`: the Triton
+backend's page table). A step of n requests is padded to the smallest
 bucket b >= n (`ForwardBatch.prepare(pad_to=b)`): each padded row reads and writes one slot
 of page 0, which the page allocator never hands out (`PAD_SLOT`), so a padded row never
 touches a page a request owns; its output row is never sampled. The step's tensors are
@@ -10,9 +11,9 @@ copied into the buffers (device to device, no host sync) and the bucket's graph 
 model's layers up to the last hidden states; the LM head and sampling run after it, eagerly
 (per-request sampling parameters change from step to step).
 
-What is captured is the Triton path (`--attention-backend triton`, and auto on CUDA where
-triton imports: its decode launch reads
-the page table from device memory, its grid depends on the bucket only; MLA's absorbed
+What is captured is a backend that says it can be (`capturable`: the Triton backend, chosen by
+`--attention-backend triton` and by auto on CUDA where triton imports: its decode launch
+reads the page table from device memory, its grid depends on the bucket only; MLA's absorbed
 decode too, its latent rows written at the batch's write slots in one op) on one device: no
 pipeline, tensor, context or expert parallelism, no prefill/decode transfer hooks, not
 DeepSeek-V3.2's indexer (its per-request segments are host objects). A MoE layer is
@@ -30,10 +31,8 @@ from typing import Any
 
 import torch
 
+from pipeserve.backends.base import AttentionBackend, AttentionPlan
 from pipeserve.config import EngineConfig
-from pipeserve.layers.attention import AttentionPlan, NativeKernels
-from pipeserve.layers.attention_backends import triton_chosen
-from pipeserve.layers.attention_parts import DecodePlan
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.forward_batch import ForwardBatch
@@ -57,7 +56,9 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def graph_blocker(config: EngineConfig, arch: ArchConfig, device: torch.device) -> str | None:
+def graph_blocker(
+    config: EngineConfig, arch: ArchConfig, device: torch.device, backend: AttentionBackend
+) -> str | None:
     """Why decode steps stay eager on this engine (None: they are captured)."""
     m, p = config.model, config.parallel
     if m.disable_cuda_graph or m.cuda_graph_max_bs < 1:
@@ -69,10 +70,10 @@ def graph_blocker(config: EngineConfig, arch: ArchConfig, device: torch.device) 
     spread = [f"{k} {v}" for k, v in sizes.items() if v > 1]
     if spread:
         return f"CUDA graphs run on one device only ({', '.join(spread)})"
-    if not triton_chosen(m.attention_backend, device.type, p.world_size):
+    if not backend.capturable:
         return (
-            f"CUDA graphs capture the Triton path only (--attention-backend "
-            f"{m.attention_backend}; auto takes it on one device where triton imports)"
+            f"the {backend.name} attention backend cannot be captured (--attention-backend "
+            f"{m.attention_backend}; auto takes Triton's on one device where triton imports)"
         )
     if arch.indexer is not None:
         return "DeepSeek-V3.2's indexer keeps per-request host segments (not captured yet)"
@@ -92,12 +93,16 @@ def graphable(batch: ScheduledBatch, largest: int) -> bool:
 
 
 def graph_reserve_bytes(
-    config: EngineConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype
+    config: EngineConfig,
+    arch: ArchConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: AttentionBackend,
 ) -> int:
     """What the graphs' private memory pool may hold, kept out of the KV budget: the
     activations of the largest bucket (the buckets share the pool), generously, plus a
     fixed 64 MiB; 0 where no graph will be captured."""
-    if graph_blocker(config, arch, device) is not None:
+    if graph_blocker(config, arch, device, backend) is not None:
         return 0
     intermediate = max(arch.intermediate_size, arch.moe_intermediate_size)
     per_row = 8 * arch.hidden_size + 3 * intermediate + 4 * arch.num_heads * arch.head_dim
@@ -111,42 +116,25 @@ class DecodeGraphs:
         self,
         forward: Callable[[ForwardBatch], torch.Tensor],
         pool: KVPool,
-        native: NativeKernels,
+        backend: AttentionBackend,
         buckets: Sequence[int],
         device: torch.device,
     ) -> None:
         """`forward(fb)`: the model's layers on a ForwardBatch, returning the last hidden
-        states (one row per token)."""
+        states (one row per token); `backend`: a capturable one, whose buffers it owns."""
         self.forward, self.buckets, self.device = forward, tuple(buckets), device
         largest = max(self.buckets)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.out_slots = torch.full((largest,), PAD_SLOT, dtype=torch.long, device=device)
-        rows = torch.arange(largest, device=device)
-        # a row alone reads its one slot: what a padded row reads in every bucket; the table
-        # holds twice the pool's slots (requests sharing a cached prefix list it each), a step
-        # with more stays eager (`holds`)
-        self.kv_indptr = torch.arange(largest + 1, dtype=torch.int32, device=device)
-        table = torch.full((2 * pool.num_slots,), PAD_SLOT, dtype=torch.int32, device=device)
-        self.kv_indices = table
+        self.attention = backend.graph_buffers(pool.num_slots, largest, device)
         empty = torch.empty(0, dtype=torch.long, device=device)
         self.batches: dict[int, ForwardBatch] = {}
         for b in self.buckets:
-            plan = DecodePlan(
-                rows[:b], kv_indptr=self.kv_indptr[: b + 1], kv_indices=self.kv_indices
-            )
-            attn = AttentionPlan([], plan, native.backend, None)
+            attn = AttentionPlan(backend, self.attention.meta(b))
+            ids, positions, slots = self.input_ids[:b], self.positions[:b], self.out_slots[:b]
             self.batches[b] = ForwardBatch(
-                self.input_ids[:b],
-                self.positions[:b],
-                self.out_slots[:b],
-                attn,
-                pool,
-                empty,
-                empty,
-                empty,
-                empty,
-                native=native,
+                ids, positions, slots, attn, pool, empty, empty, empty, empty
             )
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -154,9 +142,10 @@ class DecodeGraphs:
         self._pool_handle: Any = None
 
     def holds(self, batch: ScheduledBatch, bucket: int) -> bool:
-        """Whether the step's page table, padded to `bucket`, fits the persistent one."""
+        """Whether the step, padded to `bucket` (a padded row reads one key), fits the
+        backend's buffers."""
         keys = sum(s.prefix_len + s.num_tokens for s in batch.slices)
-        return keys + bucket - len(batch.slices) <= self.kv_indices.shape[0]
+        return self.attention.holds(keys + bucket - len(batch.slices), bucket)
 
     def capture(self) -> None:
         """A graph per bucket, largest first (they share one memory pool), each after
@@ -183,14 +172,11 @@ class DecodeGraphs:
         the layers run eagerly over the same buffers). The result is the graph's output
         buffer: valid until the next step."""
         b = fb.num_tokens
-        plan = fb.attn.decode
-        assert b in self.batches and plan is not None
-        assert plan.kv_indptr is not None and plan.kv_indices is not None
+        assert b in self.batches
         self.input_ids[:b].copy_(fb.input_ids, non_blocking=True)
         self.positions[:b].copy_(fb.positions, non_blocking=True)
         self.out_slots[:b].copy_(fb.out_slots, non_blocking=True)
-        self.kv_indptr[: b + 1].copy_(plan.kv_indptr, non_blocking=True)
-        self.kv_indices[: plan.kv_indices.shape[0]].copy_(plan.kv_indices, non_blocking=True)
+        self.attention.load(fb.attn.meta, b)
         graph = self.graphs.get(b)
         if graph is None:
             return self.forward(self.batches[b])

@@ -8,21 +8,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from pipeserve.backends.base import AttentionBackend, AttentionPlan, Segment
+from pipeserve.backends.torch_backend import TorchBackend
 from pipeserve.context_parallel.attention import CpContext, CpPlan
-from pipeserve.layers.attention import (
-    TORCH_KERNELS,
-    AttentionPlan,
-    NativeKernels,
-    batched_decode_plan,
-    batched_plan,
-    plan_attention,
-)
-from pipeserve.layers.attention_parts import DecodePlan, SlotRuns
+from pipeserve.layers.attention import plan_attention
+from pipeserve.layers.attention_parts import SlotRuns
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
-
-Segment = tuple[int, int, int, list[Run]]  # (first row, rows, prefix length, KV runs)
 
 
 @dataclass
@@ -68,7 +61,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [tokens]; negative = future-token placeholder
     positions: torch.Tensor  # [tokens]
     out_slots: torch.Tensor  # [tokens] KV slot each new token is written to
-    attn: AttentionPlan  # how attention reads the KV cache
+    attn: AttentionPlan  # the batch's attention backend and its plan (how it reads the cache)
     kv_pool: KVPool
     sample_rows: torch.Tensor  # [samples] row of each sampling slice's last token
     logprob_rows: torch.Tensor  # [n] rows whose prompt logprob is wanted
@@ -76,7 +69,6 @@ class ForwardBatch:
     future_slots: torch.Tensor  # [samples] overlap loop: ring slot of each sampled token
     # latent (MLA) pools: each request's rows and the slots of all its positions
     latent: LatentSlots = field(default_factory=LatentSlots)
-    native: NativeKernels = TORCH_KERNELS  # which steps may run the compiled CPU kernels
     # context parallelism: this rank's share of the batch (its rows are only some of the
     # batch's; sample and logprob rows index the batch's rows, gathered after the last layer)
     cp: CpPlan | None = None
@@ -99,18 +91,19 @@ class ForwardBatch:
         batch: ScheduledBatch,
         pool: KVPool,
         device: torch.device,
-        native: NativeKernels = TORCH_KERNELS,
+        backend: AttentionBackend | None = None,
         cp: CpContext | None = None,
         move: Callable[[torch.Tensor], torch.Tensor] | None = None,
         pad_to: int | None = None,
     ) -> ForwardBatch:
         """With `move` (the model runner's on a device: pinned memory, a non-blocking copy on
         the copy stream) every tensor is built on the host, with host-side index arithmetic,
-        and then moved (the Triton path's page tables as their slot runs, expanded on the
-        device after the copy); without, built on `device` directly. (A context-parallel plan
-        is built on `device` in both cases.) `pad_to`: a decode step padded with rows that
-        read and write PAD_SLOT alone (token 0 at position 0, never sampled) to that many
-        rows."""
+        and then moved (a backend's page tables as their slot runs, expanded on the device
+        after the copy); without, built on `device` directly. (A context-parallel plan is
+        built on `device` in both cases.) `backend`: the run's (the torch backend where None),
+        which hands the batch to the backend that plans it. `pad_to`: a decode step padded
+        with rows that read and write PAD_SLOT alone (token 0 at position 0, never sampled)
+        to that many rows."""
         lists = HostLists.of(batch, cp is None, pad_to)
         host = torch.device("cpu") if move is not None else device
 
@@ -118,20 +111,18 @@ class ForwardBatch:
             return torch.tensor(x, dtype=torch.long, device=host)
 
         ids, positions, segments = lists.ids, lists.positions, lists.segments
-        native = native.for_batch(segments)
+        chosen = (backend or TorchBackend(device.type)).for_batch(segments)
         cp_plan = None
         if cp is not None:  # this rank's rows; its attention reads the cache through the plan
             cp_plan, ids, positions = CpPlan.build(batch, cp, device)
         latent = LatentSlots()
-        if pool.latents:  # MLA reads the cache through latent segments, not a plan
-            attn = AttentionPlan([], latent_decode_plan(segments, host) if native.batched else None)
+        if pool.latents:  # MLA reads the cache through latent segments (and a batched plan)
+            attn = AttentionPlan(chosen, chosen.latent_plan(segments, host))
             if pad_to is None:  # a graph's step reads the graph's buffers, not segments
                 latent = LatentSlots.build(segments, host, table=move is not None)
-        elif native.batched:
-            attn = batched_plan(segments, host, native)
         else:
             prompts = frozenset(i for i, s in enumerate(batch.slices) if not s.is_decode)
-            attn = plan_attention(segments, host, pool.dtype, native, prompts)
+            attn = plan_attention(segments, host, pool.dtype, chosen, prompts, expanded=False)
         fb = cls(
             tensor(ids),
             tensor(positions),
@@ -143,7 +134,6 @@ class ForwardBatch:
             tensor(lists.lp_targets),
             tensor(lists.future_slots),
             latent,
-            native,
             cp_plan,
             graphed=pad_to is not None,
         )
@@ -252,13 +242,6 @@ def map_tensors(obj: T, fn: Callable[[torch.Tensor], torch.Tensor]) -> T:
         changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in fields(obj) if f.init}
         return replace(obj, **changes)
     return obj
-
-
-def latent_decode_plan(segments: list[Segment], device: torch.device) -> DecodePlan | None:
-    """MLA with the batched Triton kernel: the decode steps' page table, for one absorbed
-    launch per layer over all of them (MLAttention.forward's `batched`)."""
-    steps = [(row, runs_prefix(runs, prefix + 1)) for row, n, prefix, runs in segments if n == 1]
-    return batched_decode_plan(steps, device) if steps else None
 
 
 def _tail_slots(runs: list[Run], n: int) -> Sequence[int]:

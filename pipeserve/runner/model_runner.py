@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pipeserve.backends.registry import select_backend
 from pipeserve.batch_overlap.single_batch import (
     SingleBatchOverlap,
     set_single_batch_overlap,
@@ -20,14 +21,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.context_parallel.attention import CpContext
 from pipeserve.context_parallel.layer_shards import LayerShards
 from pipeserve.context_parallel.layout import PageStriping
-from pipeserve.device import (
-    memory_budget,
-    native_decode_kernel,
-    native_prefill_kernel,
-    resolve_device,
-    resolve_dtype,
-    synchronize,
-)
+from pipeserve.device import memory_budget, resolve_device, resolve_dtype, synchronize
 from pipeserve.disaggregation.afd.micro_batches import split_micro_batches
 from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.kv_remap import SideLayout
@@ -36,13 +30,6 @@ from pipeserve.distributed.parallel_state import get_parallel_state, stage_layer
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers import batch_invariant
-from pipeserve.layers.attention import NativeKernels
-from pipeserve.layers.attention_backends import (
-    AUTO_TRITON_PROMPT_MAX_KEYS,
-    AttentionKernels,
-    select_attention_kernels,
-    triton_chosen,
-)
 from pipeserve.layers.linear import fp8_kept, keeping_fp8_weights
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler, output_logprobs, prompt_logprobs
@@ -92,7 +79,10 @@ def kv_pool_pages(
     params = param_count(arch) - routed_expert_params(arch) * elsewhere
     weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
     per_token = stage_kv_bytes_per_token(config, arch, partition)
-    graphs = graph_reserve_bytes(config, arch, device, dtype)
+    backend = select_backend(
+        config.model.attention_backend, device, dtype, arch.head_dim, p.world_size
+    )
+    graphs = graph_reserve_bytes(config, arch, device, dtype, backend)
     tokens = int((budget - weights - graphs) // per_token)
     if tokens < 4 * page:
         raise ValueError(
@@ -101,51 +91,6 @@ def kv_pool_pages(
             "--max-total-tokens"
         )
     return tokens // page + 1
-
-
-def use_native_kernels(
-    backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, devices: int = 1
-) -> NativeKernels:
-    """Which steps run the native CPU kernels (--attention-backend): decode steps wherever
-    the kernels build; prompt chunks in bfloat16 or float32 wherever a prefill kernel builds
-    for the dtype (AVX512-BF16 or AVX2; head dim a multiple of 16). The other steps run the
-    backend's kernels: FlashInfer's or PyTorch's (`select_attention_kernels`). With
-    --attention-backend triton the batched Triton kernels take every decode step and prompt
-    chunk (GQA models; MLA decode steps too; context parallelism keeps its path); auto on
-    one CUDA device (`devices`: the layout's) takes them too, except that a batch with a
-    prompt chunk over more than
-    AUTO_TRITON_PROMPT_MAX_KEYS keys runs on the backend's kernels (`NativeKernels.for_batch`)."""
-    if backend == "triton" and triton_chosen(backend, device.type):
-        return NativeKernels(batched=True, backend=AttentionKernels(device.type))
-    kernels = select_attention_kernels(backend, device.type, dtype, head_dim)
-    if triton_chosen(backend, device.type, devices):  # auto: long prompt chunks on `kernels`
-        return NativeKernels(
-            batched=True, backend=kernels, batched_prompt_max_keys=AUTO_TRITON_PROMPT_MAX_KEYS
-        )
-    if backend not in ("auto", "native") or device.type != "cpu":
-        return NativeKernels(backend=kernels)
-    available = native_decode_kernel() is not None
-    if backend == "native" and not available:
-        raise ValueError(
-            "--attention-backend native: the native CPU kernel could not be built "
-            "(see the warning above); use --attention-backend torch"
-        )
-    prefill = available and head_dim % 16 == 0 and native_prefill_kernel(dtype) is not None
-    return NativeKernels(decode=available, prefill=prefill, backend=kernels)
-
-
-def _missing_native(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype) -> str:
-    """Which condition of the native kernels this run fails (for a refusal's message)."""
-    if config.model.attention_backend not in ("auto", "native"):
-        return f"--attention-backend {config.model.attention_backend} chose others (use auto)"
-    if native_decode_kernel() is None:
-        return "they could not be built here (see the warning above)"
-    if arch.head_dim % 16:
-        return f"head dim {arch.head_dim} is not a multiple of 16"
-    return (
-        f"no prefill kernel takes {str(dtype).removeprefix('torch.')} on this CPU (float32 "
-        "needs AVX2 and FMA; bfloat16 AVX2 or AVX512-BF16)"
-    )
 
 
 class ModelRunner:
@@ -178,15 +123,23 @@ class ModelRunner:
         # in layer order: under data-parallel attention a rank without tokens in a step
         # still joins these layers' expert dispatch and combine
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
-        self.native = use_native_kernels(
+        deterministic = config.model.enable_deterministic_inference
+        if deterministic and arch.mla is not None:
+            raise ValueError(
+                "--enable-deterministic-inference is not available for multi-head latent "
+                f"attention ({arch.architecture}): its batch-invariant kernels are GQA's"
+            )
+        self.backend = select_backend(
             config.model.attention_backend,
             self.device,
             self.dtype,
             arch.head_dim,
             config.parallel.world_size,
+            deterministic,
         )
+        log.info("attention backend: %s", self.backend.name)
         batch_invariant.set_enabled(False)  # not left on by an earlier runner in this process
-        if config.model.enable_deterministic_inference:
+        if deterministic:
             self._init_deterministic()
         self.cp = self._context_parallel() if self.state.cp_size > 1 else None
         # all held: the parameters, and the block scales of weights kept in fp8
@@ -231,15 +184,14 @@ class ModelRunner:
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Decode steps' CUDA graphs, captured now (after the Triton kernels' first runs, before
         any timed probe); None, with the reason logged, where steps stay eager."""
-        blocker = graph_blocker(self.config, self.arch, self.device)
+        blocker = graph_blocker(self.config, self.arch, self.device, self.backend)
         if blocker is not None:
-            if self.device.type == "cuda":
-                log.info("decode steps run eagerly: %s", blocker)
+            log.debug("decode steps run eagerly: %s", blocker)
             return None
         graphs = DecodeGraphs(
             lambda fb: self.model(fb)[0],
             self.kv_pool,
-            self.native,
+            self.backend,
             graph_buckets(self.config.model.cuda_graph_max_bs),
             self.device,
         )
@@ -287,7 +239,7 @@ class ModelRunner:
     def _context_parallel(self) -> CpContext:
         """This rank's context-parallel share of every batch (see pipeserve/context_parallel)."""
         a, state = self.arch, self.state
-        if self.native.deterministic:
+        if self.config.model.enable_deterministic_inference:
             raise ValueError(
                 "--enable-deterministic-inference with --cp-size: context parallelism merges "
                 "partial attention results, which the batch-invariant kernels do not cover"
@@ -302,7 +254,7 @@ class ModelRunner:
             a.num_kv_heads,
             a.head_dim,
             self.dtype.itemsize,
-            native_prefill=self.native.prefill,
+            native_prefill=self.backend.prefill_kernel(self.dtype) is not None,
             overlap=not self.config.parallel.disable_cp_kv_overlap,
             latent=a.mla is not None,
             ring=self.config.parallel.cp_kv_exchange == "ring" and a.mla is None,
@@ -311,19 +263,7 @@ class ModelRunner:
 
     def _init_deterministic(self) -> None:
         """Batch-invariant execution (see pipeserve/layers/batch_invariant.py): the native
-        attention kernels for every step, and a checked matrix product."""
-        if self.arch.mla is not None:
-            raise ValueError(
-                "--enable-deterministic-inference is not available for multi-head latent "
-                f"attention ({self.arch.architecture}): its batch-invariant kernels are GQA's"
-            )
-        if not (self.native.decode and self.native.prefill):
-            missing = _missing_native(self.config, self.arch, self.dtype)
-            raise ValueError(
-                "--enable-deterministic-inference needs the native attention kernels for "
-                f"prompts and decode steps, and {missing}"
-            )
-        self.native = NativeKernels(decode=True, prefill=True, deterministic=True)
+        attention kernels for every step (the backend), and a checked matrix product."""
         batch_invariant.set_enabled(True)
         batch_invariant.check_linear_rows(
             w for p in self.model.parameters() for w in (p if p.dim() == 3 else [p])
@@ -341,7 +281,7 @@ class ModelRunner:
         with self.streams.upload() as up:
             move = up.move if self.streams.api is not None else None
             fb = ForwardBatch.prepare(
-                batch, self.kv_pool, self.device, self.native, self.cp, move, pad_to
+                batch, self.kv_pool, self.device, self.backend, self.cp, move, pad_to
             )
         fb.ready, fb.uploaded = up.ready, up.tensors
         return fb

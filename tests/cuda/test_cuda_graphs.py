@@ -61,7 +61,7 @@ def test_a_replay_equals_the_eager_forward_of_its_padded_step(model_dir, dtype: 
                 assert torch.equal(replayed, eager), f"bucket {fb.num_tokens}"
                 if dtype == "bfloat16":
                     continue
-                plain = ForwardBatch.prepare(batch, runner.kv_pool, runner.device, runner.native)
+                plain = ForwardBatch.prepare(batch, runner.kv_pool, runner.device, runner.backend)
                 unpadded = runner.model(plain)[0]
                 got = torch.log_softmax(runner.model.compute_logits(replayed[:n]).float(), -1)
                 want = torch.log_softmax(runner.model.compute_logits(unpadded).float(), -1)

@@ -9,13 +9,17 @@ captured, in its `-m cuda` tests."""
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
 
+from pipeserve.backends.flashinfer_backend import FlashInferBackend
+from pipeserve.backends.registry import select_backend
+from pipeserve.backends.split import LongPromptSplit
+from pipeserve.backends.torch_backend import TorchBackend
+from pipeserve.backends.triton_backend import TritonBackend
 from pipeserve.config import EngineConfig
-from pipeserve.layers.attention import NativeKernels
-from pipeserve.layers.attention_backends import AttentionKernels
 from pipeserve.mem_cache.allocator import PageAllocator
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.models.arch import ArchConfig
@@ -30,7 +34,7 @@ from pipeserve.runner.cuda_graph import (
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
 
-TRITON = NativeKernels(batched=True, backend=AttentionKernels("cpu"))
+TRITON = TritonBackend()
 
 
 def test_buckets_cover_every_size_with_little_padding() -> None:
@@ -71,15 +75,18 @@ def test_which_engines_capture() -> None:
     dense = ArchConfig.from_dict(load_config("bench")[0])
     v32 = ArchConfig.from_dict(load_config("tiny-deepseek-v32")[0])
     triton = {"attention_backend": "triton"}
-    assert graph_blocker(EngineConfig.from_flags(**triton), dense, cuda) is None
-    assert graph_blocker(EngineConfig.from_flags(), dense, cuda) is None  # auto: Triton
-    assert graph_blocker(EngineConfig.from_flags(**triton), v32, cuda) is not None
+    assert graph_blocker(EngineConfig.from_flags(**triton), dense, cuda, TRITON) is None
+    auto = select_backend("auto", cuda, torch.bfloat16, 128)  # where triton imports
+    assert isinstance(auto, LongPromptSplit) and auto.primary.capturable
+    assert graph_blocker(EngineConfig.from_flags(), dense, cuda, auto) is None
+    assert graph_blocker(EngineConfig.from_flags(**triton), v32, cuda, TRITON) is not None
+    fake_flashinfer = FlashInferBackend(types.ModuleType("flashinfer"))
     blocked = [
-        ({"attention_backend": "torch"}, cuda, "Triton path only"),
-        ({"attention_backend": "flashinfer"}, cuda, "Triton path only"),
-        (triton, cpu, "need a CUDA device"),
-        ({**triton, "pp_size": 2}, cuda, "pipeline 2"),
-        ({**triton, "tp_size": 2}, cuda, "tensor 2"),
+        ({"attention_backend": "torch"}, cuda, TorchBackend("cuda"), "cannot be captured"),
+        ({"attention_backend": "flashinfer"}, cuda, fake_flashinfer, "cannot be captured"),
+        (triton, cpu, TRITON, "need a CUDA device"),
+        ({**triton, "pp_size": 2}, cuda, TRITON, "pipeline 2"),
+        ({**triton, "tp_size": 2}, cuda, TRITON, "tensor 2"),
         (
             {
                 **triton,
@@ -87,13 +94,14 @@ def test_which_engines_capture() -> None:
                 "disaggregation_auth_key": "7" + "0123456789abcdef" * 2,
             },
             cuda,
+            TRITON,
             "disaggregation",
         ),
-        ({**triton, "cuda_graph_max_bs": 0}, cuda, "--disable-cuda-graph"),
-        ({**triton, "disable_cuda_graph": True}, cuda, "--disable-cuda-graph"),
+        ({**triton, "cuda_graph_max_bs": 0}, cuda, TRITON, "--disable-cuda-graph"),
+        ({**triton, "disable_cuda_graph": True}, cuda, TRITON, "--disable-cuda-graph"),
     ]
-    for flags, device, reason in blocked:
-        got = graph_blocker(EngineConfig.from_flags(**flags), dense, device)
+    for flags, device, backend, reason in blocked:
+        got = graph_blocker(EngineConfig.from_flags(**flags), dense, device, backend)
         assert got is not None and reason in got, (flags, got)
 
 
@@ -137,7 +145,7 @@ def test_a_padded_row_never_touches_a_page_a_request_owns() -> None:
     assert set(padded.out_slots[:5].tolist()) <= owned
     assert padded.input_ids[5:].tolist() == [0] * 3 and padded.positions[5:].tolist() == [0] * 3
     assert torch.equal(padded.sample_rows, plain.sample_rows)  # padded rows are never sampled
-    a, b = plain.attn.decode, padded.attn.decode
+    a, b = plain.attn.meta.decode, padded.attn.meta.decode
     assert a is not None and b is not None
     assert a.kv_indptr is not None and b.kv_indptr is not None
     assert a.kv_indices is not None and b.kv_indices is not None
@@ -154,18 +162,20 @@ def test_the_kv_budget_keeps_room_for_the_graphs() -> None:
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     triton = {"attention_backend": "triton"}
     on = EngineConfig.from_flags(**triton, cuda_graph_max_bs=64)
-    reserve = graph_reserve_bytes(on, arch, cuda, bf16)
-    bigger = graph_reserve_bytes(EngineConfig.from_flags(**triton), arch, cuda, bf16)
+    reserve = graph_reserve_bytes(on, arch, cuda, bf16, TRITON)
+    bigger = graph_reserve_bytes(EngineConfig.from_flags(**triton), arch, cuda, bf16, TRITON)
     assert 64 << 20 < reserve < bigger  # the default 128 takes more than 64
-    assert graph_reserve_bytes(EngineConfig.from_flags(), arch, cuda, bf16) == bigger  # auto
-    for off in (
-        {**triton, "disable_cuda_graph": True},
-        {**triton, "cuda_graph_max_bs": 0},
-        {**triton, "tp_size": 2},  # no graph is captured: nothing kept back
-        {"attention_backend": "torch"},
+    auto = select_backend("auto", cuda, bf16, arch.head_dim)
+    assert graph_reserve_bytes(EngineConfig.from_flags(), arch, cuda, bf16, auto) == bigger
+    for off, backend in (
+        ({**triton, "disable_cuda_graph": True}, TRITON),
+        ({**triton, "cuda_graph_max_bs": 0}, TRITON),
+        ({**triton, "tp_size": 2}, TRITON),  # no graph is captured: nothing kept back
+        ({"attention_backend": "torch"}, TorchBackend("cuda")),
     ):
-        assert graph_reserve_bytes(EngineConfig.from_flags(**off), arch, cuda, bf16) == 0
-    assert graph_reserve_bytes(on, arch, torch.device("cpu"), bf16) == 0
+        flags = EngineConfig.from_flags(**off)
+        assert graph_reserve_bytes(flags, arch, cuda, bf16, backend) == 0
+    assert graph_reserve_bytes(on, arch, torch.device("cpu"), bf16, TRITON) == 0
 
 
 @pytest.mark.parametrize("loop", ["plain", "overlap"])

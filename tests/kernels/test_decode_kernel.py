@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeserve.backends.native_backend import NativeBackend, RunSteps
 from pipeserve.device import native_decode_kernel
-from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
+from pipeserve.layers.attention import PagedAttention, plan_attention
 from pipeserve.mem_cache.kv_pool import KVPool
 
 pytestmark = pytest.mark.skipif(native_decode_kernel() is None, reason="native kernels unavailable")
@@ -42,8 +43,9 @@ def test_kernel_matches_reference_and_torch_path(
     attn = PagedAttention(0, hk * group, hk, d)
     outs = {}
     for native in (False, True):
-        plan = plan_attention(segments, torch.device("cpu"), dtype, NativeKernels(decode=native))
-        assert (plan.decode.runs is not None) == native
+        backend = NativeBackend() if native else None
+        plan = plan_attention(segments, torch.device("cpu"), dtype, backend)
+        assert isinstance(plan.meta.decode, RunSteps) == native
         outs[native] = attn(q, k_new, v_new, pool, slots, plan).view(batch, hk * group, d)
     for i, runs in enumerate(step_runs):
         ref = reference(q[i], pool, runs, attn.scale)

@@ -8,9 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeserve.backends.native_backend import NativeBackend, RunChunk
+from pipeserve.backends.split import PrefillDecodeSplit
+from pipeserve.backends.torch_backend import TorchBackend
 from pipeserve.device import native_prefill_kernel
 from pipeserve.kernels import native as native_module
-from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
+from pipeserve.layers.attention import PagedAttention, plan_attention
 from pipeserve.mem_cache.kv_pool import KVPool
 
 CPU = torch.device("cpu")
@@ -182,8 +185,11 @@ def test_paged_attention_native_and_torch_prefill_agree(dtype) -> None:
     attn = PagedAttention(0, kv_heads * group, kv_heads, d)
     outs = {}
     for native in (False, True):
-        plan = plan_attention(segments, CPU, dtype, NativeKernels(prefill=native))
-        assert all((c.runs is not None) == native for c in plan.chunks)
+        backend = PrefillDecodeSplit(
+            NativeBackend() if native else TorchBackend("cpu"), TorchBackend("cpu")
+        )
+        plan = plan_attention(segments, CPU, dtype, backend)
+        assert all(isinstance(c, RunChunk) == native for c in plan.meta.prefill.chunks)
         outs[native] = attn(q, k, v, pool, slots, plan).float()
     assert torch.allclose(outs[True], outs[False], atol=tol, rtol=tol)
     k_cache, v_cache = pool.buffers(0)
@@ -206,7 +212,8 @@ def test_engine_in_bfloat16_is_as_close_to_float32_as_the_torch_kernels(model_di
     for backend, dtype in (("torch", "float32"), ("torch", "bfloat16"), ("auto", "bfloat16")):
         flags = {"dtype": dtype, "chunked_prefill_size": 64, "max_total_tokens": 4096}
         with Engine(str(path), attention_backend=backend, **flags) as engine:
-            native = engine.backend.runner.native.prefill
+            runner = engine.backend.runner
+            native = runner.backend.prefill_kernel(runner.dtype) is not None
             assert native == (backend == "auto" and dtype == "bfloat16")
             out = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
         logprobs[backend, dtype] = torch.tensor([lp for o in out for lp in o["prompt_logprobs"]])
@@ -235,7 +242,8 @@ def test_engine_in_float32_matches_the_torch_kernels(model_dir) -> None:
     for backend in ("torch", "auto"):
         flags = {"dtype": "float32", "chunked_prefill_size": 64, "max_total_tokens": 4096}
         with Engine(str(path), attention_backend=backend, **flags) as engine:
-            assert engine.backend.runner.native.prefill == (backend == "auto")
+            runner = engine.backend.runner
+            assert (runner.backend.prefill_kernel(runner.dtype) is not None) == (backend == "auto")
             runs[backend] = engine.generate(
                 input_ids=prompts, sampling_params=sp, return_logprob=True
             )

@@ -243,7 +243,7 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
         flags = {"dtype": "float32", "chunked_prefill_size": 16, "attention_backend": backend}
         before = [c.launches for c in counted]
         with Engine(model, **flags) as engine:
-            assert engine.backend.runner.native.batched == (backend == "triton")
+            assert engine.backend.runner.backend.name == backend
             outs[backend] = engine.generate(
                 input_ids=prompts, sampling_params=params, return_logprob=True
             )
@@ -259,24 +259,27 @@ def test_auto_s_mix_of_triton_and_library_kernels_serves_the_same_tokens(
     decode step on the Triton path (its fused q/k norm, rotary and KV write), chunks past it
     on the torch kernels, so each side reads KV the other wrote; the same tokens and logprobs
     as the torch kernels throughout (tiny-qwen3, a key limit of 20 at chunks of 16)."""
-    from dataclasses import replace
-
     from pipeserve import Engine
+    from pipeserve.backends.split import LongPromptSplit
+    from pipeserve.backends.torch_backend import TorchBackend
+    from pipeserve.backends.triton_backend import TritonBackend
     from pipeserve.runner import forward_batch, model_runner
 
-    real_choice = model_runner.use_native_kernels
-    monkeypatch.setattr(
-        model_runner,
-        "use_native_kernels",
-        lambda *a: replace(real_choice(*a), batched_prompt_max_keys=20),
-    )
+    real_choice = model_runner.select_backend
+
+    def choice(name, device, *args):  # auto on CUDA, with a key limit of 20
+        if name != "triton":
+            return real_choice(name, device, *args)
+        return LongPromptSplit(TritonBackend(), TorchBackend(device.type), 20)
+
+    monkeypatch.setattr(model_runner, "select_backend", choice)
     kinds: list[bool] = []  # per prepared batch with a prompt chunk: batched or not
     real_prepare = forward_batch.ForwardBatch.prepare.__func__  # type: ignore[attr-defined]
 
     def prepare(cls, batch, *args, **kwargs):
         fb = real_prepare(cls, batch, *args, **kwargs)
         if any(not s.is_decode for s in batch.slices):
-            kinds.append(fb.native.batched)
+            kinds.append(isinstance(fb.attn.backend, TritonBackend))
         return fb
 
     monkeypatch.setattr(forward_batch.ForwardBatch, "prepare", classmethod(prepare))
@@ -323,8 +326,9 @@ class Counted:
 def test_one_launch_per_layer_however_many_requests(monkeypatch, requests: int) -> None:
     """A layer's forward over a batch of decode steps and prompt chunks launches the decode
     kernel once and the extend kernel once, for 2 requests of each kind as for 7."""
+    from pipeserve.backends.triton_backend import TritonBackend
     from pipeserve.kernels import triton_attention as ta
-    from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
+    from pipeserve.layers.attention import PagedAttention, plan_attention
     from pipeserve.mem_cache.kv_pool import KVPool
 
     counted = {name: Counted(getattr(ta, name)) for name in ("_decode_kernel", "_extend_kernel")}
@@ -337,7 +341,7 @@ def test_one_launch_per_layer_however_many_requests(monkeypatch, requests: int) 
         segments.append((row, 1, 30 + i, [(64 * i, 31 + i)]))
         segments.append((row + 1, 5, 8, [(64 * (i + 8), 13)]))
         row += 6
-    plan = plan_attention(segments, torch.device("cpu"), torch.float32, NativeKernels(batched=True))
+    plan = plan_attention(segments, torch.device("cpu"), torch.float32, TritonBackend())
     layer = PagedAttention(0, hk * group, hk, d)
     q = torch.randn(row, hk * group, d)
     k, v = torch.randn(row, hk, d), torch.randn(row, hk, d)
@@ -357,8 +361,9 @@ def test_a_decode_layer_launches_each_fused_kernel_once(monkeypatch, requests: i
     """A Qwen3 decoder layer (q/k norms) over a batch of decode steps on the Triton path: the
     residual add and norm launch twice (before attention, before the MLP), the q/k norm,
     rotary and KV write once, attention once; for 2 requests as for 7."""
+    from pipeserve.backends.triton_backend import TritonBackend
     from pipeserve.kernels import triton_attention, triton_norm, triton_rope
-    from pipeserve.layers.attention import NativeKernels, plan_attention
+    from pipeserve.layers.attention import plan_attention
     from pipeserve.mem_cache.kv_pool import KVPool
     from pipeserve.models.arch import ArchConfig
     from pipeserve.models.presets import PRESETS
@@ -381,7 +386,7 @@ def test_a_decode_layer_launches_each_fused_kernel_once(monkeypatch, requests: i
     model = Qwen3ForCausalLM(arch, F32)
     for p in model.parameters():
         p.data.normal_(0, 0.2)
-    cpu, batched = torch.device("cpu"), NativeKernels(batched=True)
+    cpu, batched = torch.device("cpu"), TritonBackend()
     pool = KVPool(SLOTS, range(arch.num_layers), arch.num_kv_heads, arch.head_dim, F32, cpu, 16)
     for buf in pool.k + pool.v:  # the steps' cached keys and values
         buf.normal_()
@@ -399,7 +404,6 @@ def test_a_decode_layer_launches_each_fused_kernel_once(monkeypatch, requests: i
         logprob_rows=none,
         logprob_targets=none,
         future_slots=none,
-        native=batched,
     )
     hidden, residual = torch.randn(2, requests, arch.hidden_size)
     model.model.layers[1](hidden, residual, model.rotary.cos_sin(positions, F32), fb)
@@ -430,8 +434,8 @@ def test_decode_steps_over_the_graph_buffers_serve_the_same_tokens(
 
     real_blocker = model_runner.graph_blocker
 
-    def blocker(config, arch, device):  # as if the CPU were a CUDA device
-        return real_blocker(config, arch, torch.device("cuda"))
+    def blocker(config, arch, device, backend):  # as if the CPU were a CUDA device
+        return real_blocker(config, arch, torch.device("cuda"), backend)
 
     monkeypatch.setattr(model_runner, "graph_blocker", blocker)
     monkeypatch.setattr(cuda_graph.DecodeGraphs, "capture", lambda self: None)

@@ -12,12 +12,12 @@ from selection_oracle import masked_attention, selection_mask
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
+from pipeserve.backends.torch_ops import chunked_attention_with_lse
 from pipeserve.device import native_prefill_kernel
 from pipeserve.distributed import parallel_state
 from pipeserve.distributed.parallel_state import ParallelState
 from pipeserve.layers import linear
 from pipeserve.layers import mla as mla_mod
-from pipeserve.layers.attention_backends import chunked_attention_with_lse
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.mla import (
     MLAttention,

@@ -17,9 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from pipeserve.backends import torch_backend
+from pipeserve.backends.base import AttentionPlan
+from pipeserve.backends.native_backend import RunChunk, RunSteps
+from pipeserve.backends.split import SplitMeta
+from pipeserve.backends.torch_backend import ChunkPlan, GatherSteps
 from pipeserve.device import native_prefill_kernel
 from pipeserve.engine.engine import Engine
-from pipeserve.layers import attention as attn_mod
 from pipeserve.layers.rotary import inverse_frequencies
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.presets import make_model
@@ -53,19 +57,23 @@ class PathRecorder:
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
         self.seen: Counter[str] = Counter()
-        plan, blockwise, fused = (forward_batch.plan_attention, attn_mod.blockwise_prefill,
-                                  attn_mod.PagedAttention._fused)
+        plan, blockwise, fused = (forward_batch.plan_attention, torch_backend.blockwise_prefill,
+                                  torch_backend.fused_prompt_chunk)
 
-        def plan_spy(*args: Any, **kwargs: Any) -> attn_mod.AttentionPlan:
+        def plan_spy(*args: Any, **kwargs: Any) -> AttentionPlan:
             p = plan(*args, **kwargs)
-            self.seen["chunk_prefix_view"] += any(c.views for c in p.chunks)
-            self.seen["chunk_prefix_gathered"] += any(c.gather is not None for c in p.chunks)
-            self.seen["decode_view"] += bool(p.decode and p.decode.views)
-            self.seen["decode_native"] += bool(p.decode and p.decode.runs is not None)
-            self.seen["chunk_native"] += any(c.runs is not None for c in p.chunks)
-            self.seen["chunk_native_with_prefix"] += any(
-                c.runs is not None and c.prefix_len > 0 for c in p.chunks
-            )
+            metas = [p.meta] if not isinstance(p.meta, SplitMeta) else [p.meta.prefill,
+                                                                        p.meta.decode]
+            chunks = [c for m in metas if m is not None for c in m.chunks]
+            decodes = [m.decode for m in metas if m is not None and m.decode is not None]
+            ours = [c for c in chunks if isinstance(c, ChunkPlan)]  # the torch backend's
+            natives = [c for c in chunks if isinstance(c, RunChunk)]
+            self.seen["chunk_prefix_view"] += any(c.views for c in ours)
+            self.seen["chunk_prefix_gathered"] += any(c.gather is not None for c in ours)
+            self.seen["decode_view"] += any(isinstance(d, GatherSteps) and d.views for d in decodes)
+            self.seen["decode_native"] += any(isinstance(d, RunSteps) for d in decodes)
+            self.seen["chunk_native"] += bool(natives)
+            self.seen["chunk_native_with_prefix"] += any(c.prefix_len > 0 for c in natives)
             return p
 
         def blockwise_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list,
@@ -74,15 +82,15 @@ class PathRecorder:
             self.seen["blockwise_with_prefix"] += bool(cached)
             return blockwise(q, k, v, cached, scale)
 
-        def fused_spy(layer: attn_mod.PagedAttention, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, cached: list, *kernels: Any) -> torch.Tensor:
+        def fused_spy(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cached: list, *kernels: Any) -> torch.Tensor:
             self.seen["fused"] += 1
             self.seen["fused_with_prefix"] += bool(cached)
             return fused(layer, q, k, v, cached, *kernels)
 
         mp.setattr(forward_batch, "plan_attention", plan_spy)
-        mp.setattr(attn_mod, "blockwise_prefill", blockwise_spy)
-        mp.setattr(attn_mod.PagedAttention, "_fused", fused_spy)
+        mp.setattr(torch_backend, "blockwise_prefill", blockwise_spy)
+        mp.setattr(torch_backend, "fused_prompt_chunk", fused_spy)
 
 
 def run_engine(path: Path, layout: dict[str, Any], ids: list[list[int]]) -> list[dict[str, Any]]:

@@ -15,16 +15,18 @@ from fake_cuda import FakeApi
 from host_sync import no_host_sync
 from torch.overrides import TorchFunctionMode
 
-from pipeserve.layers.attention import AttentionPlan, NativeKernels
-from pipeserve.layers.attention_backends import AttentionKernels
+from pipeserve.backends.base import AttentionPlan
+from pipeserve.backends.split import LongPromptSplit
+from pipeserve.backends.torch_backend import GatherSteps, TorchBackend
+from pipeserve.backends.triton_backend import TritonBackend
 from pipeserve.mem_cache.kv_pool import KVPool
-from pipeserve.runner.forward_batch import ForwardBatch, HostLists, latent_decode_plan, map_tensors
+from pipeserve.runner.forward_batch import ForwardBatch, HostLists, map_tensors
 from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
 from pipeserve.scheduler.request import SamplingParams
 from pipeserve.streams import DeviceStreams
 
 CPU, META = torch.device("cpu"), torch.device("meta")
-TRITON = NativeKernels(batched=True, backend=AttentionKernels("cpu"))
+TRITON = TritonBackend()
 POOL = KVPool(16, range(1), 1, 8, torch.float32, CPU, 16)  # prepare reads its kind only
 LATENT_POOL = KVPool.latent_layout(16, range(1), 8, torch.float32, CPU, 16)  # MLA's
 GREEDY = SamplingParams(temperature=0)
@@ -124,7 +126,7 @@ def test_the_host_builds_the_same_for_1k_and_32k_context(make: Any) -> None:
     (work_1k, _), (work_32k, fb) = short, long
     assert work_1k.calls == work_32k.calls
     assert work_1k.host_elements == work_32k.host_elements < 1024
-    decode, extend = fb.attn.decode, fb.attn.extend
+    decode, extend = fb.attn.meta.decode, fb.attn.meta.extend
     assert decode is not None and decode.kv_indices is not None
     assert decode.kv_indices.device == META
     assert decode.kv_indices.shape == (6 * 32 * 1024,)
@@ -138,15 +140,15 @@ def test_mla_decode_plan_host_work_does_not_grow_with_context() -> None:
         batch = decode_batch(context)
         segments = [(row, 1, s.prefix_len, s.kv_runs) for row, s in enumerate(batch.slices)]
         with HostWork() as work:
-            attn = AttentionPlan([], latent_decode_plan(segments, CPU))
+            attn = AttentionPlan(TRITON, TRITON.latent_plan(segments, CPU))
             attn = map_tensors(attn, to_meta).expanded()
         return work, attn
 
     (work_1k, _), (work_32k, attn) = plan(1024), plan(32 * 1024)
     assert work_1k.calls == work_32k.calls
     assert work_1k.host_elements == work_32k.host_elements < 1024
-    assert attn.decode is not None and attn.decode.kv_indices is not None
-    assert attn.decode.kv_indices.shape == (6 * 32 * 1024,)
+    assert attn.meta.decode is not None and attn.meta.decode.kv_indices is not None
+    assert attn.meta.decode.kv_indices.shape == (6 * 32 * 1024,)
 
 
 def test_mla_segments_host_work_does_not_grow_with_context() -> None:
@@ -202,7 +204,8 @@ def test_a_graphed_mla_step_carries_no_latent_segments() -> None:
     is. The same step unpadded has them."""
     padded = ForwardBatch.prepare(decode_batch(1024), LATENT_POOL, META, TRITON, None, to_meta, 8)
     assert padded.latent_segments == [] and padded.latent.table is None
-    assert padded.attn.decode is not None and padded.attn.decode.kv_indices is not None
+    decode = padded.attn.meta.decode
+    assert decode is not None and decode.kv_indices is not None
     _, eager = prepared_on_meta(decode_batch(1024), LATENT_POOL)
     assert len(eager.latent_segments) == 6
 
@@ -217,7 +220,7 @@ def test_a_moved_plan_is_expanded_after_the_copy_without_host_reads(context: int
     streams = DeviceStreams(CPU, FakeApi())
     with streams.upload() as up, no_host_sync(), NoDataSizedOutputs():
         fb = ForwardBatch.prepare(batch, POOL, CPU, TRITON, move=up.move)
-    decode, extend = fb.attn.decode, fb.attn.extend
+    decode, extend = fb.attn.meta.decode, fb.attn.meta.extend
     assert decode is not None and decode.kv_indptr is not None and decode.kv_indices is not None
     assert extend is not None and extend.kv_indptr is not None and extend.kv_indices is not None
     tables = [decode.kv_indptr, decode.kv_indices, extend.kv_indptr, extend.kv_indices]
@@ -256,12 +259,10 @@ def test_decode_steps_rows_are_the_general_loops(pad_to: int | None, with_kv: bo
 def test_auto_runs_a_batch_with_a_long_prompt_chunk_on_the_library_kernels() -> None:
     """Auto on CUDA (batched, with a key limit): decode steps and prompt chunks within the
     limit stay on the batched Triton plan; a batch with a chunk over more keys (its prefix
-    plus itself) is planned for the library kernels, norms and rotary included (fb.native
-    is not batched), whatever else it holds."""
+    plus itself) is planned for the library kernels, norms and rotary included (the
+    batch's backend is the library's), whatever else it holds."""
     limit = 1024
-    auto = NativeKernels(
-        batched=True, backend=AttentionKernels("cpu"), batched_prompt_max_keys=limit
-    )
+    auto = LongPromptSplit(TRITON, TorchBackend("cpu"), limit)
     prefix = limit - CHUNK  # a chunk of CHUNK tokens after it: exactly `limit` keys
     cases = {
         "decode, long context": (decode_batch(64 * limit), True),
@@ -270,13 +271,13 @@ def test_auto_runs_a_batch_with_a_long_prompt_chunk_on_the_library_kernels() -> 
     }
     for name, (batch, batched) in cases.items():
         fb = ForwardBatch.prepare(batch, POOL, CPU, auto)
-        assert fb.native.batched == batched, name
+        assert (fb.attn.backend is TRITON) == batched, name
+        assert fb.attn.norms is fb.attn.backend.norms
+        meta = fb.attn.meta
         if batched:  # one launch for the decode steps and one for the chunks (if any)
-            assert fb.attn.chunks == [] and fb.attn.decode is not None
-            assert fb.attn.decode.kv_indices is not None
+            assert meta.decode is not None and meta.decode.kv_indices is not None
         else:  # the torch kernels' plan: the chunk reads its prefix, decode steps gather
-            assert [p.prefix_len for p in fb.attn.chunks] == [prefix + 1]
-            assert fb.attn.extend is None and fb.attn.decode is not None
-            assert fb.attn.decode.kv_indices is None and fb.attn.decode.gather is not None
-    explicit = NativeKernels(batched=True, backend=AttentionKernels("cpu"))  # triton: all
-    assert ForwardBatch.prepare(mixed_batch(limit + 1), POOL, CPU, explicit).native.batched
+            assert [p.prefix_len for p in meta.chunks] == [prefix + 1]
+            assert isinstance(meta.decode, GatherSteps)
+    explicit = ForwardBatch.prepare(mixed_batch(limit + 1), POOL, CPU, TRITON)  # triton: all
+    assert explicit.attn.backend is TRITON

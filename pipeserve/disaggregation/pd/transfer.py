@@ -67,7 +67,7 @@ from pipeserve.disaggregation.pd.kv_remap import (
 )
 from pipeserve.disaggregation.pd.link import PING_S, Channel, LinkClosed, Server, drive
 from pipeserve.distributed.channels import private_directory
-from pipeserve.layers.attention import gather_index
+from pipeserve.layers.attention_parts import gather_index
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
 

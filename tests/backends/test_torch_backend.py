@@ -1,22 +1,21 @@
-"""Paged attention without a model: the blockwise and fused prompt-chunk kernels, the batched
+"""The torch backend without a model: the blockwise and fused prompt-chunk kernels, the batched
 decode path and `PagedAttention.forward` over a real KVPool, all against a plain float32
-softmax attention; `plan_attention` (views vs gathered slots, padding) and `merge_partials`."""
+softmax attention; its plan (views vs gathered slots, padding) and `merge_partials`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeserve.layers import attention as attn_mod
-from pipeserve.layers.attention import (
+from pipeserve.backends import torch_backend
+from pipeserve.backends.torch_backend import (
     BLOCKWISE_MIN_TOKENS,
-    VIEW_MIN_TOKENS,
-    PagedAttention,
     blockwise_prefill,
-    plan_attention,
+    fused_prompt_chunk,
 )
-from pipeserve.layers.attention_backends import attention_with_lse
-from pipeserve.layers.attention_parts import merge_partials
+from pipeserve.backends.torch_ops import attention_with_lse
+from pipeserve.layers.attention import PagedAttention, plan_attention
+from pipeserve.layers.attention_parts import VIEW_MIN_TOKENS, merge_partials
 from pipeserve.mem_cache.kv_pool import KVPool
 
 D = 16  # head dim
@@ -42,8 +41,9 @@ def rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def split_prefix(k: torch.Tensor, v: torch.Tensor,
-                 sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def split_prefix(
+    k: torch.Tensor, v: torch.Tensor, sizes: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut prefix k/v [L, hk, d] into consecutive parts in the cache layout [hk, n_i, d]."""
     parts, start = [], 0
     for n in sizes:
@@ -75,7 +75,8 @@ def test_prompt_chunk_kernels_match_reference(kernel: str, layout: str, group: i
     if kernel == "blockwise":
         out = blockwise_prefill(q, k[prefix:], v[prefix:], cached, D**-0.5)
     else:
-        out = PagedAttention(0, h, KV_HEADS, D)._fused(q, k[prefix:], v[prefix:], cached)
+        layer = PagedAttention(0, h, KV_HEADS, D)
+        out = fused_prompt_chunk(layer, q, k[prefix:], v[prefix:], cached)
     expected = reference(q, k, v, list(range(prefix, prefix + n)))
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
@@ -84,14 +85,15 @@ def test_prompt_chunk_kernels_match_reference(kernel: str, layout: str, group: i
 def test_blockwise_small_query_blocks(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """A tiny score budget forces 16-row query blocks: the causal mask must be right across
     block boundaries and for a ragged last block."""
-    monkeypatch.setattr(attn_mod, "SCORE_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(torch_backend, "SCORE_BLOCK_ELEMENTS", 1)
     group, prefix = 2, 20
     q = rand(n, KV_HEADS * group, D, seed=4)
     k, v = rand(prefix + n, KV_HEADS, D, seed=5), rand(prefix + n, KV_HEADS, D, seed=6)
     cached = split_prefix(k[:prefix], v[:prefix], [prefix])
     out = blockwise_prefill(q, k[prefix:], v[prefix:], cached, D**-0.5)
-    torch.testing.assert_close(out, reference(q, k, v, list(range(prefix, prefix + n))),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        out, reference(q, k, v, list(range(prefix, prefix + n))), atol=ATOL, rtol=0
+    )
 
 
 # -- plan_attention ------------------------------------------------------------------------
@@ -100,8 +102,8 @@ def test_blockwise_small_query_blocks(monkeypatch: pytest.MonkeyPatch, n: int) -
 def chunk_plan(runs: list[tuple[int, int]], prefix: int, q_len: int) -> tuple[list, list[int]]:
     """plan_attention for one prompt chunk: (views, gathered slot ids) of its prefix."""
     plan = plan_attention([(0, q_len, prefix, runs)], CPU, torch.float32)
-    assert plan.decode is None
-    (chunk,) = plan.chunks
+    assert plan.meta.decode is None
+    (chunk,) = plan.meta.chunks
     assert (chunk.q_start, chunk.q_len) == (0, q_len)
     return chunk.views, [] if chunk.gather is None else chunk.gather.tolist()
 
@@ -132,7 +134,7 @@ def test_plan_decode_own_token_is_always_gathered() -> None:
     long view but in the gathered part, so no padded row is empty."""
     prefix = 600
     plan = plan_attention([(0, 1, prefix, [(8, prefix + 1)])], CPU, torch.float32)
-    dec = plan.decode
+    dec = plan.meta.decode
     assert dec is not None
     assert dec.views == [(0, [(8, prefix)])]
     assert dec.gather.tolist() == [[8 + prefix]]
@@ -147,8 +149,8 @@ def test_plan_decode_batch_padding_and_rows() -> None:
         (42, 1, 1, [(20, 1), (30, 1)]),  # 2 keys in 2 scattered pages
     ]
     plan = plan_attention(segments, CPU, torch.bfloat16)
-    assert [(c.q_start, c.q_len) for c in plan.chunks] == [(1, 40)]
-    dec = plan.decode
+    assert [(c.q_start, c.q_len) for c in plan.meta.chunks] == [(1, 40)]
+    dec = plan.meta.decode
     assert dec is not None
     assert dec.rows.tolist() == [0, 41, 42]
     assert dec.views == [(1, [(1000, 300)])]
@@ -194,8 +196,9 @@ def test_merge_partials_single_part_and_dtype() -> None:
 class Seq:
     """One request of a mixed batch: its KV slots, prefix length and new tokens' k/v."""
 
-    def __init__(self, runs: list[tuple[int, int]], prefix: int, q_len: int, seed: int,
-                 heads: int) -> None:
+    def __init__(
+        self, runs: list[tuple[int, int]], prefix: int, q_len: int, seed: int, heads: int
+    ) -> None:
         self.runs, self.prefix, self.q_len = runs, prefix, q_len
         self.slots = [s for start, n in runs for s in range(start, start + n)]
         assert len(self.slots) == prefix + q_len
@@ -216,8 +219,13 @@ def test_paged_attention_mixed_batch_matches_reference(group: int) -> None:
         Seq([(1100, 20), (1200, 7)], 0, 27, seed=30, heads=heads),  # fused, no prefix
         Seq([(1300, 280), (1600, 12)], 280, 12, seed=40, heads=heads),  # fused, view prefix
         Seq([(2000, 270), (2300, 5), (2400, 100)], 275, 100, seed=50, heads=heads),  # blockwise
-        Seq([(2600, 2), (2700, 3), (2800, BLOCKWISE_MIN_TOKENS)], 5, BLOCKWISE_MIN_TOKENS,
-            seed=60, heads=heads),  # blockwise over a gathered prefix
+        Seq(
+            [(2600, 2), (2700, 3), (2800, BLOCKWISE_MIN_TOKENS)],
+            5,
+            BLOCKWISE_MIN_TOKENS,
+            seed=60,
+            heads=heads,
+        ),  # blockwise over a gathered prefix
     ]
     pool = KVPool(3000, range(0, 1), KV_HEADS, D, torch.float32, CPU, page_size=1)
     k_cache, v_cache = pool.buffers(0)
@@ -228,7 +236,7 @@ def test_paged_attention_mixed_batch_matches_reference(group: int) -> None:
         segments.append((row, s.q_len, s.prefix, s.runs))
         row += s.q_len
     plan = plan_attention(segments, CPU, torch.float32)
-    assert plan.decode is not None and plan.decode.views  # the long decode run is a view
+    assert plan.meta.decode is not None and plan.meta.decode.views  # the long decode run is a view
     q = torch.cat([s.q for s in seqs])
     k = torch.cat([s.k[s.prefix :] for s in seqs])
     v = torch.cat([s.v[s.prefix :] for s in seqs])

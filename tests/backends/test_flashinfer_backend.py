@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from pipeserve.layers import attention_backends as backends
-from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
-from pipeserve.layers.attention_backends import select_attention_kernels
-from pipeserve.layers.flashinfer_attention import FlashInferKernels
+from pipeserve.backends import registry
+from pipeserve.backends.base import AttentionBackend
+from pipeserve.backends.flashinfer_backend import FlashInferBackend
+from pipeserve.backends.registry import select_backend
+from pipeserve.layers.attention import PagedAttention, plan_attention
 from pipeserve.mem_cache.kv_pool import KVPool
 
-CPU = torch.device("cpu")
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 KV_HEADS, D = 2, 64
 
 
@@ -91,10 +92,10 @@ def rand(*shape: int, seed: int) -> torch.Tensor:
 
 
 def test_auto_on_cuda_picks_an_importable_flashinfer(fake: FakeFlashInfer) -> None:
-    kernels = select_attention_kernels("auto", "cuda", torch.bfloat16, D)
-    assert kernels.name == "flashinfer" and isinstance(kernels.paged, FlashInferKernels)
-    assert kernels.paged.fi is fake
-    assert backends.import_flashinfer() is fake
+    """For the library kernels: a layout of several devices, or long prompt chunks."""
+    backend = select_backend("auto", CUDA, torch.bfloat16, D, devices=2)
+    assert isinstance(backend, FlashInferBackend) and backend.fi is fake
+    assert registry.import_flashinfer() is fake
 
 
 REQUESTS = [  # (runs of slots, prefix length, new tokens)
@@ -106,7 +107,7 @@ REQUESTS = [  # (runs of slots, prefix length, new tokens)
 ]
 
 
-def run(group: int, native: NativeKernels) -> torch.Tensor:
+def run(group: int, backend: AttentionBackend | None) -> torch.Tensor:
     pool = KVPool(3000, range(0, 1), KV_HEADS, D, torch.bfloat16, CPU, page_size=1)
     k_cache, v_cache = pool.buffers(0)
     segments, qs, ks, vs, new, row = [], [], [], [], [], 0
@@ -121,7 +122,7 @@ def run(group: int, native: NativeKernels) -> torch.Tensor:
         new += slots[prefix:]
         segments.append((row, n, prefix, runs))
         row += n
-    plan = plan_attention(segments, CPU, torch.bfloat16, native)
+    plan = plan_attention(segments, CPU, torch.bfloat16, backend)
     q, k, v = (torch.cat(x) for x in (qs, ks, vs))
     attn = PagedAttention(0, KV_HEADS * group, KV_HEADS, D)
     return attn(q, k, v, pool, torch.tensor(new), plan)
@@ -131,9 +132,8 @@ def run(group: int, native: NativeKernels) -> torch.Tensor:
 def test_paged_attention_through_flashinfer_matches_torch_path(
     fake: FakeFlashInfer, group: int
 ) -> None:
-    kernels = select_attention_kernels("flashinfer", "cuda", torch.bfloat16, D)
-    got = run(group, NativeKernels(backend=kernels))
-    want = run(group, NativeKernels())  # the CPU's torch kernels
+    got = run(group, select_backend("flashinfer", CUDA, torch.bfloat16, D))
+    want = run(group, None)  # the CPU's torch backend
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
     decode = [("HND", False, 1, 9), ("HND", False, 1, 4), ("HND", False, 1, 300)]
     chunks = [
@@ -150,11 +150,12 @@ def test_paged_attention_through_flashinfer_matches_torch_path(
 def test_lse_is_merged_in_the_engine_base(fake: FakeFlashInfer) -> None:
     """Two halves of the keys merged equal one call over all of them (a base-2 lse merged as
     a natural one would weigh the halves wrongly)."""
-    kernels = FlashInferKernels(fake)
+    kernels = FlashInferBackend(fake)
     q, k, v = rand(5, 4, D, seed=1), rand(KV_HEADS, 64, D, seed=2), rand(KV_HEADS, 64, D, seed=3)
-    whole, whole_lse = kernels.attend(q, k, v, "HND", False, 0.125)
+    whole, whole_lse = kernels.attend_part(q, k, v, "HND", False, 0.125)
     halves = [
-        kernels.attend(q, k[:, s : s + 32], v[:, s : s + 32], "HND", False, 0.125) for s in (0, 32)
+        kernels.attend_part(q, k[:, s : s + 32], v[:, s : s + 32], "HND", False, 0.125)
+        for s in (0, 32)
     ]
     merged_lse = torch.logsumexp(torch.stack([lse for _, lse in halves]), 0)
     torch.testing.assert_close(merged_lse, whole_lse, atol=1e-5, rtol=0)

@@ -2,13 +2,12 @@
 softmax reference (GQA, causal, bool and additive masks, Lq != Lk, ragged blocks, bfloat16) and
 the float32 memory it holds; the rule that picks PyTorch's fused CUDA kernels and their calls,
 through fakes with the CUDA kernels' semantics and through the real ops on the meta device;
---attention-backend selection; PagedAttention on the forced "cuda" kernels against the CPU
-path. The `cuda` tests compare the real kernels on a GPU at 32K keys (make test-gpu)."""
+PagedAttention on the torch backend for "cuda" against the CPU path (the backend choice:
+test_registry.py). The `cuda` tests compare the real kernels on a GPU at 32K keys (make
+test-gpu)."""
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,21 +16,20 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipeserve.layers import attention as attn_mod
-from pipeserve.layers import attention_backends as backends
-from pipeserve.layers.attention import NativeKernels, PagedAttention, plan_attention
-from pipeserve.layers.attention_backends import (
-    AttentionKernels,
+from pipeserve.backends import registry, torch_backend, torch_ops
+from pipeserve.backends.base import AttentionBackend
+from pipeserve.backends.registry import select_backend
+from pipeserve.backends.torch_backend import TorchBackend
+from pipeserve.backends.torch_ops import (
     SdpaAttention,
     SdpaOps,
     attention_with_lse,
     chunked_attention_with_lse,
     efficient_bias,
     fused_kernels,
-    select_attention_kernels,
 )
+from pipeserve.layers.attention import PagedAttention, plan_attention
 from pipeserve.mem_cache.kv_pool import KVPool
-from pipeserve.runner.model_runner import use_native_kernels
 
 CPU = torch.device("cpu")
 
@@ -163,7 +161,7 @@ def test_device_attention_off_the_cpu_is_not_the_math_version(
     sdpa = SdpaAttention()
     real = sdpa._fused
     monkeypatch.setattr(sdpa, "_fused", lambda kind, *a: calls.append(kind) or real(kind, *a))
-    monkeypatch.setattr(backends, "SDPA", sdpa)
+    monkeypatch.setattr(torch_ops, "SDPA", sdpa)
     q = torch.empty(2, 3, 37, 64, device="meta", dtype=torch.bfloat16)
     k = torch.empty(2, 3, 50, 64, device="meta", dtype=torch.bfloat16)
     out, lse = attention_with_lse(q, k, k, False, 0.125)
@@ -289,101 +287,6 @@ def test_a_refused_kernel_is_not_asked_again(caplog: pytest.LogCaptureFixture) -
     assert torch.equal(first, second)
 
 
-# -- --attention-backend --------------------------------------------------------------------
-
-
-def no_flashinfer() -> None:
-    return None
-
-
-def trivial_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
-    return torch.zeros_like(q), torch.zeros(q.shape[:2], device=q.device)
-
-
-TRIVIAL_FLASHINFER = types.SimpleNamespace(single_prefill_with_kv_cache=trivial_prefill)
-
-
-def fake_loader(module: Any) -> Any:
-    def load() -> Any:
-        load.calls += 1  # type: ignore[attr-defined]
-        return module
-
-    load.calls = 0  # type: ignore[attr-defined]
-    return load
-
-
-@pytest.mark.parametrize("backend", ["auto", "torch", "native"])
-def test_cpu_backends_are_torch_kernels(backend: str) -> None:
-    kernels = select_attention_kernels(backend, "cpu", torch.bfloat16, 64, no_flashinfer)
-    assert (kernels.name, kernels.device_type, kernels.paged) == ("torch", "cpu", None)
-    assert kernels.blockwise_prompts and kernels.dense is attention_with_lse
-
-
-def test_cuda_auto_picks_flashinfer_only_where_it_imports_and_fits() -> None:
-    kernels = select_attention_kernels("auto", "cuda", torch.bfloat16, 128, no_flashinfer)
-    assert (kernels.name, kernels.device_type) == ("torch", "cuda")
-    assert not kernels.blockwise_prompts and kernels.dense is backends.SDPA
-    load = fake_loader(TRIVIAL_FLASHINFER)
-    assert select_attention_kernels("auto", "cuda", torch.bfloat16, 128, load).name == "flashinfer"
-    assert select_attention_kernels("auto", "cuda", torch.float32, 128, load).name == "torch"
-    assert select_attention_kernels("auto", "cuda", torch.float16, 96, load).name == "torch"
-    assert select_attention_kernels("torch", "cuda", torch.bfloat16, 128, load).name == "torch"
-    assert load.calls == 1  # only where flashinfer would fit
-
-
-@pytest.mark.parametrize(
-    ("backend", "device_type", "dtype", "head_dim", "message"),
-    [
-        ("flashinfer", "cpu", torch.bfloat16, 128, "needs a CUDA device"),
-        ("flashinfer", "cuda", torch.bfloat16, 128, "pip install flashinfer-python"),
-        ("flashinfer", "cuda", torch.float32, 128, "float16/bfloat16"),
-        ("flashinfer", "cuda", torch.bfloat16, 80, "head dim 80"),
-        ("native", "cuda", torch.bfloat16, 128, "compiled for the CPU"),
-        ("flash", "cuda", torch.bfloat16, 128, "not one of auto, native, torch, flashinfer"),
-    ],
-)
-def test_backend_errors_say_what_to_do(
-    backend: str, device_type: str, dtype: torch.dtype, head_dim: int, message: str
-) -> None:
-    with pytest.raises(ValueError, match=message):
-        select_attention_kernels(backend, device_type, dtype, head_dim, no_flashinfer)
-
-
-def test_model_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """use_native_kernels: on CUDA no native step; auto takes the batched Triton kernels on
-    one device where triton imports, with long prompt chunks on the library kernels (a
-    layout of several devices keeps the library kernels); triton takes them for every step;
-    torch for none."""
-    monkeypatch.setattr(backends, "import_flashinfer", no_flashinfer)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cuda = torch.device("cuda")
-    native = use_native_kernels("auto", cuda, torch.bfloat16, 128)
-    assert native.batched and not (native.decode or native.prefill)
-    assert native.batched_prompt_max_keys == backends.AUTO_TRITON_PROMPT_MAX_KEYS
-    assert native.backend is not None and native.backend.device_type == "cuda"
-    assert native.backend.name == "torch"
-    explicit = use_native_kernels("triton", cuda, torch.bfloat16, 128)
-    assert explicit.batched and explicit.batched_prompt_max_keys is None
-    assert not use_native_kernels("torch", cuda, torch.bfloat16, 128).batched
-    assert not use_native_kernels("auto", CPU, torch.float32, 64).batched
-    spread = use_native_kernels("auto", cuda, torch.bfloat16, 128, devices=2)  # not measured
-    assert not spread.batched and spread.backend is not None and spread.backend.name == "torch"
-    assert use_native_kernels("triton", cuda, torch.bfloat16, 128, devices=2).batched
-    assert use_native_kernels("torch", CPU, torch.float32, 64).backend.device_type == "cpu"
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        use_native_kernels("triton", CPU, torch.float32, 64)
-    with pytest.raises(ValueError, match="pip install flashinfer-python"):
-        use_native_kernels("flashinfer", cuda, torch.bfloat16, 128)
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        use_native_kernels("flashinfer", CPU, torch.bfloat16, 128)
-    monkeypatch.setitem(sys.modules, "triton", None)  # triton not installed: import fails
-    with pytest.raises(ValueError, match="triton does not import"):
-        use_native_kernels("triton", cuda, torch.bfloat16, 128)
-    fallback = use_native_kernels("auto", cuda, torch.bfloat16, 128)  # auto: torch, said
-    assert not fallback.batched and fallback.backend is not None
-    assert fallback.backend.name == "torch"
-
-
 # -- PagedAttention on the forced accelerator kernels ---------------------------------------
 
 KV_HEADS, D = 2, 64
@@ -421,10 +324,10 @@ def paged_batch(
 
 
 def run_paged(
-    group: int, dtype: torch.dtype, kernels: AttentionKernels | None, device: Any = CPU
+    group: int, dtype: torch.dtype, backend: AttentionBackend | None, device: Any = CPU
 ) -> torch.Tensor:
     pool, segments, (q, k, v) = paged_batch(group, dtype, device)
-    plan = plan_attention(segments, torch.device(device), dtype, NativeKernels(backend=kernels))
+    plan = plan_attention(segments, torch.device(device), dtype, backend)
     new = [s for runs, prefix, _ in REQUESTS for s in _slots(runs)[prefix:]]
     slots = torch.tensor(new, device=device)
     return PagedAttention(0, KV_HEADS * group, KV_HEADS, D)(q, k, v, pool, slots, plan)
@@ -440,7 +343,7 @@ def no_blockwise(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         raise AssertionError("blockwise_prefill is the CPU's prompt kernel")
 
     with monkeypatch.context() as mp:
-        mp.setattr(attn_mod, "blockwise_prefill", refuse)
+        mp.setattr(torch_backend, "blockwise_prefill", refuse)
         yield
 
 
@@ -456,7 +359,7 @@ def test_paged_attention_on_accelerator_kernels_matches_cpu_path(
     fake = FakeCudaOps()
     dense = SdpaAttention(ops=None if ops == "chunked" else fake.ops())
     with no_blockwise(monkeypatch):
-        got = run_paged(group, dtype, AttentionKernels("cuda", dense=dense))
+        got = run_paged(group, dtype, TorchBackend("cuda", dense=dense))
     want = run_paged(group, dtype, None)
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
@@ -532,17 +435,17 @@ def test_gpu_paged_attention_backends_agree(group: int) -> None:
     """PagedAttention on a GPU: the torch kernels and FlashInfer (where it imports) against
     the float32 math path (the chunked fallback in float32)."""
     dtype = torch.bfloat16
-    chunked = AttentionKernels("cuda", dense=SdpaAttention(ops=None))
+    chunked = TorchBackend("cuda", dense=SdpaAttention(ops=None))
     torch32 = run_paged(group, torch.float32, chunked, "cuda")
-    for kernels in (select_attention_kernels("torch", "cuda", dtype, D), _gpu_flashinfer()):
-        if kernels is None:
+    for backend in (TorchBackend("cuda"), _gpu_flashinfer()):
+        if backend is None:
             continue
-        got = run_paged(group, dtype, kernels, "cuda")
+        got = run_paged(group, dtype, backend, "cuda")
         err = (got.float() - torch32).abs().max().item()
-        assert err < 3e-2, f"{kernels.name}: max error {err}"
+        assert err < 3e-2, f"{backend.name}: max error {err}"
 
 
-def _gpu_flashinfer() -> AttentionKernels | None:
-    if backends.import_flashinfer() is None:
+def _gpu_flashinfer() -> AttentionBackend | None:
+    if registry.import_flashinfer() is None:
         return None
-    return select_attention_kernels("flashinfer", "cuda", torch.bfloat16, D)
+    return select_backend("flashinfer", torch.device("cuda"), torch.bfloat16, D)

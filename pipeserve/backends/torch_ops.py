@@ -1,37 +1,24 @@
-"""Which attention kernels a model runner uses where the native CPU kernels do not run, chosen
-once (`select_attention_kernels`, from --attention-backend) and handed to every layer through
-the attention plan (`AttentionKernels`).
+"""PyTorch's attention kernels that return the log-sum-exp (softmax attention whose results
+over disjoint key sets merge exactly): what the torch backend (torch_backend.py), MLA and
+context parallelism compute with.
 
-- torch: `attention_with_lse` (softmax attention returning its log-sum-exp, so results over
-  disjoint key sets merge exactly). CPU: PyTorch's fused CPU kernel.
-  Accelerators (`SdpaAttention`): PyTorch's fused flash or memory-efficient CUDA kernel where it
+- CPU: PyTorch's fused CPU kernel (`attention_with_lse`).
+- Accelerators (`SdpaAttention`): PyTorch's fused flash or memory-efficient CUDA kernel where it
   takes the inputs (`fused_kernels`), else `chunked_attention_with_lse`, plain PyTorch that holds
   one block of float32 scores at a time, never [heads, queries, keys].
-- flashinfer (CUDA, `pip install flashinfer-python`): paged prompt chunks and decode steps
-  through FlashInfer's kernels (pipeserve/layers/flashinfer_attention.py); everything else
-  (MLA, context parallelism) on the torch kernels.
 
-The choice is explicit data (a device type, the ops to call), so every branch runs on a CPU in
-the tests: `AttentionKernels("cuda", dense=SdpaAttention(ops=None))` is the chunked fallback on
+Every branch runs on a CPU in the tests: `SdpaAttention(ops=None)` is the chunked fallback on
 CPU tensors.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
-
-from pipeserve import device as device_mod
-from pipeserve.config import ATTENTION_BACKENDS
-
-if TYPE_CHECKING:
-    from pipeserve.layers.attention_parts import DecodePlan, KVPart
 
 log = logging.getLogger(__name__)
 
@@ -39,208 +26,8 @@ KEY_BLOCK = 1024  # chunked fallback: keys per block
 SCORE_BLOCK_ELEMENTS = 2**24  # chunked fallback: float32 scores of one block (64 MiB)
 GRID_LIMIT = 65535  # the fused CUDA kernels put batch and heads on grid dimensions y and z
 HALF = (torch.float16, torch.bfloat16)
-FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what FlashInfer's prebuilt kernels cover
 
 Attention = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # attention_with_lse's signature
-
-
-class PagedKernels(Protocol):
-    """A kernel library's paged attention (see PagedAttention): a prompt chunk over its cached
-    parts and itself, and a batch of decode steps."""
-
-    name: str
-
-    def prompt_chunk(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cached: list[KVPart],
-        scale: float,
-    ) -> torch.Tensor: ...
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        plan: DecodePlan,
-        scale: float,
-    ) -> torch.Tensor: ...
-
-
-class AttentionKernels:
-    """The kernels of the steps the native CPU kernels do not take: PyTorch's for
-    `device_type` (`attention_with_lse`; on a CPU long prompt chunks as blockwise matmuls),
-    and with a kernel library its paged prompt-chunk and decode kernels (`paged`). A plain
-    class, not a dataclass: it travels inside the attention plan, whose tensors are moved to
-    the device field by field."""
-
-    def __init__(
-        self, device_type: str, paged: PagedKernels | None = None, dense: Attention | None = None
-    ) -> None:
-        self.device_type = device_type
-        self.paged = paged
-        cpu = device_type == "cpu"
-        self.dense: Attention = dense or (attention_with_lse if cpu else SDPA)
-        self.blockwise_prompts = device_mod.prefers_blockwise_attention(torch.device(device_type))
-
-    @property
-    def name(self) -> str:
-        return self.paged.name if self.paged is not None else "torch"
-
-    def attention_with_lse(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        scale: float,
-        mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dense(q, k, v, causal, scale, mask)
-
-
-def default_kernels(t: torch.Tensor) -> AttentionKernels:
-    """PyTorch's kernels for the device `t` lives on (a plan built without a runner's choice)."""
-    return AttentionKernels(t.device.type)
-
-
-def select_attention_kernels(
-    backend: str,
-    device_type: str,
-    dtype: torch.dtype,
-    head_dim: int,
-    load_flashinfer: Callable[[], ModuleType | None] | None = None,
-) -> AttentionKernels:
-    """--attention-backend for the steps the native CPU kernels do not take (those are
-    `use_native_kernels`' business): flashinfer where named, or under auto on CUDA where it
-    imports, fits (float16/bfloat16, a head dim it was built for) and runs; else torch."""
-    load = load_flashinfer or import_flashinfer
-    if backend not in ATTENTION_BACKENDS:
-        names = ", ".join(ATTENTION_BACKENDS)
-        raise ValueError(f"--attention-backend {backend!r} is not one of {names}")
-    if backend == "native" and device_type != "cpu":
-        raise ValueError(
-            f"--attention-backend native: the native kernels are compiled for the CPU (the "
-            f"device is {device_type}); use auto, torch or flashinfer"
-        )
-    if backend == "flashinfer":
-        return _flashinfer(_check_flashinfer(device_type, dtype, head_dim, load), dtype, head_dim)
-    fits = device_type == "cuda" and dtype in HALF and head_dim in FLASHINFER_HEAD_DIMS
-    module = load() if backend == "auto" and fits else None
-    if module is not None:
-        try:
-            return _flashinfer(module, dtype, head_dim)
-        except ValueError as e:
-            log.warning("%s: the torch attention kernels run instead", e)
-    return AttentionKernels(device_type)
-
-
-# Under auto on CUDA, prompt chunks over more keys than this (cached prefix + the chunk) run on
-# the library kernels (FlashInfer's or torch's flash) instead of the batched Triton kernel.
-# Measured on an H200, bench preset, bf16 (benchmarks/results/gpu-check-h200-2026-11-28.md):
-# a 128K prompt in 16K chunks took 4.85 s on the Triton kernel against 0.96 s on torch's flash
-# (whose 128-row tiles read each key far fewer times than the Triton kernel's 16-row blocks);
-# a 32K prompt in 2K chunks 0.370 s against 0.379 s; 64 prompts of 1K 0.23-0.41 s against
-# 0.61 s (one launch per layer against a loop over the requests).
-AUTO_TRITON_PROMPT_MAX_KEYS = 16384
-
-
-def triton_chosen(backend: str, device_type: str, devices: int = 1) -> bool:
-    """Whether the batched Triton kernels run (decode steps, and the prompt chunks the rule
-    above leaves them): --attention-backend triton (ValueError where it cannot run), or auto
-    on one CUDA device where triton imports (measured fastest there: decode steps replay CUDA
-    graphs, 64 requests 21-27K tok/s against torch's eager steps at ~0.2K on an H200; a
-    layout of several devices, whose steps are not captured and where the Triton path has
-    not run, keeps the library kernels). On a CPU, triton runs only in its interpreter
-    (TRITON_INTERPRET=1: the tests' way to run the engine's Triton path without a GPU)."""
-    if backend == "auto":
-        if device_type != "cuda" or devices != 1:
-            return False
-        error = _triton_import_error()
-        if error is not None:
-            log.info("triton does not import (%s): the torch attention kernels run", error)
-        return error is None
-    if backend != "triton":
-        return False
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if device_type != "cuda" and not (device_type == "cpu" and interpreted):
-        raise ValueError(
-            f"--attention-backend triton runs on CUDA devices (the device is {device_type}; "
-            "on a CPU only under TRITON_INTERPRET=1, for tests); use auto or torch"
-        )
-    error = _triton_import_error()
-    if error is not None:
-        raise ValueError(
-            f"--attention-backend triton: triton does not import ({error}); use auto or torch"
-        )
-    return True
-
-
-def _triton_import_error() -> str | None:
-    """Why triton does not import, or None where it does."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return str(e)
-    return None
-
-
-def _check_flashinfer(
-    device_type: str, dtype: torch.dtype, head_dim: int, load: Callable[[], ModuleType | None]
-) -> ModuleType:
-    if device_type != "cuda":
-        raise ValueError(
-            f"--attention-backend flashinfer needs a CUDA device (the device is {device_type}); "
-            "use --attention-backend auto or torch"
-        )
-    if dtype not in HALF:
-        raise ValueError(
-            f"--attention-backend flashinfer runs float16/bfloat16 models, not {dtype}; "
-            "use --dtype bfloat16 or --attention-backend torch"
-        )
-    if head_dim not in FLASHINFER_HEAD_DIMS:
-        raise ValueError(
-            f"--attention-backend flashinfer: head dim {head_dim} is not one FlashInfer's "
-            f"kernels are built for ({FLASHINFER_HEAD_DIMS}); use --attention-backend torch"
-        )
-    module = load()
-    if module is None:
-        raise ValueError(
-            "--attention-backend flashinfer: the flashinfer package does not import (pip "
-            "install flashinfer-python, built for this torch and CUDA); or use "
-            "--attention-backend torch"
-        )
-    return module
-
-
-def _flashinfer(module: ModuleType, dtype: torch.dtype, head_dim: int) -> AttentionKernels:
-    """FlashInfer's kernels, after one tiny call where a GPU is present (an installed package
-    may lack kernels for this GPU, or the compiler its JIT needs)."""
-    from pipeserve.layers.flashinfer_attention import FlashInferKernels
-
-    kernels = FlashInferKernels(module)
-    if torch.cuda.is_available():
-        x = torch.zeros(1, 1, head_dim, dtype=dtype, device="cuda")
-        try:
-            kernels.attend(x, x, x, "NHD", True, 1.0)
-        except Exception as e:  # whatever its build or JIT raises
-            raise ValueError(
-                f"--attention-backend flashinfer: its kernel does not run here ({e}); use "
-                "--attention-backend torch"
-            ) from e
-    return AttentionKernels("cuda", paged=kernels)
-
-
-def import_flashinfer() -> ModuleType | None:
-    """The flashinfer module, or None where it is not installed or does not load."""
-    try:
-        import flashinfer
-    except (ImportError, OSError, RuntimeError) as e:
-        log.info("flashinfer does not import (%s): the torch attention kernels run", e)
-        return None
-    return flashinfer
 
 
 # -- PyTorch's fused CUDA kernels -----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Paged attention through FlashInfer (--attention-backend flashinfer; CUDA, float16/bfloat16).
+"""The FlashInfer backend: paged attention through FlashInfer (--attention-backend flashinfer;
+CUDA, float16/bfloat16). It plans as the torch backend does and replaces its two kernels.
 
 The pool keeps each layer's K and V as [kv_heads, slots, head_dim], which is FlashInfer's HND
 layout for one request's keys: a long run of slots is handed over in place (a strided view; the
@@ -17,23 +18,29 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
-from pipeserve.layers.attention_parts import DecodePlan, KVPart, merge_partials
+from pipeserve.backends.torch_backend import GatherSteps, TorchBackend
+from pipeserve.layers.attention_parts import KVPart, merge_partials
+
+if TYPE_CHECKING:
+    from pipeserve.layers.attention import PagedAttention
 
 LN2 = math.log(2.0)
 
 
-class FlashInferKernels:
-    """`PagedKernels` (pipeserve/layers/attention_backends.py) over a flashinfer module."""
+class FlashInferBackend(TorchBackend):
+    """The torch backend's plans, FlashInfer's kernels over a flashinfer module."""
 
     name = "flashinfer"
 
     def __init__(self, module: ModuleType) -> None:
+        super().__init__("cuda")
         self.fi = module
 
-    def attend(
+    def attend_part(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -50,33 +57,38 @@ class FlashInferKernels:
         return out, lse * LN2
 
     def prompt_chunk(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list[KVPart], scale: float
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cached: list[KVPart],
     ) -> torch.Tensor:
         """q [n, heads, d], the chunk's k/v [n, kv_heads, d], cached parts [kv_heads, L_i, d]
         -> [n, heads, d]."""
-        q = q.contiguous()
-        parts = [self.attend(q, kc, vc, "HND", False, scale) for kc, vc in cached]
-        parts.append(self.attend(q, k.contiguous(), v.contiguous(), "NHD", True, scale))
+        q, scale = q.contiguous(), layer.scale
+        parts = [self.attend_part(q, kc, vc, "HND", False, scale) for kc, vc in cached]
+        parts.append(self.attend_part(q, k.contiguous(), v.contiguous(), "NHD", True, scale))
         return merge_partials(parts)
 
     def decode(
         self,
+        layer: PagedAttention,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        plan: DecodePlan,
-        scale: float,
+        plan: GatherSteps,
     ) -> torch.Tensor:
         """q [b, heads, d] of the plan's steps -> [b, heads, d]."""
-        assert plan.gather is not None
+        scale = layer.scale
         k_rows, v_rows = k_cache[:, plan.gather], v_cache[:, plan.gather]  # [kv_heads, b, n, d]
         views = dict(plan.views)
         out = torch.empty_like(q)
         for i, n in enumerate(plan.lengths):
             qi = q[i : i + 1].contiguous()
-            parts = [self.attend(qi, k_rows[:, i, :n], v_rows[:, i, :n], "HND", False, scale)]
+            parts = [self.attend_part(qi, k_rows[:, i, :n], v_rows[:, i, :n], "HND", False, scale)]
             for s, m in views.get(i, []):
                 kc, vc = k_cache[:, s : s + m], v_cache[:, s : s + m]
-                parts.append(self.attend(qi, kc, vc, "HND", False, scale))
+                parts.append(self.attend_part(qi, kc, vc, "HND", False, scale))
             out[i] = merge_partials(parts)[0]
         return out

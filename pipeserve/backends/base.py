@@ -1,0 +1,177 @@
+"""The attention-backend interface, and the defaults a backend inherits.
+
+A backend is chosen once per run (registry.py) and then asked, per batch:
+- `for_batch(segments)`: the backend of this batch (a split backend may hand the whole batch
+  to another, e.g. long prompt chunks to a library kernel);
+- `plan(segments, device, dtype, prompts)`: its metadata for the batch (one dataclass per
+  backend, built on the host; its tensors are moved to the device field by field), and
+  `after_copy(meta)` once they are there;
+- per layer, `attend(layer, q, k_cache, v_cache, meta, fresh, out)`: the attention of every
+  row of its segments, written into `out`.
+
+It also owns the layers' other per-device kernels: `norms` (RMSNorm with its residual add),
+`rope_and_store` (q/k norms, rotary and the KV write in one kernel, or None for the torch
+ops), `latent_plan`/`latent_decode` (MLA's decode steps in one launch, or None), and
+`prefill_kernel` (a compiled dense causal kernel MLA and context parallelism may call).
+`graph_buffers` says whether decode steps can be captured in a CUDA graph and owns the
+buffers a captured step reads.
+
+Segments: (first row, rows, prefix length, KV runs) per request of the batch; a row is a
+token of the batch, a prompt chunk's rows attend to its prefix and causally to themselves.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from pipeserve.scheduler.batch import Run
+
+if TYPE_CHECKING:
+    from pipeserve.layers.attention import PagedAttention
+
+Segment = tuple[int, int, int, list[Run]]  # (first row, rows, prefix length, KV runs)
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, head_dim]
+QKNorms = tuple[torch.Tensor, torch.Tensor, float]  # q and k norm weights, their epsilon
+
+
+class NormKernels:
+    """RMSNorm computed in float32, the result cast back before the weight is applied, and
+    the pre-norm residual step; PyTorch ops (a backend with its own kernels subclasses)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        x = x + residual
+        return self.rms_norm(x, weight, eps), x
+
+
+TORCH_NORMS = NormKernels()
+
+
+class GraphBuffers(Protocol):
+    """A capturable backend's persistent decode metadata: what a captured step reads."""
+
+    def meta(self, rows: int) -> Any:
+        """The metadata of a step of `rows` rows over the buffers (a bucket's, at capture)."""
+        ...
+
+    def holds(self, keys: int, rows: int) -> bool:
+        """Whether a step of `rows` rows reading `keys` keys in all fits the buffers."""
+        ...
+
+    def load(self, meta: Any, rows: int) -> None:
+        """Copy a prepared step's metadata into the buffers (device to device, no sync)."""
+        ...
+
+
+class AttentionBackend(ABC):
+    """See the module's docstring. A plain class, not a dataclass: it travels inside the
+    attention plan, whose tensors are moved to the device field by field."""
+
+    name: str = "?"
+    norms: NormKernels = TORCH_NORMS
+    capturable = False  # decode steps can be captured in a CUDA graph (`graph_buffers`)
+
+    def for_batch(self, segments: list[Segment]) -> AttentionBackend:
+        return self
+
+    @abstractmethod
+    def plan(
+        self,
+        segments: list[Segment],
+        device: torch.device,
+        dtype: torch.dtype,
+        prompts: frozenset[int] = frozenset(),
+    ) -> Any:
+        """The batch's metadata, built on `device` (the host where the runner copies it);
+        `prompts`: the indices of segments that are prompt chunks (a one-token prompt chunk
+        matters to batch-invariant kernels)."""
+
+    def after_copy(self, meta: Any) -> Any:
+        """The metadata once on the device (e.g. page tables expanded from slot runs)."""
+        return meta
+
+    @abstractmethod
+    def attend(
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        fresh: tuple[torch.Tensor, torch.Tensor] | None,
+        out: torch.Tensor,
+    ) -> None:
+        """out[rows] for the rows of the planned segments: q [tokens, heads, d] over the
+        cache [kv_heads, slots, d] (the batch's new keys written already); `fresh`: those
+        new keys and values [tokens, kv_heads, d] where the caller has them."""
+
+    def rope_and_store(
+        self,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        rope: Rope,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        norms: QKNorms | None,
+    ) -> torch.Tensor | None:
+        """q/k norms, rotary and the KV write in one kernel -> q as attention reads it;
+        None: this backend has none for these tensors (the layer runs the torch ops)."""
+        return None
+
+    def latent_plan(self, segments: list[Segment], device: torch.device) -> Any | None:
+        """MLA: the decode steps' metadata for `latent_decode`, or None (MLA's own paths)."""
+        return None
+
+    def latent_decode(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: Any,
+        chosen: torch.Tensor | None,
+        scale: float,
+        rope_dim: int,
+    ) -> torch.Tensor:
+        """MLA's absorbed decode steps in one launch (see `latent_plan`)."""
+        raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
+
+    def latent_rows(self, meta: Any) -> torch.Tensor | None:
+        """The token rows of the decode steps in a `latent_plan` (None: it has none)."""
+        raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
+
+    def prefill_kernel(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+        """A compiled dense causal attention kernel over runs of cache slots (the native CPU
+        prefill kernel's signature) that MLA and context parallelism may call, or None."""
+        return None
+
+    def graph_buffers(self, pool_slots: int, rows: int, device: torch.device) -> GraphBuffers:
+        """Persistent decode metadata for CUDA graphs of up to `rows` rows over a pool of
+        `pool_slots` slots (a `capturable` backend's)."""
+        raise NotImplementedError(f"the {self.name} backend's steps cannot be captured")
+
+
+@dataclass
+class AttentionPlan:
+    """How one batch's attention runs: its backend and that backend's metadata."""
+
+    backend: AttentionBackend
+    meta: Any  # None: nothing planned (MLA's own paths)
+
+    def expanded(self) -> AttentionPlan:
+        if self.meta is None:
+            return self
+        return replace(self, meta=self.backend.after_copy(self.meta))
+
+    @property
+    def norms(self) -> NormKernels:
+        return self.backend.norms

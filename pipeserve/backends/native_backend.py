@@ -1,0 +1,130 @@
+"""The native backend: the compiled CPU kernels (pipeserve/kernels) over the paged KV cache.
+
+Prompt chunks in bfloat16 or float32 read their whole KV along the request's slot runs in one
+flash-style pass that stays in cache and uses every thread (`device.native_prefill_kernel`:
+AVX512-BF16 or AVX2); decode steps likewise, all of a batch's steps in one call
+(`paged_decode_attention`). Where no prefill kernel builds for the dtype or head dim, the
+registry pairs this backend's decode steps with the torch backend's prompt chunks (split.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeserve.backends.base import AttentionBackend, Segment
+from pipeserve.device import native_decode_kernel, native_prefill_kernel
+
+if TYPE_CHECKING:
+    from pipeserve.layers.attention import PagedAttention
+
+
+@dataclass
+class RunChunk:
+    q_start: int
+    q_len: int
+    prefix_len: int
+    runs: torch.Tensor  # [r, 2] (first slot, length): positions [0, prefix + q_len)
+
+
+@dataclass
+class RunSteps:
+    """All single-token steps of a batch: every step's runs of KV slots, read in one pass."""
+
+    rows: torch.Tensor  # [b] token rows of the steps
+    runs: torch.Tensor  # [r, 2] (first slot, length), steps in order
+    offsets: torch.Tensor  # [b + 1] where each step's runs start
+
+
+@dataclass
+class NativeMeta:
+    chunks: list[RunChunk]
+    decode: RunSteps | None
+
+
+class NativeBackend(AttentionBackend):
+    """`deterministic`: one-token prompt chunks run the prefill kernel too, so a prompt token
+    is computed alike however it was chunked (batch-invariant inference)."""
+
+    name = "native"
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+
+    def plan(
+        self,
+        segments: list[Segment],
+        device: torch.device,
+        dtype: torch.dtype,
+        prompts: frozenset[int] = frozenset(),
+    ) -> NativeMeta:
+        chunks: list[RunChunk] = []
+        rows: list[int] = []
+        steps: list[list[tuple[int, int]]] = []  # each step's runs (its prefix and itself)
+        step_lens: list[int] = []
+        for i, (q_start, q_len, prefix_len, runs) in enumerate(segments):
+            if q_len > 1 or (self.deterministic and i in prompts):
+                table = torch.tensor(runs, dtype=torch.long).view(-1, 2)
+                chunks.append(RunChunk(q_start, q_len, prefix_len, table))
+                continue
+            rows.append(q_start)
+            steps.append(runs)
+            step_lens.append(prefix_len + 1)
+        if not rows:
+            return NativeMeta(chunks, None)
+        return NativeMeta(chunks, _run_steps(rows, steps, step_lens, device))
+
+    def attend(
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        fresh: tuple[torch.Tensor, torch.Tensor] | None,
+        out: torch.Tensor,
+    ) -> None:
+        if meta.decode is not None:
+            steps = meta.decode.rows
+            out[steps] = self._decode(layer, q[steps], k_cache, v_cache, meta.decode)
+        for p in meta.chunks:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            prefill = native_prefill_kernel(q.dtype)
+            assert prefill is not None
+            out[rows] = prefill(q[rows], k_cache, v_cache, p.runs, p.prefix_len, layer.scale)
+
+    def _decode(
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: RunSteps,
+    ) -> torch.Tensor:
+        b, d = q.shape[0], layer.head_dim
+        kernel = native_decode_kernel()
+        assert kernel is not None
+        q = q.reshape(b, layer.num_kv_heads, layer.group, d)  # GQA: a group shares its KV head
+        o = kernel(q.contiguous(), k_cache, v_cache, plan.runs, plan.offsets, layer.scale)
+        return o.reshape(b, layer.num_heads, d)
+
+    def prefill_kernel(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+        return native_prefill_kernel(dtype)
+
+
+def _run_steps(
+    rows: list[int], steps: list[list[tuple[int, int]]], lengths: list[int], device: torch.device
+) -> RunSteps:
+    offsets = [0]
+    for step in steps:
+        offsets.append(offsets[-1] + len(step))
+    flat = torch.tensor([r for step in steps for r in step], dtype=torch.long).view(-1, 2)
+    ends = torch.tensor(offsets, dtype=torch.long)
+    covered = torch.cat([flat.new_zeros(1), flat[:, 1].cumsum(0)])[ends]
+    if not torch.equal(covered.diff(), torch.tensor(lengths)):  # the kernel reads them all
+        raise ValueError("a decode step's KV runs do not cover exactly its sequence")
+    row_ids = torch.tensor(rows, dtype=torch.long, device=device)
+    return RunSteps(row_ids, flat, ends)

@@ -1,0 +1,247 @@
+"""The Triton backend: batched paged attention (pipeserve/kernels/triton_attention.py), one
+launch per layer for all of a batch's decode steps and one for all its prompt chunks; its
+RMSNorm with the residual add in one launch (triton_norm.py), the q/k norms, rotary and KV
+write in one (triton_rope.py), and MLA's absorbed decode steps in one launch. CUDA; on a CPU
+only under Triton's interpreter (TRITON_INTERPRET=1, the tests' way to run it).
+
+The plan is int32 page tables of one slot per page, read by every layer: the slots of each
+step's and each chunk's sequence (its prefix and its new tokens, which the layer writes first).
+They are built on the host in O(runs + requests) as their slot runs (`SlotRuns`) and expanded
+on the device after the copy (`after_copy`), so no host work grows with the context. Decode
+steps read the page table from device memory with a grid that depends on the batch size
+only, so they can be captured in CUDA graphs over persistent buffers (`graph_buffers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from pipeserve.backends.base import AttentionBackend, NormKernels, QKNorms, Rope, Segment
+from pipeserve.layers.attention_parts import SlotRuns
+from pipeserve.mem_cache.kv_pool import PAD_SLOT
+from pipeserve.scheduler.batch import Run, runs_prefix
+
+if TYPE_CHECKING:
+    from pipeserve.layers.attention import PagedAttention
+
+UNEXPANDED = "a Triton plan's page table is still slot runs: use AttentionPlan.expanded()"
+
+
+@dataclass
+class TableSteps:
+    """All single-token steps of a batch: each step's KV slots (int32) and where each step's
+    start; as `slot_runs` (the two tables None) until `after_copy`."""
+
+    rows: torch.Tensor  # [b] token rows of the steps
+    slot_runs: SlotRuns | None = None
+    kv_indptr: torch.Tensor | None = None  # [b + 1] int32
+    kv_indices: torch.Tensor | None = None  # int32: the slot of every position of each step
+
+
+@dataclass
+class ExtendPlan:
+    """All prompt chunks of a batch (one launch per layer): each chunk's KV slots (its prefix
+    and itself, in order), its rows and positions, and the launch's blocks of query rows."""
+
+    chunks: torch.Tensor  # [c, 3] int32: (first row, rows, prefix length)
+    block_chunk: torch.Tensor  # [blocks] int32: the chunk of each block of query rows
+    block_first: torch.Tensor  # [blocks] int32: its first row within the chunk
+    slot_runs: SlotRuns | None = None  # the page table until `after_copy`, then:
+    kv_indptr: torch.Tensor | None = None  # [c + 1] int32: where each chunk's slots start
+    kv_indices: torch.Tensor | None = None  # int32: the slot of every position of each chunk
+
+
+@dataclass
+class TritonMeta:
+    extend: ExtendPlan | None
+    decode: TableSteps | None
+
+
+Tabled = TypeVar("Tabled", TableSteps, ExtendPlan)
+
+
+class TritonNorms(NormKernels):
+    """RMSNorm (and its residual add) in one launch where the kernel fits the tensors."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from pipeserve.kernels import triton_norm
+
+        if triton_norm.fits(x, weight):
+            return triton_norm.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from pipeserve.kernels import triton_norm
+
+        if triton_norm.fits(x, weight, residual):
+            return triton_norm.add_rms_norm(x, residual, weight, eps)
+        return super().add_rms_norm(x, residual, weight, eps)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    norms = TritonNorms()
+    capturable = True
+
+    def plan(
+        self,
+        segments: list[Segment],
+        device: torch.device,
+        dtype: torch.dtype,
+        prompts: frozenset[int] = frozenset(),
+    ) -> TritonMeta:
+        from pipeserve.kernels.triton_attention import extend_blocks
+
+        steps: list[tuple[int, list[Run]]] = []
+        chunks: list[tuple[int, int, int, list[Run]]] = []
+        for q_start, q_len, prefix_len, kv_runs in segments:
+            covering = runs_prefix(kv_runs, prefix_len + q_len)
+            if q_len == 1:
+                steps.append((q_start, covering))
+            else:
+                chunks.append((q_start, q_len, prefix_len, covering))
+        extend = None
+        if chunks:
+            table = torch.tensor([c[:3] for c in chunks], dtype=torch.int32, device=device)
+            block_chunk, block_first = extend_blocks([c[1] for c in chunks])
+            slots = SlotRuns.build([c[3] for c in chunks], device)
+            extend = ExtendPlan(table, block_chunk.to(device), block_first.to(device), slots)
+        return TritonMeta(extend, _table_steps(steps, device) if steps else None)
+
+    def after_copy(self, meta: Any) -> Any:
+        return replace(meta, decode=_expanded(meta.decode), extend=_expanded(meta.extend))
+
+    def attend(
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        fresh: tuple[torch.Tensor, torch.Tensor] | None,
+        out: torch.Tensor,
+    ) -> None:
+        from pipeserve.kernels.triton_attention import paged_decode, paged_extend
+
+        if (e := meta.extend) is not None:
+            assert e.kv_indptr is not None and e.kv_indices is not None, UNEXPANDED
+            tables = (e.kv_indptr, e.kv_indices, e.chunks, e.block_chunk, e.block_first)
+            paged_extend(q, k_cache, v_cache, *tables, layer.scale, out=out)
+        if (p := meta.decode) is not None:
+            assert p.kv_indptr is not None and p.kv_indices is not None, UNEXPANDED
+            b, d = p.rows.shape[0], layer.head_dim
+            qs = q[p.rows].reshape(b, layer.num_kv_heads, layer.group, d)
+            o = paged_decode(qs, k_cache, v_cache, p.kv_indptr, p.kv_indices, layer.scale)
+            out[p.rows] = o.reshape(b, layer.num_heads, d)
+
+    def rope_and_store(
+        self,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        rope: Rope,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        norms: QKNorms | None,
+    ) -> torch.Tensor | None:
+        from pipeserve.kernels import triton_rope
+
+        if not triton_rope.fits(qkv, rope, cache, norms):
+            return None
+        return triton_rope.norm_rope_store(*qkv, *rope, *cache, slots, norms)
+
+    def latent_plan(self, segments: list[Segment], device: torch.device) -> TritonMeta:
+        steps = [
+            (row, runs_prefix(runs, prefix + 1)) for row, n, prefix, runs in segments if n == 1
+        ]
+        return TritonMeta(None, _table_steps(steps, device) if steps else None)
+
+    def latent_rows(self, meta: Any) -> torch.Tensor | None:
+        return None if meta.decode is None else meta.decode.rows
+
+    def latent_decode(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: Any,
+        chosen: torch.Tensor | None,
+        scale: float,
+        rope_dim: int,
+    ) -> torch.Tensor:
+        """q [b, 1 key head, heads, latent width] of the decode steps over each step's latent
+        rows, or with an indexer's choice `chosen` [b, topk] (positions, -1 for none) over the
+        chosen rows only -> [b, heads, kv_lora_rank]."""
+        from pipeserve.kernels.triton_attention import paged_decode
+
+        p = meta.decode
+        assert p.kv_indptr is not None and p.kv_indices is not None, UNEXPANDED
+        indptr, indices = p.kv_indptr, p.kv_indices
+        if chosen is not None:
+            indptr, indices = chosen_slots(chosen, indptr, indices)
+        rows = cache[None]  # one key head: [latent | rope] rows, values their latent part
+        o = paged_decode(q, rows, rows, indptr, indices, scale, rope=rope_dim)
+        return o[:, 0]  # [b, 1, heads, rank]
+
+    def graph_buffers(self, pool_slots: int, rows: int, device: torch.device) -> TableBuffers:
+        return TableBuffers(pool_slots, rows, device)
+
+
+class TableBuffers:
+    """The decode steps' persistent page table. A row alone reads its one slot: what a
+    padded row reads in every bucket. The table holds twice the pool's slots (requests
+    sharing a cached prefix list it each); a step with more stays eager (`holds`)."""
+
+    def __init__(self, pool_slots: int, rows: int, device: torch.device) -> None:
+        self.rows = torch.arange(rows, device=device)
+        self.kv_indptr = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.kv_indices = torch.full((2 * pool_slots,), PAD_SLOT, dtype=torch.int32, device=device)
+
+    def meta(self, rows: int) -> TritonMeta:
+        steps = TableSteps(
+            self.rows[:rows], kv_indptr=self.kv_indptr[: rows + 1], kv_indices=self.kv_indices
+        )
+        return TritonMeta(None, steps)
+
+    def holds(self, keys: int, rows: int) -> bool:
+        return keys <= self.kv_indices.shape[0]
+
+    def load(self, meta: Any, rows: int) -> None:
+        p = meta.decode
+        assert p is not None and p.kv_indptr is not None and p.kv_indices is not None
+        self.kv_indptr[: rows + 1].copy_(p.kv_indptr, non_blocking=True)
+        self.kv_indices[: p.kv_indices.shape[0]].copy_(p.kv_indices, non_blocking=True)
+
+
+def _table_steps(steps: list[tuple[int, list[Run]]], device: torch.device) -> TableSteps:
+    """(row, the runs covering exactly its sequence) per step -> their rows and page table
+    of one slot per page, as slot runs."""
+    rows = torch.tensor([row for row, _ in steps], dtype=torch.long, device=device)
+    return TableSteps(rows, slot_runs=SlotRuns.build([runs for _, runs in steps], device))
+
+
+def _expanded(plan: Tabled | None) -> Tabled | None:
+    if plan is None or plan.slot_runs is None:
+        return plan
+    indptr, indices = plan.slot_runs.expand()
+    return replace(plan, kv_indptr=indptr, kv_indices=indices, slot_runs=None)
+
+
+def chosen_slots(
+    chosen: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode steps' page table narrowed to an indexer's choice: chosen [b, topk] positions
+    (-1: none) of each step's sequence (indices[indptr[i]:indptr[i + 1]]) -> a table of topk
+    slots per step, -1 where nothing is chosen. A step whose sequence is no longer than
+    topk reads all of it (the choice would keep every position)."""
+    b, topk = chosen.shape
+    lengths = (indptr[1:] - indptr[:-1]).long()
+    every = torch.arange(topk, device=chosen.device)[None, :].expand(b, topk)
+    positions = torch.where((lengths <= topk)[:, None], every, chosen)
+    valid = (positions >= 0) & (positions < lengths[:, None])
+    flat = (indptr[:-1].long()[:, None] + positions.clamp_min(0)).clamp_max(indices.numel() - 1)
+    slots = torch.where(valid, indices[flat], -1).to(torch.int32)
+    table_ptr = torch.arange(b + 1, device=chosen.device, dtype=torch.int32) * topk
+    return table_ptr, slots.flatten()
