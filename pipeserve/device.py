@@ -203,6 +203,61 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def queues_on_streams(device: torch.device) -> bool:
+    """Whether work on `device` queues asynchronously on streams the host orders with events
+    (CUDA): inputs cross through pinned host memory on a copy stream, and the host waits
+    for a batch's events, not for its ops."""
+    return device.type == "cuda"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start counting the peak of the device memory this process allocates (CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """The peak device memory this process allocated since `reset_peak_memory` (CUDA; None
+    on a CPU, whose memory is the process's own)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def profiler_activities(device: torch.device) -> list[Any]:
+    """What torch's profiler records for work on `device`: host ops, and CUDA kernels."""
+    from torch.profiler import ProfilerActivity
+
+    cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
+    return [ProfilerActivity.CPU, *cuda]
+
+
+def cuda_graphs_unavailable(device: torch.device) -> str | None:
+    """Why steps on `device` cannot be captured as CUDA graphs (None: they can)."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this is {device.type})"
+    return None
+
+
+# CUDA compute capabilities (major) where torch runs bf16 grouped GEMMs as one kernel; on
+# others it loops over the groups after copying their sizes to the host
+GROUPED_MM_SM = (9, 10)
+
+
+def grouped_gemm_pays(device: torch.device) -> bool:
+    """Grouped GEMMs for routed experts by default on CUDA devices. On CPU the per-expert
+    loop: a host read waits for nothing there, and torch's CPU grouped GEMM, itself a loop
+    over the groups, is slower on prefill-sized batches (faster on decode-sized ones)."""
+    return device.type == "cuda"
+
+
+def grouped_gemm_takes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs `dtype` weights on `device`: on CUDA bfloat16 on a
+    device with a grouped kernel (`GROUPED_MM_SM`), on CPU bfloat16 and float32."""
+    if device.type == "cuda":
+        sm = torch.cuda.get_device_capability(device)[0]
+        return torch.version.cuda is not None and dtype == torch.bfloat16 and sm in GROUPED_MM_SM
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+
+
 def stream_synchronize(device: torch.device) -> None:
     """Wait for the work queued on this thread's current stream only (e.g. a receive, before
     another thread's stream reads what it received)."""
@@ -297,19 +352,22 @@ def overlap_schedule_pays(device: torch.device, in_process: bool) -> bool:
     return device.type != "cpu" or not in_process
 
 
-def min_pipeline_chunk(device_type: str) -> int:
+def min_pipeline_chunk(device: torch.device) -> int:
     """The smallest chunk a PP/TP layout picks by itself. CPU: stages running side by side
     slow each other by ~17% at 256-token chunks but ~6% from 512 up (measured on 2 cores,
     bench preset), which a profile of one stage at a time cannot see. Accelerators: kernels
     need a few thousand rows to fill the device."""
-    return 512 if device_type == "cpu" else 2048
+    return 512 if device.type == "cpu" else 2048
 
 
-def _native_function(name: str) -> Callable[..., torch.Tensor] | None:
-    """A function of the compiled CPU kernels, or None (not built, or disabled)."""
+def _native_function(
+    name: str, device: torch.device | None = None
+) -> Callable[..., torch.Tensor] | None:
+    """A function of the compiled CPU kernels, or None (not built, or disabled, or `device`
+    given and not the CPU)."""
     from pipeserve.kernels import native
 
-    module = native()
+    module = native() if device is None or device.type == "cpu" else None
     return None if module is None else getattr(module, name)
 
 
@@ -318,21 +376,23 @@ def native_decode_kernel() -> Callable[..., torch.Tensor] | None:
     return _native_function("paged_decode_attention")
 
 
-def native_index_scores() -> Callable[..., torch.Tensor] | None:
-    """The compiled CPU kernel of DeepSeek-V3.2's indexer scores (float32), or None."""
-    return _native_function("index_scores")
+def native_index_scores(device: torch.device | None = None) -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU kernel of DeepSeek-V3.2's indexer scores (float32), or None (also for
+    tensors on another `device`)."""
+    return _native_function("index_scores", device)
 
 
-def native_index_topk() -> Callable[..., torch.Tensor] | None:
+def native_index_topk(device: torch.device | None = None) -> Callable[..., torch.Tensor] | None:
     """The compiled CPU kernel of DeepSeek-V3.2's indexer selection (scores and top-k fused:
-    each query's index_topk best positions; float32), or None."""
-    return _native_function("index_topk")
+    each query's index_topk best positions; float32), or None (also off the CPU)."""
+    return _native_function("index_topk", device)
 
 
-def native_sparse_kernel() -> Callable[..., torch.Tensor] | None:
+def native_sparse_kernel(device: torch.device | None = None) -> Callable[..., torch.Tensor] | None:
     """The compiled CPU kernel of DeepSeek-V3.2's sparse attention in latent space (each query
-    over its chosen cache rows only, read in place; float32 or bfloat16), or None."""
-    return _native_function("sparse_latent_attention")
+    over its chosen cache rows only, read in place; float32 or bfloat16), or None (also off
+    the CPU)."""
+    return _native_function("sparse_latent_attention", device)
 
 
 def native_sparse_expanded_kernel() -> Callable[..., torch.Tensor] | None:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 from torch._C._profiler import _ExperimentalConfig
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import profile, record_function
 
 from pipeserve import envs
+from pipeserve.device import profiler_activities
 
 _active = False  # whether a profiler is recording in this process
 
@@ -41,10 +42,8 @@ class OpProfile:
 
     def __init__(self, directory: Path, name: str, device: torch.device) -> None:
         self.path = directory / f"op-profile-{name}"
-        activities = [ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        self.device_time = device.type == "cuda"
+        activities = profiler_activities(device)
+        self.device_time = len(activities) > 1  # device kernels are recorded
         # the forwards run on a compute thread, not the one that starts the profiler
         every_thread = _ExperimentalConfig(profile_all_threads=True)
         self.prof = profile(activities=activities, experimental_config=every_thread)

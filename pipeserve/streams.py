@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pipeserve.device import queues_on_streams
 from pipeserve.timeline import now
 
 
@@ -125,7 +126,7 @@ class DeviceStreams:
     """One worker's copy stream and the events that order it against the compute stream."""
 
     def __init__(self, device: torch.device, api: DeviceApi | None = None) -> None:
-        if api is None and device.type == "cuda":
+        if api is None and queues_on_streams(device):
             api = CudaApi()
         self.device, self.api = device, api
         self.copy_stream = api.new_stream(device) if api is not None else None

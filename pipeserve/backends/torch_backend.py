@@ -74,8 +74,8 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, device_type: str, dense: Attention | None = None) -> None:
-        cpu = device_type == "cpu"
+    def __init__(self, device: torch.device | str, dense: Attention | None = None) -> None:
+        cpu = torch.device(device).type == "cpu"
         self.dense: Attention = dense or (attention_with_lse if cpu else SDPA)
         self.blockwise = cpu
 

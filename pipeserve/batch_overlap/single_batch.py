@@ -20,6 +20,9 @@ layers read it when they order their operations.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,8 +64,10 @@ class SingleBatchOverlap:
 
 
 OFF = SingleBatchOverlap()
-_setting = OFF
-_step_blocks = 1  # combine-down blocks of the forward running now (the scheduler decides)
+# the running forward's setting and combine-down blocks (the scheduler decides those), set
+# by its model runner for the forward's duration, on its thread
+_setting: ContextVar[SingleBatchOverlap] = ContextVar("single_batch_overlap", default=OFF)
+_step_blocks: ContextVar[int] = ContextVar("combine_down_blocks", default=1)
 
 
 def combine_down_blocks(down_blocks: int, min_tokens: int, batch_tokens: list[int]) -> int:
@@ -72,19 +77,20 @@ def combine_down_blocks(down_blocks: int, min_tokens: int, batch_tokens: list[in
     return down_blocks if max(batch_tokens, default=0) >= min_tokens else 1
 
 
-def set_step_blocks(blocks: int) -> None:
-    global _step_blocks
-    _step_blocks = blocks
+@contextmanager
+def overlapping(setting: SingleBatchOverlap, blocks: int = 1) -> Iterator[None]:
+    """`setting` and a step's combine-down blocks for the forward run inside."""
+    tokens = _setting.set(setting), _step_blocks.set(blocks)
+    try:
+        yield
+    finally:
+        _setting.reset(tokens[0])
+        _step_blocks.reset(tokens[1])
 
 
 def get_step_blocks() -> int:
-    return _step_blocks
-
-
-def set_single_batch_overlap(setting: SingleBatchOverlap) -> None:
-    global _setting
-    _setting = setting
+    return _step_blocks.get()
 
 
 def get_single_batch_overlap() -> SingleBatchOverlap:
-    return _setting
+    return _setting.get()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pipeserve.bench.summary import summarize
-from pipeserve.device import synchronize
+from pipeserve.device import peak_memory, reset_peak_memory, synchronize
 
 
 def run_hf(
@@ -53,7 +53,7 @@ def run_hf(
 
         if device.type == "cuda":
             kernels = attention_kernels_run(warm_up)
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_peak_memory(device)
         else:
             kernels = None
             warm_up()
@@ -78,9 +78,7 @@ def run_hf(
     )
     stats["output_ids"] = out[:, ids.shape[1] :].tolist()
     stats["sdpa_kernels"] = kernels
-    stats["peak_device_bytes"] = (
-        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    )
+    stats["peak_device_bytes"] = peak_memory(device)
     return stats
 
 

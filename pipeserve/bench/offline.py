@@ -20,7 +20,13 @@ from pipeserve.bench.flops import attention_flops, prefill_flops
 from pipeserve.bench.peak import matmul_peak_flops
 from pipeserve.bench.summary import summarize
 from pipeserve.config import EngineConfig, ParallelConfig
-from pipeserve.device import resolve_device, resolve_dtype, set_threads
+from pipeserve.device import (
+    peak_memory,
+    reset_peak_memory,
+    resolve_device,
+    resolve_dtype,
+    set_threads,
+)
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
 from pipeserve.runner.kv_layout import stage_kv_bytes_per_token
@@ -77,8 +83,7 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     reqs = [Req(f"bench-{i}", p, sp) for i, p in enumerate(prompts)]
     device = resolve_device(engine.config.model.device)
-    if device.type == "cuda":  # one in-process engine: its GPU memory is this process's
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)  # one in-process engine: its GPU memory is this process's
     graphs = getattr(getattr(engine.backend, "runner", None), "graphs", None)  # in-process
     replays = 0 if graphs is None else graphs.replays
     start = time.perf_counter()
@@ -102,9 +107,7 @@ def run_pipeserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
         engine, [len(p) for p in prompts], output_len
     )
     in_process = not engine.config.parallel.uses_workers
-    stats["peak_device_bytes"] = (
-        torch.cuda.max_memory_allocated(device) if device.type == "cuda" and in_process else None
-    )
+    stats["peak_device_bytes"] = peak_memory(device) if in_process else None
     stats["cuda_graph_replays"] = None if graphs is None else graphs.replays - replays
     return stats
 

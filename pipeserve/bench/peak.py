@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from pipeserve.device import synchronize
+
 FIRST_SIZE = 256
 # The largest product timed: big enough to reach the device's dense peak. A CPU core is
 # there by 2048^3; a large GPU is not (an H200 reads 332 TFLOP/s at 2048^3 in bf16 and
@@ -51,15 +53,10 @@ def _product_timer(dtype: torch.dtype, device: torch.device) -> Callable[[int], 
             operands[size] = a, b
             torch.matmul(a, b)  # first call at this shape (kernel choice, packing)
         a, b = operands[size]
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         torch.matmul(a, b)
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     return time_one
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -791,4 +791,4 @@ def _causal(
     cached: list[KVPart] = [(keys[:, :first], values[:, :first])] if first else []
     k_self = keys[:, first:end].transpose(0, 1)
     v_self = values[:, first:end].transpose(0, 1)
-    return TorchBackend(q.device.type).prompt_chunk(attn, q, k_self, v_self, cached)
+    return TorchBackend(q.device).prompt_chunk(attn, q, k_self, v_self, cached)

@@ -48,8 +48,9 @@ from pipeserve.engine.future_map import FutureMap
 from pipeserve.lifetime import REFUSED_EXIT, WORKER_NAME, exit_with_parent, name_process
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.resolve import resolve_model_path
+from pipeserve.runner.kv_layout import kv_pool_pages
 from pipeserve.runner.layer_costs import measure_layer_costs
-from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
+from pipeserve.runner.model_runner import ModelRunner
 from pipeserve.scheduler.batch import BatchResult
 from pipeserve.timeline import now
 
@@ -152,7 +153,7 @@ def report_failure(channels: Any, exc: BaseException, started: bool, rank: int) 
 def _init_groups(args: WorkerArgs, config: EngineConfig, device: torch.device) -> None:
     p, backend = config.parallel, dist_backend(device)
     per_node = p.world_size // p.nnodes
-    if p.afd_enabled and device.type == "cuda":
+    if p.afd_enabled and backend == "nccl":
         raise ValueError(
             "attention-FFN disaggregation runs on CPU workers (gloo) only: its receiver "
             "thread posts receives ahead of the compute thread's sends, which NCCL would "

@@ -34,8 +34,8 @@ from pipeserve.engine.workers import WorkerError, WorkerSet
 from pipeserve.mem_cache.hicache import DISK, HOST, HiCache
 from pipeserve.mem_cache.host_tier import tier_pages
 from pipeserve.models.arch import ArchConfig
-from pipeserve.runner.kv_layout import stage_kv_bytes_per_token
-from pipeserve.runner.model_runner import ModelRunner, kv_pool_pages
+from pipeserve.runner.kv_layout import kv_pool_pages, stage_kv_bytes_per_token
+from pipeserve.runner.model_runner import ModelRunner
 from pipeserve.scheduler.batch import Run
 from pipeserve.scheduler.chunk_cost import PROFILE_BUDGET_S, Point
 from pipeserve.scheduler.data_parallel import DataParallelScheduler

@@ -61,7 +61,7 @@ class ChunkPolicy:
     size: int | None  # None: no chunking; with dynamic chunking, the initial size C
     dynamic: bool = False
     auto: bool = False  # pick the size at start-up (a PP/TP layout, no size given)
-    device_type: str = "cpu"
+    pipeline_floor: int = 512  # the smallest size a PP/TP layout picks (min_pipeline_chunk)
     smooth_factor: float = 0.75
     online: bool = False
     model: str = "prefix-quadratic"  # the chunk cost model (--dynamic-chunking-model)
@@ -75,7 +75,7 @@ class ChunkPolicy:
             s.chunk_size,
             s.enable_dynamic_chunking,
             s.chunked_prefill_size is None and config.parallel.world_size > 1,
-            resolve_device(config.model.device).type,
+            min_pipeline_chunk(resolve_device(config.model.device)),
             s.smooth_factor,
             s.dynamic_chunking_online,
             s.dynamic_chunking_model,
@@ -150,18 +150,17 @@ def pick_chunk_size(
     per_token = [t / n for n, t in zip(sizes, slowest, strict=True)]
     best = min(per_token)
     knee = next(n for n, t in zip(sizes, per_token, strict=True) if t <= (1 + AUTO_SLACK) * best)
-    floor = min_pipeline_chunk(policy.device_type)
+    floor = policy.pipeline_floor
     size = max(knee, floor)
     log.info(
         "chunked prefill size %d (picked for this layout: per-token forward times %s ms at "
-        "chunks of %s; the smallest within %.0f%% of the best is %d, the %s floor %d; "
+        "chunks of %s; the smallest within %.0f%% of the best is %d, the device's floor %d; "
         "--chunked-prefill-size overrides)",
         size * (AUTO_DYNAMIC_FACTOR if policy.dynamic else 1),
         ", ".join(f"{1e3 * t:.3f}" for t in per_token),
         ", ".join(map(str, sizes)),
         100 * AUTO_SLACK,
         knee,
-        policy.device_type,
         floor,
     )
     return {

@@ -23,7 +23,7 @@ def plan_attention(
     """A batch's attention plan on `backend` (the torch backend for `device` where None), or
     on the backend it hands these segments to; built on `device`. `expanded`=False: as it
     crosses to a device (`AttentionPlan.expanded()` there)."""
-    chosen = (backend or TorchBackend(device.type)).for_batch(segments)
+    chosen = (backend or TorchBackend(device)).for_batch(segments)
     plan = AttentionPlan(chosen, chosen.plan(segments, device, dtype, prompts))
     return plan.expanded() if expanded else plan
 

@@ -18,35 +18,47 @@ What makes a row's result depend on its batch, and what this mode does about it:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 
-_enabled = False
+# on while a deterministic runner's forward runs (in its context only: not process-wide)
+_enabled: ContextVar[bool] = ContextVar("batch_invariant", default=False)
 CHECK_ROWS = (1, 2, 3, 5, 8, 17, 64, 131)  # row counts compared at start-up
 
 
-def set_enabled(enabled: bool) -> None:
-    """Set once per process, when the model runner is built."""
-    global _enabled
-    _enabled = enabled
+@contextmanager
+def enabled_in(on: bool) -> Iterator[None]:
+    """The mode `on` (or off) for what runs inside, on this thread."""
+    token = _enabled.set(on)
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
 
 
 def enabled() -> bool:
-    return _enabled
+    return _enabled.get()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; in deterministic mode a one-row product runs as two identical rows."""
-    if _enabled and x.numel() == x.shape[-1]:
+    if _enabled.get() and x.numel() == x.shape[-1]:
         return F.linear(torch.cat([x, x]), weight, bias)[:1].view(*x.shape[:-1], -1)
     return F.linear(x, weight, bias)
 
 
 def check_linear_rows(weights: Iterable[torch.Tensor], seed: int = 0) -> None:
     """Raise unless a product's rows come out bitwise the same for every row count tried
-    (each weight shape once)."""
+    (each weight shape once), in deterministic mode."""
+    with enabled_in(True):
+        _check_rows(weights, seed)
+
+
+def _check_rows(weights: Iterable[torch.Tensor], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     seen: set[tuple[int, ...]] = set()
     for w in weights:

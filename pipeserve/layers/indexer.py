@@ -173,7 +173,7 @@ def causal_index_scores(
     fused in registers, future key blocks skipped); elsewhere the per-head logits are formed
     for a block of queries at a time, at most LOGIT_BLOCK_ELEMENTS of them, never all of
     [heads, n, L]."""
-    if q.device.type == "cpu" and (kernel := native_index_scores()) is not None:
+    if (kernel := native_index_scores(q.device)) is not None:
         return kernel(q.float(), w.float(), k.float(), prefix_len, scale)
     n, heads = q.shape[:2]
     kt = k.float().t()
@@ -193,7 +193,7 @@ def causal_top_positions(
     kernel (index_scores.cpp: `index_topk`) scores a block of queries into its thread's
     scratch rows and selects there, so no [n, L] tensor of scores exists; elsewhere the
     scores are formed and selected as the two functions do."""
-    if q.device.type == "cpu" and (kernel := native_index_topk()) is not None:
+    if (kernel := native_index_topk(q.device)) is not None:
         return kernel(q.float(), w.float(), k.float(), prefix_len, scale, topk)
     return top_positions(causal_index_scores(q, w, k, prefix_len, scale), topk)
 

@@ -44,6 +44,7 @@ from pipeserve.device import (
     native_prefill_kernel,
     native_sparse_expanded_kernel,
     native_sparse_kernel,
+    queues_on_streams,
 )
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention_parts import merge_partials
@@ -571,7 +572,7 @@ def sparse_latent_attention(
     compiled kernel reads the rows in place (pipeserve/kernels/sparse_attention.cpp); elsewhere
     the chosen rows are gathered for a block of queries at a time (SPARSE_GATHER_BYTES).
     keys_read: an int64 counter [1] the (query, row) pairs read are added to."""
-    kernel = native_sparse_kernel() if native and q.device.type == "cpu" else None
+    kernel = native_sparse_kernel(q.device) if native else None
     if kernel is not None and q.dtype in (torch.float32, torch.bfloat16) and rows.dtype == q.dtype:
         counter = torch.zeros(1, dtype=torch.long) if keys_read is None else keys_read
         return kernel(q, rows, slots, rank, scale, counter)
@@ -585,7 +586,7 @@ def sparse_latent_attention(
         b = kv.shape[0]
         mask = None
         # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for it
-        if q.device.type != "cpu" or not bool(valid.all()):
+        if queues_on_streams(q.device) or not bool(valid.all()):
             mask = _additive(valid, q.dtype)[0, 0][:, None, None, :].expand(b, 1, h, -1)
         o, _ = attention_with_lse(
             q[i : i + per, None], kv[:, None], kv[:, None], False, scale, mask

@@ -24,6 +24,7 @@ from torch import nn
 from pipeserve.batch_overlap.operations import OpFn, Outputs, State, arrange, run_in_order
 from pipeserve.batch_overlap.single_batch import get_single_batch_overlap, get_step_blocks
 from pipeserve.batch_overlap.strategies import EXPERTS_IN_ORDER, block_plan
+from pipeserve.device import grouped_gemm_pays, grouped_gemm_takes
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import (
     get_afd,
@@ -384,18 +385,13 @@ class FusedMoE(nn.Module):
 
 # torch's grouped GEMM: public from torch 2.13, torch._grouped_mm before; None: neither
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-# CUDA compute capabilities (major) where torch runs bf16 grouped GEMMs as one kernel; on
-# others it loops over the groups after copying their sizes to the host
-_GROUPED_MM_SM = (9, 10)
 
 
 def grouped_by_default(device: torch.device) -> bool:
-    """Grouped GEMMs on CUDA devices. On CPU the per-expert loop: a host read waits for
-    nothing there, and torch's CPU grouped GEMM, itself a loop over the groups, is slower on
-    prefill-sized batches (faster on decode-sized ones). Under deterministic inference the
-    loop, whose products' independence of the row count the start-up check vouches for
-    (`batch_invariant.check_linear_rows`)."""
-    return device.type == "cuda" and not batch_invariant.enabled()
+    """Grouped GEMMs where they pay (`device.grouped_gemm_pays`: CUDA). Under deterministic
+    inference the per-expert loop, whose products' independence of the row count the
+    start-up check vouches for (`batch_invariant.check_linear_rows`)."""
+    return grouped_gemm_pays(device) and not batch_invariant.enabled()
 
 
 def can_group_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -409,12 +405,7 @@ def can_group_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     align = 16 // w13.element_size()
     if w13.shape[2] % align or w2.shape[2] % align:  # hidden, inter
         return False
-    if w13.device.type == "cuda":
-        sm = torch.cuda.get_device_capability(w13.device)[0]
-        return (
-            torch.version.cuda is not None and w13.dtype == torch.bfloat16 and sm in _GROUPED_MM_SM
-        )
-    return w13.device.type == "cpu" and w13.dtype in (torch.bfloat16, torch.float32)
+    return grouped_gemm_takes(w13.device, w13.dtype)
 
 
 def held_experts(num_experts: int) -> tuple[int, ...]:

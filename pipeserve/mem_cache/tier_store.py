@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pipeserve.device import queues_on_streams
 from pipeserve.mem_cache.hicache import DEVICE, DISK, HOST, CacheOp
 from pipeserve.mem_cache.kv_pool import KVPool
 
@@ -39,7 +40,8 @@ class TierStore:
         self.page_size = page_size
         device = pool.slot_buffers()
         self.tiers: dict[str, Buffers] = {DEVICE: device}
-        self.on_cuda = pin = device[0][0].is_cuda  # host pages pinned, copies synchronised
+        # on a device with streams: host pages pinned, copies synchronised
+        self.on_cuda = pin = queues_on_streams(device[0][0].device)
         host_slots = (host_pages + 1) * page_size
         # not written: the kernel commits its pages as copies first land in them, like the
         # device pool's on a CPU (pinned memory, for a GPU, is committed at once); its size is
@@ -125,9 +127,7 @@ class DiskTier:
             for s, d, n in runs:
                 for o in range(outer):
                     part = rows[o, d : d + n]
-                    staged = (
-                        part if part.device.type == "cpu" else torch.empty_like(part, device="cpu")
-                    )
+                    staged = part if part.is_cpu else torch.empty_like(part, device="cpu")
                     at = offset + (o * self.slots + s) * inner
                     got = os.preadv(self.fd, [_bytes(staged)], at)
                     if got != n * inner:

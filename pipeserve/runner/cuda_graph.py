@@ -33,6 +33,7 @@ import torch
 
 from pipeserve.backends.base import AttentionBackend, AttentionPlan
 from pipeserve.config import EngineConfig
+from pipeserve.device import cuda_graphs_unavailable
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.forward_batch import ForwardBatch
@@ -63,8 +64,8 @@ def graph_blocker(
     m, p = config.model, config.parallel
     if m.disable_cuda_graph or m.cuda_graph_max_bs < 1:
         return "--disable-cuda-graph (or --cuda-graph-max-bs 0)"
-    if device.type != "cuda":
-        return f"CUDA graphs need a CUDA device (this is {device.type})"
+    if (unavailable := cuda_graphs_unavailable(device)) is not None:
+        return unavailable
     sizes = {"pipeline": p.pp_size, "tensor": p.tp_size, "context": p.cp_size}
     sizes |= {"expert": p.expert_ranks, "attention-FFN": 2 if p.afd_enabled else 1}
     spread = [f"{k} {v}" for k, v in sizes.items() if v > 1]
@@ -151,7 +152,6 @@ class DecodeGraphs:
         """A graph per bucket, largest first (they share one memory pool), each after
         WARMUP_RUNS eager runs; the buffers hold padding rows only meanwhile, so the captures
         write nothing but PAD_SLOT."""
-        assert self.device.type == "cuda"
         self._pool_handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -111,7 +111,7 @@ class ForwardBatch:
             return torch.tensor(x, dtype=torch.long, device=host)
 
         ids, positions, segments = lists.ids, lists.positions, lists.segments
-        chosen = (backend or TorchBackend(device.type)).for_batch(segments)
+        chosen = (backend or TorchBackend(device)).for_batch(segments)
         cp_plan = None
         if cp is not None:  # this rank's rows; its attention reads the cache through the plan
             cp_plan, ids, positions = CpPlan.build(batch, cp, device)

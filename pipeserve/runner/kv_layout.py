@@ -1,15 +1,19 @@
 """Which KV cache a model gets: per-head K/V (MHA/GQA), or for multi-head latent attention one
 latent row per token and layer (plus DeepSeek-V3.2's indexer keys). The pool's size in bytes
-per token and the pool itself are decided here, for the model runner and the profilers alike."""
+per token, the pool itself and its size in pages (what the memory budget leaves) are decided
+here, for the model runner and the profilers alike."""
 
 from __future__ import annotations
 
 import torch
 
+from pipeserve.backends.registry import select_backend
 from pipeserve.config import EngineConfig
-from pipeserve.device import resolve_dtype
+from pipeserve.device import memory_budget, resolve_device, resolve_dtype
+from pipeserve.distributed.partition import resolve_partition
 from pipeserve.mem_cache.kv_pool import KVPool
-from pipeserve.models.arch import ArchConfig
+from pipeserve.models.arch import ArchConfig, param_count, routed_expert_params
+from pipeserve.runner.cuda_graph import graph_reserve_bytes
 
 
 def kv_heads_per_rank(arch: ArchConfig, tp_size: int) -> int:
@@ -55,3 +59,38 @@ def build_kv_pool(
         return KVPool.latent_layout(num_slots, layers, width, dtype, device, page_size, index)
     heads = kv_heads_per_rank(arch, tp_size)
     return KVPool(num_slots, layers, heads, arch.head_dim, dtype, device, page_size)
+
+
+def kv_pool_pages(
+    config: EngineConfig, arch: ArchConfig, local_workers: int, partition: list[int] | None = None
+) -> int:
+    """KV pool size in pages: from --max-total-tokens, or this worker's memory budget
+    (`device.memory_budget`: its own GPU, or its share of RAM) left after its weights, sized
+    for the stage with most layers. Workers agree on the smallest (worker.py)."""
+    page = config.cache.page_size
+    if config.cache.max_total_tokens is not None:
+        return config.cache.max_total_tokens // page + 1
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
+    p = config.parallel
+    budget = memory_budget(device, config.cache.mem_fraction_static, local_workers)
+    if partition is None:  # an explicit list in the config, else the default rule
+        spec = p.layer_partition if p.layer_partition not in (None, "auto") else None
+        partition = resolve_partition(spec, arch.num_layers, p.pp_size)
+    stage_layers_max = max(partition)
+    elsewhere = 1.0 if p.afd_enabled else 1 - 1 / p.expert_ranks  # experts on other ranks
+    params = param_count(arch) - routed_expert_params(arch) * elsewhere
+    weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
+    per_token = stage_kv_bytes_per_token(config, arch, partition)
+    backend = select_backend(
+        config.model.attention_backend, device, dtype, arch.head_dim, p.world_size
+    )
+    graphs = graph_reserve_bytes(config, arch, device, dtype, backend)
+    tokens = int((budget - weights - graphs) // per_token)
+    if tokens < 4 * page:
+        raise ValueError(
+            f"no memory left for the KV cache ({budget / 2**30:.1f} GiB budget, "
+            f"{weights / 2**30:.1f} GiB of weights); raise --mem-fraction-static or set "
+            "--max-total-tokens"
+        )
+    return tokens // page + 1

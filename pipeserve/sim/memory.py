@@ -1,6 +1,6 @@
 """What a layout holds per device: weights (its stage's layers, its TP share, its experts,
 the embedding on the first stage and the LM head on the last) and the KV pool the rest of
-the memory budget leaves. Like the engine (runner.model_runner.kv_pool_pages) the pool is
+the memory budget leaves. Like the engine (runner.kv_layout.kv_pool_pages) the pool is
 one rank's, sized for the heaviest stage from --mem-fraction-static (CPU: of RAM, over the
 node's workers); unlike the engine's estimate, which charges every parameter in the run
 dtype spread evenly over the stages, the weights are counted where they sit and in the

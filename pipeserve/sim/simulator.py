@@ -21,6 +21,7 @@ import torch
 from pipeserve.batch_overlap.single_batch import SingleBatchOverlap
 from pipeserve.config import EngineConfig
 from pipeserve.context_parallel.layout import global_pages
+from pipeserve.device import min_pipeline_chunk
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.engine.backend import Backend, build_pipeline_scheduler
 from pipeserve.engine.chunking import ChunkPolicy
@@ -100,9 +101,10 @@ class SimBackend(Backend):
         self.layout = sim_layout(config, hw, devices_per_node)
         self._init_cost(precision)
         self._init_scheduling(context_len)
-        device = "cuda" if hw.kind == "gpu" else "cpu"
+        device = torch.device("cuda" if hw.kind == "gpu" else "cpu")
+        floor = min_pipeline_chunk(device)
         self.chunking = self.set_chunk_policy(
-            replace(ChunkPolicy.from_config(config), device_type=device)
+            replace(ChunkPolicy.from_config(config), pipeline_floor=floor)
         )
 
     def _init_cost(self, precision: Precision) -> None:

@@ -22,8 +22,8 @@ from pipeserve.engine.backend import WorkerBackend
 from pipeserve.engine.engine import Engine
 from pipeserve.kernels import native
 from pipeserve.models.arch import ArchConfig, param_count
+from pipeserve.runner.kv_layout import kv_pool_pages
 from pipeserve.runner.layer_costs import measure_layer_costs
-from pipeserve.runner.model_runner import kv_pool_pages
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,8 +32,12 @@ MODELS = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe"}
 VOCAB = 512
 # max_running_requests 4: with PP2 at most 2 requests per micro-batch, so decode steps
 # spread over several micro-batches and one request waits for a free place.
-FLAGS: dict[str, Any] = {"dtype": "float32", "chunked_prefill_size": 32,
-                         "max_running_requests": 4, "max_total_tokens": 4096}
+FLAGS: dict[str, Any] = {
+    "dtype": "float32",
+    "chunked_prefill_size": 32,
+    "max_running_requests": 4,
+    "max_total_tokens": 4096,
+}
 PROMPT_LENS = [300, 97, 5, 180, 33]
 NEW_TOKENS = [12, 20, 16, 3, 7]
 SAMPLING = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in NEW_TOKENS]
@@ -75,8 +79,9 @@ def assert_same_outputs(got: list[dict[str, Any]], ref: list[dict[str, Any]]) ->
     assert [len(o["prompt_logprobs"]) for o in got] == [n - 1 for n in PROMPT_LENS]
     for key in ("prompt_logprobs", "output_logprobs"):
         for g, r in zip(got, ref, strict=True):
-            torch.testing.assert_close(torch.tensor(g[key]), torch.tensor(r[key]),
-                                       atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(g[key]), torch.tensor(r[key]), atol=1e-4, rtol=0
+            )
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +110,9 @@ CASES = [("moe", layout) for layout in LAYOUTS] + [("dense", "pp3-1,4,2"), ("den
 
 
 @pytest.mark.parametrize(("kind", "layout"), CASES, ids=[f"{k}-{lay}" for k, lay in CASES])
-def test_layout_gives_the_same_tokens_and_logprobs(models, reference, kind: str,
-                                                   layout: str) -> None:
+def test_layout_gives_the_same_tokens_and_logprobs(
+    models, reference, kind: str, layout: str
+) -> None:
     flags, partition = LAYOUTS[layout]
     with Engine(str(models[kind]), **FLAGS, **flags) as engine:
         assert worker_backend(engine).partition == partition
@@ -141,14 +147,16 @@ worker.measure_layer_costs = measured
     [([1.0, 1, 1, 1, 1, 10, 10], [5, 1, 1]), ([10.0, 10, 1, 1, 1, 1, 1], [1, 1, 5])],
     ids=["dear-last-layers", "dear-first-layers"],
 )
-def test_auto_partition_follows_the_measured_costs(models, reference, monkeypatch, tmp_path,
-                                                   costs: list[float],
-                                                   partition: list[int]) -> None:
+def test_auto_partition_follows_the_measured_costs(
+    models, reference, monkeypatch, tmp_path, costs: list[float], partition: list[int]
+) -> None:
     """Two layers ten times dearer than the rest: each gets a stage of its own (the only
     split whose slowest stage costs 10), far from the default 2,2,3."""
     (tmp_path / "sitecustomize.py").write_text(INJECT_LAYER_COSTS.format(costs=costs))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     restart_fork_server()  # workers fork from a server started with this PYTHONPATH
     try:
         with Engine(str(models["moe"]), **FLAGS, pp_size=3, pp_layer_partition="auto") as e:
@@ -201,8 +209,9 @@ def test_layer_costs_measure_a_chunk_that_fits_the_budget(pilot_s, chunk, expect
     ],
     ids=["wrong-length", "wrong-sum-from-env"],
 )
-def test_invalid_partition_fails_cleanly(models, monkeypatch, spec: str, via_env: bool,
-                                         message: str) -> None:
+def test_invalid_partition_fails_cleanly(
+    models, monkeypatch, spec: str, via_env: bool, message: str
+) -> None:
     """Refused in the workers while loading: the engine constructor raises SettingsError
     with the check's text, and no worker process is left behind."""
     before = set(mp.active_children())
@@ -228,8 +237,12 @@ def test_kv_pool_size_by_hand(models, monkeypatch) -> None:
     monkeypatch.setattr("pipeserve.device.total_memory", lambda device: 300 * 2**20)
     arch = ArchConfig.load(models["dense"])
     assert param_count(arch) == 292_000
-    flags: dict[str, Any] = {"model_path": str(models["dense"]), "dtype": "float32",
-                             "pp_size": 3, "mem_fraction_static": 0.01}
+    flags: dict[str, Any] = {
+        "model_path": str(models["dense"]),
+        "dtype": "float32",
+        "pp_size": 3,
+        "mem_fraction_static": 0.01,
+    }
     uneven = EngineConfig.from_flags(**flags, pp_layer_partition="1,4,2")
     assert kv_pool_pages(uneven, arch, local_workers=3) == 373
     assert kv_pool_pages(EngineConfig.from_flags(**flags), arch, local_workers=3) == 714
@@ -261,5 +274,9 @@ def test_tp2_replicates_a_single_kv_head(model_dir) -> None:
     ref, tp2 = outs
     assert [o["output_ids"] for o in tp2] == [o["output_ids"] for o in ref]
     for a, b in zip(ref, tp2, strict=True):
-        torch.testing.assert_close(torch.tensor(b["prompt_logprobs"]),
-                                   torch.tensor(a["prompt_logprobs"]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(b["prompt_logprobs"]),
+            torch.tensor(a["prompt_logprobs"]),
+            atol=1e-4,
+            rtol=0,
+        )

@@ -11,8 +11,10 @@ import math
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from pipeserve.config import SchedulerConfig
+from pipeserve.device import min_pipeline_chunk
 from pipeserve.engine.chunking import ChunkPolicy, setup_chunking
 from pipeserve.scheduler.batch import BatchResult
 from pipeserve.scheduler.chunk_cost import AUTO_CHUNK_BUDGET_S, PROFILE_BUDGET_S, profile_grid
@@ -47,8 +49,10 @@ def make_scheduler(tokens: int = 1 << 17, page_size: int = 1, radix: bool = Fals
 
 def serve(sched: Scheduler, prompts: list[list[int]]) -> list[list[int]]:
     """Chunk sizes of each prompt, all prompts queued at once, prefill only."""
-    reqs = [Req(f"r{len(sched._released)}-{i}", p, SamplingParams(max_new_tokens=1))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Req(f"r{len(sched._released)}-{i}", p, SamplingParams(max_new_tokens=1))
+        for i, p in enumerate(prompts)
+    ]
     for req in reqs:
         sched.add_request(req)
     while sched.has_work():
@@ -56,7 +60,8 @@ def serve(sched: Scheduler, prompts: list[list[int]]) -> list[list[int]]:
         assert batch is not None
         n = sum(s.sample for s in batch.slices)
         sched.process_result(
-            batch, BatchResult(batch.batch_id, [1] * n, [0.0] * n, [[] for _ in batch.slices]))
+            batch, BatchResult(batch.batch_id, [1] * n, [0.0] * n, [[] for _ in batch.slices])
+        )
     return [req.chunk_sizes for req in reqs]
 
 
@@ -78,8 +83,9 @@ def sizes_with(policy: ChunkPolicy, lens: list[int], page_size: int = 1) -> list
 def test_smooth_factor_zero_is_fixed_chunking(model: str, size: int, page: int) -> None:
     lens = [9000, 2100, 70, size + 1, 3 * size]
     fixed = sizes_with(ChunkPolicy(size), lens, page_size=page)
-    dynamic = sizes_with(ChunkPolicy(size, dynamic=True, smooth_factor=0.0, model=model), lens,
-                         page_size=page)
+    dynamic = sizes_with(
+        ChunkPolicy(size, dynamic=True, smooth_factor=0.0, model=model), lens, page_size=page
+    )
     assert dynamic == fixed
     assert set(fixed[0][:-1]) == {size}  # (a later prompt may first fill the previous batch)
 
@@ -182,8 +188,10 @@ def test_stages_slowest_at_different_points() -> None:
     heavy_tokens = {**PREFIX, "b": 3 * PREFIX["b"]}
 
     def profile(points: list[tuple[int, int]], budget_s: float) -> list[list[float]]:
-        return [[t(L, x, heavy_tokens) for L, x in points],
-                [t(L, x, heavy_prefix) for L, x in points]]
+        return [
+            [t(L, x, heavy_tokens) for L, x in points],
+            [t(L, x, heavy_prefix) for L, x in points],
+        ]
 
     info = setup_chunking(ChunkPolicy(C, dynamic=True), make_scheduler(), profile, {})
     for (L, x), s in zip(info["profile_points"], info["profile_seconds"], strict=True):
@@ -222,9 +230,12 @@ def test_the_profile_cache_keys_on_the_points(monkeypatch: pytest.MonkeyPatch, t
         calls.append(points)
         return synthetic(1.0, 1.2)(points, budget_s)
 
-    policies = [ChunkPolicy(C, dynamic=True), ChunkPolicy(C, dynamic=True, smooth_factor=0.5),
-                ChunkPolicy(C, dynamic=True, profile_max_len=8192),
-                ChunkPolicy(C, dynamic=True, model="quadratic")]
+    policies = [
+        ChunkPolicy(C, dynamic=True),
+        ChunkPolicy(C, dynamic=True, smooth_factor=0.5),
+        ChunkPolicy(C, dynamic=True, profile_max_len=8192),
+        ChunkPolicy(C, dynamic=True, model="quadratic"),
+    ]
     infos = [setup_chunking(p, make_scheduler(), profile, {"model": "m"}) for p in policies]
     assert len(calls) == 3  # the smoothing factor does not change the profile
     assert infos[1]["profile_stage_seconds"] == infos[0]["profile_stage_seconds"]
@@ -250,17 +261,23 @@ FLAT = {256: 1e-4, 512: 1e-4, 1024: 0.99e-4, 2048: 1e-4, 4096: 1.02e-4}  # a CPU
 STEEP = {256: 8e-4, 512: 4e-4, 1024: 2e-4, 2048: 1.1e-4, 4096: 1e-4}  # kernels fill at ~4K
 
 
-@pytest.mark.parametrize(("device", "per_token", "expected"), [
-    ("cpu", FLAT, 512),  # the knee is at the first candidate: the CPU floor decides
-    ("cuda", FLAT, 2048),  # the accelerator floor
-    ("cpu", STEEP, 4096),  # 2048 is 10% slower per token than 4096: beyond the 5% slack
-    ("cuda", {**STEEP, 2048: 1.04e-4}, 2048),  # within the slack: the smaller one
-])
-def test_a_layout_without_a_size_gets_the_rule_s_pick(device: str, per_token: dict[int, float],
-                                                      expected: int) -> None:
+@pytest.mark.parametrize(
+    ("device", "per_token", "expected"),
+    [
+        ("cpu", FLAT, 512),  # the knee is at the first candidate: the CPU floor decides
+        ("cuda", FLAT, 2048),  # the accelerator floor
+        ("cpu", STEEP, 4096),  # 2048 is 10% slower per token than 4096: beyond the 5% slack
+        ("cuda", {**STEEP, 2048: 1.04e-4}, 2048),  # within the slack: the smaller one
+    ],
+)
+def test_a_layout_without_a_size_gets_the_rule_s_pick(
+    device: str, per_token: dict[int, float], expected: int
+) -> None:
     sched = make_scheduler()
-    info = setup_chunking(ChunkPolicy(2048, auto=True, device_type=device), sched,
-                          per_token_profile(per_token), {})
+    floor = min_pipeline_chunk(torch.device(device))
+    info = setup_chunking(
+        ChunkPolicy(2048, auto=True, pipeline_floor=floor), sched, per_token_profile(per_token), {}
+    )
     assert info["mode"] == "fixed" and info["chunk_size"] == expected
     assert info["auto"]["chunk_size"] == expected
     assert serve(sched, [prompt(3 * expected + 5)]) == [[expected] * 3 + [5]]
@@ -268,8 +285,9 @@ def test_a_layout_without_a_size_gets_the_rule_s_pick(device: str, per_token: di
 
 def test_dynamic_chunking_without_a_size_starts_at_twice_the_pick() -> None:
     sched = make_scheduler()
-    info = setup_chunking(ChunkPolicy(2048, dynamic=True, auto=True), sched,
-                          per_token_profile(FLAT), {})
+    info = setup_chunking(
+        ChunkPolicy(2048, dynamic=True, auto=True), sched, per_token_profile(FLAT), {}
+    )
     assert info["auto"]["chunk_size"] == 512 and info["initial_size"] == 1024
 
 
@@ -333,7 +351,7 @@ def test_a_slow_device_picks_among_the_chunk_sizes_it_timed() -> None:
     scale = AUTO_CHUNK_BUDGET_S / 3.75 / (256 * STEEP[256])
     profile = budgeted(lambda L, x: scale * x * STEEP[x])
     sched = make_scheduler()
-    info = setup_chunking(ChunkPolicy(2048, auto=True, device_type="cpu"), sched, profile, {})
+    info = setup_chunking(ChunkPolicy(2048, auto=True), sched, profile, {})
     assert info["auto"]["sizes"] == [256, 512, 1024]
     assert info["chunk_size"] == 1024
 

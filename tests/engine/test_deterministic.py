@@ -26,14 +26,11 @@ def blas_is_row_invariant() -> bool:
     """Whether this machine's BLAS sums a row alike whatever the row count, on the bench
     model's shapes: the start-up check the mode runs (on some CPUs, e.g. with AMX, the
     library picks kernels by row count and the engine refuses the mode, tested below)."""
-    batch_invariant.set_enabled(True)
     try:
         batch_invariant.check_linear_rows(torch.randn(s).to(DTYPES[DTYPE]) for s in BENCH_SHAPES)
         return True
     except RuntimeError:
         return False
-    finally:
-        batch_invariant.set_enabled(False)
 
 
 NATIVE = native_decode_kernel() is not None and native_prefill_kernel(DTYPES[DTYPE]) is not None

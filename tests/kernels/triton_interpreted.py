@@ -270,7 +270,7 @@ def test_auto_s_mix_of_triton_and_library_kernels_serves_the_same_tokens(
     def choice(name, device, *args):  # auto on CUDA, with a key limit of 20
         if name != "triton":
             return real_choice(name, device, *args)
-        return LongPromptSplit(TritonBackend(), TorchBackend(device.type), 20)
+        return LongPromptSplit(TritonBackend(), TorchBackend(device), 20)
 
     monkeypatch.setattr(model_runner, "select_backend", choice)
     kinds: list[bool] = []  # per prepared batch with a prompt chunk: batched or not

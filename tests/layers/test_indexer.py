@@ -252,7 +252,7 @@ def test_the_native_kernel_gives_the_torch_path_s_scores(
     first."""
     q, w, k = rand(n, heads, dim, seed=1), rand(n, heads, seed=2), rand(prefix + n, dim, seed=3)
     got = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2)
-    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
+    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda *a: None)
     want = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.isinf(want).sum() == n * (n - 1) // 2
@@ -260,7 +260,7 @@ def test_the_native_kernel_gives_the_torch_path_s_scores(
     half = [t.to(torch.bfloat16) for t in (q, k)]
     monkeypatch.undo()
     got16 = indexer_mod.causal_index_scores(half[0], w, half[1], prefix, 0.2)
-    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
+    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda *a: None)
     want16 = indexer_mod.causal_index_scores(half[0], w, half[1], prefix, 0.2)
     torch.testing.assert_close(got16, want16, atol=1e-5 * dim, rtol=1e-5)
 
@@ -371,8 +371,8 @@ def test_without_the_kernel_the_selection_is_the_same(monkeypatch: pytest.Monkey
     q, w, k = rand(40, 4, 16, seed=7), rand(40, 4, seed=8), rand(240, 16, seed=9)
     q, k, w = (q * 2).round(), (k * 2).round(), w.round()
     got = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64)
-    monkeypatch.setattr(indexer_mod, "native_index_topk", lambda: None)
-    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
+    monkeypatch.setattr(indexer_mod, "native_index_topk", lambda *a: None)
+    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda *a: None)
     want = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64)
     assert torch.equal(canonical(got), canonical(want))
 
@@ -443,7 +443,7 @@ def test_index_scores_in_query_blocks_equal_one_block(
     """Under a small logit budget the per-head logits are formed a few queries at a time
     (never [heads, queries, keys] at once, as on a GPU at long contexts): the same scores.
     (The torch path, which a CPU takes where the native kernel does not build.)"""
-    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda: None)
+    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda *a: None)
     layer, (x, q_latent) = setup.layer(), inputs()
     (whole,), picked, _ = run_chunks(layer, setup, x, q_latent, [PROMPT])
     rows: list[int] = []

@@ -136,14 +136,12 @@ def test_other_dtypes_and_non_contiguous_weights_are_refused() -> None:
     assert not can_group_experts(torch.zeros(0, 32, 32), torch.zeros(0, 32, 16))
 
 
-def test_grouped_by_default_on_cuda_only_and_never_when_deterministic(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(batch_invariant, "_enabled", False)
+def test_grouped_by_default_on_cuda_only_and_never_when_deterministic() -> None:
     assert not grouped_by_default(torch.device("cpu"))
     assert grouped_by_default(torch.device("cuda"))
-    monkeypatch.setattr(batch_invariant, "_enabled", True)
-    assert not grouped_by_default(torch.device("cuda"))
+    with batch_invariant.enabled_in(True):
+        assert not grouped_by_default(torch.device("cuda"))
+    assert grouped_by_default(torch.device("cuda"))  # only inside
 
 
 def test_cpu_runs_the_loop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
