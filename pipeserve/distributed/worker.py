@@ -153,7 +153,7 @@ def report_failure(channels: Any, exc: BaseException, started: bool, rank: int) 
 def _init_groups(args: WorkerArgs, config: EngineConfig, device: torch.device) -> None:
     p, backend = config.parallel, dist_backend(device)
     per_node = p.world_size // p.nnodes
-    if p.afd_enabled and backend == "nccl":
+    if p.afd_enabled and "nccl" in backend:
         raise ValueError(
             "attention-FFN disaggregation runs on CPU workers (gloo) only: its receiver "
             "thread posts receives ahead of the compute thread's sends, which NCCL would "
