@@ -124,6 +124,7 @@ class DecodeGraphs:
         """`forward(fb)`: the model's layers on a ForwardBatch, returning the last hidden
         states (one row per token); `backend`: a capturable one, whose buffers it owns."""
         self.forward, self.buckets, self.device = forward, tuple(buckets), device
+        backend = backend.for_batch([])  # what a decode step runs on (a split hands it over)
         largest = max(self.buckets)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)

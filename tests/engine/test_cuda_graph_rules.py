@@ -118,6 +118,19 @@ def test_a_page_table_past_the_persistent_one_stays_eager() -> None:
     assert graphs.holds(fits, 2) and not graphs.holds(past, 4)
 
 
+def test_the_buffers_steps_run_on_the_backend_a_decode_step_gets() -> None:
+    """Auto on CUDA is a split (long prompt chunks elsewhere): the graphs' steps run on the
+    backend it hands decode steps to, whose norms and fused rotary they use."""
+    from pipeserve.runner.cuda_graph import DecodeGraphs
+
+    pool = KVPool(256, range(1), 1, 8, torch.float32, torch.device("cpu"), 4)
+    auto = LongPromptSplit(TRITON, TorchBackend("cpu"), 16)
+    graphs = DecodeGraphs(lambda fb: fb.input_ids, pool, auto, (1, 2, 4), pool.k[0].device)
+    assert all(fb.attn.backend is TRITON for fb in graphs.batches.values())
+    step = ScheduledBatch(0, [decode_slice("a", 40, [(4, 40)])])
+    assert ForwardBatch.prepare(step, pool, torch.device("cpu"), auto).attn.backend is TRITON
+
+
 def test_a_padded_row_never_touches_a_page_a_request_owns() -> None:
     """Requests on pages the allocator handed out, decoded as one step padded to its bucket:
     the padded rows write PAD_SLOT (page 0) and read it alone; the real rows and their page
