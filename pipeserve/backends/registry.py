@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,8 +26,16 @@ from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.backends.split import LongPromptSplit, PrefillDecodeSplit
 from pipeserve.backends.torch_backend import TorchBackend
 from pipeserve.backends.triton_backend import TritonBackend
-from pipeserve.config import ATTENTION_BACKENDS
-from pipeserve.device import native_decode_kernel, native_prefill_kernel
+from pipeserve.config import ATTENTION_BACKENDS, EngineConfig
+from pipeserve.device import (
+    native_decode_kernel,
+    native_prefill_kernel,
+    resolve_device,
+    resolve_dtype,
+)
+
+if TYPE_CHECKING:
+    from pipeserve.models.arch import ArchConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +63,22 @@ def register_backend(name: str, factory: Factory) -> None:
     REGISTERED[name] = factory
     if name not in ATTENTION_BACKENDS:
         ATTENTION_BACKENDS.append(name)
+
+
+def run_backend(config: EngineConfig, arch: ArchConfig) -> AttentionBackend:
+    """The backend of a run of `arch` under `config` (its flags, device, dtype and layout),
+    chosen once by whoever starts the run and handed to what sizes the pool and runs it."""
+    m = config.model
+    if m.enable_deterministic_inference and arch.mla is not None:
+        raise ValueError(
+            "--enable-deterministic-inference is not available for multi-head latent "
+            f"attention ({arch.architecture}): its batch-invariant kernels are GQA's"
+        )
+    device = resolve_device(m.device)
+    dtype = resolve_dtype(m.dtype, arch.torch_dtype, m.device)
+    devices = config.parallel.world_size
+    deterministic = m.enable_deterministic_inference
+    return select_backend(m.attention_backend, device, dtype, arch.head_dim, devices, deterministic)
 
 
 def select_backend(

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from pipeserve import envs
+from pipeserve.backends.base import AttentionBackend
+from pipeserve.backends.registry import run_backend
 from pipeserve.config import EngineConfig, is_refusal
 from pipeserve.device import (
     ComputeStream,
@@ -95,12 +97,13 @@ def worker_main(args: WorkerArgs) -> None:
         arch = ArchConfig.load(model_path)
         partition = _agree_on_partition(config, arch, device)
         state = set_stage_partition(partition)
-        num_pages = _agree_on_pages(config, arch, args.local_workers, partition, device)
+        backend = run_backend(config, arch)  # chosen once: it sizes the pool and runs
+        num_pages = _agree_on_pages(config, arch, args.local_workers, partition, device, backend)
         runner: ModelRunner | FfnRunner
         if state.is_ffn_worker:
             runner = FfnRunner(config, arch, model_path)
         else:
-            runner = ModelRunner(config, arch, model_path, num_pages)
+            runner = ModelRunner(config, arch, model_path, num_pages, backend)
         receiver = getattr(runner, "kv_receiver", None)
         channels.send_status(
             "ready",
@@ -252,10 +255,13 @@ def _agree_on_pages(
     local_workers: int,
     partition: list[int],
     device: torch.device,
+    backend: AttentionBackend | None = None,
 ) -> int:
     """Every stage must hold the same number of KV pages: the fewest any worker has room
-    for (GPUs of one job may have different amounts free)."""
-    pages = torch.tensor([kv_pool_pages(config, arch, local_workers, partition)], device=device)
+    for (GPUs of one job may have different amounts free); `backend`: the run's (see
+    `kv_pool_pages`)."""
+    own = kv_pool_pages(config, arch, local_workers, partition, backend)
+    pages = torch.tensor([own], device=device)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN)
     return int(pages.item())
 

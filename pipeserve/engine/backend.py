@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve import envs
+from pipeserve.backends.registry import run_backend
 from pipeserve.batch_overlap.single_batch import SingleBatchOverlap
 from pipeserve.config import EngineConfig, ParallelConfig
 from pipeserve.context_parallel.layout import global_pages
@@ -259,8 +260,9 @@ class InProcessBackend(Backend):
         super().__init__()
         threads = threads_per_worker(config)
         set_threads(threads)
-        num_pages = kv_pool_pages(config, arch, local_workers=1)
-        self.runner = ModelRunner(config, arch, model_path, num_pages)
+        backend = run_backend(config, arch)  # chosen once: it sizes the pool and runs
+        num_pages = kv_pool_pages(config, arch, 1, None, backend)
+        self.runner = ModelRunner(config, arch, model_path, num_pages, backend)
         self.partition = [arch.num_layers]
         token_bytes = stage_kv_bytes_per_token(config, arch, self.partition)
         self.scheduler = build_scheduler(

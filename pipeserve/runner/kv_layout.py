@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeserve.backends.registry import select_backend
+from pipeserve.backends.base import AttentionBackend
+from pipeserve.backends.registry import run_backend
 from pipeserve.config import EngineConfig
 from pipeserve.device import memory_budget, resolve_device, resolve_dtype
 from pipeserve.distributed.partition import resolve_partition
@@ -62,11 +63,16 @@ def build_kv_pool(
 
 
 def kv_pool_pages(
-    config: EngineConfig, arch: ArchConfig, local_workers: int, partition: list[int] | None = None
+    config: EngineConfig,
+    arch: ArchConfig,
+    local_workers: int,
+    partition: list[int] | None = None,
+    backend: AttentionBackend | None = None,
 ) -> int:
     """KV pool size in pages: from --max-total-tokens, or this worker's memory budget
-    (`device.memory_budget`: its own GPU, or its share of RAM) left after its weights, sized
-    for the stage with most layers. Workers agree on the smallest (worker.py)."""
+    (`device.memory_budget`: its own GPU, or its share of RAM) left after its weights and
+    what `backend`'s CUDA graphs may hold (the run's, chosen here where None), sized for the
+    stage with most layers. Workers agree on the smallest (worker.py)."""
     page = config.cache.page_size
     if config.cache.max_total_tokens is not None:
         return config.cache.max_total_tokens // page + 1
@@ -82,9 +88,7 @@ def kv_pool_pages(
     params = param_count(arch) - routed_expert_params(arch) * elsewhere
     weights = params * dtype.itemsize * stage_layers_max / arch.num_layers / p.tp_size
     per_token = stage_kv_bytes_per_token(config, arch, partition)
-    backend = select_backend(
-        config.model.attention_backend, device, dtype, arch.head_dim, p.world_size
-    )
+    backend = backend or run_backend(config, arch)
     graphs = graph_reserve_bytes(config, arch, device, dtype, backend)
     tokens = int((budget - weights - graphs) // per_token)
     if tokens < 4 * page:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from pipeserve.backends.registry import select_backend
+from pipeserve.backends.base import AttentionBackend
+from pipeserve.backends.registry import run_backend
 from pipeserve.batch_overlap.single_batch import SingleBatchOverlap, overlapping
 from pipeserve.batch_overlap.strategies import AFD_ATTENTION, DECODE, PREFILL, Strategy
 from pipeserve.batch_overlap.two_batch import split_batch
@@ -48,8 +49,15 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, arch: ArchConfig, model_path: str | Path, num_pages: int
+        self,
+        config: EngineConfig,
+        arch: ArchConfig,
+        model_path: str | Path,
+        num_pages: int,
+        backend: AttentionBackend | None = None,
     ) -> None:
+        """`backend`: the run's attention backend (`registry.run_backend`, chosen here where
+        None), handed in where the pool's size was computed for it."""
         self.config, self.arch = config, arch
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, config.model.device)
@@ -75,7 +83,7 @@ class ModelRunner:
         # in layer order: under data-parallel attention a rank without tokens in a step
         # still joins these layers' expert dispatch and combine
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
-        self._init_backend()
+        self._init_backend(backend or run_backend(config, arch))
         # all held: the parameters, and the block scales of weights kept in fp8
         self.param_bytes = sum(p.nbytes for p in self.model.parameters()) + sum(
             b.nbytes for name, b in self.model.named_buffers() if name.endswith("scale_inv")
@@ -86,21 +94,12 @@ class ModelRunner:
         synchronize(self.device)  # weights and pool set-up ran on this thread's stream
         self.graphs = self._decode_graphs()
 
-    def _init_backend(self) -> None:
-        """The run's attention backend, chosen once (backends/registry.py), and batch-invariant
-        products in its forwards where deterministic inference is asked for."""
-        config, arch = self.config, self.arch
-        self.deterministic = config.model.enable_deterministic_inference
-        if self.deterministic and arch.mla is not None:
-            raise ValueError(
-                "--enable-deterministic-inference is not available for multi-head latent "
-                f"attention ({arch.architecture}): its batch-invariant kernels are GQA's"
-            )
-        name, devices = config.model.attention_backend, config.parallel.world_size
-        self.backend = select_backend(
-            name, self.device, self.dtype, arch.head_dim, devices, self.deterministic
-        )
-        log.info("attention backend: %s", self.backend.name)
+    def _init_backend(self, backend: AttentionBackend) -> None:
+        """The run's attention backend, and batch-invariant products in its forwards where
+        deterministic inference is asked for."""
+        self.backend = backend
+        self.deterministic = self.config.model.enable_deterministic_inference
+        log.info("attention backend: %s", backend.name)
         if self.deterministic:
             batch_invariant.check_linear_rows(
                 w for p in self.model.parameters() for w in (p if p.dim() == 3 else [p])

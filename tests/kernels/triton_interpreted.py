@@ -260,19 +260,20 @@ def test_auto_s_mix_of_triton_and_library_kernels_serves_the_same_tokens(
     on the torch kernels, so each side reads KV the other wrote; the same tokens and logprobs
     as the torch kernels throughout (tiny-qwen3, a key limit of 20 at chunks of 16)."""
     from pipeserve import Engine
+    from pipeserve.backends import registry
     from pipeserve.backends.split import LongPromptSplit
     from pipeserve.backends.torch_backend import TorchBackend
     from pipeserve.backends.triton_backend import TritonBackend
-    from pipeserve.runner import forward_batch, model_runner
+    from pipeserve.runner import forward_batch
 
-    real_choice = model_runner.select_backend
+    real_choice = registry.select_backend
 
     def choice(name, device, *args):  # auto on CUDA, with a key limit of 20
         if name != "triton":
             return real_choice(name, device, *args)
         return LongPromptSplit(TritonBackend(), TorchBackend(device), 20)
 
-    monkeypatch.setattr(model_runner, "select_backend", choice)
+    monkeypatch.setattr(registry, "select_backend", choice)
     kinds: list[bool] = []  # per prepared batch with a prompt chunk: batched or not
     real_prepare = forward_batch.ForwardBatch.prepare.__func__  # type: ignore[attr-defined]
 
