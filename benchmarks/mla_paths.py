@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.device import DTYPES, best_dtype, native_prefill_kernel
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.mla import MLAttention, Mode
@@ -56,10 +57,10 @@ def measure(layer: MLAttention, prefix: int, chunk: int, repeats: int) -> dict[s
     rope = RotaryEmbedding(MLA.qk_rope_head_dim, 10000.0, None).cos_sin(
         torch.arange(prefix, total), dtype
     )
-    native = native_prefill_kernel(dtype) is not None  # as the engine runs expanded chunks
+    kernels = NativeBackend().kernels  # as the engine runs expanded chunks on a CPU
 
     def run(mode: Mode) -> None:
-        layer(x, rope, cache, [seg], mode, native=native)
+        layer(x, rope, cache, [seg], mode, kernels=kernels)
 
     return {mode: timed(lambda mode=mode: run(mode), repeats) for mode in ("expanded", "absorbed")}
 

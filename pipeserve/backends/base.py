@@ -9,10 +9,12 @@ A backend is chosen once per run (registry.py) and then asked, per batch:
 - per layer, `attend(layer, q, k_cache, v_cache, meta, fresh, out)`: the attention of every
   row of its segments, written into `out`.
 
-It also owns the layers' other per-device kernels: `norms` (RMSNorm with its residual add),
+It also owns the layers' other per-device kernels: `linears` (the linear layers' and the LM
+head's products, `LinearKernels`), `norms` (RMSNorm with its residual add),
 `rope_and_store` (q/k norms, rotary and the KV write in one kernel, or None for the torch
 ops), `latent_plan`/`latent_decode` (MLA's decode steps in one launch, or None), and
-`prefill_kernel` (a compiled dense causal kernel MLA and context parallelism may call).
+`kernels` (the compiled kernels MLA, DeepSeek-V3.2's indexer and context parallelism call on
+tensors of their own, outside a batch's plan; `DirectKernels`).
 `graph_buffers` says whether decode steps can be captured in a CUDA graph and owns the
 buffers a captured step reads.
 
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from pipeserve.layers import batch_invariant
 from pipeserve.scheduler.batch import Run
 
 if TYPE_CHECKING:
@@ -37,6 +40,34 @@ if TYPE_CHECKING:
 Segment = tuple[int, int, int, list[Run]]  # (first row, rows, prefix length, KV runs)
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, head_dim]
 QKNorms = tuple[torch.Tensor, torch.Tensor, float]  # q and k norm weights, their epsilon
+Kernel = Callable[..., torch.Tensor]
+
+
+def _no_prefill(dtype: torch.dtype) -> Kernel | None:
+    return None
+
+
+@dataclass(frozen=True)
+class DirectKernels:
+    """Compiled kernels that layers call on tensors of their own rather than through a
+    batch's plan; None (and `prefill` giving None): the layer's PyTorch ops run instead.
+
+    - prefill(dtype): dense causal attention over per-head pools [h, L, d] read along slot
+      runs (the native prefill kernel's signature): MLA's expanded prompt chunks, context
+      parallelism's blocks;
+    - sparse_latent / sparse_expanded: DeepSeek-V3.2's sparse attention in latent space, or
+      on up-projected keys (layers/mla.py);
+    - index_scores / index_topk: V3.2's indexer scores, and its selection fused with them
+      (layers/indexer.py)."""
+
+    prefill: Callable[[torch.dtype], Kernel | None] = _no_prefill
+    sparse_latent: Kernel | None = None
+    sparse_expanded: Kernel | None = None
+    index_scores: Kernel | None = None
+    index_topk: Kernel | None = None
+
+
+TORCH_KERNELS = DirectKernels()
 
 
 class NormKernels:
@@ -57,6 +88,31 @@ class NormKernels:
 
 
 TORCH_NORMS = NormKernels()
+
+
+class LinearKernels:
+    """y = x W^T (+ b) for the linear layers and the LM head: torch's product (batch-invariant
+    inside a deterministic run's forwards), and FP8 block-quantised weights kept in FP8
+    through the Triton kernel (kernels/triton_fp8.py). A backend with its own products (a
+    CPU GEMV for decode steps, a quantised format) subclasses; the model runner hands the
+    run's to every layer once (`layers.linear.use_linear_kernels`)."""
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return batch_invariant.linear(x, weight, bias)
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
+        """x W^T for a float8_e4m3fn weight whose rows start at `row_offset` of the weight its
+        128 x 128 block scales `scale_inv` cover (no bias)."""
+        from pipeserve.kernels.triton_fp8 import fp8_linear
+
+        return fp8_linear(x, weight, scale_inv, row_offset=row_offset)
+
+
+TORCH_LINEARS = LinearKernels()
 
 
 class GraphBuffers(Protocol):
@@ -81,6 +137,8 @@ class AttentionBackend(ABC):
 
     name: str = "?"
     norms: NormKernels = TORCH_NORMS
+    linears: LinearKernels = TORCH_LINEARS
+    kernels: DirectKernels = TORCH_KERNELS
     capturable = False  # decode steps can be captured in a CUDA graph (`graph_buffers`)
 
     def for_batch(self, segments: list[Segment]) -> AttentionBackend:
@@ -148,11 +206,6 @@ class AttentionBackend(ABC):
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         """The token rows of the decode steps in a `latent_plan` (None: it has none)."""
         raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
-
-    def prefill_kernel(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
-        """A compiled dense causal attention kernel over runs of cache slots (the native CPU
-        prefill kernel's signature) that MLA and context parallelism may call, or None."""
-        return None
 
     def graph_buffers(self, pool_slots: int, rows: int, device: torch.device) -> GraphBuffers:
         """Persistent decode metadata for CUDA graphs of up to `rows` rows over a pool of

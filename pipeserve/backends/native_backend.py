@@ -9,14 +9,20 @@ registry pairs this backend's decode steps with the torch backend's prompt chunk
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeserve.backends.base import AttentionBackend, Segment
-from pipeserve.device import native_decode_kernel, native_prefill_kernel
+from pipeserve.backends.base import AttentionBackend, DirectKernels, Segment
+from pipeserve.device import (
+    native_decode_kernel,
+    native_index_scores,
+    native_index_topk,
+    native_prefill_kernel,
+    native_sparse_expanded_kernel,
+    native_sparse_kernel,
+)
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -53,6 +59,13 @@ class NativeBackend(AttentionBackend):
 
     def __init__(self, deterministic: bool = False) -> None:
         self.deterministic = deterministic
+        self.kernels = DirectKernels(
+            native_prefill_kernel,
+            native_sparse_kernel(),
+            native_sparse_expanded_kernel(),
+            native_index_scores(),
+            native_index_topk(),
+        )
 
     def plan(
         self,
@@ -110,9 +123,6 @@ class NativeBackend(AttentionBackend):
         q = q.reshape(b, layer.num_kv_heads, layer.group, d)  # GQA: a group shares its KV head
         o = kernel(q.contiguous(), k_cache, v_cache, plan.runs, plan.offsets, layer.scale)
         return o.reshape(b, layer.num_heads, d)
-
-    def prefill_kernel(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
-        return native_prefill_kernel(dtype)
 
 
 def _run_steps(

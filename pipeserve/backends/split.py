@@ -11,8 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +29,13 @@ class SplitMeta:
 
 
 class PrefillDecodeSplit(AttentionBackend):
+    """The direct kernels are the decode backend's (the native ones where this pairs them
+    with torch prompt chunks), but for the dense prefill kernel, the prompt chunks'."""
+
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
         self.prefill, self.decode = prefill, decode
         self.name = f"{prefill.name} prompt chunks, {decode.name} decode steps"
+        self.kernels = replace(decode.kernels, prefill=prefill.kernels.prefill)
 
     def plan(
         self,
@@ -68,9 +71,6 @@ class PrefillDecodeSplit(AttentionBackend):
             if part is not None:
                 backend.attend(layer, q, k_cache, v_cache, part, fresh, out)
 
-    def prefill_kernel(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
-        return self.prefill.prefill_kernel(dtype)
-
 
 class LongPromptSplit(AttentionBackend):
     """`primary` for a batch whose prompt chunks read at most `max_keys` keys each, else
@@ -80,6 +80,7 @@ class LongPromptSplit(AttentionBackend):
         self.primary, self.fallback, self.max_keys = primary, fallback, max_keys
         self.name = f"{primary.name}, prompt chunks over {max_keys} keys on {fallback.name}"
         self.norms = primary.norms
+        self.kernels = primary.kernels
         self.capturable = primary.capturable
 
     def for_batch(self, segments: list[Segment]) -> AttentionBackend:
@@ -106,9 +107,6 @@ class LongPromptSplit(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         raise TypeError(f"{self.name}: attention runs on the backend `for_batch` hands it to")
-
-    def prefill_kernel(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
-        return self.primary.prefill_kernel(dtype)
 
     def graph_buffers(self, pool_slots: int, rows: int, device: torch.device) -> GraphBuffers:
         """Decode steps never hold a prompt chunk: they are the primary's."""

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from pipeserve.backends.base import Kernel
 from pipeserve.backends.torch_backend import TorchBackend
 from pipeserve.backends.torch_ops import attention_with_lse
 from pipeserve.context_parallel.layout import PageStriping
@@ -91,7 +92,7 @@ class CpContext:
     kv_heads: int = 1
     head_dim: int = 1
     itemsize: int = 2
-    native_prefill: bool = False  # the compiled CPU prefill kernel runs here
+    prefill: Kernel | None = None  # the run backend's compiled dense kernel for the dtype
     overlap: bool = True  # the K/V exchange runs during the query projection (else: waited
     # for at once, for measuring what the overlap hides)
     latent: bool = False  # MLA: a token's cache row is small; every segment re-gathers
@@ -109,7 +110,7 @@ class CpContext:
             return self.prefix_mode == "merge"
         if decode:
             return True
-        if self.native_prefill:  # merging runs the torch kernels: 2x slower at 32K (see below)
+        if self.prefill is not None:  # merging runs the torch kernels: 2x slower at 32K (see below)
             return False
         return self.regather_bytes(prefix) > self.merge_bytes(length)
 
@@ -498,7 +499,7 @@ class CpPlan:
         kv.copy_(ordered.permute(1, 2, 0, 3))
         keys, values = kv[0], kv[1]  # [hk, positions, d]
         outs = [
-            _causal(attn, q[rows], keys, values, first, end, self.ctx.native_prefill)
+            _causal(attn, q[rows], keys, values, first, end, self.ctx.prefill)
             for first, end, rows in seg.query_blocks()
         ]
         return torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
@@ -778,14 +779,12 @@ def _causal(
     values: torch.Tensor,
     first: int,
     end: int,
-    native: bool,
+    kernel: Kernel | None,
 ) -> torch.Tensor:
-    """Queries of positions [first, end) over keys [0, end) of [kv_heads, positions, d]."""
-    if native:
-        from pipeserve.device import native_prefill_kernel
-
-        kernel = native_prefill_kernel(q.dtype)
-        assert kernel is not None
+    """Queries of positions [first, end) over keys [0, end) of [kv_heads, positions, d]: on
+    the run backend's compiled dense `kernel` where it has one, else the torch backend's
+    prompt-chunk attention."""
+    if kernel is not None:
         runs = torch.tensor([[0, end]], dtype=torch.long)
         return kernel(q, keys, values, runs, first, attn.scale)
     cached: list[KVPart] = [(keys[:, :first], values[:, :first])] if first else []

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeserve.backends.base import TORCH_LINEARS, LinearKernels
 from pipeserve.distributed.communication import tp_all_gather, tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
-from pipeserve.layers import batch_invariant
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:
@@ -48,10 +48,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states -> logits over the full vocabulary (gathered from the TP ranks)."""
+    """Hidden states -> logits over the full vocabulary (gathered from the TP ranks), the
+    product on `linears` (the run's, `use_linear_kernels`)."""
+
+    linears: LinearKernels = TORCH_LINEARS
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [tokens, hidden] -> [tokens, vocab]
-        out = batch_invariant.linear(hidden, self.weight)
+        out = self.linears.linear(hidden, self.weight)
         if self.tp_size > 1:
             out = tp_all_gather(out, dim=-1)
         return out[:, : self.vocab_size]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeserve.device import native_index_scores, native_index_topk
+from pipeserve.backends.base import TORCH_KERNELS, DirectKernels, Kernel
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.linear import ReplicatedLinear
 from pipeserve.layers.rotary import apply_rotary_part
@@ -88,11 +88,13 @@ class Indexer(nn.Module):
         cache: torch.Tensor,
         segments: list[LatentSegment],
         new_slots: torch.Tensor | None = None,
+        kernels: DirectKernels = TORCH_KERNELS,
     ) -> torch.Tensor:
         """x [tokens, hidden]; q_latent [tokens, q_lora_rank], MLA's q_a_layernorm output; cache
         [slots, index_head_dim] of this layer, written at each segment's new slots (at
         `new_slots`, every token's, in one op where given) -> [tokens, index_topk] long:
-        selected positions of each token's request, -1 for none."""
+        selected positions of each token's request, -1 for none. kernels: the run backend's
+        (its compiled selection where it has one)."""
         topk = self.config.topk
         self.write_keys(x, rope, cache, segments, new_slots)
         out = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
@@ -103,7 +105,7 @@ class Indexer(nn.Module):
                     q, w = self.queries(q_latent, rope), self.head_weights(x)
                 k = seg.read(cache)
                 out[seg.rows] = causal_top_positions(
-                    q[seg.rows], w[seg.rows], k, seg.prefix_len, self.scale, topk
+                    q[seg.rows], w[seg.rows], k, seg.prefix_len, self.scale, topk, kernels
                 )
             else:  # a request no longer than topk keeps every visible position: no scores
                 every = torch.arange(topk, device=x.device)[None]
@@ -136,15 +138,17 @@ class Indexer(nn.Module):
         cache: torch.Tensor,
         segments: list[LatentSegment],
         new_slots: torch.Tensor | None = None,
+        kernel: Kernel | None = None,
     ) -> list[torch.Tensor]:
         """Writes the segments' keys to the cache (as `forward`) -> per segment its index
         scores [q_len, prefix_len + q_len] float32, -inf at positions after the query's (what
-        `forward` selects from, formed here whole: for tests and tools)."""
+        `forward` selects from, formed here whole: for tests and tools; `kernel`: a compiled
+        scores kernel, as `causal_index_scores`)."""
         self.write_keys(x, rope, cache, segments, new_slots)
         q, w = self.queries(q_latent, rope), self.head_weights(x)
         return [
             causal_index_scores(
-                q[seg.rows], w[seg.rows], seg.read(cache), seg.prefix_len, self.scale
+                q[seg.rows], w[seg.rows], seg.read(cache), seg.prefix_len, self.scale, kernel
             )
             for seg in segments
         ]
@@ -165,15 +169,20 @@ class Indexer(nn.Module):
 
 
 def causal_index_scores(
-    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, prefix_len: int, scale: float
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    kernel: Kernel | None = None,
 ) -> torch.Tensor:
     """q [n, heads, d], w [n, heads], k [L, d] (key j at position j, query i at prefix_len + i)
     -> [n, L] float32: sum over heads of w * ReLU(q.k * scale), -inf at future keys. On a
-    CPU the compiled kernel (pipeserve/kernels/index_scores.cpp: the ReLU and the head sum
-    fused in registers, future key blocks skipped); elsewhere the per-head logits are formed
-    for a block of queries at a time, at most LOGIT_BLOCK_ELEMENTS of them, never all of
-    [heads, n, L]."""
-    if (kernel := native_index_scores(q.device)) is not None:
+    compiled `kernel` where given (the native backend's, pipeserve/kernels/index_scores.cpp:
+    the ReLU and the head sum fused in registers, future key blocks skipped); else the
+    per-head logits are formed for a block of queries at a time, at most
+    LOGIT_BLOCK_ELEMENTS of them, never all of [heads, n, L]."""
+    if kernel is not None:
         return kernel(q.float(), w.float(), k.float(), prefix_len, scale)
     n, heads = q.shape[:2]
     kt = k.float().t()
@@ -186,16 +195,23 @@ def causal_index_scores(
 
 
 def causal_top_positions(
-    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, prefix_len: int, scale: float, topk: int
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    topk: int,
+    kernels: DirectKernels = TORCH_KERNELS,
 ) -> torch.Tensor:
     """`top_positions` of `causal_index_scores`: q [n, heads, d], w [n, heads], k [L, d]
-    -> [n, topk] long, each query's chosen positions (-1 for none). On a CPU one compiled
-    kernel (index_scores.cpp: `index_topk`) scores a block of queries into its thread's
-    scratch rows and selects there, so no [n, L] tensor of scores exists; elsewhere the
-    scores are formed and selected as the two functions do."""
-    if (kernel := native_index_topk(q.device)) is not None:
+    -> [n, topk] long, each query's chosen positions (-1 for none). With the kernels' fused
+    selection (the native backend's, index_scores.cpp: `index_topk`) a block of queries is
+    scored into its thread's scratch rows and selected there, so no [n, L] tensor of scores
+    exists; else the scores are formed and selected as the two functions do."""
+    if (kernel := kernels.index_topk) is not None:
         return kernel(q.float(), w.float(), k.float(), prefix_len, scale, topk)
-    return top_positions(causal_index_scores(q, w, k, prefix_len, scale), topk)
+    scores = causal_index_scores(q, w, k, prefix_len, scale, kernels.index_scores)
+    return top_positions(scores, topk)
 
 
 def _head_sum(q: torch.Tensor, w: torch.Tensor, kt: torch.Tensor, scale: float) -> torch.Tensor:

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from pipeserve.backends.base import TORCH_LINEARS, LinearKernels
 from pipeserve.distributed.communication import tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pipeserve.distributed.partition import kv_heads_of_rank
-from pipeserve.layers import batch_invariant
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:
@@ -89,6 +89,14 @@ def dequantized(
     return param
 
 
+def use_linear_kernels(model: nn.Module, kernels: LinearKernels) -> None:
+    """Every linear layer of `model`, and its LM head, computes its products with `kernels`
+    (the run's, chosen with its attention backend)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "linears", None), LinearKernels):
+            cast(Any, module).linears = kernels
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by --tp-size {denominator}")
@@ -101,9 +109,11 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 class LinearBase(nn.Module):
     """y = x W^T + b with W of shape [out_local, in_local]. Subclasses say where a checkpoint
-    tensor's slice goes (`place`); the copy (raw fp8 and its scales, or values) is here."""
+    tensor's slice goes (`place`); the copy (raw fp8 and its scales, or values) is here.
+    The products run on `linears` (the run's, `use_linear_kernels`)."""
 
     scale_inv: torch.Tensor | None
+    linears: LinearKernels = TORCH_LINEARS
 
     def __init__(
         self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype, fp8: bool = True
@@ -169,14 +179,12 @@ class LinearBase(nn.Module):
         """x W[start:end]^T, no bias, no reduction."""
         w = self.weight if start == 0 and end is None else self.weight[start:end]
         if self.scale_inv is None:
-            return batch_invariant.linear(x, w)
-        from pipeserve.kernels.triton_fp8 import fp8_linear
-
-        return fp8_linear(x, w, self.scale_inv[start // BLOCK :], row_offset=start)
+            return self.linears.linear(x, w)
+        return self.linears.fp8_linear(x, w, self.scale_inv[start // BLOCK :], start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale_inv is None:
-            return batch_invariant.linear(x, self.weight, self.bias)
+            return self.linears.linear(x, self.weight, self.bias)
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
@@ -248,7 +256,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Output features [start, end) only (e.g. K and V before Q)."""
         bias = self.bias[start:end] if self.bias is not None else None
         if self.scale_inv is None:
-            return batch_invariant.linear(x, self.weight[start:end], bias)
+            return self.linears.linear(x, self.weight[start:end], bias)
         y = self.matmul(x, start, end)
         return y if bias is None else y + bias
 

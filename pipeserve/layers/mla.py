@@ -38,14 +38,9 @@ import torch
 from torch import nn
 
 from pipeserve import envs
-from pipeserve.backends.base import AttentionPlan
+from pipeserve.backends.base import TORCH_KERNELS, AttentionPlan, DirectKernels, Kernel
 from pipeserve.backends.torch_ops import attention_with_lse
-from pipeserve.device import (
-    native_prefill_kernel,
-    native_sparse_expanded_kernel,
-    native_sparse_kernel,
-    queues_on_streams,
-)
+from pipeserve.device import queues_on_streams
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention_parts import merge_partials
 from pipeserve.layers.indexer import Indexer, causal_top_positions
@@ -141,18 +136,19 @@ class MLAttention(nn.Module):
         segments: list[LatentSegment],
         mode: Mode = "auto",
         index_cache: torch.Tensor | None = None,
-        native: bool = False,
+        kernels: DirectKernels = TORCH_KERNELS,
         batched: AttentionPlan | None = None,
         new_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [tokens, hidden]; cache [slots, latent_width] of this layer (index_cache [slots,
         index_head_dim] with an indexer), written at each segment's new slots, then read at
-        all its slots -> [tokens, hidden], all-reduced. native: expanded prompt chunks may run
-        the compiled CPU prefill kernel (bfloat16 or float32). batched: a backend's plan of the
-        decode steps for its batched latent decode, one absorbed launch for all of them (with
-        an indexer, over each step's chosen rows). new_slots: every token's slot [tokens] (the
-        batch's write slots), written in one op instead of segment by segment (what a CUDA
-        graph's decode step, whose segments are not kept, relies on)."""
+        all its slots -> [tokens, hidden], all-reduced. kernels: the run backend's compiled
+        kernels (expanded prompt chunks on its dense prefill kernel, V3.2's selection and
+        sparse attention on its own; the torch ops where it has none). batched: a backend's
+        plan of the decode steps for its batched latent decode, one absorbed launch for all of
+        them (with an indexer, over each step's chosen rows). new_slots: every token's slot
+        [tokens] (the batch's write slots), written in one op instead of segment by segment
+        (what a CUDA graph's decode step, whose segments are not kept, relies on)."""
         with region("mla.query"):
             q_latent = self.query_latent(x)
             q = self.query(x, rope, q_latent)
@@ -162,7 +158,9 @@ class MLAttention(nn.Module):
         else:
             for seg in segments:
                 cache[seg.new_slots] = new[seg.rows]
-        positions = self.index_positions(x, q_latent, rope, index_cache, segments, new_slots)
+        positions = self.index_positions(
+            x, q_latent, rope, index_cache, segments, new_slots, kernels
+        )
         selected = self.selections(positions, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
         steps = None if batched is None else batched.backend.latent_rows(batched.meta)
@@ -171,14 +169,15 @@ class MLAttention(nn.Module):
             out[steps] = self.absorbed_batch(q[steps], cache, batched, chosen)
             kept = [i for i, seg in enumerate(segments) if seg.q_len != 1]
             segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
+        prefill = kernels.prefill(x.dtype)
         for seg, chosen in zip(segments, selected, strict=True):
             if chosen is not None:
-                out[seg.rows] = self.sparse(q[seg.rows], seg, cache, chosen, native)
-            elif self.absorbs(mode, seg, native):
-                out[seg.rows] = self.absorbed(q[seg.rows], seg, cache, native=native)
+                out[seg.rows] = self.sparse(q[seg.rows], seg, cache, chosen, kernels)
+            elif self.absorbs(mode, seg, prefill):
+                out[seg.rows] = self.absorbed(q[seg.rows], seg, cache)
             else:
                 kv = seg.read(cache)
-                out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, native)
+                out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, prefill)
         return self.o_proj(out.flatten(1))  # [tokens, heads * v_head_dim]
 
     def forward_context_parallel(
@@ -189,7 +188,7 @@ class MLAttention(nn.Module):
         layer_id: int,
         cache: torch.Tensor,
         index_cache: torch.Tensor | None,
-        native: bool = False,
+        kernels: DirectKernels = TORCH_KERNELS,
     ) -> torch.Tensor:
         """`forward` of this rank's tokens under context parallelism (x: its rows). The
         latent rows (and indexer keys) go first, so their exchange with the other CP ranks
@@ -225,6 +224,7 @@ class MLAttention(nn.Module):
         with region("cp.finish"):
             plan.finish(exchange, layer_id, write)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
+        prefill = kernels.prefill(x.dtype)
         for seg in plan.segments:
             rows_all = plan.segment_rows(seg, exchange)  # [prefix + length, width (+ index)]
             latents = rows_all[:, :width]
@@ -241,24 +241,25 @@ class MLAttention(nn.Module):
                         first,
                         self.indexer.scale,
                         self.indexer.config.topk,
+                        kernels,
                     )
                 if chosen is not None:
-                    out[rows] = self.sparse(q[rows], seg_view, latents, chosen, native)
-                elif self.absorbs("auto", seg_view, native):
-                    out[rows] = self.absorbed(q[rows], seg_view, latents, native=native)
+                    out[rows] = self.sparse(q[rows], seg_view, latents, chosen, kernels)
+                elif self.absorbs("auto", seg_view, prefill):
+                    out[rows] = self.absorbed(q[rows], seg_view, latents)
                 else:
                     if expanded is None:
-                        expanded = ExpandedKeys(*self.expand(latents), native)
+                        expanded = ExpandedKeys(*self.expand(latents), prefill)
                     out[rows] = expanded.attend(q[rows], first, end, self.scale)
         return self.o_proj(out.flatten(1))
 
-    def absorbs(self, mode: Mode, seg: LatentSegment, native: bool = False) -> bool:
+    def absorbs(self, mode: Mode, seg: LatentSegment, prefill: Kernel | None = None) -> bool:
         """Whether a segment without an indexer's choice attends in latent space: "auto" takes
-        the cheaper form (see `absorb_max_queries`), expanded on the compiled kernel being the
-        faster per FLOP."""
+        the cheaper form (see `absorb_max_queries`), expanded on a compiled dense `prefill`
+        kernel being the faster per FLOP."""
         if mode != "auto":
             return mode == "absorbed"
-        limit = self.absorb_max_queries // (NATIVE_EXPANDED_SPEEDUP if native else 1)
+        limit = self.absorb_max_queries // (NATIVE_EXPANDED_SPEEDUP if prefill else 1)
         return seg.prefix_len > 0 and seg.q_len <= limit
 
     def query_latent(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -297,6 +298,7 @@ class MLAttention(nn.Module):
         index_cache: torch.Tensor | None,
         segments: list[LatentSegment],
         new_slots: torch.Tensor | None = None,
+        kernels: DirectKernels = TORCH_KERNELS,
     ) -> torch.Tensor | None:
         """With an indexer, the positions [tokens, topk] each query may read (its choice, -1
         for none; writes the segments' index keys, at `new_slots` where given); None without
@@ -305,7 +307,7 @@ class MLAttention(nn.Module):
             return None
         if index_cache is None or q_latent is None:
             raise ValueError("an MLA layer with an indexer needs its index key cache")
-        return self.indexer(x, q_latent, rope, index_cache, segments, new_slots)
+        return self.indexer(x, q_latent, rope, index_cache, segments, new_slots, kernels)
 
     def selections(
         self, positions: torch.Tensor | None, segments: list[LatentSegment]
@@ -322,13 +324,14 @@ class MLAttention(nn.Module):
         q: torch.Tensor,
         kv: torch.Tensor,
         prefix_len: int,
-        native: bool = False,
+        prefill: Kernel | None = None,
     ) -> torch.Tensor:
         """q [n, heads, qk_head_dim]; kv [L, latent_width] cached rows of positions [0, L),
-        the queries at the last n of them -> [n, heads, v_head_dim]."""
+        the queries at the last n of them -> [n, heads, v_head_dim] (on a compiled dense
+        `prefill` kernel where given)."""
         k, v = self.expand(kv)
         with region("attention.kernel"):
-            return causal_attention(q, k, v, prefix_len, self.scale, native)
+            return causal_attention(q, k, v, prefix_len, self.scale, prefill)
 
     def up_project(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cached rows [L, latent_width] -> views k_nope [L, heads, qk_nope_head_dim] and v
@@ -355,31 +358,34 @@ class MLAttention(nn.Module):
         seg: LatentSegment,
         cache: torch.Tensor,
         chosen: torch.Tensor,
-        native: bool = False,
+        kernels: DirectKernels = TORCH_KERNELS,
         keys_read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """V3.2: the segment's queries over the positions their indexer chose, `chosen` [n,
         topk] (-1 for none), and no others, in the cheaper form (`sparse_expands`): on the
-        up-projected keys of the request, or in latent space on its cache rows (`absorbed`).
-        keys_read counts the (query, position) pairs read. q [n, heads, qk_head_dim] -> [n,
-        heads, v_head_dim]."""
-        if self.sparse_expands(seg.q_len, seg.length, native, q.dtype):
-            return self.sparse_expanded(q, seg.read(cache), chosen, keys_read)
-        return self.absorbed(q, seg, cache, chosen, native, keys_read)
+        up-projected keys of the request, or in latent space on its cache rows (`absorbed`),
+        on the `kernels` where they have them. keys_read counts the (query, position) pairs
+        read. q [n, heads, qk_head_dim] -> [n, heads, v_head_dim]."""
+        if self.sparse_expands(seg.q_len, seg.length, kernels, q.dtype):
+            return self.sparse_expanded(q, seg.read(cache), chosen, kernels, keys_read)
+        return self.absorbed(q, seg, cache, chosen, kernels, keys_read)
 
-    def sparse_expands(self, q_len: int, length: int, native: bool, dtype: torch.dtype) -> bool:
+    def sparse_expands(
+        self, q_len: int, length: int, kernels: DirectKernels, dtype: torch.dtype
+    ) -> bool:
         """Whether `q_len` queries of a request of `length` positions attend to their chosen
-        positions on up-projected keys: on the compiled CPU kernels, when up-projecting every
+        positions on up-projected keys: on a compiled kernel (`kernels.sparse_expanded`, the
+        native backend's), when up-projecting every
         position (once per segment) and then (qk_head_dim + v_head_dim) multiply-adds per
         chosen pair and head cost less than 2 * kv_lora_rank + qk_rope_head_dim per pair in
         latent space, each form's multiply-adds weighed by its speed (SPARSE_EXPANDED_MAC,
         UP_PROJECTION_MAC). Long prompt chunks of a model with few heads expand; decode steps
         and short chunks, and wide latents as DeepSeek-V3.2's own, stay latent.
         PIPESERVE_SPARSE_ATTENTION_FORM=latent|expanded overrides the rule."""
-        if not native or dtype not in (torch.float32, torch.bfloat16) or self.indexer is None:
+        if dtype not in (torch.float32, torch.bfloat16) or self.indexer is None:
             return False
         form = envs.sparse_attention_form()
-        if form == "latent" or native_sparse_expanded_kernel() is None:
+        if form == "latent" or kernels.sparse_expanded is None:
             return False
         if form == "expanded":
             return True
@@ -394,14 +400,15 @@ class MLAttention(nn.Module):
         q: torch.Tensor,
         kv: torch.Tensor,
         chosen: torch.Tensor,
+        kernels: DirectKernels,
         keys_read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`sparse` on up-projected keys: kv [L, latent_width] cached rows of positions [0, L),
         all up-projected (no per-head copy of k_rope: the kernel reads the shared one from the
         rows), then each query's heads over its chosen positions only
-        (pipeserve/kernels/sparse_expanded.cpp)."""
-        kernel = native_sparse_expanded_kernel()
-        assert kernel is not None, "sparse_expands chose a kernel that is not built"
+        (`kernels.sparse_expanded`, pipeserve/kernels/sparse_expanded.cpp)."""
+        kernel = kernels.sparse_expanded
+        assert kernel is not None, "sparse_expands chose a kernel the backend does not have"
         k_nope, v, k_rope = self.up_project(kv)
         counter = torch.zeros(1, dtype=torch.long) if keys_read is None else keys_read
         with region("attention.kernel"):
@@ -413,13 +420,13 @@ class MLAttention(nn.Module):
         seg: LatentSegment,
         cache: torch.Tensor,
         chosen: torch.Tensor | None = None,
-        native: bool = False,
+        kernels: DirectKernels = TORCH_KERNELS,
         keys_read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As `expanded`, attending in latent space: only cache rows are read, and with an
         indexer's choice `chosen` [n, topk] (positions, -1 for none) only the chosen rows, in
-        place (`sparse_latent_attention`; keys_read counts them). q [n, heads, qk_head_dim]
-        -> [n, heads, v_head_dim]."""
+        place (`sparse_latent_attention`, on `kernels.sparse_latent` where it is there;
+        keys_read counts them). q [n, heads, qk_head_dim] -> [n, heads, v_head_dim]."""
         q_cat = self.latent_query(q)
         # one key head shared by all heads; its value is the whole row, of which the latent
         # part is kept (no copy of the cache to cut the rope part off first)
@@ -428,7 +435,7 @@ class MLAttention(nn.Module):
             rank = self.mla.kv_lora_rank
             with region("attention.kernel"):
                 o = sparse_latent_attention(
-                    q_cat, cache, slots, rank, self.scale, native, keys_read
+                    q_cat, cache, slots, rank, self.scale, kernels.sparse_latent, keys_read
                 )
             return self.values_out(o)
         if seg.q_len == 1:
@@ -481,13 +488,14 @@ class MLAttention(nn.Module):
 class ExpandedKeys:
     """A request's up-projected keys and values [L, heads, d] over all its positions, for
     several blocks of its queries (context parallelism: a rank's zig-zag blocks): expanded
-    once, and for the compiled kernel padded and laid out head-major once."""
+    once, and for a compiled dense `prefill` kernel padded and laid out head-major once."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, native: bool) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, prefill: Kernel | None) -> None:
         self.k, self.v = k, v
         self.dv = v.shape[-1]
+        self.prefill = prefill
         self.pools: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        if native and native_prefill_kernel(k.dtype) is not None:
+        if prefill is not None:
             width = -(-max(k.shape[-1], self.dv) // 16) * 16  # the kernel's multiple of 16
             with region("mla.key_pools"):
                 k_pool, v_pool = (_pad(t, width).transpose(0, 1).contiguous() for t in (k, v))
@@ -505,7 +513,7 @@ class ExpandedKeys:
             if self.pools is None:
                 return causal_attention(q, self.k[:end], self.v[:end], first, scale)
             k_pool, v_pool, width = self.pools
-            kernel = native_prefill_kernel(q.dtype)
+            kernel = self.prefill
             assert kernel is not None
             runs = torch.tensor([[0, end]], dtype=torch.long)  # the kernel is CPU-only
             out = kernel(_pad(q, width).contiguous(), k_pool, v_pool, runs, first, scale)
@@ -533,21 +541,21 @@ def causal_attention(
     v: torch.Tensor,
     prefix_len: int,
     scale: float,
-    native: bool = False,
+    prefill: Kernel | None = None,
 ) -> torch.Tensor:
     """q [n, h, d]; k [L, hk, d], v [L, hk, dv] with hk = h or 1 (one head shared by all);
     key j is position j, query i position prefix_len + i, reading keys 0 .. prefix_len + i
-    -> [n, h, dv]. Runs a fused softmax-attention kernel: with `native`, per-head keys and a
-    dtype it takes, pipeserve's compiled prefill kernel (pipeserve/kernels), else
+    -> [n, h, dv]. Runs a fused softmax-attention kernel: with per-head keys, the compiled
+    dense `prefill` kernel where given (the native backend's, for q's dtype), else
     `attention_with_lse`. Both want one head width: the narrower of q/k and v is zero-padded,
     which changes no score and no output column."""
     n, h, d = q.shape
     dv = v.shape[-1]
-    native = native and k.shape[1] == h and native_prefill_kernel(q.dtype) is not None
-    width = -(-max(d, dv) // 16) * 16 if native else max(d, dv)  # the kernel's multiple of 16
+    kernel = prefill if k.shape[1] == h else None
+    width = -(-max(d, dv) // 16) * 16 if kernel else max(d, dv)  # the kernel's multiple of 16
     q, k, v = _pad(q, width), _pad(k, width), _pad(v, width)
-    if native:
-        out = _native_prefill(q, k, v, prefix_len, scale)
+    if kernel is not None:
+        out = _native_prefill(kernel, q, k, v, prefix_len, scale)
     elif k.shape[1] == 1:
         out = _shared_key_head(q, k, v, prefix_len, scale)
     else:
@@ -561,18 +569,18 @@ def sparse_latent_attention(
     slots: torch.Tensor,
     rank: int,
     scale: float,
-    native: bool = False,
+    kernel: Kernel | None = None,
     keys_read: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V3.2's sparse attention in latent space: each query's heads over its own
     chosen rows only. q [n, h, W] (absorbed queries); rows [N, W] (the latent cache, or a
     view whose rows are contiguous: keys are whole rows, values their first `rank` values);
     slots [n, topk] (the rows each query reads, -1 for none) -> [n, h, rank]. The work is
-    O(n * topk) whatever the context is, and no [n, L] mask exists: on CPU with `native`, the
-    compiled kernel reads the rows in place (pipeserve/kernels/sparse_attention.cpp); elsewhere
-    the chosen rows are gathered for a block of queries at a time (SPARSE_GATHER_BYTES).
-    keys_read: an int64 counter [1] the (query, row) pairs read are added to."""
-    kernel = native_sparse_kernel(q.device) if native else None
+    O(n * topk) whatever the context is, and no [n, L] mask exists: a compiled `kernel` where
+    given (the native backend's, pipeserve/kernels/sparse_attention.cpp) reads the rows in
+    place; else the chosen rows are gathered for a block of queries at a time
+    (SPARSE_GATHER_BYTES). keys_read: an int64 counter [1] the (query, row) pairs read are
+    added to."""
     if kernel is not None and q.dtype in (torch.float32, torch.bfloat16) and rows.dtype == q.dtype:
         counter = torch.zeros(1, dtype=torch.long) if keys_read is None else keys_read
         return kernel(q, rows, slots, rank, scale, counter)
@@ -644,12 +652,15 @@ def _prefix_then_chunk(
 
 
 def _native_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+    kernel: Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    scale: float,
 ) -> torch.Tensor:
-    """The paged prefill kernel over the freshly expanded keys and values, laid out as a
+    """A paged prefill kernel over the freshly expanded keys and values, laid out as a
     one-run pool [h, L, d]."""
-    kernel = native_prefill_kernel(q.dtype)
-    assert kernel is not None
     k_pool, v_pool = (t.transpose(0, 1).contiguous() for t in (k, v))
     runs = torch.tensor([[0, k.shape[0]]], dtype=torch.long)  # the kernel is CPU-only
     return kernel(q.contiguous(), k_pool, v_pool, runs, prefix_len, scale)

@@ -51,10 +51,10 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
         pool = fb.kv_pool
         index = pool.index_keys(self.layer_id) if self.self_attn.indexer is not None else None
         cache = pool.latent(self.layer_id)
-        native = fb.attn.backend.prefill_kernel(x.dtype) is not None  # a compiled dense kernel
+        kernels = fb.attn.backend.kernels  # its compiled kernels MLA and the indexer call
         if fb.cp is not None:
             return self.self_attn.forward_context_parallel(
-                x, rope, fb.cp, self.layer_id, cache, index, native
+                x, rope, fb.cp, self.layer_id, cache, index, kernels
             )
         return self.self_attn(
             x,
@@ -62,7 +62,7 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
             cache,
             fb.latent_segments,
             index_cache=index,
-            native=native,
+            kernels=kernels,
             batched=fb.attn if fb.attn.meta is not None else None,  # a batched latent decode
             new_slots=fb.out_slots,
         )

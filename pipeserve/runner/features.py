@@ -48,7 +48,7 @@ def context_parallel(
         arch.num_kv_heads,
         arch.head_dim,
         dtype.itemsize,
-        native_prefill=backend.prefill_kernel(dtype) is not None,
+        prefill=backend.kernels.prefill(dtype),
         overlap=not p.disable_cp_kv_overlap,
         latent=arch.mla is not None,
         ring=p.cp_kv_exchange == "ring" and arch.mla is None,

@@ -21,7 +21,7 @@ from pipeserve.disaggregation.afd.micro_batches import split_micro_batches
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers import batch_invariant
-from pipeserve.layers.linear import fp8_kept, keeping_fp8_weights
+from pipeserve.layers.linear import fp8_kept, keeping_fp8_weights, use_linear_kernels
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler, output_logprobs, prompt_logprobs
 from pipeserve.model_loader import load_weights
@@ -98,6 +98,7 @@ class ModelRunner:
         """The run's attention backend, and batch-invariant products in its forwards where
         deterministic inference is asked for."""
         self.backend = backend
+        use_linear_kernels(self.model, backend.linears)
         self.deterministic = self.config.model.enable_deterministic_inference
         log.info("attention backend: %s", backend.name)
         if self.deterministic:

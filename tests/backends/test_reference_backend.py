@@ -1,12 +1,14 @@
 """The attention-backend interface is the only contact between the engine and a backend: a
 backend written here from the math (float64 softmax attention over each request's cached
 keys, no pipeserve kernel), registered by name in this file, serves the engine end to end
-with the torch backend's tokens and logprobs; and, declaring itself capturable with its own
+with the torch backend's tokens and logprobs, its own linear products (float64, from the
+math) serving every linear layer and the LM head; and, declaring itself capturable with its own
 persistent buffers, its decode steps run over DecodeGraphs' buffers (eagerly: a CPU captures
 nothing) with the same outputs as without graphs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +17,9 @@ import torch
 
 from pipeserve import config as config_mod
 from pipeserve.backends import registry
-from pipeserve.backends.base import AttentionBackend, Segment
+from pipeserve.backends.base import AttentionBackend, LinearKernels, Segment
+from pipeserve.layers.embedding import ParallelLMHead
+from pipeserve.layers.linear import LinearBase
 from pipeserve.mem_cache.kv_pool import PAD_SLOT
 from pipeserve.scheduler.batch import runs_prefix
 
@@ -56,12 +60,27 @@ def softmax_attention(
     return (probs @ v.double()).to(q.dtype)
 
 
+class ReferenceLinears(LinearKernels):
+    """y = x W^T + b in float64, cast back; records the weight shapes it served."""
+
+    def __init__(self) -> None:
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self.shapes.add(tuple(weight.shape))
+        y = x.double() @ weight.double().T
+        return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
 class ReferenceBackend(AttentionBackend):
     name = "reference"
     capturable = True
 
     def __init__(self) -> None:
         self.chunks_run = self.steps_run = 0
+        self.linears = ReferenceLinears()
 
     def plan(
         self,
@@ -160,11 +179,15 @@ PARAMS = [{"max_new_tokens": n, "temperature": 0} for n in (6, 3)]
 FLAGS = {"dtype": "float32", "chunked_prefill_size": 16, "max_total_tokens": 512}
 
 
-def generate(model: str, backend: str, **flags: Any) -> list[dict]:
+def generate(
+    model: str, backend: str, inspect: Callable[[Any], None] | None = None, **flags: Any
+) -> list[dict]:
     from pipeserve import Engine
 
     with Engine(model, attention_backend=backend, **FLAGS, **flags) as engine:
         assert engine.backend.runner.backend.name == backend
+        if inspect is not None:
+            inspect(engine.backend.runner.model)
         out = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS, return_logprob=True)
     assert isinstance(out, list)
     return out
@@ -180,8 +203,15 @@ def same_outputs(gots: list[dict], wants: list[dict], atol: float) -> None:
 
 def test_a_backend_registered_here_serves_the_engine(model_dir, reference) -> None:
     model = str(model_dir("tiny-qwen3", num_hidden_layers=2))
-    got = generate(model, "reference")
+    weights: set[tuple[int, ...]] = set()
+
+    def linear_weights(model: torch.nn.Module) -> None:
+        kinds = (LinearBase, ParallelLMHead)
+        weights.update(tuple(m.weight.shape) for m in model.modules() if isinstance(m, kinds))
+
+    got = generate(model, "reference", linear_weights)
     assert reference.chunks_run > 0 and reference.steps_run > 0  # it served both kinds
+    assert len(weights) >= 4 and reference.linears.shapes == weights  # every product
     same_outputs(got, generate(model, "torch"), atol=1e-4)
 
 

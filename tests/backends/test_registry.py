@@ -86,8 +86,8 @@ def test_cpu_torch_is_the_blockwise_and_fused_cpu_kernels(native_kernels: dict) 
     torch_cpu = select_backend("torch", CPU, BF16, 64)
     assert type(torch_cpu) is TorchBackend
     assert torch_cpu.blockwise and torch_cpu.dense is attention_with_lse
-    assert torch_cpu.prefill_kernel(BF16) is None
-    assert select_backend("native", CPU, BF16, 64).prefill_kernel(BF16) is not None
+    assert torch_cpu.kernels.prefill(BF16) is None
+    assert select_backend("native", CPU, BF16, 64).kernels.prefill(BF16) is not None
 
 
 def test_cuda_auto_takes_triton_with_long_prompts_on_the_library(native_kernels: dict) -> None:

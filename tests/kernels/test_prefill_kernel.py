@@ -213,7 +213,7 @@ def test_engine_in_bfloat16_is_as_close_to_float32_as_the_torch_kernels(model_di
         flags = {"dtype": dtype, "chunked_prefill_size": 64, "max_total_tokens": 4096}
         with Engine(str(path), attention_backend=backend, **flags) as engine:
             runner = engine.backend.runner
-            native = runner.backend.prefill_kernel(runner.dtype) is not None
+            native = runner.backend.kernels.prefill(runner.dtype) is not None
             assert native == (backend == "auto" and dtype == "bfloat16")
             out = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
         logprobs[backend, dtype] = torch.tensor([lp for o in out for lp in o["prompt_logprobs"]])
@@ -243,7 +243,7 @@ def test_engine_in_float32_matches_the_torch_kernels(model_dir) -> None:
         flags = {"dtype": "float32", "chunked_prefill_size": 64, "max_total_tokens": 4096}
         with Engine(str(path), attention_backend=backend, **flags) as engine:
             runner = engine.backend.runner
-            assert (runner.backend.prefill_kernel(runner.dtype) is not None) == (backend == "auto")
+            assert (runner.backend.kernels.prefill(runner.dtype) is not None) == (backend == "auto")
             runs[backend] = engine.generate(
                 input_ids=prompts, sampling_params=sp, return_logprob=True
             )

@@ -10,6 +10,8 @@ import pytest
 import torch
 from selection_oracle import masked_attention, selection_mask
 
+from pipeserve.backends.base import TORCH_KERNELS
+from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.device import native_sparse_expanded_kernel
 from pipeserve.layers.mla import MLAttention
 from pipeserve.models.arch import IndexerConfig, MLAConfig
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 # odd sizes: widths with tails past the kernel's 8 lanes, runs that are not whole tiles, a
 # request long enough for several blocks of 64 positions and spans of positions
 N, H, DK, DR, DV, L, TOPK = 45, 3, 13, 5, 11, 700, 90
+NATIVE = NativeBackend().kernels  # the native backend's compiled kernels
 
 
 def problem(dtype: torch.dtype, seed: int = 0):
@@ -136,25 +139,25 @@ def test_long_chunks_of_narrow_latents_expand_decode_steps_stay_latent() -> None
     every position would cost more than it saves); nothing expands off the compiled kernels
     or their dtypes."""
     narrow = layer(256, 8)
-    assert narrow.sparse_expands(2048, 16384, True, torch.float32)
-    assert narrow.sparse_expands(2048, 16384, True, torch.bfloat16)
-    assert not narrow.sparse_expands(1, 16384, True, torch.float32)
-    assert not narrow.sparse_expands(2048, 16384, False, torch.float32)
-    assert not narrow.sparse_expands(2048, 16384, True, torch.float16)
+    assert narrow.sparse_expands(2048, 16384, NATIVE, torch.float32)
+    assert narrow.sparse_expands(2048, 16384, NATIVE, torch.bfloat16)
+    assert not narrow.sparse_expands(1, 16384, NATIVE, torch.float32)
+    assert not narrow.sparse_expands(2048, 16384, TORCH_KERNELS, torch.float32)
+    assert not narrow.sparse_expands(2048, 16384, NATIVE, torch.float16)
     v3 = layer(512, 8, nope=128, rope=64)
-    assert not v3.sparse_expands(512, 131072, True, torch.float32)
+    assert not v3.sparse_expands(512, 131072, NATIVE, torch.float32)
 
 
 def test_the_form_can_be_forced_and_a_wrong_one_is_refused(monkeypatch: pytest.MonkeyPatch):
     narrow = layer(256, 8)
     monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", "latent")
-    assert not narrow.sparse_expands(2048, 16384, True, torch.float32)
+    assert not narrow.sparse_expands(2048, 16384, NATIVE, torch.float32)
     monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", "expanded")
-    assert narrow.sparse_expands(1, 16384, True, torch.float32)
-    assert not narrow.sparse_expands(1, 16384, False, torch.float32)  # no kernel: latent
+    assert narrow.sparse_expands(1, 16384, NATIVE, torch.float32)
+    assert not narrow.sparse_expands(1, 16384, TORCH_KERNELS, torch.float32)  # no kernel: latent
     monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", "dense")
     with pytest.raises(ValueError, match="expected auto, latent or expanded"):
-        narrow.sparse_expands(2048, 16384, True, torch.float32)
+        narrow.sparse_expands(2048, 16384, NATIVE, torch.float32)
 
 
 def test_the_layer_computes_the_same_in_both_forms(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,8 +180,8 @@ def test_the_layer_computes_the_same_in_both_forms(monkeypatch: pytest.MonkeyPat
     forms = {}
     for name in ("expanded", "latent"):
         monkeypatch.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", name)
-        assert lay.sparse_expands(n, length, True, torch.float32) == (name == "expanded")
+        assert lay.sparse_expands(n, length, NATIVE, torch.float32) == (name == "expanded")
         read = torch.zeros(1, dtype=torch.long)
-        forms[name] = lay.sparse(q, seg, cache, chosen, True, read)
+        forms[name] = lay.sparse(q, seg, cache, chosen, NATIVE, read)
         assert read.item() == n * 100
     torch.testing.assert_close(forms["expanded"], forms["latent"], atol=1e-5, rtol=1e-5)

@@ -15,7 +15,8 @@ from pipeserve.layers import mla as mla_mod
 from pipeserve.layers.indexer import top_positions
 from pipeserve.layers.mla import sparse_latent_attention
 
-needs_kernel = pytest.mark.skipif(native_sparse_kernel() is None, reason="no native kernels here")
+KERNEL = native_sparse_kernel()  # what the native backend's `kernels.sparse_latent` holds
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no native kernels here")
 # odd sizes: heads not a multiple of the kernel's tile of 4, widths with tails past its 8 lanes
 N, H, W, RANK, ROWS, TOPK = 37, 7, 45, 37, 300, 64
 
@@ -49,7 +50,7 @@ def test_attends_to_the_chosen_rows_only(
         monkeypatch.setattr(mla_mod, "SPARSE_GATHER_BYTES", 9 * TOPK * W * q.element_size())
         slots[5, 0] = 0  # torch's softmax of nothing is not zeros; the kernel's is
     read = torch.zeros(1, dtype=torch.long)
-    out = sparse_latent_attention(q, rows, slots, RANK, 0.17, native, read)
+    out = sparse_latent_attention(q, rows, slots, RANK, 0.17, KERNEL if native else None, read)
     expected = oracle(q, rows, slots, 0.17)
     assert out.dtype == dtype and out.shape == (N, H, RANK)
     if dtype == torch.float32:
@@ -68,8 +69,8 @@ def test_kernel_reads_strided_rows_in_place() -> None:
     q, rows, slots = problem(torch.float32, seed=3)
     wide = torch.cat([rows, torch.randn(ROWS, 11)], dim=1)
     shuffled = slots[:, torch.randperm(TOPK, generator=torch.Generator().manual_seed(1))]
-    compact = sparse_latent_attention(q, rows, slots, RANK, 0.2, native=True)
-    strided = sparse_latent_attention(q, wide[:, :W], shuffled, RANK, 0.2, native=True)
+    compact = sparse_latent_attention(q, rows, slots, RANK, 0.2, KERNEL)
+    strided = sparse_latent_attention(q, wide[:, :W], shuffled, RANK, 0.2, KERNEL)
     torch.testing.assert_close(strided, compact, atol=2e-6, rtol=0)
 
 
@@ -85,7 +86,7 @@ def test_rows_read_per_query_are_min_of_visible_and_topk(native: bool) -> None:
     chosen = top_positions(scores.masked_fill(~visible, float("-inf")), topk)
     q, rows = torch.randn(n, H, W, generator=gen), torch.randn(length, W, generator=gen)
     read = torch.zeros(1, dtype=torch.long)
-    out = sparse_latent_attention(q, rows, chosen, RANK, 0.2, native, read)
+    out = sparse_latent_attention(q, rows, chosen, RANK, 0.2, KERNEL if native else None, read)
     want = (prefix + torch.arange(n) + 1).clamp(max=topk)
     assert torch.equal((chosen >= 0).sum(-1), want)
     assert read.item() == int(want.sum())
@@ -97,7 +98,7 @@ def test_a_slot_outside_the_rows_is_refused() -> None:
     q, rows, slots = problem(torch.float32)
     slots[9, 4] = ROWS
     with pytest.raises(RuntimeError, match="outside the cache"):
-        sparse_latent_attention(q, rows, slots, RANK, 0.2, native=True)
+        sparse_latent_attention(q, rows, slots, RANK, 0.2, KERNEL)
 
 
 @needs_kernel
@@ -111,7 +112,7 @@ def test_few_queries_split_their_heads_over_threads(n: int) -> None:
     with_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        out = sparse_latent_attention(q, rows, slots, RANK, 0.2, True, read)
+        out = sparse_latent_attention(q, rows, slots, RANK, 0.2, KERNEL, read)
     finally:
         torch.set_num_threads(with_threads)
     torch.testing.assert_close(out.double(), oracle(q, rows, slots, 0.2), atol=2e-6, rtol=0)
@@ -122,5 +123,7 @@ def test_few_queries_split_their_heads_over_threads(n: int) -> None:
 def test_no_queries_give_an_empty_answer(native: bool) -> None:
     q, rows, slots = problem(torch.float32)
     read = torch.zeros(1, dtype=torch.long)
-    out = sparse_latent_attention(q[:0], rows, slots[:0], RANK, 0.2, native, read)
+    out = sparse_latent_attention(
+        q[:0], rows, slots[:0], RANK, 0.2, KERNEL if native else None, read
+    )
     assert out.shape == (0, H, RANK) and read.item() == 0

@@ -15,6 +15,7 @@ from selection_oracle import selection_mask
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
+from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.device import native_index_scores, native_index_topk
 from pipeserve.layers import indexer as indexer_mod
 from pipeserve.layers.indexer import Indexer, top_positions
@@ -243,7 +244,7 @@ def test_tie_break_earlier_position_wins() -> None:
     ],
 )
 def test_the_native_kernel_gives_the_torch_path_s_scores(
-    n: int, prefix: int, heads: int, dim: int, monkeypatch: pytest.MonkeyPatch
+    n: int, prefix: int, heads: int, dim: int
 ) -> None:
     """The compiled kernel (ReLU and head sum fused, future blocks skipped) against the
     blocked torch ops: the same finite scores within float32 rounding, -inf at exactly the
@@ -251,16 +252,14 @@ def test_the_native_kernel_gives_the_torch_path_s_scores(
     tiles of 1 to 5 rows), keys not of its 16-key blocks. bfloat16 inputs are widened
     first."""
     q, w, k = rand(n, heads, dim, seed=1), rand(n, heads, seed=2), rand(prefix + n, dim, seed=3)
-    got = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2)
-    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda *a: None)
+    kernel = NativeBackend().kernels.index_scores
+    got = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2, kernel)
     want = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.isinf(want).sum() == n * (n - 1) // 2
     torch.testing.assert_close(got, want, atol=1e-5 * dim, rtol=1e-5)
     half = [t.to(torch.bfloat16) for t in (q, k)]
-    monkeypatch.undo()
-    got16 = indexer_mod.causal_index_scores(half[0], w, half[1], prefix, 0.2)
-    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda *a: None)
+    got16 = indexer_mod.causal_index_scores(half[0], w, half[1], prefix, 0.2, kernel)
     want16 = indexer_mod.causal_index_scores(half[0], w, half[1], prefix, 0.2)
     torch.testing.assert_close(got16, want16, atol=1e-5 * dim, rtol=1e-5)
 
@@ -322,8 +321,9 @@ def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
     if ties:
         q, k = (q * 2).round(), (k * 2).round()
         w = w.round()  # -1, 0 or 1 mostly: zero-weight heads and -0.0 sums
-    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 0.25, topk)
-    scores = indexer_mod.causal_index_scores(q, w, k, prefix, 0.25)
+    native = NativeBackend().kernels
+    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 0.25, topk, native)
+    scores = indexer_mod.causal_index_scores(q, w, k, prefix, 0.25, native.index_scores)
     assert torch.equal(canonical(picked), reference_positions(scores, topk))
     if ties and topk >= 50 and prefix + n > topk:  # the boundary fell among equal scores
         kth = scores.sort(dim=-1, descending=True).values[:, topk - 1 : topk + 1]
@@ -345,8 +345,9 @@ def test_the_selection_holds_on_every_spread_of_scores(spread: str) -> None:
         k[::9] = float("inf")
     elif spread == "one-value":
         k = torch.full((prefix + n, 1), 0.5)
-    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 1.0, topk)
-    scores = indexer_mod.causal_index_scores(q, w, k, prefix, 1.0)
+    native = NativeBackend().kernels
+    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 1.0, topk, native)
+    scores = indexer_mod.causal_index_scores(q, w, k, prefix, 1.0, native.index_scores)
     assert torch.equal(canonical(picked), reference_positions(scores, topk))
 
 
@@ -359,7 +360,7 @@ def test_nan_scores_still_give_topk_distinct_visible_positions() -> None:
     q, w, k = rand(n, 4, 16, seed=10), rand(n, 4, seed=11), rand(prefix + n, 16, seed=12)
     w[::3, 0] = float("nan")  # every third row: all NaN
     w[1::3, 1] = float("inf")  # every third row: inf x 0 where a head's ReLU is 0
-    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 0.25, topk)
+    picked = indexer_mod.causal_top_positions(q, w, k, prefix, 0.25, topk, NativeBackend().kernels)
     for i, row in enumerate(picked.tolist()):
         kept = [p for p in row if p >= 0]
         visible = prefix + i + 1
@@ -367,12 +368,11 @@ def test_nan_scores_still_give_topk_distinct_visible_positions() -> None:
         assert all(0 <= p < visible for p in kept)
 
 
-def test_without_the_kernel_the_selection_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
+def test_without_the_kernel_the_selection_is_the_same() -> None:
     q, w, k = rand(40, 4, 16, seed=7), rand(40, 4, seed=8), rand(240, 16, seed=9)
     q, k, w = (q * 2).round(), (k * 2).round(), w.round()
-    got = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64)
-    monkeypatch.setattr(indexer_mod, "native_index_topk", lambda *a: None)
-    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda *a: None)
+    got = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64, NativeBackend().kernels)
     want = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64)
     assert torch.equal(canonical(got), canonical(want))
 
@@ -442,8 +442,7 @@ def test_index_scores_in_query_blocks_equal_one_block(
 ) -> None:
     """Under a small logit budget the per-head logits are formed a few queries at a time
     (never [heads, queries, keys] at once, as on a GPU at long contexts): the same scores.
-    (The torch path, which a CPU takes where the native kernel does not build.)"""
-    monkeypatch.setattr(indexer_mod, "native_index_scores", lambda *a: None)
+    (The torch path, which the layer takes without a backend's compiled kernels.)"""
     layer, (x, q_latent) = setup.layer(), inputs()
     (whole,), picked, _ = run_chunks(layer, setup, x, q_latent, [PROMPT])
     rows: list[int] = []

@@ -12,6 +12,8 @@ from selection_oracle import masked_attention, selection_mask
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
+from pipeserve.backends.base import TORCH_KERNELS, DirectKernels
+from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.backends.torch_ops import chunked_attention_with_lse
 from pipeserve.device import native_prefill_kernel
 from pipeserve.distributed import parallel_state
@@ -153,7 +155,7 @@ def run_chunks(
     chunks: list[int],
     cache: torch.Tensor,
     mode: Mode = "auto",
-    native: bool = False,
+    kernels: DirectKernels = TORCH_KERNELS,
 ) -> torch.Tensor:
     """One request's prompt fed in chunks of the given sizes, each over the cached prefix."""
     outs, start = [], 0
@@ -161,7 +163,7 @@ def run_chunks(
         seg = LatentSegment(0, n, slots[: start + n])
         rope = setup.rope(torch.arange(start, start + n), x.dtype)
         with torch.no_grad():
-            outs.append(layer(x[start : start + n], rope, cache, [seg], mode, native=native))
+            outs.append(layer(x[start : start + n], rope, cache, [seg], mode, kernels=kernels))
         start += n
     return torch.cat(outs)
 
@@ -290,8 +292,12 @@ def test_auto_mode_takes_the_cheaper_form() -> None:
     assert not layer.absorbs("auto", LatentSegment(0, 86, slots))
     assert not layer.absorbs("auto", LatentSegment(0, 200, slots))  # no prefix
     assert layer.absorbs("absorbed", LatentSegment(0, 200, slots))
-    assert layer.absorbs("auto", LatentSegment(0, 42, slots), native=True)  # 85 // 2
-    assert not layer.absorbs("auto", LatentSegment(0, 43, slots), native=True)
+
+    def compiled(*args: object) -> torch.Tensor:  # a compiled dense kernel (never called)
+        raise AssertionError("absorbs only asks whether expanded chunks have one")
+
+    assert layer.absorbs("auto", LatentSegment(0, 42, slots), compiled)  # 85 // 2
+    assert not layer.absorbs("auto", LatentSegment(0, 43, slots), compiled)
     assert not layer.absorbs("expanded", LatentSegment(0, 1, slots))
 
 
@@ -306,8 +312,16 @@ def test_native_prefill_kernel_matches_transformers(setup: Setup, dtype, atol) -
     kernel = mla_mod._native_prefill
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mla_mod, "_native_prefill", lambda *a: calls.append(1) or kernel(*a))
-        got = run_chunks(setup.layer(dtype), setup, x.to(dtype), slots, [30, 10],
-                         new_cache(dtype), "expanded", native=True)
+        got = run_chunks(
+            setup.layer(dtype),
+            setup,
+            x.to(dtype),
+            slots,
+            [30, 10],
+            new_cache(dtype),
+            "expanded",
+            NativeBackend().kernels,
+        )
     assert len(calls) == 2
     torch.testing.assert_close(got.float(), setup.reference(x), atol=atol, rtol=0)
 
@@ -323,11 +337,12 @@ def test_expanded_keys_serve_blocks_as_expanded_does(setup: Setup, native: bool)
     layer = setup.layer(dtype)
     kv = rand(96, RANK + ROPE, seed=8).to(dtype)
     q = rand(96, HEADS * (NOPE + ROPE), seed=9).to(dtype).view(96, HEADS, NOPE + ROPE)
-    keys = mla_mod.ExpandedKeys(*layer.expand(kv), native)
+    prefill = native_prefill_kernel(dtype) if native else None
+    keys = mla_mod.ExpandedKeys(*layer.expand(kv), prefill)
     assert (keys.pools is not None) == native
     with torch.no_grad():
         for first, end in [(0, 24), (72, 96), (24, 25)]:
-            want = layer.expanded(q[first:end], kv[:end], first, native=native)
+            want = layer.expanded(q[first:end], kv[:end], first, prefill)
             got = keys.attend(q[first:end], first, end, layer.scale)
             assert torch.equal(got, want)
 
@@ -371,7 +386,8 @@ def test_sparse_absorbed_reads_only_chosen_rows_like_masked_expanded(
     q = layer.query(rand(q_len, HIDDEN, seed=6), setup.rope(positions, torch.float32))
     read = torch.zeros(1, dtype=torch.long)
     with torch.no_grad():
-        got = layer.absorbed(q, seg, cache, chosen, native, read)
+        kernels = NativeBackend().kernels if native else TORCH_KERNELS
+        got = layer.absorbed(q, seg, cache, chosen, kernels, read)
         k, v = layer.expand(cache[slots])
         expected = masked_attention(q, k, v, selection_mask(chosen, length), layer.scale)
     assert read.item() == int((chosen >= 0).sum())  # the chosen rows only

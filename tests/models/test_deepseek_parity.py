@@ -89,8 +89,10 @@ class BoundaryGaps:
         self.rows = 0
         select = indexer_mod.causal_top_positions
 
-        def spy(q, w, k, prefix_len: int, scale: float, topk: int) -> torch.Tensor:
-            scores = indexer_mod.causal_index_scores(q, w, k, prefix_len, scale)
+        def spy(q, w, k, prefix_len: int, scale: float, topk: int, kernels) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            scores = indexer_mod.causal_index_scores(
+                q, w, k, prefix_len, scale, kernels.index_scores
+            )
             values = scores.sort(dim=-1, descending=True).values
             over = torch.isfinite(values).sum(-1) > topk  # rows that drop some key
             if over.any():
@@ -98,7 +100,7 @@ class BoundaryGaps:
                 gap = (v[:, topk - 1] - v[:, topk]) / v[:, 0].abs().clamp_min(1e-30)
                 self.smallest = min(self.smallest, gap.min().item())
                 self.rows += int(over.sum())
-            return select(q, w, k, prefix_len, scale, topk)
+            return select(q, w, k, prefix_len, scale, topk, kernels)
 
         mp.setattr(indexer_mod, "causal_top_positions", spy)
 
@@ -114,10 +116,10 @@ class SparseReads:
         mp.setenv("PIPESERVE_SPARSE_ATTENTION_FORM", form)
         sparse = mla_mod.MLAttention.sparse
 
-        def spy(layer, q, seg, cache, chosen, native=False, keys_read=None):  # type: ignore[no-untyped-def]
+        def spy(layer, q, seg, cache, chosen, kernels, keys_read=None):  # type: ignore[no-untyped-def]
             read = torch.zeros(1, dtype=torch.long)
-            expands = layer.sparse_expands(seg.q_len, seg.length, native, q.dtype)
-            out = sparse(layer, q, seg, cache, chosen, native, read)
+            expands = layer.sparse_expands(seg.q_len, seg.length, kernels, q.dtype)
+            out = sparse(layer, q, seg, cache, chosen, kernels, read)
             visible = seg.prefix_len + 1 + torch.arange(seg.q_len)
             assert read.item() == int(visible.clamp(max=chosen.shape[1]).sum())
             self.calls["expanded" if expands else "latent"] += 1
