@@ -402,6 +402,12 @@ def native_sparse_expanded_kernel() -> Callable[..., torch.Tensor] | None:
     return _native_function("sparse_expanded_attention")
 
 
+def native_skinny_linear() -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU product of a linear layer for a few rows (decode steps; float32 or
+    bfloat16 activations and weights, float32 arithmetic), or None."""
+    return _native_function("skinny_linear")
+
+
 def native_prefill_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """The compiled CPU prefill-attention kernel for `dtype`, or None: bfloat16 products on
     CPUs with AVX512-BF16; else float32 arithmetic on CPUs with AVX2 and FMA, for float32

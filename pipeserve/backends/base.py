@@ -95,7 +95,13 @@ class LinearKernels:
     inside a deterministic run's forwards), and FP8 block-quantised weights kept in FP8
     through the Triton kernel (kernels/triton_fp8.py). A backend with its own products (a
     CPU GEMV for decode steps, a quantised format) subclasses; the model runner hands the
-    run's to every layer once (`layers.linear.use_linear_kernels`)."""
+    run's to every layer once (`layers.linear.use_linear_kernels`), which also lets it choose
+    the form a weight is kept in (`store`)."""
+
+    def store(self, weight: torch.Tensor) -> torch.Tensor:
+        """The form this run keeps a loaded weight in, which `linear` is then given (the
+        weight itself: as loaded, in the compute dtype)."""
+        return weight
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

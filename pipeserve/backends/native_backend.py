@@ -9,20 +9,23 @@ registry pairs this backend's decode steps with the torch backend's prompt chunk
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeserve.backends.base import AttentionBackend, DirectKernels, Segment
+from pipeserve.backends.base import AttentionBackend, DirectKernels, LinearKernels, Segment
 from pipeserve.device import (
     native_decode_kernel,
     native_index_scores,
     native_index_topk,
     native_prefill_kernel,
+    native_skinny_linear,
     native_sparse_expanded_kernel,
     native_sparse_kernel,
 )
+from pipeserve.layers import batch_invariant
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -51,6 +54,76 @@ class NativeMeta:
     decode: RunSteps | None
 
 
+# Rows of x up to which a linear layer's product runs on the compiled skinny kernel rather
+# than torch's GEMM (decode steps of a few requests; see NativeLinears). Measured on Zen 3, one
+# thread, SmolLM2's shapes: float32 weights 1.2-3.0x torch's GEMM at 2-8 rows, 0.6-1.9x at
+# 16; bfloat16 weights kept for float32 activations 1.3-3x float32 weights on torch's GEMM up
+# to 16 rows (the kernel's most), where the other way widens the weight first.
+SKINNY_MAX_ROWS = 8
+SKINNY_MAX_ROWS_NARROW = 16
+SKINNY_DTYPES = (torch.float32, torch.bfloat16)
+WIDEN_BLOCK_ROWS = 256  # a narrow weight's rows widened at once for torch's GEMM (L2-sized)
+
+
+class NativeLinears(LinearKernels):
+    """Decode-sized products on the compiled skinny kernel (kernels/skinny_linear.cpp: each
+    weight byte read once, at the memory's speed, threads over output rows, no packing):
+    up to SKINNY_MAX_ROWS rows of x, SKINNY_MAX_ROWS_NARROW for a narrow weight; larger ones on
+    torch's GEMM, as are all of a deterministic run's forward (its prompt rows run there, so
+    a decode row must too).
+
+    `narrow`: float32 runs keep each linear weight whose values are all bfloat16 numbers (a
+    bfloat16 checkpoint's) in bfloat16, half the bytes a decode step reads for the same
+    products; torch's GEMM gets it widened block by block (WIDEN_BLOCK_ROWS)."""
+
+    def __init__(self, kernel: Callable[..., torch.Tensor], narrow: bool = True) -> None:
+        self.kernel = kernel
+        self.narrow = narrow
+
+    def store(self, weight: torch.Tensor) -> torch.Tensor:
+        if not self.narrow or weight.dtype != torch.float32 or weight.dim() != 2:
+            return weight
+        narrow = weight.to(torch.bfloat16)
+        return narrow if torch.equal(narrow.float(), weight) else weight
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        widened = weight.dtype != x.dtype
+        most = SKINNY_MAX_ROWS_NARROW if widened else SKINNY_MAX_ROWS
+        if (
+            rows <= most
+            and x.dtype in SKINNY_DTYPES
+            and weight.dtype in SKINNY_DTYPES
+            and (bias is None or bias.dtype == x.dtype)
+            and weight.is_contiguous()
+            and not batch_invariant.enabled()
+        ):
+            y = self.kernel(x.reshape(rows, x.shape[-1]), weight, bias)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        if widened:
+            return _widened_linear(x, weight, bias)
+        return super().linear(x, weight, bias)
+
+
+def _widened_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x W^T (+ b) for a weight kept narrower than x: blocks of its rows widened in turn, so
+    no full-width copy of the weight exists at once. y^T is formed block by block."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.empty(weight.shape[0], flat.shape[0], dtype=x.dtype, device=x.device)
+    xt = flat.T
+    for s in range(0, weight.shape[0], WIDEN_BLOCK_ROWS):
+        block = weight[s : s + WIDEN_BLOCK_ROWS].to(x.dtype)
+        torch.mm(block, xt, out=out[s : s + WIDEN_BLOCK_ROWS])
+    y = out.T
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class NativeBackend(AttentionBackend):
     """`deterministic`: one-token prompt chunks run the prefill kernel too, so a prompt token
     is computed alike however it was chunked (batch-invariant inference)."""
@@ -66,6 +139,8 @@ class NativeBackend(AttentionBackend):
             native_index_scores(),
             native_index_topk(),
         )
+        if (skinny := native_skinny_linear()) is not None:
+            self.linears = NativeLinears(skinny, narrow=not deterministic)
 
     def plan(
         self,

@@ -31,6 +31,7 @@ SOURCES = [
         "index_scores.cpp",
         "sparse_attention.cpp",
         "sparse_expanded.cpp",
+        "skinny_linear.cpp",
         "bindings.cpp",
     )
 ]

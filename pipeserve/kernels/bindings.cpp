@@ -34,6 +34,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "chosen positions only, swept in blocks that stay in cache; adds the positions read "
         "to keys_read (CPU, float32 or bfloat16)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("skinny_linear", &skinny_linear,
+        "a linear layer's product for a few rows (decode steps), each weight byte read once: "
+        "x [m, K] . w [N, K]^T (+ bias), float32 or bfloat16 x and w, float32 arithmetic (CPU)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("skinny_linear_max_rows", &skinny_linear_max_rows, "the most rows skinny_linear takes");
   py::class_<ShmAllReduce>(m, "ShmAllReduce")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())
       .def("all_reduce_", &ShmAllReduce::all_reduce_, "sum in place across the ranks",

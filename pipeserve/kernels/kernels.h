@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <optional>
 #include <string>
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -27,6 +28,8 @@ at::Tensor sparse_latent_attention(at::Tensor q, at::Tensor rows, at::Tensor slo
 at::Tensor sparse_expanded_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor rope,
                                      at::Tensor positions, double scale, at::Tensor keys_read);
 at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale);
+at::Tensor skinny_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias);
+int64_t skinny_linear_max_rows();
 at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
                       int64_t topk);
 

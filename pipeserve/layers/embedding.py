@@ -22,6 +22,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
+        self.dtype = dtype  # what lookups give, whatever form the LM head keeps a tied weight in
         self.vocab_size = vocab_size
         self.per_rank = -(-vocab_size // tp)  # ceil: the last rank's block may be padded
         self.start = rank * self.per_rank
@@ -40,9 +41,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight).to(self.dtype)
         local = (ids >= self.start) & (ids < self.end)
-        out = F.embedding(torch.where(local, ids - self.start, 0), self.weight)
+        out = F.embedding(torch.where(local, ids - self.start, 0), self.weight).to(self.dtype)
         out.masked_fill_(~local.unsqueeze(-1), 0)
         return tp_all_reduce(out)
 
@@ -52,6 +53,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     product on `linears` (the run's, `use_linear_kernels`)."""
 
     linears: LinearKernels = TORCH_LINEARS
+
+    def stored_weights(self) -> list[nn.Parameter]:
+        return [self.weight]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [tokens, hidden] -> [tokens, vocab]
         out = self.linears.linear(hidden, self.weight)

@@ -91,10 +91,15 @@ def dequantized(
 
 def use_linear_kernels(model: nn.Module, kernels: LinearKernels) -> None:
     """Every linear layer of `model`, and its LM head, computes its products with `kernels`
-    (the run's, chosen with its attention backend)."""
+    (the run's, chosen with its attention backend), over weights kept in the form they
+    choose (`LinearKernels.store`) where only those products read them (`stored_weights`;
+    a weight shared by two modules, as tied embeddings, changes once, in place)."""
     for module in model.modules():
-        if isinstance(getattr(module, "linears", None), LinearKernels):
-            cast(Any, module).linears = kernels
+        if not isinstance(getattr(module, "linears", None), LinearKernels):
+            continue
+        cast(Any, module).linears = kernels
+        for param in cast(Any, module).stored_weights():
+            param.data = kernels.store(param.data)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -120,6 +125,7 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         self.dtype = dtype
+        self.own_weight = fp8  # only this layer's products read the weight (see the module)
         kept = _keep_fp8 and fp8
         self.weight = _param(out_local, in_local, dtype=torch.float8_e4m3fn if kept else dtype)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -130,6 +136,11 @@ class LinearBase(nn.Module):
         self.bias = _param(out_local, dtype=dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def stored_weights(self) -> list[nn.Parameter]:
+        """The weights `linears` may keep in a form of its own: this layer's, where no other
+        code reads it as a matrix and it is not kept in fp8."""
+        return [self.weight] if self.own_weight and self.scale_inv is None else []
 
     def place(self, loaded: LazyTensor, shard_id: object) -> tuple[int, LazyTensor]:
         """Where checkpoint tensor `loaded` (a weight) goes: (first row of this rank's weight,
