@@ -131,13 +131,14 @@ def test_a_weight_of_bfloat16_values_is_kept_in_bfloat16() -> None:
     assert NativeLinears(KERNEL, narrow=False).store(exact) is exact
 
 
-@pytest.mark.parametrize("rows", [SKINNY_MAX_ROWS_NARROW + 1, 300])
-def test_a_narrow_weight_widened_block_by_block_gives_the_wide_product(rows: int) -> None:
-    """Past the kernel's rows a bfloat16-kept weight is widened WIDEN_BLOCK_ROWS rows at a
-    time for torch's GEMM (several blocks and a partial one here): the float32 weight's
-    product, with a bias, under any leading shape."""
+@pytest.mark.parametrize("rows", [SKINNY_MAX_ROWS_NARROW + 1, native_backend.WIDEN_WHOLE_MIN_ROWS])
+def test_a_narrow_weight_widened_for_torch_s_gemm_gives_the_wide_product(rows: int) -> None:
+    """Past the kernel's rows a bfloat16-kept weight is widened for torch's GEMM, in blocks
+    of rows (several and a partial one here) or, for prompt-sized products, whole: the
+    float32 weight's product, with a bias, under any leading shape."""
     linears = NativeLinears(KERNEL)
-    n = 2 * native_backend.WIDEN_BLOCK_ROWS + 37
+    block = native_backend.WIDEN_BLOCK_BYTES // (48 * 4)
+    n = 2 * block + 37
     x, w, b = data(rows, n, 48, F32, BF16, seed=5)
     got = linears.linear(x.view(1, rows, 48), w, b)
     assert got.shape == (1, rows, n) and got.dtype == F32
