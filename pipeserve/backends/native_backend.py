@@ -63,12 +63,13 @@ SKINNY_MAX_ROWS = 8
 SKINNY_MAX_ROWS_NARROW = 16
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 # A narrow weight on torch's GEMM: for a few rows of x (batched decode steps) widened a block
-# of about WIDEN_BLOCK_BYTES at a time, so the widened copy stays in L2 and only the narrow
-# bytes come from memory; from WIDEN_WHOLE_MIN_ROWS rows on (prompt chunks, whose GEMM
+# of about WIDEN_BLOCK_BYTES at a time, so the widened copy stays in cache and only the
+# narrow bytes come from memory; from WIDEN_WHOLE_MIN_ROWS rows on (prompt chunks, whose GEMM
 # outweighs the copy by far and runs best as one call) widened whole for the one product.
-# compare_commits on the bench model, 8 prompts of 2048: 256-row blocks for every size made
-# the prompts 1.3x slower.
-WIDEN_BLOCK_BYTES = 1 << 18
+# Zen 3, one thread, the bench model's linears at 64 rows: 1 MiB blocks 0.83x the time of
+# float32 weights (256 KiB blocks 1.14x: too many small GEMMs; whole 1.10-1.18x); 8 prompts
+# of 2048 (compare_commits): blocks for every size made the prompts 1.3x slower.
+WIDEN_BLOCK_BYTES = 1 << 20
 WIDEN_WHOLE_MIN_ROWS = 256
 
 
