@@ -29,12 +29,14 @@ class SplitMeta:
 
 
 class PrefillDecodeSplit(AttentionBackend):
-    """The direct kernels are the decode backend's (the native ones where this pairs them
-    with torch prompt chunks), but for the dense prefill kernel, the prompt chunks'."""
+    """The linears and direct kernels are the decode backend's (the native ones where this
+    pairs them with torch prompt chunks), but for the dense prefill kernel, the prompt
+    chunks'."""
 
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
         self.prefill, self.decode = prefill, decode
         self.name = f"{prefill.name} prompt chunks, {decode.name} decode steps"
+        self.linears = decode.linears
         self.kernels = replace(decode.kernels, prefill=prefill.kernels.prefill)
 
     def plan(
@@ -80,6 +82,7 @@ class LongPromptSplit(AttentionBackend):
         self.primary, self.fallback, self.max_keys = primary, fallback, max_keys
         self.name = f"{primary.name}, prompt chunks over {max_keys} keys on {fallback.name}"
         self.norms = primary.norms
+        self.linears = primary.linears
         self.kernels = primary.kernels
         self.capturable = primary.capturable
 

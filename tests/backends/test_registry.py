@@ -73,6 +73,10 @@ def test_cpu_auto_takes_the_native_kernels_where_they_build(native_kernels: dict
     odd = select_backend("auto", CPU, BF16, 72)  # no prefill kernel for a head dim of 72
     assert isinstance(odd, PrefillDecodeSplit)
     assert isinstance(odd.prefill, TorchBackend) and isinstance(odd.decode, NativeBackend)
+    # the pair's linears and direct kernels are the native decode backend's, its dense
+    # prefill kernel the torch prompt chunks' (none)
+    assert odd.linears is odd.decode.linears and odd.kernels.prefill(BF16) is None
+    assert odd.kernels.sparse_latent is odd.decode.kernels.sparse_latent
     native_kernels["prefill"] = False
     assert isinstance(select_backend("auto", CPU, BF16, 64), PrefillDecodeSplit)
     native_kernels["decode"] = False

@@ -1,0 +1,106 @@
+"""The native backend's decode-sized linear products (kernels/skinny_linear.cpp through
+`NativeLinears`) beside torch's on the same shapes: SmolLM2-135M's layers and LM head, float32
+and bfloat16 weights (bfloat16 ones with float32 activations, as a float32 run keeps a
+bfloat16 checkpoint's), 1 to 64 rows of activations, in medians of interleaved rounds. The
+LM head's bytes per second stand beside `sum` over the same tensor (what one pass over it
+costs here). Prints and saves JSON.
+
+    python benchmarks/skinny_linear.py --threads 1 --json out.json
+
+Torch's product of a bfloat16 weight takes bfloat16 activations (it has no mixed product),
+so the float32-activation rows compare against float32 weights, what a run without the
+narrow weights computes on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pipeserve.backends.native_backend import NativeLinears
+from pipeserve.device import native_skinny_linear
+
+SHAPES = {  # SmolLM2-135M: [out, in]
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+
+
+def seconds(fn: Callable[[], object], calls: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    kernel = native_skinny_linear()
+    if kernel is None:
+        raise SystemExit("the native CPU kernels do not build here")
+    torch.set_num_threads(args.threads)
+    linears = NativeLinears(kernel)
+    results: list[dict[str, object]] = []
+    for name, (n, k) in SHAPES.items():
+        w32 = torch.randn(n, k).bfloat16().float()  # bfloat16 numbers: narrowing keeps them
+        w16 = w32.bfloat16()
+        calls = 5 if name == "lm_head" else 50
+        for m in args.rows:
+            x = torch.randn(m, k)
+            cases = {
+                "torch_f32": partial(F.linear, x, w32),
+                "native_f32": partial(linears.linear, x, w32),
+                "native_bf16_weight": partial(linears.linear, x, w16),
+                "torch_bf16": partial(F.linear, x.bfloat16(), w16),
+            }
+            times: dict[str, list[float]] = {c: [] for c in cases}
+            for _ in range(args.rounds):
+                for case, fn in cases.items():
+                    times[case].append(seconds(fn, calls))
+            row: dict[str, object] = {"shape": name, "out": n, "in": k, "rows": m}
+            row.update({f"{c}_us": statistics.median(t) * 1e6 for c, t in times.items()})
+            results.append(row)
+            print(
+                f"{name:8s} rows {m:3d}  torch f32 {row['torch_f32_us']:9.1f} us  native f32 "
+                f"{row['native_f32_us']:9.1f}  native bf16 weight "
+                f"{row['native_bf16_weight_us']:9.1f}  torch bf16 {row['torch_bf16_us']:9.1f}"
+            )
+    head = {}
+    w = torch.randn(*SHAPES["lm_head"])
+    x = torch.randn(1, w.shape[1])
+    for label, t in (("f32", w), ("bf16", w.bfloat16())):
+        ours = statistics.median(seconds(partial(kernel, x, t), 5) for _ in range(args.rounds))
+        stream = statistics.median(seconds(t.sum, 5) for _ in range(args.rounds))
+        head[f"lm_head_{label}_GBps"] = t.nbytes / ours / 1e9
+        head[f"sum_{label}_GBps"] = t.nbytes / stream / 1e9
+    print(", ".join(f"{key} {value:.1f}" for key, value in head.items()))
+    out = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "results": results,
+        "lm_head_bandwidth": head,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"saved {args.json}")
+
+
+if __name__ == "__main__":
+    main()
