@@ -116,13 +116,19 @@ def with_compute_dtype(config: EngineConfig) -> EngineConfig:
     m = config.model
     if m.dtype != "best":
         return config
-    device = resolve_device(m.device)
-    dtype = best_dtype(device)
-    reason = _dtype_reason(device, dtype)
-    if device.type == "cpu" and dtype != "float32" and _is_built_in_model(m.model_path):
-        dtype, reason = "float32", BUILT_IN_MODEL_FLOAT32
+    dtype, reason = best_model_dtype(m.model_path, resolve_device(m.device))
     log.info("compute dtype: %s (%s)", dtype, reason)
     return dataclasses.replace(config, model=dataclasses.replace(m, dtype=dtype))
+
+
+def best_model_dtype(model_path: str | None, device: torch.device) -> tuple[str, str]:
+    """What `--dtype best` computes `model_path` in on `device`, and why: `best_dtype`, but
+    float32 for the built-in model on a CPU (below). Where a run starts and where a GGUF is
+    converted for it (models/resolve.py) both ask here, so they agree."""
+    dtype = best_dtype(device)
+    if device.type == "cpu" and dtype != "float32" and _is_built_in_model(model_path):
+        return "float32", BUILT_IN_MODEL_FLOAT32
+    return dtype, _dtype_reason(device, dtype)
 
 
 # The built-in model (SmolLM2-135M-Instruct) computes in float32 on every CPU under --dtype

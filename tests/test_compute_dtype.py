@@ -96,6 +96,24 @@ def test_the_built_in_model_computes_in_float32_on_every_cpu(cpu_flags, caplog) 
     assert dev.with_compute_dtype(forced).model.dtype == "bfloat16"
 
 
+def test_the_built_in_model_is_converted_for_the_dtype_it_computes_in(
+    cpu_flags, monkeypatch
+) -> None:
+    """`resolve_model_path` under --dtype best (what bench and tune call with the name)
+    converts the built-in GGUF for the dtype the run computes in: float32 on a CPU with
+    native bf16 too, not a second, bfloat16 copy (a Zen 4 found the two paths differ)."""
+    from pipeserve.models import resolve
+
+    converted = []
+    monkeypatch.setattr(resolve, "converted_checkpoint", lambda f, dtype: converted.append(dtype))
+    monkeypatch.setattr(resolve, "resolve_device", lambda: CPU)
+    cpu_flags(True, False)
+    for name in (None, "smollm2"):
+        resolve.resolve_model_path(name, "best")
+    resolve.resolve_model_path(None, "bfloat16")
+    assert converted == ["float32", "float32", "bfloat16"]
+
+
 def test_explicit_bf16_on_a_cpu_without_it_warns_with_the_slowdown(
     cpu_flags, monkeypatch, caplog
 ) -> None:

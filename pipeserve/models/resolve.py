@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeserve.device import best_dtype, resolve_device
+from pipeserve.device import best_model_dtype, resolve_device
 from pipeserve.models.default_model import ALIAS as DEFAULT_MODEL_ALIAS
 from pipeserve.models.default_model import default_model_file
 from pipeserve.models.gguf import converted_checkpoint, find_gguf
@@ -17,7 +17,7 @@ def resolve_model_path(model_path: str | None, dtype: str = "best") -> Path:
     preset made on first use, a GGUF file (or a directory holding one) converted once into the
     cache (for a run in `dtype`); no model: the built-in default model (a GGUF)."""
     if dtype == "best":
-        dtype = best_dtype(resolve_device())
+        dtype, _ = best_model_dtype(model_path, resolve_device())
     path = Path(model_path) if model_path is not None else None
     if path is None or (not path.exists() and model_path == DEFAULT_MODEL_ALIAS):
         return converted_checkpoint(default_model_file(), dtype)

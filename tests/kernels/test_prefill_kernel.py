@@ -1,28 +1,36 @@
 """The native CPU prefill-attention kernels — AVX512-BF16 (bfloat16 products) and AVX2
 (float32 arithmetic on float32 or bfloat16 storage) — against a float64 softmax attention,
 and through `PagedAttention` against the torch kernels. Each kernel runs on every machine
-that has its instructions (an AVX512 machine runs both)."""
+that has its instructions (an AVX512 machine runs both).
+
+In bfloat16 a kernel's error is bounded relative to PyTorch's fused attention kernel on the
+same inputs (what transformers' bfloat16 runs): its mean error against float64 at most 1.1x
+that kernel's, its max at most 1.25x. A fixed tolerance (2e-2 before issue 48) is 20x the
+output's own rounding here and cannot see a kernel that rounds more than it should."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from pipeserve.backends.native_backend import NativeBackend, RunChunk
 from pipeserve.backends.split import PrefillDecodeSplit
-from pipeserve.backends.torch_backend import TorchBackend
+from pipeserve.backends.torch_backend import TorchBackend, blockwise_prefill
 from pipeserve.device import native_prefill_kernel
 from pipeserve.kernels import native as native_module
 from pipeserve.layers.attention import PagedAttention, plan_attention
 from pipeserve.mem_cache.kv_pool import KVPool
 
 CPU = torch.device("cpu")
-TOL = 2e-2  # bfloat16 output
-# (kernel, storage dtype, tolerance of the output, of its mean error)
+TOL = 2e-2  # bfloat16 output, where two bfloat16 paths are compared with each other
+MEAN_BOUND, MAX_BOUND = 1.1, 1.25  # bfloat16 error relative to PyTorch's fused kernel's
+# (kernel, storage dtype)
 KERNELS = {
-    "avx512-bf16": ("paged_prefill_attention", torch.bfloat16, TOL, 2e-3),
-    "avx2-fp32": ("paged_prefill_attention_avx2", torch.float32, 1e-4, 1e-6),
-    "avx2-bf16": ("paged_prefill_attention_avx2", torch.bfloat16, TOL, 2e-3),
+    "avx512-bf16": ("paged_prefill_attention", torch.bfloat16),
+    "avx2-fp32": ("paged_prefill_attention_avx2", torch.float32),
+    "avx2-bf16": ("paged_prefill_attention_avx2", torch.bfloat16),
 }
 SUPPORTED = {
     "paged_prefill_attention": "prefill_attention_supported",
@@ -46,9 +54,9 @@ def kernel_params() -> list:
 
 @pytest.fixture(params=kernel_params())
 def kernel(request):
-    """(the kernel, its storage dtype, output tolerance, mean-error bound)."""
-    name, dtype, tol, mean_tol = KERNELS[request.param]
-    return getattr(native_module(), name), dtype, tol, mean_tol
+    """(the kernel, its storage dtype)."""
+    name, dtype = KERNELS[request.param]
+    return getattr(native_module(), name), dtype
 
 
 needs_engine_kernel = pytest.mark.skipif(
@@ -68,6 +76,34 @@ def reference(q, k_cache, v_cache, runs, prefix):
     future = torch.arange(k.shape[1])[None, :] > prefix + torch.arange(n)[:, None]
     probs = scores.masked_fill(future, float("-inf")).softmax(-1)
     return torch.einsum("hgnt,htd->hgnd", probs, v).permute(2, 0, 1, 3).reshape(n, heads, d)
+
+
+def fused_torch(q, k_cache, v_cache, runs, prefix):
+    """The same attention by PyTorch's fused CPU kernel in q's dtype (flash-style: float32
+    scores and sums, bfloat16 probabilities times bfloat16 values) -> [n, H, D]."""
+    slots = torch.cat([torch.arange(s, s + n) for s, n in runs])
+    k, v = k_cache[:, slots], v_cache[:, slots]
+    n, heads, d = q.shape
+    group = heads // k.shape[0]
+    visible = torch.arange(k.shape[1])[None, :] <= prefix + torch.arange(n)[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.repeat_interleave(group, 0)[None],
+        v.repeat_interleave(group, 0)[None],
+        attn_mask=visible,
+        scale=d**-0.5,
+    )
+    return o[0].transpose(0, 1)
+
+
+def assert_as_accurate_as_torch(out, torch_out, exact) -> None:
+    """bfloat16 `out` no further from float64 `exact` than PyTorch's fused kernel's
+    `torch_out`: within MEAN_BOUND of its mean error, MAX_BOUND of its max."""
+    ours, theirs = (out.double() - exact).abs(), (torch_out.double() - exact).abs()
+    figures = {"mean": (ours.mean().item(), theirs.mean().item())}
+    figures["max"] = (ours.max().item(), theirs.max().item())
+    assert figures["mean"][0] <= MEAN_BOUND * figures["mean"][1], figures
+    assert figures["max"][0] <= MAX_BOUND * figures["max"][1], figures
 
 
 def scattered_runs(total: int, gen: torch.Generator) -> list[tuple[int, int]]:
@@ -98,7 +134,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_kernel_matches_float64_attention(kernel, case) -> None:
-    fn, dtype, tol, mean_tol = kernel
+    fn, dtype = kernel
     n, prefix, kv_heads, group, d, scattered = case
     gen = torch.Generator().manual_seed(n * 1000 + prefix)
     pool_slots = 2 * (prefix + n) + 4000
@@ -109,14 +145,17 @@ def test_kernel_matches_float64_attention(kernel, case) -> None:
     out = fn(q, k_cache, v_cache, torch.tensor(runs), prefix, d**-0.5)
     ref = reference(q, k_cache, v_cache, runs, prefix)
     assert out.dtype == dtype and out.shape == q.shape
-    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol)
-    assert (out.double() - ref).abs().mean() < mean_tol  # rounding, not a wrong key
+    if dtype == torch.float32:
+        assert torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-4)
+        assert (out.double() - ref).abs().mean() < 1e-6  # rounding, not a wrong key
+    else:
+        assert_as_accurate_as_torch(out, fused_torch(q, k_cache, v_cache, runs, prefix), ref)
 
 
 def test_a_row_does_not_depend_on_the_chunking(kernel) -> None:
     """Batch invariance (deterministic inference): a chunk computed whole or as two chunks,
     the second over the first as its prefix, gives bitwise the same rows."""
-    fn, dtype, _, _ = kernel
+    fn, dtype = kernel
     gen = torch.Generator().manual_seed(5)
     k_cache = torch.randn(2, 2000, 64, generator=gen).to(dtype)
     v_cache = torch.randn(2, 2000, 64, generator=gen).to(dtype)
@@ -131,7 +170,7 @@ def test_a_row_does_not_depend_on_the_chunking(kernel) -> None:
 
 
 def test_kernel_is_the_same_with_one_or_two_threads(kernel) -> None:
-    fn, dtype, _, _ = kernel
+    fn, dtype = kernel
     gen = torch.Generator().manual_seed(7)
     k_cache = torch.randn(2, 3000, 64, generator=gen).to(dtype)
     v_cache = torch.randn(2, 3000, 64, generator=gen).to(dtype)
@@ -149,7 +188,7 @@ def test_kernel_is_the_same_with_one_or_two_threads(kernel) -> None:
 
 
 def test_kernel_rejects_runs_that_do_not_cover_the_chunk(kernel) -> None:
-    fn, dtype, _, _ = kernel
+    fn, dtype = kernel
     k_cache = torch.zeros(1, 100, 16).to(dtype)
     q = torch.zeros(4, 2, 16).to(dtype)
     with pytest.raises(RuntimeError, match="cover exactly"):
@@ -195,6 +234,74 @@ def test_paged_attention_native_and_torch_prefill_agree(dtype) -> None:
     k_cache, v_cache = pool.buffers(0)
     ref_a = reference(q[:150], k_cache, v_cache, chunk_a, 1000).float().reshape(150, -1)
     assert torch.allclose(outs[True][:150], ref_a, atol=tol, rtol=tol)
+
+
+def bf16_prefill_paths() -> list:
+    """Every bfloat16 prefill path this machine runs: the native kernels it has, and the torch
+    backend's blockwise path (long prompt chunks on CPUs without a native kernel)."""
+    module = native_module()
+
+    def native(name: str):
+        fn = getattr(module, KERNELS[name][0])
+        return lambda q, k, v: fn(q, k, v, torch.tensor([(0, q.shape[0])]), 0, q.shape[2] ** -0.5)
+
+    def blockwise(q, k, v):
+        return blockwise_prefill(q, k.transpose(0, 1), v.transpose(0, 1), [], q.shape[2] ** -0.5)
+
+    paths = [pytest.param(blockwise, id="torch-blockwise")]
+    for name in ("avx512-bf16", "avx2-bf16"):
+        have = module is not None and getattr(module, SUPPORTED[KERNELS[name][0]])()
+        paths.append(
+            pytest.param(
+                native(name) if have else None,
+                id=name,
+                marks=pytest.mark.skipif(not have, reason=f"this CPU or build has no {name}"),
+            )
+        )
+    return paths
+
+
+@pytest.fixture(scope="module")
+def built_in_model_attention_inputs() -> list[tuple[torch.Tensor, ...]]:
+    """q [n, H, D], k and v [Hk, n, D] of every layer of the built-in model (transformers,
+    bfloat16) over the first 400 tokens of README.md: real activations, with the sharp
+    copy heads and large scores that random inputs lack."""
+    from tokenizers import Tokenizer
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from pipeserve.models.resolve import resolve_model_path
+
+    path = resolve_model_path(None, "bfloat16")
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text).ids[:400]
+    assert len(ids) == 400
+    captured = []
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        captured.append((query[0].transpose(0, 1).contiguous(), key[0].clone(), value[0].clone()))
+        return torch.zeros_like(query).transpose(1, 2), None  # later layers' inputs: unused
+
+    AttentionInterface.register("pipeserve_capture", capture)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="pipeserve_capture"
+    ).eval()
+    with torch.inference_mode():
+        model(torch.tensor([ids]))
+    return captured
+
+
+@pytest.mark.parametrize("path", bf16_prefill_paths())
+def test_bf16_prefill_on_the_built_in_models_activations(path, built_in_model_attention_inputs):
+    """Each bfloat16 prefill path on real activations, layer by layer, as accurate as
+    PyTorch's fused kernel. Issue 48 blamed the AVX512-BF16 kernel for a whole-model max
+    error 1.65x transformers' bfloat16; on these activations its error equals the fused
+    kernel's in every layer. The torch backend's blockwise path scored in bfloat16 then and
+    measured 2-3x the fused kernel's mean error; it computes in float32 now."""
+    for q, k, v in built_in_model_attention_inputs:
+        runs = [(0, q.shape[0])]
+        assert_as_accurate_as_torch(
+            path(q, k, v), fused_torch(q, k, v, runs, 0), reference(q, k, v, runs, 0)
+        )
 
 
 @needs_engine_kernel
