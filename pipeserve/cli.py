@@ -587,7 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
     bench.add_argument("--output-len", type=int, default=16, help="new tokens per request")
     bench.add_argument("--num-prompts", type=int, default=1, help="requests, sent at once")
-    bench.add_argument("--baseline", choices=["hf"], help="also run Hugging Face transformers")
+    bench.add_argument(
+        "--baseline",
+        choices=["hf", "llamacpp"],
+        help="also run Hugging Face transformers (hf), or llama.cpp on the same GGUF file "
+        "(llamacpp: needs llama-cpp-python and a GGUF --model, e.g. the built-in model)",
+    )
     bench.add_argument("--json", help="save the results here")
     bench.add_argument("--trace", help="write a Chrome/Perfetto trace of every stage here")
     bench.add_argument("--timeline", help="draw the per-stage Gantt chart into this PNG")

@@ -7,6 +7,7 @@ transformers (`--baseline hf`)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import statistics
 import time
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from pipeserve.bench.flops import attention_flops, prefill_flops
+from pipeserve.bench.llamacpp_baseline import LLAMACPP_MISSING
 from pipeserve.bench.peak import matmul_peak_flops
 from pipeserve.bench.summary import summarize
-from pipeserve.config import EngineConfig, ParallelConfig
+from pipeserve.config import EngineConfig, ParallelConfig, SettingsError
 from pipeserve.device import (
+    DTYPES,
     peak_memory,
     reset_peak_memory,
     resolve_device,
@@ -29,6 +32,7 @@ from pipeserve.device import (
 )
 from pipeserve.distributed.launcher import threads_per_worker
 from pipeserve.engine.engine import Engine
+from pipeserve.models.resolve import gguf_file
 from pipeserve.runner.kv_layout import stage_kv_bytes_per_token
 from pipeserve.scheduler.request import Req, SamplingParams
 from pipeserve.timeline import (
@@ -189,6 +193,7 @@ def run_bench(
     config = EngineConfig.from_flags(**flags)
     for layout in layouts:  # a layout the engine refuses fails before any runs
         EngineConfig.from_flags(**layout.flags(flags))
+    gguf = llamacpp_gguf(config) if baseline == "llamacpp" else None  # so does the baseline
     samples: dict[Layout, list[dict[str, Any]]] = {lay: [] for lay in layouts}
     for _ in range(repeat):
         for layout in layouts:
@@ -238,6 +243,8 @@ def run_bench(
     )
     if baseline == "hf":
         _add_hf_baseline(report, runs[0], prompts, output_len, flags)
+    elif gguf is not None:
+        _add_llamacpp_baseline(report, runs[0], prompts, output_len, gguf)
     print_report(report)
     _save(report, panels, json_path, trace_path, timeline_path)
     return report
@@ -262,7 +269,8 @@ def _mean_forward(events: list[Event]) -> float:
 def _describe(
     engine: Engine, config: EngineConfig, input_len: int, output_len: int, num_prompts: int
 ) -> dict[str, Any]:
-    dtype = resolve_dtype(config.model.dtype, engine.arch.torch_dtype, config.model.device)
+    m = engine.config.model  # --dtype best made concrete for this model and device
+    dtype = resolve_dtype(m.dtype, engine.arch.torch_dtype, m.device)
     threads = threads_per_worker(config)
     set_threads(threads)
     peak = matmul_peak_flops(dtype, resolve_device(config.model.device))
@@ -367,7 +375,7 @@ def _add_hf_baseline(
     from pipeserve.bench.hf_baseline import run_hf
 
     config = EngineConfig.from_flags(**flags)
-    dtype = resolve_dtype(config.model.dtype, "bfloat16", config.model.device)
+    dtype = DTYPES[report["dtype"]]  # what pipeserve computed in
     device = resolve_device(config.model.device)
     name = "hf-transformers" + ("+sdpa" if device.type == "cuda" else "")
     try:
@@ -376,11 +384,49 @@ def _add_hf_baseline(
         report["baseline"] = {"name": name, "error": f"out of memory: {str(e).splitlines()[0]}"}
         print(f"hf: out of memory at {len(prompts[0])} tokens; no baseline")
         return
+    extra = {k: base[k] for k in ("sdpa_kernels", "peak_device_bytes")}
+    _compare_with_baseline(report, run, base, name, extra)
+
+
+def llamacpp_gguf(config: EngineConfig) -> Path:
+    """The GGUF file llama.cpp runs for `config`'s --model, checked before any run: llama.cpp
+    reads nothing else, and llama-cpp-python must be installed."""
+    gguf = gguf_file(config.model.model_path)
+    if gguf is None:
+        raise SettingsError(
+            f"--baseline llamacpp reads GGUF files; --model {config.model.model_path} is not one "
+            "(the built-in model is)"
+        )
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SettingsError(LLAMACPP_MISSING)
+    return gguf
+
+
+def _add_llamacpp_baseline(
+    report: dict[str, Any],
+    run: dict[str, Any],
+    prompts: list[list[int]],
+    output_len: int,
+    gguf: Path,
+) -> None:
+    from pipeserve.bench.llamacpp_baseline import run_llamacpp
+
+    base = run_llamacpp(gguf, prompts, output_len, report["threads_per_worker"])
+    name = f"llama.cpp (llama-cpp-python {base['version']}, {gguf.name})"
+    _compare_with_baseline(report, run, base, name, {"gguf": str(gguf)})
+
+
+def _compare_with_baseline(
+    report: dict[str, Any],
+    run: dict[str, Any],
+    base: dict[str, Any],
+    name: str,
+    extra: dict[str, Any],
+) -> None:
     report["baseline"] = {
         "name": name,
         **{k: base[k] for k in TIMING_KEYS},
-        "sdpa_kernels": base["sdpa_kernels"],
-        "peak_device_bytes": base["peak_device_bytes"],
+        **extra,
         "attention_flops_per_s": run["attention_flops"] / base["prefill_s"],
     }
     report["ratio_to_baseline"] = {
@@ -511,22 +557,24 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"same tokens across layouts: {r['same_tokens_across_layouts']}")
     base = r.get("baseline")
     if base and "error" not in base:
+        short = "llama.cpp" if base["name"].startswith("llama.cpp") else "hf"
         print(
-            f"{'hf':<17}{base['ttft_mean_s']:>11.3f}{base['prefill_s']:>11.3f}"
+            f"{short:<17}{base['ttft_mean_s']:>11.3f}{base['prefill_s']:>11.3f}"
             f"{base['input_throughput_tok_s']:>11.1f}{base['output_throughput_tok_s']:>11.1f}"
         )
-        kernels = base["sdpa_kernels"]
-        peak = base["peak_device_bytes"]
+        kernels = base.get("sdpa_kernels")
+        peak = base.get("peak_device_bytes")
         print(
-            f"hf: attention {base['attention_flops_per_s'] / 1e12:.2f} TFLOP/s over the prefill "
-            "span"
+            f"{base['name']}: attention {base['attention_flops_per_s'] / 1e12:.2f} TFLOP/s over "
+            "the prefill span"
             + ("" if kernels is None else f"; SDPA ran {', '.join(kernels) or 'no fused kernel'}")
             + ("" if peak is None else f"; peak allocated {peak / 2**20:.1f} MiB")
         )
         ratio = r["ratio_to_baseline"]
         dec = ratio["decode_throughput"]
         print(
-            f"ratio to hf: prefill time {ratio['prefill_time']:.3f} (pipeserve/hf), decode "
-            f"throughput {'n/a' if dec is None else f'{dec:.3f}'} (hf/pipeserve); below 1 = "
-            f"pipeserve faster; same greedy tokens: {r['same_greedy_tokens_as_baseline']}"
+            f"ratio to {short}: prefill time {ratio['prefill_time']:.3f} (pipeserve/{short}), "
+            f"decode throughput {'n/a' if dec is None else f'{dec:.3f}'} ({short}/pipeserve); "
+            f"below 1 = pipeserve faster; same greedy tokens: "
+            f"{r['same_greedy_tokens_as_baseline']}"
         )

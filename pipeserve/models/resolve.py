@@ -18,17 +18,23 @@ def resolve_model_path(model_path: str | None, dtype: str = "best") -> Path:
     cache (for a run in `dtype`); no model: the built-in default model (a GGUF)."""
     if dtype == "best":
         dtype, _ = best_model_dtype(model_path, resolve_device())
-    path = Path(model_path) if model_path is not None else None
-    if path is None or (not path.exists() and model_path == DEFAULT_MODEL_ALIAS):
-        return converted_checkpoint(default_model_file(), dtype)
-    if not path.exists() and model_path in PRESETS:  # a built-in model, made on first use
-        return preset_path(str(model_path))
-    gguf = find_gguf(path)
+    gguf = gguf_file(model_path)
     if gguf is not None:
         return converted_checkpoint(gguf, dtype)
+    path = Path(str(model_path))
+    if not path.exists() and model_path in PRESETS:  # a built-in model, made on first use
+        return preset_path(str(model_path))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"--model {model_path}: not a Hugging Face checkpoint directory (no config.json), "
             f"a .gguf file nor a built-in model ({', '.join(PRESETS)})"
         )
     return path
+
+
+def gguf_file(model_path: str | None) -> Path | None:
+    """The GGUF file a --model names (no model or its alias: the built-in model's), or None
+    where it names something else."""
+    if model_path is None or (model_path == DEFAULT_MODEL_ALIAS and not Path(model_path).exists()):
+        return default_model_file()
+    return find_gguf(Path(model_path))
