@@ -17,6 +17,7 @@ import torch
 
 from pipeserve.backends.base import AttentionBackend, DirectKernels, LinearKernels, Segment
 from pipeserve.device import (
+    cpu_native_bf16,
     native_decode_kernel,
     native_index_scores,
     native_index_topk,
@@ -62,6 +63,12 @@ class NativeMeta:
 # activations: 1.3-1.8x over a step's products up to 16 rows (the kernel's most).
 SKINNY_MAX_ROWS = 8
 SKINNY_MAX_ROWS_NARROW = 16
+# bfloat16 activations and weights on a CPU with native bf16 products (AVX512-BF16, AMX),
+# where torch's GEMM runs on bf16 dot-product instructions and the kernel on float32 FMAs.
+# Zen 4, one thread: the kernel 1.2-1.7x torch's at one and two rows (the LM head 1.2-1.4x),
+# 0.8-0.9x on the layers from three rows on: a step's products break even at three, torch
+# leads by 1.06x at four and 1.9x at eight.
+SKINNY_MAX_ROWS_BF16_NATIVE = 2
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 # A narrow weight on torch's GEMM: for a few rows of x (batched decode steps) widened a block
 # of about WIDEN_BLOCK_BYTES at a time, so the widened copy stays in cache and only the
@@ -77,7 +84,8 @@ WIDEN_WHOLE_MIN_ROWS = 256
 class NativeLinears(LinearKernels):
     """Decode-sized products on the compiled skinny kernel (kernels/skinny_linear.cpp: each
     weight byte read once, at the memory's speed, threads over output rows, no packing):
-    up to SKINNY_MAX_ROWS rows of x, SKINNY_MAX_ROWS_NARROW for a narrow weight; larger ones on
+    up to SKINNY_MAX_ROWS rows of x, SKINNY_MAX_ROWS_NARROW for a narrow weight, `bf16_max_rows`
+    for bfloat16 x and weight (SKINNY_MAX_ROWS_BF16_NATIVE on CPUs with native bf16); larger ones on
     torch's GEMM, as are all of a deterministic run's forward (its prompt rows run there, so
     a decode row must too).
 
@@ -85,9 +93,15 @@ class NativeLinears(LinearKernels):
     bfloat16 checkpoint's) in bfloat16, half the bytes a decode step reads for the same
     products; torch's GEMM gets it widened block by block (WIDEN_BLOCK_ROWS)."""
 
-    def __init__(self, kernel: Callable[..., torch.Tensor], narrow: bool = True) -> None:
+    def __init__(
+        self,
+        kernel: Callable[..., torch.Tensor],
+        narrow: bool = True,
+        bf16_max_rows: int = SKINNY_MAX_ROWS,
+    ) -> None:
         self.kernel = kernel
         self.narrow = narrow
+        self.bf16_max_rows = bf16_max_rows  # rows of bfloat16 x with a bfloat16 weight
 
     def store(self, weight: torch.Tensor) -> torch.Tensor:
         if not self.narrow or weight.dtype != torch.float32 or weight.dim() != 2:
@@ -100,7 +114,10 @@ class NativeLinears(LinearKernels):
     ) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         widened = weight.dtype != x.dtype
-        most = SKINNY_MAX_ROWS_NARROW if widened else SKINNY_MAX_ROWS
+        if widened:
+            most = SKINNY_MAX_ROWS_NARROW
+        else:
+            most = self.bf16_max_rows if x.dtype == torch.bfloat16 else SKINNY_MAX_ROWS
         if (
             rows <= most
             and x.dtype in SKINNY_DTYPES
@@ -151,7 +168,8 @@ class NativeBackend(AttentionBackend):
             native_index_topk(),
         )
         if (skinny := native_skinny_linear()) is not None:
-            self.linears = NativeLinears(skinny, narrow=not deterministic)
+            bf16_rows = SKINNY_MAX_ROWS_BF16_NATIVE if cpu_native_bf16() else SKINNY_MAX_ROWS
+            self.linears = NativeLinears(skinny, not deterministic, bf16_rows)
 
     def plan(
         self,

@@ -13,6 +13,7 @@ import torch
 from pipeserve.backends import native_backend
 from pipeserve.backends.native_backend import (
     SKINNY_MAX_ROWS,
+    SKINNY_MAX_ROWS_BF16_NATIVE,
     SKINNY_MAX_ROWS_NARROW,
     NativeLinears,
 )
@@ -115,6 +116,29 @@ def test_native_linears_send_decode_sized_products_to_the_kernel() -> None:
     backend = native_backend.NativeBackend()
     assert isinstance(backend.linears, NativeLinears) and backend.linears.narrow
     assert not native_backend.NativeBackend(deterministic=True).linears.narrow
+
+
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "avx2-cpu"])
+def test_bfloat16_products_leave_the_kernel_early_where_torch_has_bf16_instructions(
+    native_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 x with a bfloat16 weight: on a CPU with native bf16 products torch's GEMM
+    (bf16 dot products) takes them from SKINNY_MAX_ROWS_BF16_NATIVE + 1 rows on; on other
+    CPUs (where torch emulates bf16) the kernel keeps them up to SKINNY_MAX_ROWS."""
+    monkeypatch.setenv("PIPESERVE_CPU_BF16", "1" if native_bf16 else "0")
+    linears = native_backend.NativeBackend().linears
+    assert isinstance(linears, NativeLinears)
+    calls: list[int] = []
+    kernel = linears.kernel
+    linears.kernel = lambda x, w, b=None: calls.append(x.shape[0]) or kernel(x, w, b)
+    most = SKINNY_MAX_ROWS_BF16_NATIVE if native_bf16 else SKINNY_MAX_ROWS
+    x, w, _ = data(SKINNY_MAX_ROWS + 1, 40, 24, BF16, BF16)
+    for rows in range(1, SKINNY_MAX_ROWS + 2):
+        linears.linear(x[:rows], w)
+    assert calls == list(range(1, most + 1))
+    calls.clear()
+    linears.linear(x[:SKINNY_MAX_ROWS].float(), w.float())  # float32 keeps its own bound
+    assert calls == [SKINNY_MAX_ROWS]
 
 
 def test_a_weight_of_bfloat16_values_is_kept_in_bfloat16() -> None:
