@@ -65,10 +65,12 @@ SKINNY_MAX_ROWS = 8
 SKINNY_MAX_ROWS_NARROW = 16
 # bfloat16 activations and weights on a CPU with native bf16 products (AVX512-BF16, AMX),
 # where torch's GEMM runs on bf16 dot-product instructions and the kernel on float32 FMAs.
-# Zen 4, one thread: the kernel 1.2-1.7x torch's at one and two rows (the LM head 1.2-1.4x),
-# 0.8-0.9x on the layers from three rows on: a step's products break even at three, torch
-# leads by 1.06x at four and 1.9x at eight.
-SKINNY_MAX_ROWS_BF16_NATIVE = 2
+# Zen 4, one thread, the bench model's decode against the kernel for up to 8 rows
+# (benchmarks/compare_commits.py): torch's GEMM from 3 rows on 0.86x at 4 requests; from 5
+# rows on 0.97x at 6; from 7 on 1.09x at 8 (two threads: 1.01x). SmolLM2's shapes alone
+# (benchmarks/skinny_linear.py) put the break-even near 3 rows: in a whole step the kernel
+# holds on longer.
+SKINNY_MAX_ROWS_BF16_NATIVE = 6
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 # A narrow weight on torch's GEMM: for a few rows of x (batched decode steps) widened a block
 # of about WIDEN_BLOCK_BYTES at a time, so the widened copy stays in cache and only the
