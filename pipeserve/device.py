@@ -414,6 +414,15 @@ def native_skinny_linear() -> Callable[..., torch.Tensor] | None:
     return _native_function("skinny_linear")
 
 
+def native_block_kernels() -> tuple[Callable[..., torch.Tensor], ...] | None:
+    """The compiled kernels for weights kept in GGUF blocks (layers/block_quant.py): the
+    skinny product, the blocks' float32 values, and a float32 weight's blocks (or None
+    where its values are no dequantisation); None without the compiled kernels."""
+    names = ("skinny_linear_blocks", "dequantize_blocks", "requantize_blocks")
+    found = [_native_function(name) for name in names]
+    return None if any(f is None for f in found) else tuple(f for f in found if f is not None)
+
+
 def native_prefill_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """The compiled CPU prefill-attention kernel for `dtype`, or None: bfloat16 products on
     CPUs with AVX512-BF16; else float32 arithmetic on CPUs with AVX2 and FMA, for float32

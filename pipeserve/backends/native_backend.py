@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from pipeserve.backends.base import AttentionBackend, DirectKernels, LinearKernels, Segment
 from pipeserve.device import (
     cpu_native_bf16,
+    native_block_kernels,
     native_decode_kernel,
     native_index_scores,
     native_index_topk,
@@ -27,6 +28,7 @@ from pipeserve.device import (
     native_sparse_kernel,
 )
 from pipeserve.layers import batch_invariant
+from pipeserve.layers.block_quant import BLOCK_FORMATS, BlockFormat, block_format
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -83,31 +85,47 @@ WIDEN_BLOCK_BYTES = 1 << 20
 WIDEN_WHOLE_MIN_ROWS = 256
 
 
+class BlockKernels(NamedTuple):
+    """The compiled kernels for weights kept in GGUF blocks (kernels/skinny_linear.cpp)."""
+
+    linear: Callable[..., torch.Tensor]  # (x, blocks, format code, bias) -> y
+    dequantize: Callable[..., torch.Tensor]  # (blocks, format code) -> float32 values
+    requantize: Callable[..., torch.Tensor | None]  # (float32 weight, format code) -> blocks
+
+
 class NativeLinears(LinearKernels):
     """Decode-sized products on the compiled skinny kernel (kernels/skinny_linear.cpp: each
-    weight byte read once, at the memory's speed, threads over output rows, no packing):
-    up to SKINNY_MAX_ROWS rows of x, SKINNY_MAX_ROWS_NARROW for a narrow weight, `bf16_max_rows`
-    for bfloat16 x and weight (SKINNY_MAX_ROWS_BF16_NATIVE on CPUs with native bf16); larger ones on
-    torch's GEMM, as are all of a deterministic run's forward (its prompt rows run there, so
-    a decode row must too).
+    weight byte read once, at the memory's speed, threads over output rows, no packing): up
+    to SKINNY_MAX_ROWS rows of x, SKINNY_MAX_ROWS_NARROW for a narrow weight, `bf16_max_rows`
+    for bfloat16 x and weight (SKINNY_MAX_ROWS_BF16_NATIVE on CPUs with native bf16); larger
+    ones on torch's GEMM, as are all of a deterministic run's forward (its prompt rows run
+    there, so a decode row must too).
 
-    `narrow`: float32 runs keep each linear weight whose values are all bfloat16 numbers (a
-    bfloat16 checkpoint's) in bfloat16, half the bytes a decode step reads for the same
-    products; torch's GEMM gets it widened block by block (WIDEN_BLOCK_ROWS)."""
+    `narrow`: float32 runs keep a linear weight whose values are all a GGUF dequantisation
+    (Q4_1, Q8_0: a GGUF checkpoint's, found again by `blocks.requantize`) in those blocks, and
+    one whose values are all bfloat16 numbers (a bfloat16 checkpoint's) in bfloat16: the same
+    products for a quarter or half of the bytes a decode step reads. Torch's GEMM gets such a
+    weight's values rebuilt (bfloat16 ones block by block: WIDEN_BLOCK_BYTES)."""
 
     def __init__(
         self,
         kernel: Callable[..., torch.Tensor],
         narrow: bool = True,
         bf16_max_rows: int = SKINNY_MAX_ROWS,
+        blocks: BlockKernels | None = None,
     ) -> None:
         self.kernel = kernel
         self.narrow = narrow
         self.bf16_max_rows = bf16_max_rows  # rows of bfloat16 x with a bfloat16 weight
+        self.blocks = blocks  # the compiled kernels for weights kept in GGUF blocks
 
     def store(self, weight: torch.Tensor) -> torch.Tensor:
         if not self.narrow or weight.dtype != torch.float32 or weight.dim() != 2:
             return weight
+        if self.blocks is not None:
+            for fmt in BLOCK_FORMATS:  # the smallest first
+                if (found := self.blocks.requantize(weight, fmt.code)) is not None:
+                    return found
         narrow = weight.to(torch.bfloat16)
         return narrow if torch.equal(narrow.float(), weight) else weight
 
@@ -115,6 +133,8 @@ class NativeLinears(LinearKernels):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
+        if (fmt := block_format(weight)) is not None:
+            return self._blocks_linear(x, weight, fmt, bias, rows)
         widened = weight.dtype != x.dtype
         if widened:
             most = SKINNY_MAX_ROWS_NARROW
@@ -131,24 +151,53 @@ class NativeLinears(LinearKernels):
             y = self.kernel(x.reshape(rows, x.shape[-1]), weight, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
         if widened:
-            return _widened_linear(x, weight, bias)
+            return _widened_linear(x, weight, bias, lambda w: w.to(x.dtype))
         return super().linear(x, weight, bias)
+
+    def _blocks_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        fmt: BlockFormat,
+        bias: torch.Tensor | None,
+        rows: int,
+    ) -> torch.Tensor:
+        """A weight kept in GGUF blocks: decode-sized products on the kernel, which rebuilds
+        its values in registers; larger ones on torch's GEMM over the rebuilt values."""
+        assert self.blocks is not None, "a weight in blocks is stored by linears that have them"
+        if (
+            rows <= SKINNY_MAX_ROWS_NARROW
+            and x.dtype in SKINNY_DTYPES
+            and (bias is None or bias.dtype == x.dtype)
+            and weight.is_contiguous()
+        ):
+            y = self.blocks.linear(x.reshape(rows, x.shape[-1]), weight, fmt.code, bias)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        # rebuilt whole: the compiled dequantisation is one pass, and torch's GEMM on blocks
+        # of rows measured slower at every size (Zen 4, SmolLM2's layers, 17-128 rows: 1.1-1.5x)
+        rebuilt = self.blocks.dequantize(weight, fmt.code).to(x.dtype)
+        y = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), rebuilt, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def _widened_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    widen: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """x W^T (+ b) for a weight kept narrower than x, widened for torch's GEMM (see
+    """x W^T (+ b) for a weight kept narrower than x (bfloat16, or GGUF blocks), widened by
+    `widen` (rows of the weight -> their values in x's dtype) for torch's GEMM (see
     WIDEN_BLOCK_BYTES)."""
     flat = x.reshape(-1, x.shape[-1])
-    m, (n, k) = flat.shape[0], weight.shape
+    m, n, k = flat.shape[0], weight.shape[0], flat.shape[1]
     if m >= WIDEN_WHOLE_MIN_ROWS:
-        y = torch.nn.functional.linear(flat, weight.to(x.dtype), bias)
+        y = torch.nn.functional.linear(flat, widen(weight), bias)
     else:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         rows = max(16, WIDEN_BLOCK_BYTES // (k * x.element_size()))
         for s in range(0, n, rows):
-            y[:, s : s + rows] = flat @ weight[s : s + rows].to(x.dtype).T
+            y[:, s : s + rows] = flat @ widen(weight[s : s + rows]).T
         if bias is not None:
             y += bias
     return y.view(*x.shape[:-1], n)
@@ -171,7 +220,13 @@ class NativeBackend(AttentionBackend):
         )
         if (skinny := native_skinny_linear()) is not None:
             bf16_rows = SKINNY_MAX_ROWS_BF16_NATIVE if cpu_native_bf16() else SKINNY_MAX_ROWS
-            self.linears = NativeLinears(skinny, not deterministic, bf16_rows)
+            blocks = native_block_kernels()
+            self.linears = NativeLinears(
+                skinny,
+                not deterministic,
+                bf16_rows,
+                None if blocks is None else BlockKernels(*blocks),
+            )
 
     def plan(
         self,

@@ -39,6 +39,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [m, K] . w [N, K]^T (+ bias), float32 or bfloat16 x and w, float32 arithmetic (CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("skinny_linear_blocks", &skinny_linear_blocks,
+        "skinny_linear for a weight kept in GGUF blocks of 32 values, each row its blocks' "
+        "bytes: format 1 Q4_1 (20 bytes), 2 Q8_0 (34 bytes); bitwise the float32 product on "
+        "the dequantised weight (CPU)",
+        py::arg("x"), py::arg("w"), py::arg("format"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_blocks", &dequantize_blocks,
+        "the float32 values of a weight kept in GGUF blocks (see skinny_linear_blocks), "
+        "bitwise as GGUF's reference dequantisation computes them (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("requantize_blocks", &requantize_blocks,
+        "a float32 weight as GGUF blocks (format 1 Q4_1, 2 Q8_0) whose values give back every "
+        "one of its values bitwise, or None (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear_max_rows", &skinny_linear_max_rows, "the most rows skinny_linear takes");
   py::class_<ShmAllReduce>(m, "ShmAllReduce")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())

@@ -30,6 +30,10 @@ at::Tensor sparse_expanded_attention(at::Tensor q, at::Tensor k, at::Tensor v, a
 at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale);
 at::Tensor skinny_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias);
 int64_t skinny_linear_max_rows();
+at::Tensor skinny_linear_blocks(at::Tensor x, at::Tensor w, int64_t format,
+                                std::optional<at::Tensor> bias);
+at::Tensor dequantize_blocks(at::Tensor w, int64_t format);
+std::optional<at::Tensor> requantize_blocks(at::Tensor w, int64_t format);
 at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
                       int64_t topk);
 

@@ -12,6 +12,7 @@ from torch import nn
 from pipeserve.backends.base import TORCH_LINEARS, LinearKernels
 from pipeserve.distributed.communication import tp_all_gather, tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pipeserve.layers.block_quant import block_format, values
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:
@@ -41,11 +42,20 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight).to(self.dtype)
+            return self._rows(ids)
         local = (ids >= self.start) & (ids < self.end)
-        out = F.embedding(torch.where(local, ids - self.start, 0), self.weight).to(self.dtype)
+        out = self._rows(torch.where(local, ids - self.start, 0))
         out.masked_fill_(~local.unsqueeze(-1), 0)
         return tp_all_reduce(out)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` in the compute dtype, whatever form a tied LM head keeps it
+        in (bfloat16, GGUF blocks: `LinearKernels.store`)."""
+        rows = F.embedding(ids, self.weight)
+        if (fmt := block_format(self.weight)) is not None:
+            flat = values(rows.reshape(-1, rows.shape[-1]), fmt)
+            return flat.view(*ids.shape, flat.shape[-1]).to(self.dtype)
+        return rows.to(self.dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import rotary_pairs, write_gguf
+from gguf_files import gguf_name, rotary_pairs, write_gguf
 from safetensors.torch import load_file
 
 from pipeserve.cli import main
@@ -276,3 +276,43 @@ def test_qwen_ggufs_keep_their_biases_norms_and_row_order(
             tokens.append(engine.generate(input_ids=[4, 8, 15, 16, 23, 42], sampling_params=sp)
                           ["output_ids"])
     assert tokens[0] == tokens[1]
+
+
+def test_a_q4_1_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: Path) -> None:
+    """The built-in model's kind of file (Q4_1 layers, a Q8_0 embedding tied to the LM head),
+    run in float32: the native backend keeps the linears in Q4_1 blocks and the shared
+    embedding/LM head in Q8_0 (a quarter and about a quarter of their float32 bytes), and
+    gives the torch backend's tokens and logprobs on the dequantised weights."""
+    from pipeserve.layers.block_quant import Q4_1, Q8_0, block_format
+    from pipeserve.layers.embedding import ParallelLMHead
+    from pipeserve.layers.linear import LinearBase
+
+    tied = model_dir("tiny-llama", hidden_size=256, intermediate_size=512, head_dim=64,
+                     rope_scaling=None, num_hidden_layers=2, tie_word_embeddings=True)
+    names = [n for n in load_file(tied / "model.safetensors") if n.endswith("proj.weight")]
+    types = {gguf_name(n): Q.Q4_1 for n in names} | {"token_embd.weight": Q.Q8_0}
+    path = write_gguf(tied, tmp_path / "q4_1.gguf", types)
+    prompts = [[(7 * j) % 500 + 1 for j in range(40)], [(3 * j) % 500 + 2 for j in range(9)]]
+    sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    runs, held = {}, {}
+    for backend in ("native", "torch"):
+        with Engine(str(path), dtype="float32", attention_backend=backend) as engine:
+            runner = engine.backend.runner
+            held[backend] = runner.param_bytes
+            if backend == "native":
+                if runner.backend.linears.blocks is None:
+                    pytest.skip("the native CPU kernels do not build here")
+                linear = [m.weight for m in runner.model.modules() if isinstance(m, LinearBase)]
+                assert len(linear) == 8 and all(block_format(w) is Q4_1 for w in linear)
+                head = [m.weight for m in runner.model.modules() if isinstance(m, ParallelLMHead)]
+                assert block_format(head[0]) is Q8_0
+                assert runner.model.model.embed_tokens.weight is head[0]
+            runs[backend] = engine.generate(
+                input_ids=prompts, sampling_params=sp, return_logprob=True
+            )
+    assert held["native"] < 0.35 * held["torch"]
+    for got, want in zip(runs["native"], runs["torch"], strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        for key in ("prompt_logprobs", "output_logprobs"):
+            a, b = (torch.tensor(r[key], dtype=torch.float64) for r in (got, want))
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

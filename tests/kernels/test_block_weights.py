@@ -1,0 +1,165 @@
+"""Weights kept in GGUF blocks (layers/block_quant.py, kernels/skinny_linear.cpp's
+`skinny_linear_blocks`): the blocks of a dequantised Q4_1 or Q8_0 tensor found again bitwise
+(against gguf's own quantiser), anything else refused; the kernel on the blocks equal bitwise
+to the float32 kernel on the values; the native linears keep such weights in blocks and send
+larger products to torch's GEMM on the values; a tied embedding reads its rows from them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from pipeserve.backends.native_backend import SKINNY_MAX_ROWS_NARROW, BlockKernels, NativeLinears
+from pipeserve.device import native_block_kernels, native_skinny_linear
+from pipeserve.layers.block_quant import Q4_1, Q8_0, block_format, requantize, values
+from pipeserve.layers.embedding import VocabParallelEmbedding
+
+KERNEL = native_skinny_linear()
+COMPILED = native_block_kernels()
+BLOCKS, DEQUANTIZE, REQUANTIZE = COMPILED or (None, None, None)
+needs_kernel = pytest.mark.skipif(COMPILED is None, reason="the native CPU kernels do not build")
+FORMATS = {"q4_1": (Q.Q4_1, Q4_1), "q8_0": (Q.Q8_0, Q8_0)}
+
+
+def gguf_weight(n: int, k: int, kind: Q, seed: int = 0) -> tuple[torch.Tensor, bytes]:
+    """A weight as GGUF's quantiser stores it and as its dequantiser gives it back:
+    (float32 values [n, k], the blocks' bytes)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2, (n, 1))).astype(np.float32)
+    w[0, :32] = 0.5  # a block of one value
+    raw = quants.quantize(w, kind)
+    return torch.from_numpy(quants.dequantize(raw, kind).copy()), raw.tobytes()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_blocks_of_a_dequantised_tensor_are_found_again(name: str) -> None:
+    """By the torch reference and by the compiled kernel: the very bytes GGUF stores."""
+    kind, fmt = FORMATS[name]
+    w, raw = gguf_weight(40, 96, kind)
+    blocks = requantize(w)
+    assert blocks is not None and block_format(blocks) is fmt
+    assert blocks.shape == (40, 96 // 32 * fmt.block_bytes)
+    assert torch.equal(values(blocks, fmt), w)
+    assert blocks.numpy().tobytes() == raw
+    if REQUANTIZE is not None:
+        compiled = REQUANTIZE(w, fmt.code)
+        assert compiled is not None and compiled.dtype == fmt.storage
+        assert compiled.numpy().tobytes() == raw
+
+
+def refused() -> list[torch.Tensor]:
+    """Weights with no blocks: float32 and bfloat16 values, one value off its block's grid,
+    a NaN, an infinity, rows that are not whole blocks."""
+    w, _ = gguf_weight(8, 64, Q.Q4_1)
+    nudged, nan, inf = w.clone(), w.clone(), w.clone()
+    nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(9.0))
+    nan[7, 3], inf[2, 60] = float("nan"), float("inf")
+    return [torch.randn(16, 64), torch.randn(16, 64).bfloat16().float(), nudged, nan, inf,
+            w[:, :48].contiguous()]  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_compiled_search_refuses_what_has_no_blocks(name: str) -> None:
+    fmt = FORMATS[name][1]
+    assert REQUANTIZE is not None
+    for weight in refused():
+        assert REQUANTIZE(weight, fmt.code) is None
+    q4_1, _ = gguf_weight(8, 64, Q.Q4_1)
+    q8_0, _ = gguf_weight(8, 64, Q.Q8_0)
+    assert REQUANTIZE(q8_0, Q4_1.code) is None and REQUANTIZE(q4_1, Q8_0.code) is None
+
+
+def test_anything_else_stays_a_matrix() -> None:
+    w, _ = gguf_weight(8, 64, Q.Q4_1)
+    for weight in [*refused(), w.bfloat16()]:
+        assert requantize(weight) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 5, SKINNY_MAX_ROWS_NARROW])
+def test_the_kernel_on_blocks_is_the_float32_kernel_on_values(name: str, rows: int) -> None:
+    kind, fmt = FORMATS[name]
+    w, _ = gguf_weight(70, 160, kind, seed=rows)  # 70: not a whole number of 4-row tiles
+    blocks = requantize(w)
+    assert blocks is not None
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 160, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    got = BLOCKS(x, blocks, fmt.code, bias)
+    assert torch.equal(got, KERNEL(x, w, bias))  # the same values, the same sums
+    want = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    got16 = BLOCKS(x.bfloat16(), blocks, fmt.code, bias.bfloat16())
+    assert got16.dtype == torch.bfloat16
+    assert torch.equal(got16, KERNEL(x.bfloat16(), w, bias.bfloat16()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_compiled_dequantisation_gives_the_values(name: str) -> None:
+    kind, fmt = FORMATS[name]
+    w, _ = gguf_weight(130, 224, kind)
+    blocks = requantize(w)
+    assert blocks is not None and DEQUANTIZE is not None
+    assert torch.equal(DEQUANTIZE(blocks, fmt.code), w)
+    assert torch.equal(DEQUANTIZE(blocks[7:9], fmt.code), w[7:9])  # rows of it
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        DEQUANTIZE(blocks[:, :-1].contiguous(), fmt.code)
+
+
+@needs_kernel
+def test_the_kernel_refuses_blocks_that_do_not_fit() -> None:
+    w, _ = gguf_weight(4, 64, Q.Q4_1)
+    blocks = requantize(w)
+    assert blocks is not None
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="format"):
+        BLOCKS(x, blocks, 3)
+    with pytest.raises(RuntimeError, match="blocks of"):
+        BLOCKS(torch.randn(1, 96), blocks, Q4_1.code)
+    with pytest.raises(RuntimeError, match="blocks of"):
+        BLOCKS(x, blocks, Q8_0.code)  # 40 bytes a row: not 34-byte blocks
+    with pytest.raises(RuntimeError, match="at most"):
+        BLOCKS(torch.randn(17, 64), blocks, Q4_1.code)
+
+
+@needs_kernel
+def test_native_linears_keep_blocks_and_use_the_gemm_for_many_rows() -> None:
+    assert KERNEL is not None
+    calls: list[int] = []
+
+    def blocks_kernel(x, w, code, b=None):
+        calls.append(x.shape[0])
+        return BLOCKS(x, w, code, b)
+
+    assert COMPILED is not None
+    compiled = BlockKernels(blocks_kernel, *COMPILED[1:])
+    linears = NativeLinears(KERNEL, blocks=compiled)
+    w, _ = gguf_weight(300, 128, Q.Q4_1)
+    kept = linears.store(w)
+    assert block_format(kept) is Q4_1 and kept.nbytes == w.nbytes * 20 // 128
+    q8_0, _ = gguf_weight(300, 128, Q.Q8_0)
+    assert block_format(linears.store(q8_0)) is Q8_0
+    assert NativeLinears(KERNEL, narrow=False, blocks=compiled).store(w) is w
+    assert NativeLinears(KERNEL).store(w) is w  # no compiled block kernels: no blocks
+    x = torch.randn(SKINNY_MAX_ROWS_NARROW + 300, 128)
+    for rows in (1, SKINNY_MAX_ROWS_NARROW, SKINNY_MAX_ROWS_NARROW + 1, 300):
+        got = linears.linear(x[:rows].view(1, rows, 128), kept)
+        assert got.shape == (1, rows, 300)
+        torch.testing.assert_close(got[0], x[:rows] @ w.T, atol=1e-4, rtol=1e-5)
+    assert calls == [1, SKINNY_MAX_ROWS_NARROW]  # more rows: torch's GEMM on the values
+
+
+def test_a_tied_embedding_kept_in_blocks_looks_up_its_values() -> None:
+    w, _ = gguf_weight(50, 64, Q.Q8_0)
+    embed = VocabParallelEmbedding(50, 64, torch.float32)
+    blocks = requantize(w)
+    assert blocks is not None
+    embed.weight.data = blocks
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(embed(ids), w[ids])
