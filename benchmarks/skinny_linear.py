@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
 
-from pipeserve.backends.native_backend import NativeLinears
-from pipeserve.device import native_skinny_linear
+from pipeserve.backends.native_backend import BlockKernels, NativeLinears
+from pipeserve.device import native_block_kernels, native_skinny_linear
 
 SHAPES = {  # SmolLM2-135M: [out, in]
     "qkv": (960, 576),
@@ -37,6 +38,17 @@ SHAPES = {  # SmolLM2-135M: [out, in]
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
+
+
+def gguf_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """`w` through GGUF's Q4_1 quantiser, kept in its blocks as the native linears keep it."""
+    raw = quants.quantize(w.numpy(), GGMLQuantizationType.Q4_1)
+    values = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_1).copy())
+    kept = NativeLinears(lambda *a: a[0], blocks=BlockKernels(*native_block_kernels())).store(
+        values
+    )
+    assert kept.dtype == torch.uint8
+    return kept
 
 
 def seconds(fn: Callable[[], object], calls: int) -> float:
@@ -58,11 +70,14 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the native CPU kernels do not build here")
     torch.set_num_threads(args.threads)
-    linears = NativeLinears(kernel)
+    blocks = native_block_kernels()
+    assert blocks is not None
+    linears = NativeLinears(kernel, blocks=BlockKernels(*blocks))
     results: list[dict[str, object]] = []
     for name, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k).bfloat16().float()  # bfloat16 numbers: narrowing keeps them
         w16 = w32.bfloat16()
+        q4_1 = gguf_q4_1(w32)  # the same weight's Q4_1 blocks (other values: same bytes read)
         calls = 5 if name == "lm_head" else 50
         for m in args.rows:
             x = torch.randn(m, k)
@@ -72,6 +87,7 @@ def main() -> None:
                 "native_bf16_weight": partial(linears.linear, x, w16),
                 "torch_bf16": partial(F.linear, x.bfloat16(), w16),
                 "native_bf16": partial(linears.linear, x.bfloat16(), w16),
+                "native_q4_1": partial(linears.linear, x, q4_1),
             }
             times: dict[str, list[float]] = {c: [] for c in cases}
             for _ in range(args.rounds):
@@ -84,7 +100,8 @@ def main() -> None:
                 f"{name:8s} rows {m:3d}  torch f32 {row['torch_f32_us']:9.1f} us  native f32 "
                 f"{row['native_f32_us']:9.1f}  native bf16 weight "
                 f"{row['native_bf16_weight_us']:9.1f}  torch bf16 {row['torch_bf16_us']:9.1f}  "
-                f"native bf16 {row['native_bf16_us']:9.1f}"
+                f"native bf16 {row['native_bf16_us']:9.1f}  "
+                f"native q4_1 {row['native_q4_1_us']:9.1f}"
             )
     head = {}
     w = torch.randn(*SHAPES["lm_head"])

@@ -194,8 +194,78 @@ inline void tile(const Problem<W>& p, int64_t r0, int64_t i0) {
 }
 
 // Outputs [r0, r0 + R) of every row of x.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PIPESERVE_BLOCK_TILES 1
+// A whole block's four weight vectors at once: its scale (and minimum) converted and
+// broadcast once, its integers loaded once, where the per-vector `wload` above does both per
+// 8 values (Zen 4, one thread, SmolLM2's layers at one row: 1.2-2.4x faster; the built-in
+// model's decode 1.23x). The same values, each rounded the same way.
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);
+}
+inline void block_values(const Q41*, const uint8_t* b, v8* w) {
+  const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+  const __m128i low = _mm_and_si128(qs, _mm_set1_epi8(15));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(15));
+  const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+  for (int j = 0; j < 4; ++j) {
+    __m256 prod = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])));
+    asm("" : "+x"(prod));  // rounded before the add, as the dequantised weight was
+    w[j] = (v8)_mm256_add_ps(prod, m);
+  }
+}
+inline void block_values(const Q80*, const uint8_t* b, v8* w) {
+  const __m256 d = _mm256_set1_ps(half(b));
+  for (int j = 0; j < 4; ++j) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
+    w[j] = (v8)_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+  }
+}
+
+// `tile` for block formats, a block at a time: each accumulator still takes the values in
+// the order of K, so the sums are bitwise `tile`'s.
+template <int64_t R, int64_t MT, typename W>
+inline void tile_blocks(const Problem<W>& p, int64_t r0, int64_t i0) {
+  const int64_t k = p.k;
+  const uint8_t* wr[R];
+  const float* xi[MT];
+  for (int64_t r = 0; r < R; ++r) wr[r] = &(p.w + (r0 + r) * p.ld)->byte;
+  for (int64_t i = 0; i < MT; ++i) xi[i] = p.x + (i0 + i) * k;
+  v8 acc[MT][R] = {};
+  for (int64_t c = 0; c < k; c += kBlock) {
+    const int64_t at = (c / kBlock) * kBlockBytes<W>;
+    for (int64_t r = 0; r < R; ++r) __builtin_prefetch(wr[r] + R * p.ld + at);
+    for (int64_t r = 0; r < R; ++r) {
+      v8 w[4];
+      block_values(static_cast<const W*>(nullptr), wr[r] + at, w);
+      for (int64_t j = 0; j < 4; ++j) {
+        for (int64_t i = 0; i < MT; ++i) acc[i][r] = fma8(w[j], load8(xi[i] + c + kLanes * j), acc[i][r]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < MT; ++i) {
+    for (int64_t r = 0; r < R; ++r) {
+      float s = vec8::lanes_sum(acc[i][r]);
+      if (p.bias != nullptr) s += p.bias[r0 + r];
+      p.y[(i0 + i) * p.n + r0 + r] = s;
+    }
+  }
+}
+#endif
+
 template <int64_t R, typename W>
 inline void rows(const Problem<W>& p, int64_t r0) {
+#ifdef PIPESERVE_BLOCK_TILES
+  if constexpr (kBlockBytes<W> > 0) {
+    int64_t i = 0;
+    for (; i + kPair <= p.m; i += kPair) tile_blocks<R, kPair>(p, r0, i);
+    if (i < p.m) tile_blocks<R, 1>(p, r0, i);
+    return;
+  }
+#endif
   int64_t i = 0;
   for (; i + kPair <= p.m; i += kPair) tile<R, kPair>(p, r0, i);
   if (i < p.m) tile<R, 1>(p, r0, i);
@@ -263,7 +333,16 @@ template <typename W>
 void dequantize_rows(const W* w, int64_t ld, int64_t n, int64_t k, float* out) {
   at::parallel_for(0, n, kGrainRows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
+#ifdef PIPESERVE_BLOCK_TILES
+      const uint8_t* row = &(w + r * ld)->byte;
+      for (int64_t c = 0; c < k; c += kBlock) {
+        v8 values[4];
+        block_values(w, row + (c / kBlock) * kBlockBytes<W>, values);
+        for (int64_t j = 0; j < 4; ++j) vec8::store8(out + r * k + c + kLanes * j, values[j]);
+      }
+#else
       for (int64_t c = 0; c < k; c += kLanes) vec8::store8(out + r * k + c, wload_at(w + r * ld, c));
+#endif
     }
   });
 }
