@@ -414,6 +414,12 @@ def native_skinny_linear() -> Callable[..., torch.Tensor] | None:
     return _native_function("skinny_linear")
 
 
+def native_norm_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The compiled CPU RMSNorm and its residual-add form (kernels/rms_norm.cpp), or None."""
+    rms, add = _native_function("rms_norm"), _native_function("add_rms_norm")
+    return None if rms is None or add is None else (rms, add)
+
+
 def native_block_kernels() -> tuple[Callable[..., torch.Tensor], ...] | None:
     """The compiled kernels for weights kept in GGUF blocks (layers/block_quant.py): the
     skinny product, the blocks' float32 values, and a float32 weight's blocks (or None

@@ -32,6 +32,7 @@ SOURCES = [
         "sparse_attention.cpp",
         "sparse_expanded.cpp",
         "skinny_linear.cpp",
+        "rms_norm.cpp",
         "bindings.cpp",
     )
 ]

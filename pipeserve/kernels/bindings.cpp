@@ -53,6 +53,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a float32 weight as GGUF blocks (format 1 Q4_1, 2 Q8_0) whose values give back every "
         "one of its values bitwise, or None (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, as the torch ops compute it (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm,
+        "the pre-norm residual step: (rms_norm(x + residual), x + residual) in one pass (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear_max_rows", &skinny_linear_max_rows, "the most rows skinny_linear takes");
   py::class_<ShmAllReduce>(m, "ShmAllReduce")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())

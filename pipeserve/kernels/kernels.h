@@ -9,6 +9,7 @@
 #include <atomic>
 #include <optional>
 #include <string>
+#include <tuple>
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor runs, at::Tensor offsets, double scale);
@@ -34,6 +35,9 @@ at::Tensor skinny_linear_blocks(at::Tensor x, at::Tensor w, int64_t format,
                                 std::optional<at::Tensor> bias);
 at::Tensor dequantize_blocks(at::Tensor w, int64_t format);
 std::optional<at::Tensor> requantize_blocks(at::Tensor w, int64_t format);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w,
+                                                double eps);
 at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
                       int64_t topk);
 
