@@ -44,6 +44,7 @@ def _secret_flag(help: str) -> Any:
 
 AFD_DISPATCH_MODES = ("direct-rank", "direct", "two-stage")
 FP8_WEIGHTS = ("dequantize", "keep")
+GGUF_WEIGHTS = ("keep", "dequantize")
 CP_PREFIX_MODES = ("auto", "merge", "regather")
 CP_KV_EXCHANGES = ("all-gather", "ring")
 
@@ -74,6 +75,15 @@ class ModelConfig:
         "GPU). Under 'keep' MLA's kv_b_proj and any layer whose TP slice starts inside a "
         "128-block are dequantised",
         choices=FP8_WEIGHTS,
+    )
+    gguf_weights: str = _flag(
+        "keep",
+        "GGUF checkpoints' Q4_1 and Q8_0 weights in a float32 run on a CPU with the native "
+        "kernels: 'keep' (held in their blocks, a quarter of float32's bytes for Q4_1, and "
+        "multiplied with their values rebuilt in registers: the same products) or "
+        "'dequantize' (held as float32 matrices, as other types, dtypes and devices always "
+        "are)",
+        choices=GGUF_WEIGHTS,
     )
     context_length: int | None = _flag(
         None, "maximum tokens per request (prompt + output); default: the model's"

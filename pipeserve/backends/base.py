@@ -98,9 +98,10 @@ class LinearKernels:
     run's to every layer once (`layers.linear.use_linear_kernels`), which also lets it choose
     the form a weight is kept in (`store`)."""
 
-    def store(self, weight: torch.Tensor) -> torch.Tensor:
+    def store(self, weight: torch.Tensor, keep_blocks: bool = True) -> torch.Tensor:
         """The form this run keeps a loaded weight in, which `linear` is then given (the
-        weight itself: as loaded, in the compute dtype)."""
+        weight itself: as loaded, in the compute dtype); `keep_blocks`: a dequantised GGUF
+        weight may go back to its blocks (--gguf-weights)."""
         return weight
 
     def linear(

@@ -169,10 +169,10 @@ class NativeLinears(LinearKernels):
         self.bf16_max_rows = bf16_max_rows  # rows of bfloat16 x with a bfloat16 weight
         self.blocks = blocks  # the compiled kernels for weights kept in GGUF blocks
 
-    def store(self, weight: torch.Tensor) -> torch.Tensor:
+    def store(self, weight: torch.Tensor, keep_blocks: bool = True) -> torch.Tensor:
         if not self.narrow or weight.dtype != torch.float32 or weight.dim() != 2:
             return weight
-        if self.blocks is not None:
+        if keep_blocks and self.blocks is not None:
             for fmt in BLOCK_FORMATS:  # the smallest first
                 if (found := self.blocks.requantize(weight, fmt.code)) is not None:
                     return found

@@ -12,6 +12,7 @@ float32 values back (torch ops, where a few rows are read: a tied embedding's lo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,21 @@ FORMATS = {f.storage: f for f in BLOCK_FORMATS}
 def block_format(weight: torch.Tensor) -> BlockFormat | None:
     """The format a kept weight is in; None: a plain matrix of values."""
     return FORMATS.get(weight.dtype) if weight.dim() == 2 else None
+
+
+def describe_blocks(weights: Iterable[torch.Tensor]) -> str | None:
+    """What a run keeps in blocks, in a line (None: nothing): tensors, bytes, and the bytes
+    their float32 values would take."""
+    kept = [(w, f) for w in weights if (f := block_format(w)) is not None]
+    if not kept:
+        return None
+    held = sum(w.nbytes for w, _ in kept)
+    wide = sum(4 * w.shape[0] * (w.shape[1] // f.block_bytes * BLOCK) for w, f in kept)
+    names = sorted({f.name for _, f in kept})
+    return (
+        f"GGUF weights kept in their blocks ({', '.join(names)}): {len(kept)} tensors, "
+        f"{held / 2**20:.1f} MiB (as float32: {wide / 2**20:.1f} MiB)"
+    )
 
 
 def values(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:

@@ -89,17 +89,18 @@ def dequantized(
     return param
 
 
-def use_linear_kernels(model: nn.Module, kernels: LinearKernels) -> None:
+def use_linear_kernels(model: nn.Module, kernels: LinearKernels, keep_blocks: bool = True) -> None:
     """Every linear layer of `model`, and its LM head, computes its products with `kernels`
     (the run's, chosen with its attention backend), over weights kept in the form they
-    choose (`LinearKernels.store`) where only those products read them (`stored_weights`;
-    a weight shared by two modules, as tied embeddings, changes once, in place)."""
+    choose (`LinearKernels.store`; `keep_blocks`: --gguf-weights keep) where only those
+    products read them (`stored_weights`; a weight shared by two modules, as tied
+    embeddings, changes once, in place)."""
     for module in model.modules():
         if not isinstance(getattr(module, "linears", None), LinearKernels):
             continue
         cast(Any, module).linears = kernels
         for param in cast(Any, module).stored_weights():
-            param.data = kernels.store(param.data)
+            param.data = kernels.store(param.data, keep_blocks)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -21,6 +21,7 @@ from pipeserve.disaggregation.afd.micro_batches import split_micro_batches
 from pipeserve.distributed.parallel_state import get_parallel_state, stage_layers
 from pipeserve.engine.future_map import FutureMap
 from pipeserve.layers import batch_invariant
+from pipeserve.layers.block_quant import describe_blocks
 from pipeserve.layers.linear import fp8_kept, keeping_fp8_weights, use_linear_kernels
 from pipeserve.layers.moe import FusedMoE
 from pipeserve.layers.sampler import Sampler, output_logprobs, prompt_logprobs
@@ -98,9 +99,11 @@ class ModelRunner:
         """The run's attention backend, and batch-invariant products in its forwards where
         deterministic inference is asked for."""
         self.backend = backend
-        use_linear_kernels(self.model, backend.linears)
+        use_linear_kernels(self.model, backend.linears, self.config.model.gguf_weights == "keep")
         self.deterministic = self.config.model.enable_deterministic_inference
         log.info("attention backend: %s", backend.name)
+        if (kept := describe_blocks(self.model.parameters())) is not None:
+            log.info("%s; --gguf-weights dequantize holds the values", kept)
         if self.deterministic:
             batch_invariant.check_linear_rows(
                 w for p in self.model.parameters() for w in (p if p.dim() == 3 else [p])

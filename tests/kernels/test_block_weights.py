@@ -14,7 +14,7 @@ from gguf import quants
 
 from pipeserve.backends.native_backend import SKINNY_MAX_ROWS_NARROW, BlockKernels, NativeLinears
 from pipeserve.device import native_block_kernels, native_skinny_linear
-from pipeserve.layers.block_quant import Q4_1, Q8_0, block_format, values
+from pipeserve.layers.block_quant import Q4_1, Q8_0, block_format, describe_blocks, values
 from pipeserve.layers.embedding import VocabParallelEmbedding
 
 KERNEL = native_skinny_linear()
@@ -166,3 +166,13 @@ def test_a_tied_embedding_kept_in_blocks_looks_up_its_values() -> None:
     embed.weight.data = blocks
     ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
     assert torch.equal(embed(ids), w[ids])
+
+
+@needs_kernel
+def test_what_is_kept_is_described_in_a_line() -> None:
+    q4_1, q8_0 = (requantize(gguf_weight(64, 128, kind)[0]) for kind in (Q.Q4_1, Q.Q8_0))
+    assert q4_1 is not None and q8_0 is not None
+    line = describe_blocks([q4_1, torch.ones(3), q8_0])
+    assert line is not None and "(Q4_1, Q8_0): 2 tensors" in line
+    assert f"{(q4_1.nbytes + q8_0.nbytes) / 2**20:.1f} MiB (as float32: 0.1 MiB)" in line
+    assert describe_blocks([torch.ones(3, 4)]) is None

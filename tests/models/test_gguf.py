@@ -282,7 +282,8 @@ def test_a_q4_1_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: P
     """The built-in model's kind of file (Q4_1 layers, a Q8_0 embedding tied to the LM head),
     run in float32: the native backend keeps the linears in Q4_1 blocks and the shared
     embedding/LM head in Q8_0 (a quarter and about a quarter of their float32 bytes), and
-    gives the torch backend's tokens and logprobs on the dequantised weights."""
+    gives the torch backend's tokens and logprobs on the dequantised weights;
+    --gguf-weights dequantize holds the float32 values."""
     from pipeserve.layers.block_quant import Q4_1, Q8_0, block_format
     from pipeserve.layers.embedding import ParallelLMHead
     from pipeserve.layers.linear import LinearBase
@@ -295,10 +296,15 @@ def test_a_q4_1_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: P
     prompts = [[(7 * j) % 500 + 1 for j in range(40)], [(3 * j) % 500 + 2 for j in range(9)]]
     sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     runs, held = {}, {}
-    for backend in ("native", "torch"):
-        with Engine(str(path), dtype="float32", attention_backend=backend) as engine:
+    for backend, kept in (("native", "keep"), ("torch", "keep"), ("native", "dequantize")):
+        flags = {"attention_backend": backend, "gguf_weights": kept}
+        with Engine(str(path), dtype="float32", **flags) as engine:
             runner = engine.backend.runner
-            held[backend] = runner.param_bytes
+            held[backend, kept] = runner.param_bytes
+            if kept == "dequantize":
+                params = runner.model.parameters()
+                assert not any(block_format(w) is not None for w in params)
+                continue
             if backend == "native":
                 if runner.backend.linears.blocks is None:
                     pytest.skip("the native CPU kernels do not build here")
@@ -310,7 +316,8 @@ def test_a_q4_1_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: P
             runs[backend] = engine.generate(
                 input_ids=prompts, sampling_params=sp, return_logprob=True
             )
-    assert held["native"] < 0.35 * held["torch"]
+    assert held["native", "keep"] < 0.35 * held["torch", "keep"]
+    assert held["native", "dequantize"] == held["torch", "keep"]
     for got, want in zip(runs["native"], runs["torch"], strict=True):
         assert got["output_ids"] == want["output_ids"]
         for key in ("prompt_logprobs", "output_logprobs"):
