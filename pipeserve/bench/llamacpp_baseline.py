@@ -68,8 +68,10 @@ def run_llamacpp(
 
 
 def _generate(llm: Any, prompt: list[int], count: int) -> tuple[float, list[int]]:
-    """`count` greedy tokens after `prompt` from an empty cache -> (when the first came,
-    the tokens)."""
+    """`count` (at least 1) greedy tokens after `prompt` from an empty cache -> (when the
+    first came, the tokens)."""
+    if count < 1:
+        raise ValueError("llama.cpp's baseline generates at least one token")
     llm.reset()  # forget the last sequence: its KV is not reused as a prefix
     tokens: list[int] = []
     first = 0.0

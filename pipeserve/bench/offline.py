@@ -193,7 +193,7 @@ def run_bench(
     config = EngineConfig.from_flags(**flags)
     for layout in layouts:  # a layout the engine refuses fails before any runs
         EngineConfig.from_flags(**layout.flags(flags))
-    gguf = llamacpp_gguf(config) if baseline == "llamacpp" else None  # so does the baseline
+    gguf = llamacpp_gguf(config, output_len) if baseline == "llamacpp" else None  # and so on
     samples: dict[Layout, list[dict[str, Any]]] = {lay: [] for lay in layouts}
     for _ in range(repeat):
         for layout in layouts:
@@ -388,9 +388,11 @@ def _add_hf_baseline(
     _compare_with_baseline(report, run, base, name, extra)
 
 
-def llamacpp_gguf(config: EngineConfig) -> Path:
+def llamacpp_gguf(config: EngineConfig, output_len: int) -> Path:
     """The GGUF file llama.cpp runs for `config`'s --model, checked before any run: llama.cpp
-    reads nothing else, and llama-cpp-python must be installed."""
+    reads nothing else, llama-cpp-python must be installed, and its TTFT needs a token."""
+    if output_len < 1:
+        raise SettingsError("--baseline llamacpp needs --output-len 1 or more")
     gguf = gguf_file(config.model.model_path)
     if gguf is None:
         raise SettingsError(

@@ -56,10 +56,13 @@ def test_the_blocks_of_a_dequantised_tensor_are_found_again(name: str) -> None:
     assert torch.equal(values(blocks, fmt), w)
 
 
-def refused() -> list[torch.Tensor]:
-    """Weights with no blocks: float32 and bfloat16 values, one value off its block's grid,
-    a NaN, an infinity, rows that are not whole blocks."""
-    w, _ = gguf_weight(8, 64, Q.Q4_1)
+def refused(kind: Q) -> list[torch.Tensor]:
+    """Weights with no blocks of `kind`: float32 and bfloat16 values, and a weight of that
+    kind (whose other blocks would be found) with one value off its block's grid, a NaN, an
+    infinity, or rows that are not whole blocks."""
+    w, _ = gguf_weight(8, 64, kind)
+    w[0, :32] = w[1, :32]  # no block of one value: each case is refused by its own fault
+    assert REQUANTIZE is not None and REQUANTIZE(w, FORMATS[kind.name.lower()][1].code) is not None
     nudged, nan, inf = w.clone(), w.clone(), w.clone()
     nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(9.0))
     nan[7, 3], inf[2, 60] = float("nan"), float("inf")
@@ -70,9 +73,9 @@ def refused() -> list[torch.Tensor]:
 @needs_kernel
 @pytest.mark.parametrize("name", FORMATS)
 def test_anything_else_stays_a_matrix(name: str) -> None:
-    fmt = FORMATS[name][1]
+    kind, fmt = FORMATS[name]
     assert REQUANTIZE is not None
-    for weight in refused():
+    for weight in refused(kind):
         assert REQUANTIZE(weight, fmt.code) is None
     q4_1, _ = gguf_weight(8, 64, Q.Q4_1)
     q8_0, _ = gguf_weight(8, 64, Q.Q8_0)

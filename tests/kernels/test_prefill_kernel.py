@@ -269,6 +269,7 @@ def built_in_model_attention() -> list[tuple[torch.Tensor, ...]]:
     activations, with the sharp copy heads and large scores that random inputs lack."""
     from tokenizers import Tokenizer
     from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from pipeserve.models.resolve import resolve_model_path
 
@@ -283,7 +284,8 @@ def built_in_model_attention() -> list[tuple[torch.Tensor, ...]]:
         k, v = key[0].bfloat16().contiguous(), value[0].bfloat16().contiguous()
         runs = [(0, q.shape[0])]
         layers.append((q, k, v, fused_torch(q, k, v, runs, 0), reference(q, k, v, runs, 0)))
-        return torch.zeros_like(query).transpose(1, 2), None  # later layers' inputs: unused
+        # the model's own float32 attention, so that every layer sees real inputs
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
 
     AttentionInterface.register("pipeserve_capture", capture)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pipeserve_capture")

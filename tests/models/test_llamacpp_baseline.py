@@ -108,12 +108,14 @@ def test_bench_reports_llamacpp_beside_pipeserve_on_a_gguf(
     assert len(prompts) == 2 and all(len(p) == 16 for p in prompts)
 
 
-def test_a_model_that_is_not_a_gguf_is_refused_before_any_run(
+def test_a_model_that_is_not_a_gguf_or_no_output_is_refused_before_any_run(
     fake_llama_cpp: type[FakeLlama], model_dir, capsys
 ) -> None:
     config = EngineConfig.from_flags(model_path=str(model_dir("tiny-llama")))
     with pytest.raises(SettingsError, match="reads GGUF files"):
-        llamacpp_gguf(config)
+        llamacpp_gguf(config, 4)
+    with pytest.raises(SettingsError, match="--output-len 1 or more"):
+        llamacpp_gguf(EngineConfig.from_flags(), 0)
     with pytest.raises(SystemExit):
         main(["bench", "--model", str(model_dir("tiny-llama")), "--baseline", "llamacpp"])
     assert "reads GGUF files" in capsys.readouterr().err
@@ -126,6 +128,6 @@ def test_without_llama_cpp_python_it_says_how_to_install(
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
     config = EngineConfig.from_flags()  # the built-in model: a GGUF
     with pytest.raises(SettingsError, match="pip install llama-cpp-python"):
-        llamacpp_gguf(config)
+        llamacpp_gguf(config, 4)
     with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
         run_llamacpp(tmp_path / "m.gguf", [[1, 2]], 2, threads=1)
