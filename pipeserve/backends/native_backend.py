@@ -213,7 +213,9 @@ class NativeLinears(LinearKernels):
         rows: int,
     ) -> torch.Tensor:
         """A weight kept in GGUF blocks: decode-sized products on the kernel, which rebuilds
-        its values in registers; larger ones on torch's GEMM over the rebuilt values."""
+        its values in registers; larger ones on torch's GEMM over the values, rebuilt by the
+        compiled pass a block of rows at a time below WIDEN_WHOLE_MIN_ROWS (the built-in
+        model, 64 requests, Zen 4: decode 1.24x rebuilding whole weights) and whole above."""
         assert self.blocks is not None, "a weight in blocks is stored by linears that have them"
         if (
             rows <= SKINNY_MAX_ROWS_NARROW
@@ -223,11 +225,8 @@ class NativeLinears(LinearKernels):
         ):
             y = self.blocks.linear(x.reshape(rows, x.shape[-1]), weight, fmt.code, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
-        # rebuilt whole: the compiled dequantisation is one pass, and torch's GEMM on blocks
-        # of rows measured slower at every size (Zen 4, SmolLM2's layers, 17-128 rows: 1.1-1.5x)
-        rebuilt = self.blocks.dequantize(weight, fmt.code).to(x.dtype)
-        y = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), rebuilt, bias)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        code = fmt.code
+        return _widened_linear(x, weight, bias, lambda w: self.blocks.dequantize(w, code))
 
 
 def _widened_linear(
