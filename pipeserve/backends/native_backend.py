@@ -225,8 +225,8 @@ class NativeLinears(LinearKernels):
         ):
             y = self.blocks.linear(x.reshape(rows, x.shape[-1]), weight, fmt.code, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
-        code = fmt.code
-        return _widened_linear(x, weight, bias, lambda w: self.blocks.dequantize(w, code))
+        rebuild, code = self.blocks.dequantize, fmt.code
+        return _widened_linear(x, weight, bias, lambda w: rebuild(w, code))
 
 
 def _widened_linear(
