@@ -226,7 +226,7 @@ class NativeLinears(LinearKernels):
             y = self.blocks.linear(x.reshape(rows, x.shape[-1]), weight, fmt.code, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
         rebuild, code = self.blocks.dequantize, fmt.code
-        return _widened_linear(x, weight, bias, lambda w: rebuild(w, code))
+        return _widened_linear(x, weight, bias, lambda w: rebuild(w, code).to(x.dtype))
 
 
 def _widened_linear(
