@@ -125,8 +125,10 @@ def best_model_dtype(model_path: str | None, device: torch.device) -> tuple[str,
     """What `--dtype best` computes `model_path` in on `device`, and why: `best_dtype`, but
     float32 for the built-in model on a CPU (below). Where a run starts and where a GGUF is
     converted for it (models/resolve.py) both ask here, so they agree."""
+    from pipeserve.models.default_model import names_built_in_model
+
     dtype = best_dtype(device)
-    if device.type == "cpu" and dtype != "float32" and _is_built_in_model(model_path):
+    if device.type == "cpu" and dtype != "float32" and names_built_in_model(model_path):
         return "float32", BUILT_IN_MODEL_FLOAT32
     return dtype, _dtype_reason(device, dtype)
 
@@ -141,12 +143,6 @@ BUILT_IN_MODEL_FLOAT32 = (
     "--dtype best for the built-in model on a CPU: its demo answers' margins are inside "
     "bfloat16's rounding; --dtype bfloat16 forces it"
 )
-
-
-def _is_built_in_model(model_path: str | None) -> bool:
-    from pipeserve.models.default_model import ALIAS
-
-    return model_path is None or (model_path == ALIAS and not os.path.exists(model_path))
 
 
 def _dtype_reason(device: torch.device, dtype: str) -> str:

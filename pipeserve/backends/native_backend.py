@@ -35,7 +35,7 @@ from pipeserve.device import (
     native_sparse_kernel,
 )
 from pipeserve.layers import batch_invariant
-from pipeserve.layers.block_quant import BLOCK_FORMATS, BlockFormat, block_format
+from pipeserve.layers.block_quant import BLOCK_FORMATS, block_format
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -183,50 +183,34 @@ class NativeLinears(LinearKernels):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
+        kernel, widen = self.kernel, None
         if (fmt := block_format(weight)) is not None:
-            return self._blocks_linear(x, weight, fmt, bias, rows)
-        widened = weight.dtype != x.dtype
-        if widened:
+            # GGUF blocks: the kernel rebuilds the values in registers; torch's GEMM gets them
+            # rebuilt by the compiled pass, a block of rows at a time below
+            # WIDEN_WHOLE_MIN_ROWS (the built-in model, 64 requests, Zen 4: decode 1.24x
+            # rebuilding whole weights) and whole above
+            assert self.blocks is not None, "a weight in blocks is stored by linears with them"
+            blocks, code = self.blocks, fmt.code
             most = SKINNY_MAX_ROWS_NARROW
+            kernel = lambda a, w, b: blocks.linear(a, w, code, b)  # noqa: E731
+            widen = lambda w: blocks.dequantize(w, code).to(x.dtype)  # noqa: E731
+        elif weight.dtype != x.dtype:
+            most, widen = SKINNY_MAX_ROWS_NARROW, lambda w: w.to(x.dtype)
         else:
             most = self.bf16_max_rows if x.dtype == torch.bfloat16 else SKINNY_MAX_ROWS
         if (
             rows <= most
             and x.dtype in SKINNY_DTYPES
-            and weight.dtype in SKINNY_DTYPES
+            and (fmt is not None or weight.dtype in SKINNY_DTYPES)
             and (bias is None or bias.dtype == x.dtype)
             and weight.is_contiguous()
             and not batch_invariant.enabled()
         ):
-            y = self.kernel(x.reshape(rows, x.shape[-1]), weight, bias)
+            y = kernel(x.reshape(rows, x.shape[-1]), weight, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
-        if widened:
-            return _widened_linear(x, weight, bias, lambda w: w.to(x.dtype))
+        if widen is not None:
+            return _widened_linear(x, weight, bias, widen)
         return super().linear(x, weight, bias)
-
-    def _blocks_linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        fmt: BlockFormat,
-        bias: torch.Tensor | None,
-        rows: int,
-    ) -> torch.Tensor:
-        """A weight kept in GGUF blocks: decode-sized products on the kernel, which rebuilds
-        its values in registers; larger ones on torch's GEMM over the values, rebuilt by the
-        compiled pass a block of rows at a time below WIDEN_WHOLE_MIN_ROWS (the built-in
-        model, 64 requests, Zen 4: decode 1.24x rebuilding whole weights) and whole above."""
-        assert self.blocks is not None, "a weight in blocks is stored by linears that have them"
-        if (
-            rows <= SKINNY_MAX_ROWS_NARROW
-            and x.dtype in SKINNY_DTYPES
-            and (bias is None or bias.dtype == x.dtype)
-            and weight.is_contiguous()
-        ):
-            y = self.blocks.linear(x.reshape(rows, x.shape[-1]), weight, fmt.code, bias)
-            return y.view(*x.shape[:-1], weight.shape[0])
-        rebuild, code = self.blocks.dequantize, fmt.code
-        return _widened_linear(x, weight, bias, lambda w: rebuild(w, code).to(x.dtype))
 
 
 def _widened_linear(

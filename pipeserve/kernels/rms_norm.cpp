@@ -19,11 +19,10 @@ namespace {
 
 using vec8::kLanes;
 using vec8::v8;
+using vec8::widen;
 
 constexpr int64_t kGrainRows = 16;
 
-inline float as_float(float v) { return v; }
-inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
 template <typename T>
 inline T rounded(float v) {
   return static_cast<T>(v);  // bfloat16: to nearest even, as torch's casts
@@ -38,7 +37,7 @@ void run(const T* x, const T* residual, const T* w, T* out, T* sum, int64_t rows
       T* sr = sum == nullptr ? nullptr : sum + r * h;
       if (sr != nullptr) {
         const T* rr = residual + r * h;
-        for (int64_t c = 0; c < h; ++c) sr[c] = rounded<T>(as_float(xr[c]) + as_float(rr[c]));
+        for (int64_t c = 0; c < h; ++c) sr[c] = rounded<T>(widen(xr[c]) + widen(rr[c]));
         xr = sr;
       }
       v8 acc = {};
@@ -48,15 +47,15 @@ void run(const T* x, const T* residual, const T* w, T* out, T* sum, int64_t rows
         acc += v * v;
       }
       float squares = vec8::lanes_sum(acc);
-      for (; c < h; ++c) squares += as_float(xr[c]) * as_float(xr[c]);
+      for (; c < h; ++c) squares += widen(xr[c]) * widen(xr[c]);
       // 1 / sqrt as two rounded operations, as torch's rsqrt (-ffast-math would make it an
       // estimate plus a Newton step: a last-bit difference that moves bfloat16 roundings)
       volatile float root = std::sqrt(squares / static_cast<float>(h) + eps);
       const float scale = 1.f / root;
       T* o = out + r * h;
       for (int64_t j = 0; j < h; ++j) {
-        const T normed = rounded<T>(as_float(xr[j]) * scale);
-        o[j] = rounded<T>(as_float(w[j]) * as_float(normed));
+        const T normed = rounded<T>(widen(xr[j]) * scale);
+        o[j] = rounded<T>(widen(w[j]) * widen(normed));
       }
     }
   });

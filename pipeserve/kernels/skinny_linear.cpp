@@ -44,14 +44,13 @@ namespace {
 using vec8::kLanes;
 using vec8::load8;
 using vec8::v8;
+using vec8::widen;
 
 constexpr int64_t kRows = 4;        // output rows per register tile
 constexpr int64_t kPair = 2;        // rows of x per register tile (kRows x kPair sums in registers)
 constexpr int64_t kGrainRows = 64;  // output rows per parallel task, at least
 constexpr int64_t kMaxRows = 16;    // rows of x one call takes (decode-sized)
 
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 
 // A row of GGUF blocks (see the header): the element type names the format.
 struct Q41 {
@@ -94,25 +93,14 @@ inline v8 wload(const c10::BFloat16* p) {
   return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 inline v8 fma8(v8 a, v8 b, v8 acc) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc); }
-// Eight values of a block row from value c on (c a multiple of 8).
-inline v8 wload(const Q41* row, int64_t c) {
-  const uint8_t* b = &row->byte + (c / kBlock) * kBlockBytes<Q41>;
-  const int64_t j = c % kBlock;
-  __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + j % 16)));
-  if (j >= 16) q = _mm256_srli_epi32(q, 4);
-  q = _mm256_and_si256(q, _mm256_set1_epi32(15));
-  __m256 prod = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(q));
-  asm("" : "+x"(prod));  // rounded before the add, as the dequantised weight was: no FMA
-  return (v8)_mm256_add_ps(prod, _mm256_set1_ps(half_at(b + 2)));
-}
-inline v8 wload(const Q80* row, int64_t c) {
-  const uint8_t* b = &row->byte + (c / kBlock) * kBlockBytes<Q80>;
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + c % kBlock));
-  return (v8)_mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-}
 #else
 inline v8 wload(const c10::BFloat16* p) { return load8(p); }
 inline v8 fma8(v8 a, v8 b, v8 acc) { return a * b + acc; }
+#endif
+
+// Eight values of a block row from value c on (c a multiple of 8), lane by lane: the form
+// for CPUs without AVX2, FMA and F16C (elsewhere `block_values` below rebuilds a whole block
+// at once). `volatile` keeps the product rounded before the add, as the dequantised weight.
 inline v8 wload(const Q41* row, int64_t c) {
   const uint8_t* b = &row->byte + (c / kBlock) * kBlockBytes<Q41>;
   const int64_t j = c % kBlock;
@@ -133,7 +121,6 @@ inline v8 wload(const Q80* row, int64_t c) {
     r[l] = d * static_cast<float>(static_cast<int8_t>(b[2 + c % kBlock + l]));
   return r;
 }
-#endif
 
 // Eight weight values of a row from value c on, whatever the row's form.
 template <typename W>

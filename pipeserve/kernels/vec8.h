@@ -34,6 +34,10 @@ inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is a float32's top half
 }
 
 inline void store8(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
+
+// One value as float32, whatever its storage.
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
 inline float lanes_sum(v8 a) {

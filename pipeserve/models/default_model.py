@@ -15,6 +15,12 @@ ALIAS = "smollm2"  # --model smollm2 names it (e.g. to benchmark it: bench defau
 BENCH_PRESET = "bench"  # what bench, tune and simulate run when no model is named
 
 
+def names_built_in_model(model_path: str | None) -> bool:
+    """Whether a --model names the built-in model: none given, or its alias where no such
+    path exists."""
+    return model_path is None or (model_path == ALIAS and not Path(model_path).exists())
+
+
 def default_model_file() -> Path:
     """The GGUF file of the installed package."""
     spec = importlib.util.find_spec(PACKAGE)

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeserve.device import best_model_dtype, resolve_device
-from pipeserve.models.default_model import ALIAS as DEFAULT_MODEL_ALIAS
-from pipeserve.models.default_model import default_model_file
+from pipeserve.models.default_model import default_model_file, names_built_in_model
 from pipeserve.models.gguf import converted_checkpoint, find_gguf
 from pipeserve.models.presets import PRESETS, preset_path
 
@@ -35,6 +34,6 @@ def resolve_model_path(model_path: str | None, dtype: str = "best") -> Path:
 def gguf_file(model_path: str | None) -> Path | None:
     """The GGUF file a --model names (no model or its alias: the built-in model's), or None
     where it names something else."""
-    if model_path is None or (model_path == DEFAULT_MODEL_ALIAS and not Path(model_path).exists()):
+    if model_path is None or names_built_in_model(model_path):
         return default_model_file()
     return find_gguf(Path(model_path))

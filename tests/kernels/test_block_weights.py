@@ -14,7 +14,14 @@ from gguf import quants
 
 from pipeserve.backends.native_backend import SKINNY_MAX_ROWS_NARROW, BlockKernels, NativeLinears
 from pipeserve.device import native_block_kernels, native_skinny_linear
-from pipeserve.layers.block_quant import Q4_1, Q8_0, block_format, describe_blocks, values
+from pipeserve.layers.block_quant import (
+    BLOCK_FORMATS,
+    Q4_1,
+    Q8_0,
+    block_format,
+    describe_blocks,
+    values,
+)
 from pipeserve.layers.embedding import VocabParallelEmbedding
 
 KERNEL = native_skinny_linear()
@@ -37,7 +44,7 @@ def gguf_weight(n: int, k: int, kind: Q, seed: int = 0) -> tuple[torch.Tensor, b
 def requantize(weight: torch.Tensor) -> torch.Tensor | None:
     """The compiled search, in the native backend's order of formats."""
     assert REQUANTIZE is not None
-    for fmt in (Q4_1, Q8_0):
+    for fmt in BLOCK_FORMATS:
         if (found := REQUANTIZE(weight, fmt.code)) is not None:
             return found
     return None
