@@ -18,11 +18,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "storage computed in float32, AVX2 + FMA)",
         py::call_guard<py::gil_scoped_release>());
   m.def("index_scores", &index_scores,
-        "DeepSeek-V3.2 indexer scores, ReLU and head sum fused, causal (CPU, float32)",
+        "DeepSeek-V3.2 indexer scores, ReLU and head sum fused, causal (CPU; q and k float32, "
+        "or bfloat16 on AVX512-BF16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("index_topk", &index_topk,
         "DeepSeek-V3.2 indexer: each query's topk best positions, the scores never leaving "
-        "the kernel (CPU, float32)",
+        "the kernel (CPU; q and k float32, or bfloat16 on AVX512-BF16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("sparse_latent_attention", &sparse_latent_attention,
         "DeepSeek-V3.2 sparse attention in latent space: each query's heads over its chosen "
@@ -66,6 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink", &ShmAllReduce::unlink);
   m.def("prefill_attention_supported", &prefill_attention_supported,
         "whether this build has the native prefill kernel (needs AVX512-BF16)");
+  m.def("bf16_pairs_supported", &bf16_pairs_supported,
+        "whether this build has the DeepSeek-V3.2 kernels' vdpbf16ps forms for bfloat16 inputs "
+        "(the indexer's and the expanded sparse attention's; needs AVX512-BF16)");
   m.def("prefill_attention_avx2_supported", &prefill_attention_avx2_supported,
         "whether this build has the AVX2 prefill kernel (needs AVX2 and FMA)");
 }

@@ -3,17 +3,24 @@
 //   scores[i, j] = sum_h w[i, h] * max(0, scale * q[i, h, :] . k[j, :])   for j <= prefix + i
 //   scores[i, j] = -inf                                                    for later keys
 //
-// q [n, H, d], w [n, H] and k [L, d] in float32 (the caller widens bfloat16), L = prefix + n.
+// q [n, H, d] and k [L, d] both float32 or both bfloat16, w [n, H] float32, L = prefix + n.
 // No [H, n, L] tensor of per-head logits exists: a query's per-head dot products with a block
-// of kKeys keys live in registers, are ReLU'd, weighted and summed over the heads there, and
-// only the head sum is stored. Keys are packed per block transposed ([d][kKeys]), so the inner
-// loop is a fused multiply-add of a broadcast query value into the block's two key vectors,
-// for kPair queries at once: a register tile of kPair x 2 vectors of dot products (12 of 16
-// AVX2 registers), each key vector loaded feeding kPair multiply-adds. GCC's vector extension,
-// 8 float lanes, compiled for the machine (AVX2 here; AVX512 machines run the same 8-lane
-// code). Blocks of a query's future are skipped, the rest of its row is masked. Work is split
-// over blocks of queries as the prefill kernels split theirs (prefill::run_tasks).
+// of keys live in registers, are ReLU'd, weighted and summed over the heads there, and only
+// the head sum is stored. Keys are packed per block transposed, so the inner loop multiplies a
+// broadcast query value into the block's two key vectors for kPair queries at once: a
+// register tile of kPair x 2 vectors of dot products, each key vector loaded feeding kPair
+// multiply-adds. Two forms of the tile:
+//  - float32 (F32Keys): GCC's 8-lane vector extension, compiled for the machine (AVX2 here;
+//    AVX512 machines run the same 8-lane code); blocks of 16 keys packed [d][16].
+//  - bfloat16 on CPUs with AVX512-BF16 (Bf16Keys): vdpbf16ps, which multiplies pairs of
+//    bfloat16 values exactly and adds both products into a float32 lane, so a 16-key vector
+//    advances two dimensions of every key at once (32 multiply-adds per instruction, twice
+//    float32's); blocks of 32 keys packed [d / 2][32][2]. A bfloat16 call on a CPU without
+//    it widens its inputs to float32 first.
+// Blocks of a query's future are skipped, the rest of its row is masked. Work is split over
+// blocks of queries as the prefill kernels split theirs (prefill::run_tasks).
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,21 +32,22 @@
 #include "prefill_common.h"
 #include "vec8.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PIPESERVE_INDEX_BF16 1
+#endif
+
 namespace {
 
-constexpr int64_t kLanes = vec8::kLanes;
-constexpr int64_t kKeys = 2 * kLanes;  // keys per packed block: two vectors
-constexpr int64_t kPair = 6;           // queries per register tile
-constexpr int64_t kQueries = 24;       // queries per task
+constexpr int64_t kQueries = 24;  // queries per task (a multiple of each form's kPair)
 
-using vec8::load8;
-using vec8::splat;
-using vec8::v8;
-
+// What the tiles read: T is the storage of queries and keys (float, or c10::BFloat16 in the
+// AVX512-BF16 form).
+template <typename T>
 struct Inputs {
-  const float* q;
-  const float* w;
-  const float* packed;  // [blocks][d][kKeys], zero past L
+  const T* q;        // [n, H, d]
+  const float* w;    // [n, H]
+  const T* packed;   // the keys as the form packs them, zero past L
   int64_t n, H, d, L, prefix;
   float scale;
 };
@@ -48,97 +56,188 @@ struct Inputs {
 // thread's scratch rows when only the top-k leave the kernel).
 struct Rows {
   float* base;
-  int64_t row0;
-  float* row(const Inputs& in, int64_t i) const { return base + (i - row0) * in.L; }
+  int64_t row0, L;
+  float* row(int64_t i) const { return base + (i - row0) * L; }
 };
 
-// Queries i .. i + P - 1 against one key block: acc[p] = sum_h w_ph * max(0, q_ph . k_block),
-// kKeys floats per query. Their dot products (P x 2 vectors) stay in registers over the d-loop.
-template <int P>
-inline void query_block(const Inputs& in, int64_t i, int64_t block, float (*acc)[kKeys]) {
-  v8 sum[P][2];
-  for (int p = 0; p < P; ++p) sum[p][0] = sum[p][1] = splat(0.f);
-  const float* kb = in.packed + block * in.d * kKeys;
-  const v8 zero = splat(0.f);
-  for (int64_t h = 0; h < in.H; ++h) {
-    const float* qh[P];
-    v8 dots[P][2];
-    for (int p = 0; p < P; ++p) {
-      qh[p] = in.q + ((i + p) * in.H + h) * in.d;
-      dots[p][0] = dots[p][1] = zero;
+// float32 keys in blocks of two 8-lane vectors, packed [blocks][d][kKeys].
+struct F32Keys {
+  using T = float;
+  static constexpr int64_t kKeys = 2 * vec8::kLanes;
+  static constexpr int64_t kPair = 6;  // queries per register tile
+
+  static void pack(const float* k, int64_t L, int64_t d, std::vector<float>& packed) {
+    packed.assign(static_cast<size_t>((L + kKeys - 1) / kKeys * d * kKeys), 0.f);
+    for (int64_t j = 0; j < L; ++j) {
+      float* dst = packed.data() + (j / kKeys) * d * kKeys + j % kKeys;
+      for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = k[j * d + t];
     }
-    for (int64_t t = 0; t < in.d; ++t) {
-      const v8 k0 = load8(kb + t * kKeys), k1 = load8(kb + t * kKeys + kLanes);
+  }
+
+  // Queries i .. i + P - 1 against one key block: acc[p] = sum_h w_ph * max(0, q_ph . k_block),
+  // kKeys floats per query. Their dot products (P x 2 vectors) stay in registers over the
+  // d-loop; 12 of AVX2's 16 registers at P = 6.
+  template <int P>
+  static void block(const Inputs<T>& in, int64_t i, int64_t b, float (*acc)[kKeys]) {
+    using vec8::load8;
+    using vec8::splat;
+    using vec8::v8;
+    constexpr int64_t kLanes = vec8::kLanes;
+    v8 sum[P][2];
+    for (int p = 0; p < P; ++p) sum[p][0] = sum[p][1] = splat(0.f);
+    const float* kb = in.packed + b * in.d * kKeys;
+    const v8 zero = splat(0.f);
+    for (int64_t h = 0; h < in.H; ++h) {
+      const float* qh[P];
+      v8 dots[P][2];
       for (int p = 0; p < P; ++p) {
-        const v8 qv = splat(qh[p][t]);
-        dots[p][0] += qv * k0;
-        dots[p][1] += qv * k1;
+        qh[p] = in.q + ((i + p) * in.H + h) * in.d;
+        dots[p][0] = dots[p][1] = zero;
+      }
+      for (int64_t t = 0; t < in.d; ++t) {
+        const v8 k0 = load8(kb + t * kKeys), k1 = load8(kb + t * kKeys + kLanes);
+        for (int p = 0; p < P; ++p) {
+          const v8 qv = splat(qh[p][t]);
+          dots[p][0] += qv * k0;
+          dots[p][1] += qv * k1;
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        const v8 wh = splat(in.w[(i + p) * in.H + h] * in.scale);  // scale > 0: w relu(s x) = ws relu(x)
+        sum[p][0] += wh * (dots[p][0] > zero ? dots[p][0] : zero);
+        sum[p][1] += wh * (dots[p][1] > zero ? dots[p][1] : zero);
       }
     }
     for (int p = 0; p < P; ++p) {
-      const v8 wh = splat(in.w[(i + p) * in.H + h] * in.scale);  // scale > 0: w relu(s x) = ws relu(x)
-      sum[p][0] += wh * (dots[p][0] > zero ? dots[p][0] : zero);
-      sum[p][1] += wh * (dots[p][1] > zero ? dots[p][1] : zero);
+      std::memcpy(acc[p], &sum[p][0], sizeof(v8));
+      std::memcpy(acc[p] + kLanes, &sum[p][1], sizeof(v8));
     }
   }
-  for (int p = 0; p < P; ++p) {
-    std::memcpy(acc[p], &sum[p][0], sizeof(v8));
-    std::memcpy(acc[p] + kLanes, &sum[p][1], sizeof(v8));
+};
+
+#ifdef PIPESERVE_INDEX_BF16
+// bfloat16 keys (even d) in blocks of two 16-lane vectors, packed [blocks][d / 2][kKeys][2]:
+// each 32-bit lane holds one key's two values of a pair of dimensions, as vdpbf16ps takes them.
+struct Bf16Keys {
+  using T = c10::BFloat16;
+  static constexpr int64_t kKeys = 32;
+  // queries per register tile: at 6, GCC 12 spills the key vectors (100 against 177 GMAC/s
+  // on Zen 4, 16 heads of 64)
+  static constexpr int64_t kPair = 4;
+
+  static void pack(const T* k, int64_t L, int64_t d, std::vector<T>& packed) {
+    packed.assign(static_cast<size_t>((L + kKeys - 1) / kKeys * d * kKeys), T(0.f));
+    for (int64_t j = 0; j < L; ++j) {
+      T* dst = packed.data() + (j / kKeys) * d * kKeys + (j % kKeys) * 2;
+      for (int64_t t = 0; t < d; t += 2) {
+        dst[t * kKeys] = k[j * d + t];
+        dst[t * kKeys + 1] = k[j * d + t + 1];
+      }
+    }
   }
-}
+
+  // As F32Keys::block, the dot products by vdpbf16ps over pairs of dimensions: a query's
+  // pair broadcast to every lane, against the block's two vectors of 16 keys. P x 2 dot
+  // products and P x 2 head sums in registers.
+  template <int P>
+  static void block(const Inputs<T>& in, int64_t i, int64_t b, float (*acc)[kKeys]) {
+    const int64_t pairs = in.d / 2;
+    const T* kb = in.packed + b * in.d * kKeys;
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 sum[P][2];
+    for (int p = 0; p < P; ++p) sum[p][0] = sum[p][1] = zero;
+    for (int64_t h = 0; h < in.H; ++h) {
+      const T* qh[P];
+      __m512 dots[P][2];
+      for (int p = 0; p < P; ++p) {
+        qh[p] = in.q + ((i + p) * in.H + h) * in.d;
+        dots[p][0] = dots[p][1] = zero;
+      }
+      for (int64_t t = 0; t < pairs; ++t) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + t * 2 * kKeys);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + t * 2 * kKeys + kKeys);
+        for (int p = 0; p < P; ++p) {
+          int32_t two;  // the query's values at dimensions 2t, 2t + 1
+          std::memcpy(&two, qh[p] + 2 * t, sizeof(two));
+          const __m512bh qv = (__m512bh)_mm512_set1_epi32(two);
+          dots[p][0] = _mm512_dpbf16_ps(dots[p][0], qv, k0);
+          dots[p][1] = _mm512_dpbf16_ps(dots[p][1], qv, k1);
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        const __m512 wh = _mm512_set1_ps(in.w[(i + p) * in.H + h] * in.scale);
+        sum[p][0] = _mm512_fmadd_ps(wh, _mm512_max_ps(dots[p][0], zero), sum[p][0]);
+        sum[p][1] = _mm512_fmadd_ps(wh, _mm512_max_ps(dots[p][1], zero), sum[p][1]);
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      _mm512_storeu_ps(acc[p], sum[p][0]);
+      _mm512_storeu_ps(acc[p] + 16, sum[p][1]);
+    }
+  }
+};
+#endif
 
 // One key block's scores for rows i .. i + P - 1, up to each query's own position.
-template <int P>
-void tile(const Inputs& in, const Rows& out, int64_t i, int64_t block, float (*acc)[kKeys]) {
-  query_block<P>(in, i, block, acc);
-  const int64_t j0 = block * kKeys;
+template <class F, int P>
+void tile(const Inputs<typename F::T>& in, const Rows& out, int64_t i, int64_t block,
+          float (*acc)[F::kKeys]) {
+  F::template block<P>(in, i, block, acc);
+  const int64_t j0 = block * F::kKeys;
   for (int p = 0; p < P; ++p) {
     const int64_t visible = in.prefix + i + p + 1;
     if (j0 < visible)
-      std::memcpy(out.row(in, i + p) + j0, acc[p], std::min(kKeys, visible - j0) * sizeof(float));
+      std::memcpy(out.row(i + p) + j0, acc[p], std::min(F::kKeys, visible - j0) * sizeof(float));
   }
 }
 
-// The last rows of a task, fewer than kPair of them, in one tile.
-void rest(const Inputs& in, const Rows& out, int64_t i, int64_t count, int64_t block,
-          float (*acc)[kKeys]) {
+// The last rows of a task, fewer than F::kPair of them, in one tile.
+template <class F>
+void rest(const Inputs<typename F::T>& in, const Rows& out, int64_t i, int64_t count,
+          int64_t block, float (*acc)[F::kKeys]) {
   switch (count) {
-    case 5: return tile<5>(in, out, i, block, acc);
-    case 4: return tile<4>(in, out, i, block, acc);
-    case 3: return tile<3>(in, out, i, block, acc);
-    case 2: return tile<2>(in, out, i, block, acc);
-    case 1: return tile<1>(in, out, i, block, acc);
+    case 7: return tile<F, 7>(in, out, i, block, acc);
+    case 6: return tile<F, 6>(in, out, i, block, acc);
+    case 5: return tile<F, 5>(in, out, i, block, acc);
+    case 4: return tile<F, 4>(in, out, i, block, acc);
+    case 3: return tile<F, 3>(in, out, i, block, acc);
+    case 2: return tile<F, 2>(in, out, i, block, acc);
+    case 1: return tile<F, 1>(in, out, i, block, acc);
     default: return;
   }
 }
 
-// Rows q0 .. q1 - 1 up to each query's own position: key block by key block (a block, d x
-// kKeys floats, stays in L1 while every tile of the task's queries uses it), tiles whose
-// queries all precede the block skipped. Nothing past a query's position is written.
-void task_rows(const Inputs& in, const Rows& out, int64_t q0, int64_t q1, float (*acc)[kKeys]) {
+// Rows q0 .. q1 - 1 up to each query's own position: key block by key block (a block stays
+// in L1 while every tile of the task's queries uses it), tiles whose queries all precede the
+// block skipped. Nothing past a query's position is written.
+template <class F>
+void task_rows(const Inputs<typename F::T>& in, const Rows& out, int64_t q0, int64_t q1,
+               float (*acc)[F::kKeys]) {
   const int64_t last = in.prefix + q1;  // keys 0 .. last - 1 are visible to some row
-  for (int64_t block = 0; block * kKeys < last; ++block) {
+  for (int64_t block = 0; block * F::kKeys < last; ++block) {
     // the first tile some of whose queries see the block (visible = prefix + i + 1)
-    const int64_t seen = std::max<int64_t>(q0, block * kKeys - in.prefix - kPair + 1);
-    int64_t i = q0 + (seen - q0) / kPair * kPair;
-    for (; i + kPair <= q1; i += kPair) tile<kPair>(in, out, i, block, acc);
-    rest(in, out, i, q1 - i, block, acc);
+    const int64_t seen = std::max<int64_t>(q0, block * F::kKeys - in.prefix - F::kPair + 1);
+    int64_t i = q0 + (seen - q0) / F::kPair * F::kPair;
+    for (; i + F::kPair <= q1; i += F::kPair) tile<F, F::kPair>(in, out, i, block, acc);
+    rest<F>(in, out, i, q1 - i, block, acc);
   }
 }
 
+template <class F>
 struct Acc {
-  float rows[kPair][kKeys];
+  float rows[F::kPair][F::kKeys];
 };
 
 // Every score row, its future -inf, into out [n, L].
-void run_scores(const Inputs& in, float* out) {
+template <class F>
+void run_scores(const Inputs<typename F::T>& in, float* out) {
   // tasks of kQueries queries on every thread, later (longer) rows first: the prefill
   // kernels' split, with one "head" (the heads are summed inside a task)
   const float neg_inf = -std::numeric_limits<float>::infinity();
   prefill::run_tasks(
-      in.n, 1, kQueries, [] { return Acc{}; },
-      [&](Acc& acc, int64_t, int64_t q0, int64_t q1) {
-        task_rows(in, Rows{out, 0}, q0, q1, acc.rows);
+      in.n, 1, kQueries, [] { return Acc<F>{}; },
+      [&](Acc<F>& acc, int64_t, int64_t q0, int64_t q1) {
+        task_rows<F>(in, Rows{out, 0, in.L}, q0, q1, acc.rows);
         for (int64_t i = q0; i < q1; ++i)
           std::fill(out + i * in.L + in.prefix + i + 1, out + (i + 1) * in.L, neg_inf);
       });
@@ -211,13 +310,14 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
 // Each row's top-k positions into pick [n, topk]; the scores of a task's rows live only in
 // its thread's scratch (a task's rows x L floats: 16 MiB at most, fewer rows per task when L
 // is long, and at least one tile of kPair rows, 24 MiB at a million keys).
-void run_topk(const Inputs& in, int64_t topk, int64_t* pick) {
+template <class F>
+void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
   if (in.n == 0) return;
   constexpr int64_t kScratchFloats = int64_t{1} << 22;  // 16 MiB of score rows per thread
   const int64_t per = std::max<int64_t>(
-      kPair, std::min<int64_t>(kQueries, kScratchFloats / in.L / kPair * kPair));
+      F::kPair, std::min<int64_t>(kQueries, kScratchFloats / in.L / F::kPair * F::kPair));
   struct Scratch {
-    Acc acc;
+    Acc<F> acc;
     std::vector<float> rows, copy;
     std::vector<int64_t> bins = std::vector<int64_t>(kBins);
     std::vector<uint16_t> tags;
@@ -229,55 +329,77 @@ void run_topk(const Inputs& in, int64_t topk, int64_t* pick) {
         s.rows.resize(std::max(s.rows.size(), static_cast<size_t>((q1 - q0) * in.L)));
         s.copy.resize(static_cast<size_t>(in.L));
         s.tags.resize(static_cast<size_t>(in.L));
-        task_rows(in, Rows{s.rows.data(), q0}, q0, q1, s.acc.rows);
+        task_rows<F>(in, Rows{s.rows.data(), q0, in.L}, q0, q1, s.acc.rows);
         for (int64_t i = q0; i < q1; ++i)
           select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),
                      pick + i * topk, s.bins.data(), s.tags.data());
       });
 }
 
-// Checks and the keys packed per block; the queries' inputs.
-Inputs prepare(at::Tensor& q, at::Tensor& w, at::Tensor& k, int64_t prefix, double scale,
-               std::vector<float>& packed) {
+// Checks the inputs, packs the keys in the form the dtype and this CPU take, and calls
+// run(form, inputs): bfloat16 q and k (d even) in the AVX512-BF16 form where built, anything
+// else as float32.
+template <typename Run>
+void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
+                 Run&& run) {
   TORCH_CHECK(q.dim() == 3 && w.dim() == 2 && k.dim() == 2, "q [n,H,d], w [n,H], k [L,d] expected");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
-                  k.scalar_type() == at::kFloat,
-              "the indexer kernels take float32 (widen bfloat16 first)");
+  const bool bf16 = q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || (q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat),
+              "the indexer kernels take q and k both float32 or both bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "the indexer kernels take float32 head weights");
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2), L = k.size(0);
   TORCH_CHECK(w.size(0) == n && w.size(1) == H, "w must be [n, H]");
   TORCH_CHECK(k.size(1) == d, "q and k disagree on the head dim");
   TORCH_CHECK(prefix >= 0 && prefix + n == L, "k must hold the prefix and the queries' own keys");
   TORCH_CHECK(scale > 0, "the score scale must be positive");
-  q = q.contiguous();
   w = w.contiguous();
-  k = k.contiguous();
-  const int64_t blocks = (L + kKeys - 1) / kKeys;
-  packed.assign(static_cast<size_t>(blocks * d * kKeys), 0.f);
-  const float* kp = k.data_ptr<float>();
-  for (int64_t j = 0; j < L; ++j) {
-    float* dst = packed.data() + (j / kKeys) * d * kKeys + j % kKeys;
-    for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = kp[j * d + t];
+  const float s = static_cast<float>(scale);
+#ifdef PIPESERVE_INDEX_BF16
+  if (bf16 && d % 2 == 0) {
+    using T = c10::BFloat16;
+    q = q.contiguous();
+    k = k.contiguous();
+    std::vector<T> packed;
+    Bf16Keys::pack(k.data_ptr<T>(), L, d, packed);
+    run(Bf16Keys{}, Inputs<T>{q.data_ptr<T>(), w.data_ptr<float>(), packed.data(), n, H, d, L,
+                              prefix, s});
+    return;
   }
-  return Inputs{q.data_ptr<float>(), w.data_ptr<float>(), packed.data(), n, H, d, L, prefix,
-                static_cast<float>(scale)};
+#endif
+  q = q.to(at::kFloat).contiguous();
+  k = k.to(at::kFloat).contiguous();
+  std::vector<float> packed;
+  F32Keys::pack(k.data_ptr<float>(), L, d, packed);
+  run(F32Keys{}, Inputs<float>{q.data_ptr<float>(), w.data_ptr<float>(), packed.data(), n, H, d,
+                               L, prefix, s});
 }
 
 }  // namespace
 
 at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale) {
-  std::vector<float> packed;
-  const Inputs in = prepare(q, w, k, prefix, scale, packed);
-  at::Tensor out = at::empty({in.n, in.L}, q.options());
-  run_scores(in, out.data_ptr<float>());
+  at::Tensor out = at::empty({q.size(0), k.size(0)}, w.options());
+  with_inputs(q, w, k, prefix, scale, [&](auto form, const auto& in) {
+    run_scores<decltype(form)>(in, out.data_ptr<float>());
+  });
   return out;
 }
 
 at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
                       int64_t topk) {
   TORCH_CHECK(topk > 0, "topk must be positive");
-  std::vector<float> packed;
-  const Inputs in = prepare(q, w, k, prefix, scale, packed);
-  at::Tensor pick = at::empty({in.n, topk}, q.options().dtype(at::kLong));
-  run_topk(in, topk, pick.data_ptr<int64_t>());
+  at::Tensor pick = at::empty({q.size(0), topk}, w.options().dtype(at::kLong));
+  with_inputs(q, w, k, prefix, scale, [&](auto form, const auto& in) {
+    run_topk<decltype(form)>(in, topk, pick.data_ptr<int64_t>());
+  });
   return pick;
+}
+
+// Whether bfloat16 inputs take the vdpbf16ps forms here and in sparse_expanded.cpp (built on
+// the same condition: AVX512F and AVX512-BF16 in the compiler's target).
+bool bf16_pairs_supported() {
+#ifdef PIPESERVE_INDEX_BF16
+  return true;
+#else
+  return false;
+#endif
 }

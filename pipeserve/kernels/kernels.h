@@ -40,6 +40,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
                                                 double eps);
 at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
                       int64_t topk);
+bool bf16_pairs_supported();  // index_scores.cpp: the V3.2 kernels' vdpbf16ps forms
 
 // Sum all-reduce among the TP ranks of one machine over a POSIX shared-memory segment (see
 // shm_allreduce.cpp). Rank 0 creates the segment; the others open it by name.

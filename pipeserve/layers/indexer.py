@@ -183,7 +183,8 @@ def causal_index_scores(
     per-head logits are formed for a block of queries at a time, at most
     LOGIT_BLOCK_ELEMENTS of them, never all of [heads, n, L]."""
     if kernel is not None:
-        return kernel(q.float(), w.float(), k.float(), prefix_len, scale)
+        q, k = _kernel_inputs(q, k)
+        return kernel(q, w.float(), k, prefix_len, scale)
     n, heads = q.shape[:2]
     kt = k.float().t()
     block = max(1, LOGIT_BLOCK_ELEMENTS // max(1, heads * k.shape[0]))
@@ -209,9 +210,18 @@ def causal_top_positions(
     scored into its thread's scratch rows and selected there, so no [n, L] tensor of scores
     exists; else the scores are formed and selected as the two functions do."""
     if (kernel := kernels.index_topk) is not None:
-        return kernel(q.float(), w.float(), k.float(), prefix_len, scale, topk)
+        q, k = _kernel_inputs(q, k)
+        return kernel(q, w.float(), k, prefix_len, scale, topk)
     scores = causal_index_scores(q, w, k, prefix_len, scale, kernels.index_scores)
     return top_positions(scores, topk)
+
+
+def _kernel_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the compiled kernels take them: both bfloat16 where both are (multiplied
+    natively on CPUs with AVX512-BF16, widened inside the kernel elsewhere), else float32."""
+    if q.dtype == k.dtype == torch.bfloat16:
+        return q, k
+    return q.float(), k.float()
 
 
 def _head_sum(q: torch.Tensor, w: torch.Tensor, kt: torch.Tensor, scale: float) -> torch.Tensor:

@@ -66,6 +66,43 @@ def test_attends_to_the_chosen_positions_only(dtype: torch.dtype) -> None:
     assert read.item() == int((positions >= 0).sum())
 
 
+@pytest.mark.parametrize(
+    ("heads", "dk", "dr", "dv", "threads"),
+    [
+        (8, 64, 32, 64, 2),  # benchmarks/v32_sparse.py's widths
+        (4, 128, 64, 128, 1),  # the released model's
+        (3, 40, 0, 72, 2),  # no rope part; chunks of 32 with tails
+        (2, 300, 16, 24, 1),  # wider than the vdpbf16ps form's eight query chunks
+    ],
+)
+def test_bfloat16_at_model_widths(heads: int, dk: int, dr: int, dv: int, threads: int) -> None:
+    """bfloat16 storage at DeepSeek's widths. On CPUs with AVX512-BF16 this is the kernel's
+    vdpbf16ps form (the query's chunks held over a run, the values two positions at a time
+    with their weights rounded to bfloat16, the channels permuted within each chunk and put
+    back in order at the end); elsewhere, and past its widths, bfloat16 widened to float32.
+    Against float64 attention on the same bfloat16 values, within the output's bfloat16
+    rounding and the weights' own; runs of odd lengths (holes, a run cut by a block edge)."""
+    gen = torch.Generator().manual_seed(7)
+    n, length, topk = 37, 600, 200
+    q = torch.randn(n, heads, dk + dr, generator=gen).bfloat16()
+    up = torch.randn(length, heads, dk + dv, generator=gen).bfloat16()
+    rope = torch.randn(length, dr, generator=gen).bfloat16()
+    positions = torch.stack([torch.randperm(length, generator=gen)[:topk] for _ in range(n)])
+    positions[4, ::3] = -1
+    positions[6] = torch.arange(length - topk, length)  # one run across a block's edge
+    k, v = up[..., :dk], up[..., dk:]
+    scale = (dk + dr) ** -0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = attend(q, k, v, rope if dr else torch.empty(0), positions, scale)
+    finally:
+        torch.set_num_threads(before)
+    keys = torch.cat([k, rope[:, None].expand(-1, heads, -1)], dim=-1)
+    expected = masked_attention(q, keys, v, selection_mask(positions, length), scale)
+    torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2**-8)
+
+
 def test_keys_without_a_shared_rope_part() -> None:
     """Whole per-head keys (the context-parallel path's expanded keys) and no rope: the same
     numbers as the keys split in two."""

@@ -241,6 +241,7 @@ def test_tie_break_earlier_position_wins() -> None:
         (64, 300, 2, 128),
         (26, 50, 2, 8),
         (27, 50, 2, 8),
+        (9, 40, 3, 9),  # an odd width: bfloat16 widened even where it is multiplied natively
     ],
 )
 def test_the_native_kernel_gives_the_torch_path_s_scores(
@@ -249,8 +250,9 @@ def test_the_native_kernel_gives_the_torch_path_s_scores(
     """The compiled kernel (ReLU and head sum fused, future blocks skipped) against the
     blocked torch ops: the same finite scores within float32 rounding, -inf at exactly the
     future keys; queries not a multiple of its 6-query tiles or 24-query tasks (leftover
-    tiles of 1 to 5 rows), keys not of its 16-key blocks. bfloat16 inputs are widened
-    first."""
+    tiles of 1 to 5 rows), keys not of its 16-key blocks. bfloat16 inputs: multiplied by
+    vdpbf16ps where the CPU has AVX512-BF16 (4-query tiles, 32-key blocks; exact products
+    summed in float32, as the torch path's widened ones), widened first elsewhere."""
     q, w, k = rand(n, heads, dim, seed=1), rand(n, heads, seed=2), rand(prefix + n, dim, seed=3)
     kernel = NativeBackend().kernels.index_scores
     got = indexer_mod.causal_index_scores(q, w, k, prefix, 0.2, kernel)
@@ -309,8 +311,9 @@ def test_the_selection_is_the_sort_s_on_ties_signed_zeros_and_short_rows() -> No
     ],
 )
 @pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
-    n: int, prefix: int, heads: int, dim: int, topk: int, ties: bool
+    n: int, prefix: int, heads: int, dim: int, topk: int, ties: bool, dtype: torch.dtype
 ) -> None:
     """The fused kernel (scores kept in its scratch rows, a histogram, nth_element over one
     bin, one pass in position order) picks what the rule picks on the same scores (the scores
@@ -321,6 +324,7 @@ def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
     if ties:
         q, k = (q * 2).round(), (k * 2).round()
         w = w.round()  # -1, 0 or 1 mostly: zero-weight heads and -0.0 sums
+    q, k = q.to(dtype), k.to(dtype)  # bfloat16: the AVX512-BF16 form where the CPU has it
     native = NativeBackend().kernels
     picked = indexer_mod.causal_top_positions(q, w, k, prefix, 0.25, topk, native)
     scores = indexer_mod.causal_index_scores(q, w, k, prefix, 0.25, native.index_scores)
