@@ -397,6 +397,14 @@ def native_sparse_kernel(device: torch.device | None = None) -> Callable[..., to
     return _native_function("sparse_latent_attention", device)
 
 
+def native_bf16_pairs() -> bool:
+    """Whether the compiled DeepSeek-V3.2 kernels multiply bfloat16 inputs by vdpbf16ps (built
+    where the compiler targets AVX512-BF16): the indexer's and the expanded sparse attention's
+    bfloat16 forms. False without the kernels."""
+    supported = _native_function("bf16_pairs_supported")
+    return supported is not None and bool(supported())
+
+
 def native_sparse_expanded_kernel() -> Callable[..., torch.Tensor] | None:
     """The compiled CPU kernel of DeepSeek-V3.2's sparse attention on up-projected keys (each
     query over its chosen positions only, swept in cache-sized blocks; float32 or bfloat16),

@@ -260,7 +260,12 @@ void run_scores(const Inputs<typename F::T>& in, float* out) {
 constexpr int64_t kBins = 2048;
 
 void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t* pick,
-                int64_t* bins, uint16_t* tags) {
+                int32_t* bins, uint16_t* tags) {
+  using vec8::load8;
+  using vec8::splat;
+  using vec8::store8;
+  using vec8::v8;
+  constexpr int64_t kLanes = vec8::kLanes;
   std::fill(pick, pick + topk, int64_t{-1});
   if (visible <= topk) {
     for (int64_t j = 0; j < visible; ++j) pick[j] = j;
@@ -268,8 +273,23 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float inf = std::numeric_limits<float>::infinity();
+  const int64_t body = visible - visible % kLanes;
+  // (1) NaN to -inf, and the range of the finite scores
+  v8 lo8 = splat(inf), hi8 = splat(-inf);
+  for (int64_t j = 0; j < body; j += kLanes) {
+    v8 x = load8(row + j);
+    x = x == x ? x : splat(neg_inf);
+    store8(row + j, x);
+    const auto finite = (x > splat(neg_inf)) & (x < splat(inf));
+    lo8 = finite & (x < lo8) ? x : lo8;
+    hi8 = finite & (x > hi8) ? x : hi8;
+  }
   float lo = inf, hi = -inf;
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t l = 0; l < kLanes; ++l) {
+    lo = std::min(lo, lo8[l]);
+    hi = std::max(hi, hi8[l]);
+  }
+  for (int64_t j = body; j < visible; ++j) {
     const float x = std::isnan(row[j]) ? neg_inf : row[j];
     row[j] = x;
     if (std::isfinite(x)) {
@@ -277,20 +297,32 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
       hi = std::max(hi, x);
     }
   }
-  // bin(x): 0 at lo and below, kBins - 1 at hi and above, equal widths between; a weakly
+  // (2) bin(x): 0 at lo and below, kBins - 1 at hi and above, equal widths between; a weakly
   // increasing function of x (a subtraction and a product by a positive constant round
   // monotonically), so every score of a higher bin is at least every score of a lower one
   const float scale = hi > lo ? (kBins - 1) / (hi - lo) : 0.f;
-  const auto bin = [&](float x) -> int64_t {
+  const float top = kBins - 1;
+  const auto bin = [&](float x) -> uint16_t {
     if (!(x > lo)) return 0;
     if (!(x < hi)) return kBins - 1;
     const float t = (x - lo) * scale;  // +inf where hi - lo is too small for 1 / it
-    return t < kBins - 1 ? static_cast<int64_t>(t) : kBins - 1;
+    return static_cast<uint16_t>(t < top ? t : top);
   };
-  std::fill(bins, bins + kBins, int64_t{0});
-  for (int64_t j = 0; j < visible; ++j) ++bins[tags[j] = static_cast<uint16_t>(bin(row[j]))];
+  for (int64_t j = 0; j < body; j += kLanes) {  // bin() eight lanes at a time
+    const v8 x = load8(row + j);
+    v8 t = (x - splat(lo)) * splat(scale);
+    t = t < splat(top) ? t : splat(top);  // +inf (and NaN: 0 x inf at lo, settled below)
+    t = x < splat(hi) ? t : splat(top);
+    t = x > splat(lo) ? t : splat(0.f);
+    const vec8::v8h b = __builtin_convertvector(__builtin_convertvector(t, vec8::v8i), vec8::v8h);
+    std::memcpy(tags + j, &b, sizeof(b));
+  }
+  for (int64_t j = body; j < visible; ++j) tags[j] = bin(row[j]);
+  std::fill(bins, bins + kBins, 0);
+  for (int64_t j = 0; j < visible; ++j) ++bins[tags[j]];
   int64_t above = 0, b = kBins - 1;
   while (above + bins[b] < topk) above += bins[b--];  // some bin holds the topk-th: visible > topk
+  // (3) that bin's scores, and the topk-th best among them
   int64_t c = 0;
   for (int64_t j = 0; j < visible; ++j)
     if (tags[j] == b) copy[c++] = row[j];  // the bins counted (fast-math may round twice apart)
@@ -298,12 +330,13 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
   std::nth_element(copy, copy + need - 1, copy + c, std::greater<float>());
   const float kth = copy[need - 1];
   for (int64_t t = 0; t < c; ++t) above += copy[t] > kth;
+  // (4) the positions in order, without a branch per score
   int64_t ties = topk - above, taken = 0;
   for (int64_t j = 0; j < visible && taken < topk; ++j) {
-    if (row[j] > kth || (row[j] == kth && ties > 0)) {
-      ties -= row[j] == kth;
-      pick[taken++] = j;
-    }
+    const bool tie = row[j] == kth && ties > 0;
+    pick[taken] = j;
+    taken += (row[j] > kth) | tie;
+    ties -= tie;
   }
 }
 
@@ -319,7 +352,7 @@ void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
   struct Scratch {
     Acc<F> acc;
     std::vector<float> rows, copy;
-    std::vector<int64_t> bins = std::vector<int64_t>(kBins);
+    std::vector<int32_t> bins = std::vector<int32_t>(kBins);
     std::vector<uint16_t> tags;
   };
   prefill::run_tasks(

@@ -25,7 +25,7 @@
 // once per kRows). Plain C++ with GCC's 8-lane vector extension, compiled for the machine;
 // float32 or bfloat16 storage (widened on load), float32 arithmetic. bfloat16 storage on CPUs
 // with AVX512-BF16 takes the Bf16Form instead (below: vdpbf16ps for the scores and the
-// values, blocks of kBlockBf16 positions). The (query, position) pairs read are counted, so
+// values, blocks that fill L2). The (query, position) pairs read are counted, so
 // tests can check that no more than the chosen ones were.
 #include <ATen/ops/empty.h>
 
@@ -36,6 +36,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include "prefill_common.h"
 #include "vec8.h"
@@ -57,8 +59,17 @@ using vec8::v8;
 using vec8::v8i;
 
 constexpr int64_t kBlock = 64;  // positions per block (~256 KB of float32 keys and values at H = 8)
-constexpr int64_t kBlockBf16 = 256;  // the same in the Bf16Form (~512 KB; 0.20 s against 0.26 s
-                                     // at 64, 2048 queries over 16K positions, Zen 4)
+// The Bf16Form's blocks: as many positions as the keys and values of which fill a core's L2
+// (1 MiB on Zen 4, where 1024 queries over 2048 of 16K positions took 0.077 s at 8 heads of
+// 96/64 and 0.279 s at 16 of 192/128, against 0.075 and 0.382 s at half of it and 0.20 and
+// 0.48 s at 256 positions); longer runs per query and block pay for their misses.
+inline int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+    const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return n > 0 ? static_cast<int64_t>(n) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
 constexpr int64_t kMaxTask = 512;  // queries per task at most
 constexpr int64_t kRows = 4;       // positions per register tile
 constexpr int64_t kTileQueries = 32;          // queries sweeping a span's blocks together
@@ -378,7 +389,8 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   // positions in spans that stay in L3 (each read from memory once per task), within a span
   // tiles of queries whose state stays in L2 while they sweep its blocks
   const int64_t per_position = (H * (in.dk + dv) + in.dr) * static_cast<int64_t>(sizeof(T));
-  const int64_t block = fast ? kBlockBf16 : kBlock;
+  const int64_t block =
+      fast ? std::clamp<int64_t>(l2_bytes() / per_position / 16 * 16, 16, 1024) : kBlock;
   const int64_t span = std::max<int64_t>(1, kSpanBytes / per_position / block) * block;
   for (int64_t s0 = 0; s0 <= last; s0 += span) {
     const int64_t s1 = std::min(s0 + span, last + 1);

@@ -10,6 +10,7 @@ import pytest
 import torch
 from selection_oracle import masked_attention, selection_mask
 
+from pipeserve.backends import native_backend
 from pipeserve.backends.base import TORCH_KERNELS
 from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.device import native_sparse_expanded_kernel
@@ -183,6 +184,22 @@ def test_long_chunks_of_narrow_latents_expand_decode_steps_stay_latent() -> None
     assert not narrow.sparse_expands(2048, 16384, NATIVE, torch.float16)
     v3 = layer(512, 8, nope=128, rope=64)
     assert not v3.sparse_expands(512, 131072, NATIVE, torch.float32)
+
+
+def test_the_rule_weighs_each_form_by_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The released model's head widths over a 256 latent (16 heads of 192/128): a 2,048-query
+    chunk of a 32K request stays latent where the expanded kernel computes in float32 (its
+    float32 form, and bfloat16 widened on a CPU without AVX512-BF16) and expands where it
+    multiplies bfloat16 by vdpbf16ps, which runs at about the latent kernel's rate; at
+    DeepSeek-V3's 512 latent a 512-query chunk of 128K stays latent either way."""
+    released = layer(256, 16, nope=128, rope=64)
+    v3 = layer(512, 16, nope=128, rope=64)
+    monkeypatch.setattr(native_backend, "native_bf16_pairs", lambda: True)
+    assert released.sparse_expands(2048, 32768, NATIVE, torch.bfloat16)
+    assert not released.sparse_expands(2048, 32768, NATIVE, torch.float32)
+    assert not v3.sparse_expands(512, 131072, NATIVE, torch.bfloat16)
+    monkeypatch.setattr(native_backend, "native_bf16_pairs", lambda: False)
+    assert not released.sparse_expands(2048, 32768, NATIVE, torch.bfloat16)
 
 
 def test_the_form_can_be_forced_and_a_wrong_one_is_refused(monkeypatch: pytest.MonkeyPatch):
