@@ -25,7 +25,7 @@ import torch
 from pipeserve.bench.flops import prefill_flops
 from pipeserve.bench.offline import make_prompts
 from pipeserve.bench.peak import matmul_peak_flops
-from pipeserve.device import DTYPES, best_dtype
+from pipeserve.device import DTYPES, best_dtype, native_bf16_pairs
 from pipeserve.engine.engine import Engine
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.presets import make_model
@@ -100,6 +100,8 @@ def main() -> None:
     peak = matmul_peak_flops(DTYPES[dtype], torch.device("cpu"))
     report: dict[str, Any] = {
         "dtype": dtype,
+        # the V3.2 kernels' vdpbf16ps forms (a bfloat16 run on AVX512-BF16), else float32
+        "bf16_pairs": dtype == "bfloat16" and native_bf16_pairs(),
         "threads": args.threads,
         "prefill": [],
         "released_ratios": args.released_ratios,
