@@ -56,9 +56,7 @@ class DirectKernels:
       runs (the native prefill kernel's signature): MLA's expanded prompt chunks, context
       parallelism's blocks;
     - sparse_latent / sparse_expanded: DeepSeek-V3.2's sparse attention in latent space, or
-      on up-projected keys (layers/mla.py); expanded_costs(dtype): what a multiply-add of the
-      expanded kernel and one of the up-projection it needs cost, in multiply-adds of the
-      latent kernel (the two forms' cost rule, `MLAttention.sparse_expands`);
+      on up-projected keys (layers/mla.py);
     - index_scores / index_topk: V3.2's indexer scores, and its selection fused with them
       (layers/indexer.py)."""
 
@@ -67,7 +65,6 @@ class DirectKernels:
     sparse_expanded: Kernel | None = None
     index_scores: Kernel | None = None
     index_topk: Kernel | None = None
-    expanded_costs: Callable[[torch.dtype], tuple[float, float]] | None = None
 
 
 TORCH_KERNELS = DirectKernels()

@@ -24,7 +24,6 @@ from pipeserve.backends.base import (
 )
 from pipeserve.device import (
     cpu_native_bf16,
-    native_bf16_pairs,
     native_block_kernels,
     native_decode_kernel,
     native_index_scores,
@@ -237,22 +236,6 @@ def _widened_linear(
     return y.view(*x.shape[:-1], n)
 
 
-# DeepSeek-V3.2's two sparse forms (layers/mla.py's cost rule): a multiply-add of the expanded
-# kernel (sparse_expanded.cpp) and one of the up-projection it needs (a matrix product), in
-# multiply-adds of the latent kernel (sparse_attention.cpp). Its float32 form reads a key or
-# value of its own per multiply-add from L2 (2-2.5 on Zen 3, benchmarks/v32_kernels.py); the
-# bfloat16 form on AVX512-BF16 runs at about the latent kernel's rate (0.93-0.95 at 8 heads of
-# 96/64 and 16 of 192/128, 2048 of 16K positions, Zen 4), the up-projection at ~6x it.
-EXPANDED_COSTS_F32 = (2.5, 0.4)
-EXPANDED_COSTS_BF16_PAIRS = (1.0, 0.2)
-
-
-def expanded_costs(dtype: torch.dtype) -> tuple[float, float]:
-    """The native kernels' weights for `MLAttention.sparse_expands` in `dtype`."""
-    bf16_form = dtype == torch.bfloat16 and native_bf16_pairs()
-    return EXPANDED_COSTS_BF16_PAIRS if bf16_form else EXPANDED_COSTS_F32
-
-
 class NativeBackend(AttentionBackend):
     """`deterministic`: one-token prompt chunks run the prefill kernel too, so a prompt token
     is computed alike however it was chunked (batch-invariant inference)."""
@@ -267,7 +250,6 @@ class NativeBackend(AttentionBackend):
             native_sparse_expanded_kernel(),
             native_index_scores(),
             native_index_topk(),
-            expanded_costs,
         )
         if not deterministic and (norms := native_norm_kernels()) is not None:
             self.norms = NativeNorms(*norms)  # deterministic runs: every batch's norms alike

@@ -36,7 +36,7 @@ SOURCES = [
         "bindings.cpp",
     )
 ]
-HEADERS = [HERE / "kernels.h", HERE / "prefill_common.h", HERE / "vec8.h"]
+HEADERS = [HERE / n for n in ("kernels.h", "prefill_common.h", "vec8.h", "bf16_pairs.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
 

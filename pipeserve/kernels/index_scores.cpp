@@ -32,10 +32,7 @@
 #include "prefill_common.h"
 #include "vec8.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define PIPESERVE_INDEX_BF16 1
-#endif
+#include "bf16_pairs.h"
 
 namespace {
 
@@ -115,7 +112,7 @@ struct F32Keys {
   }
 };
 
-#ifdef PIPESERVE_INDEX_BF16
+#ifdef PIPESERVE_BF16_PAIRS
 // bfloat16 keys (even d) in blocks of two 16-lane vectors, packed [blocks][d / 2][kKeys][2]:
 // each 32-bit lane holds one key's two values of a pair of dimensions, as vdpbf16ps takes them.
 struct Bf16Keys {
@@ -387,7 +384,7 @@ void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, doubl
   TORCH_CHECK(scale > 0, "the score scale must be positive");
   w = w.contiguous();
   const float s = static_cast<float>(scale);
-#ifdef PIPESERVE_INDEX_BF16
+#ifdef PIPESERVE_BF16_PAIRS
   if (bf16 && d % 2 == 0) {
     using T = c10::BFloat16;
     q = q.contiguous();
@@ -427,10 +424,10 @@ at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, 
   return pick;
 }
 
-// Whether bfloat16 inputs take the vdpbf16ps forms here and in sparse_expanded.cpp (built on
-// the same condition: AVX512F and AVX512-BF16 in the compiler's target).
+// Whether bfloat16 inputs take the vdpbf16ps forms here, in sparse_expanded.cpp and in
+// sparse_attention.cpp (bf16_pairs.h: AVX512F and AVX512-BF16 in the compiler's target).
 bool bf16_pairs_supported() {
-#ifdef PIPESERVE_INDEX_BF16
+#ifdef PIPESERVE_BF16_PAIRS
   return true;
 #else
   return false;

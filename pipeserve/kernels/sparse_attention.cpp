@@ -20,15 +20,18 @@
 // (H x W floats) stays in L1; rows are prefetched ahead, as the chosen ones are scattered.
 // Rows may be strided (a view of wider rows: the first W values of each are read).
 // Plain C++ with GCC's vector extension (8 float lanes: AVX2 here, AVX512 registers half used),
-// compiled for the machine. The (query, row) pairs read are counted, so tests can check that
-// no more than the chosen ones were.
+// compiled for the machine; bfloat16 rows on CPUs with AVX512-BF16 take the Bf16Form instead
+// (vdpbf16ps for the scores and the values, below). The (query, row) pairs read are counted, so
+// tests can check that no more than the chosen ones were.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "prefill_common.h"
 #include "vec8.h"
 
@@ -64,10 +67,28 @@ struct Scratch {
   std::vector<int64_t> keys;  // its chosen slots
   std::vector<float> tile;    // [H, kTile]: a tile's scores, then weights
   std::vector<float> top;     // [H]: each head's running maximum
-  std::vector<float> acc;     // [H, rank]
+  std::vector<float> acc;     // [H, rank] (the Bf16Form's: 32 floats a chunk of rank)
   std::vector<float> sums;    // [H]: each head's sum of weights
+#ifdef PIPESERVE_BF16_PAIRS
+  std::vector<__m512i> pairs;  // the Bf16Form's interleaved rows of a tile
+#endif
   int64_t read = 0;           // (query, row) pairs read by this thread
 };
+
+// Whether rows of this storage take the Bf16Form (bfloat16 where the build has vdpbf16ps).
+template <typename T>
+constexpr bool kPairs =
+#ifdef PIPESERVE_BF16_PAIRS
+    std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
+
+// Floats a head's accumulator holds.
+template <typename T>
+int64_t acc_len(int64_t rank) {
+  return kPairs<T> ? 32 * ((rank + 31) / 32) : rank;
+}
 
 // Scores of heads h0 .. h0 + HT - 1 against rows row[0 .. RT): HT x RT vector sums over W,
 // then one horizontal sum each, into sc[h * kTile + r0 + r].
@@ -160,12 +181,104 @@ inline void value_full_tile(const Inputs<T>& in, const T* const* row, const floa
   if (h < he) value_tile<T, kTile>(in, row, w, h, he, accs);
 }
 
+#ifdef PIPESERVE_BF16_PAIRS
+// bfloat16 rows on CPUs with AVX512-BF16 (the Bf16Form), one_query's tile by vdpbf16ps: the
+// scores of a 4-head x 2-row register tile by one vdpbf16ps per chunk of 32 values (the query's
+// own bfloat16, scaled after the sum); the values two rows at a time, interleaved once per tile
+// and added to every head with its two weights rounded to bfloat16 as a pair (as transformers'
+// bfloat16 attention rounds its weights), the head's accumulator in the channel order the
+// interleave leaves (bf16_pairs::lane_of), put in order when the output is written.
+using bf16 = c10::BFloat16;
+using bf16_pairs::chunk_mask;
+using bf16_pairs::chunks;
+
+template <int HT, int RT>
+inline void score_tile_bf16(const Inputs<bf16>& in, const bf16* q, const bf16* const* row,
+                            int64_t h0, int64_t r0, float* sc) {
+  const int64_t W = in.W, nc = chunks(W);
+  const bf16* qh[HT];
+  const bf16* rr[RT];
+  __m512 acc[HT][RT];
+  for (int h = 0; h < HT; ++h) {
+    qh[h] = q + (h0 + h) * W;
+    for (int r = 0; r < RT; ++r) acc[h][r] = _mm512_setzero_ps();
+  }
+  for (int r = 0; r < RT; ++r) rr[r] = row[r];
+  for (int64_t j = 0; j < nc; ++j) {
+    const __mmask32 m = chunk_mask(W, j);
+    __m512i rv[RT];
+    for (int r = 0; r < RT; ++r) rv[r] = _mm512_maskz_loadu_epi16(m, rr[r] + 32 * j);
+    for (int h = 0; h < HT; ++h) {
+      const __m512i qv = _mm512_maskz_loadu_epi16(m, qh[h] + 32 * j);
+      for (int r = 0; r < RT; ++r)
+        acc[h][r] = _mm512_dpbf16_ps(acc[h][r], (__m512bh)qv, (__m512bh)rv[r]);
+    }
+  }
+  for (int h = 0; h < HT; ++h)
+    for (int r = 0; r < RT; ++r)
+      sc[(h0 + h) * kTile + r0 + r] = _mm512_reduce_add_ps(acc[h][r]) * in.scale;
+}
+
+template <int RT>
+inline void score_rows_bf16(const Inputs<bf16>& in, const bf16* q, const bf16* const* row,
+                            int64_t r0, int64_t hb, int64_t he, float* sc) {
+  int64_t h0 = hb;
+  for (; h0 + kHeadTile <= he; h0 += kHeadTile)
+    score_tile_bf16<kHeadTile, RT>(in, q, row + r0, h0, r0, sc);
+  for (; h0 < he; ++h0) score_tile_bf16<1, RT>(in, q, row + r0, h0, r0, sc);
+}
+
+// acc[h] (32 floats a chunk of rank, lane_of's order) += sum_t w[h * kTile + t] row[t][:rank],
+// t < R, every head hb .. he - 1; pairs: scratch for the tile's interleaved rows.
+inline void value_tile_bf16(const Inputs<bf16>& in, const bf16* const* row, int64_t R,
+                            const float* w, int64_t hb, int64_t he, float* accs, __m512i* pairs) {
+  const int64_t nc = chunks(in.rank), len = 32 * nc, np = (R + 1) / 2;
+  for (int64_t p = 0; p < np; ++p)
+    for (int64_t j = 0; j < nc; ++j) {
+      const __mmask32 m = chunk_mask(in.rank, j);
+      const __m512i x0 = _mm512_maskz_loadu_epi16(m, row[2 * p] + 32 * j);
+      const __m512i x1 =
+          2 * p + 1 < R ? _mm512_maskz_loadu_epi16(m, row[2 * p + 1] + 32 * j) : _mm512_setzero_si512();
+      pairs[(p * nc + j) * 2] = _mm512_unpacklo_epi16(x0, x1);
+      pairs[(p * nc + j) * 2 + 1] = _mm512_unpackhi_epi16(x0, x1);
+    }
+  for (int64_t h = hb; h < he; ++h) {
+    __m512bh wp[kTile / 2];  // the head's weights, a pair of rows in each 32-bit lane
+    alignas(16) bf16 wb[kTile];
+    _mm_store_si128(reinterpret_cast<__m128i*>(wb),
+                    (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(w + h * kTile)));
+    for (int64_t p = 0; p < np; ++p) {
+      int32_t two;
+      std::memcpy(&two, wb + 2 * p, sizeof(two));  // a lone last row's partner: zeros
+      wp[p] = (__m512bh)_mm512_set1_epi32(two);
+    }
+    float* acc = accs + h * len;
+    if (np == kTile / 2) {  // a whole tile: two chains of two pairs each, then their sum
+      for (int64_t v = 0; v < 2 * nc; ++v) {
+        const __m512i* x = pairs + v;
+        __m512 a = _mm512_dpbf16_ps(_mm512_loadu_ps(acc + 16 * v), (__m512bh)x[0], wp[0]);
+        __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)x[2 * nc], wp[1]);
+        a = _mm512_dpbf16_ps(a, (__m512bh)x[4 * nc], wp[2]);
+        b = _mm512_dpbf16_ps(b, (__m512bh)x[6 * nc], wp[3]);
+        _mm512_storeu_ps(acc + 16 * v, _mm512_add_ps(a, b));
+      }
+      continue;
+    }
+    for (int64_t v = 0; v < 2 * nc; ++v) {
+      __m512 a = _mm512_loadu_ps(acc + 16 * v);
+      for (int64_t p = 0; p < np; ++p) a = _mm512_dpbf16_ps(a, (__m512bh)pairs[p * 2 * nc + v], wp[p]);
+      _mm512_storeu_ps(acc + 16 * v, a);
+    }
+  }
+}
+#endif
+
 // Query i's heads hb .. he - 1 over its chosen rows in one pass, kTile rows at a time (an
 // online softmax: each head's running maximum, its sums rescaled when the maximum grows):
 // each row is read once, scored by the heads and added to their values while it is in L1.
 template <typename T>
 void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& s) {
-  const int64_t H = in.H, W = in.W, rank = in.rank;
+  const int64_t H = in.H, W = in.W, rank = in.rank, len = acc_len<T>(rank);
   s.keys.clear();
   for (int64_t t = 0; t < in.topk; ++t) {
     const int64_t slot = in.slots[i * in.topk + t];
@@ -178,9 +291,10 @@ void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& 
     for (int64_t j = hb * rank; j < he * rank; ++j) out[j] = static_cast<T>(0.f);
     return;
   }
-  for (int64_t j = hb * W; j < he * W; ++j)
-    s.q[j] = static_cast<float>(in.q[i * H * W + j]) * in.scale;
-  std::fill(s.acc.begin() + hb * rank, s.acc.begin() + he * rank, 0.f);
+  if (!kPairs<T>)  // the Bf16Form multiplies the query's own values, scaled after the sum
+    for (int64_t j = hb * W; j < he * W; ++j)
+      s.q[j] = static_cast<float>(in.q[i * H * W + j]) * in.scale;
+  std::fill(s.acc.begin() + hb * len, s.acc.begin() + he * len, 0.f);
   std::fill(s.sums.begin() + hb, s.sums.begin() + he, 0.f);
   std::fill(s.top.begin() + hb, s.top.begin() + he, -std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < std::min(c, kAhead); ++t)
@@ -193,6 +307,14 @@ void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& 
       prefetch_span(in.rows + s.keys[t] * in.stride, W * sizeof(T));
     for (int64_t t = 0; t < R; ++t) row[t] = in.rows + s.keys[c0 + t] * in.stride;
     int64_t r = 0;
+#ifdef PIPESERVE_BF16_PAIRS
+    if constexpr (kPairs<T>) {
+      const bf16* q = in.q + i * H * W;
+      for (; r + kRowTile <= R; r += kRowTile)
+        score_rows_bf16<kRowTile>(in, q, row, r, hb, he, sc);
+      for (; r < R; ++r) score_rows_bf16<1>(in, q, row, r, hb, he, sc);
+    }
+#endif
     for (; r + kRowTile <= R; r += kRowTile)
       score_rows<T, kRowTile>(in, s.q.data(), row, r, hb, he, sc);
     for (; r < R; ++r) score_rows<T, 1>(in, s.q.data(), row, r, hb, he, sc);
@@ -204,14 +326,20 @@ void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& 
       if (top > s.top[h]) {  // the maximum grew: what was summed so far shrinks
         const float shrink = std::exp(s.top[h] - top);  // 0 on the first tile
         s.sums[h] *= shrink;
-        float* acc = s.acc.data() + h * rank;
-        for (int64_t j = 0; j < rank; ++j) acc[j] *= shrink;
+        float* acc = s.acc.data() + h * len;
+        for (int64_t j = 0; j < len; ++j) acc[j] *= shrink;
         s.top[h] = top;
       }
       const v8 e = exp8(load8(w) - splat(top));  // kTile = 8 lanes; past R: e^-inf = 0
       store8(w, e);
       s.sums[h] += lanes_sum(e);
     }
+#ifdef PIPESERVE_BF16_PAIRS
+    if constexpr (kPairs<T>) {
+      value_tile_bf16(in, row, R, sc, hb, he, s.acc.data(), s.pairs.data());
+      continue;
+    }
+#endif
     if (R == kTile) {
       value_full_tile(in, row, sc, hb, he, s.acc.data());
     } else {
@@ -220,7 +348,15 @@ void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& 
   }
   for (int64_t h = hb; h < he; ++h) {
     const float inv = 1.f / s.sums[h];
-    for (int64_t j = 0; j < rank; ++j) out[h * rank + j] = static_cast<T>(s.acc[h * rank + j] * inv);
+    const float* acc = s.acc.data() + h * len;
+#ifdef PIPESERVE_BF16_PAIRS
+    if constexpr (kPairs<T>) {
+      for (int64_t j = 0; j < rank; ++j)
+        out[h * rank + j] = static_cast<T>(acc[bf16_pairs::lane_of(j)] * inv);
+      continue;
+    }
+#endif
+    for (int64_t j = 0; j < rank; ++j) out[h * rank + j] = static_cast<T>(acc[j] * inv);
   }
 }
 
@@ -244,7 +380,10 @@ int64_t run(const Inputs<T>& in) {
       [&] {
         Scratch s;
         s.q.resize(in.H * in.W);
-        s.acc.resize(in.H * in.rank);
+        s.acc.resize(in.H * acc_len<T>(in.rank));
+#ifdef PIPESERVE_BF16_PAIRS
+        s.pairs.resize(kTile * ((in.rank + 31) / 32));
+#endif
         s.sums.resize(in.H);
         s.top.resize(in.H);
         s.tile.resize(in.H * kTile);

@@ -42,10 +42,7 @@
 #include "prefill_common.h"
 #include "vec8.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define PIPESERVE_SPARSE_BF16 1
-#endif
+#include "bf16_pairs.h"
 
 namespace {
 
@@ -217,7 +214,7 @@ void head_run(const Inputs<T>& in, const float* qh, const int64_t* p, int64_t c,
   values(in, p, c, h, w, acc);
 }
 
-#ifdef PIPESERVE_SPARSE_BF16
+#ifdef PIPESERVE_BF16_PAIRS
 // bfloat16 storage on CPUs with AVX512-BF16 (the `Bf16Form`): each head of a query over a run
 // as head_run does, with vdpbf16ps (pairs of bfloat16 multiplied exactly, float32 sums).
 //  - Scores: the query's head, its key part then its rope part in chunks of 32 values (the
@@ -227,29 +224,17 @@ void head_run(const Inputs<T>& in, const float* qh, const int64_t* p, int64_t c,
 //  - Values: two positions at a time, their weights rounded to bfloat16 as a pair and their
 //    value rows interleaved (vpunpck{l,h}wd), so one vdpbf16ps adds both into 16 channels;
 //    the head's accumulator (32 channels a chunk, in two vectors) stays in registers over the
-//    run. The interleave leaves the channels permuted within each chunk (`lane_of`); the
-//    accumulator is kept so and put in order when the query's output is written.
+//    run. The interleave leaves the channels permuted within each chunk (bf16_pairs::lane_of);
+//    the accumulator is kept so and put in order when the query's output is written.
 // Widths beyond kMaxQueryChunks / kMaxValueChunks take head_run (bfloat16 widened).
 using bf16 = c10::BFloat16;
+using bf16_pairs::chunk_mask;
+using bf16_pairs::chunks;
+using bf16_pairs::lane_of;
 constexpr int64_t kMaxQueryChunks = 8, kMaxValueChunks = 4;
-
-inline int64_t chunks(int64_t width) { return (width + 31) / 32; }
-
-inline __mmask32 chunk_mask(int64_t width, int64_t j) {  // chunk j's lanes below width
-  const int64_t left = width - 32 * j;
-  return left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
-}
 
 inline bool bf16_form(const Inputs<bf16>& in) {
   return chunks(in.dk) + chunks(in.dr) <= kMaxQueryChunks && chunks(in.dv) <= kMaxValueChunks;
-}
-
-// Where channel ch of a value sits in a head's accumulator after the interleave: chunk j's
-// 32 channels 8k + 4s + i (k the 128-bit lane, s low or high half of it) at vector 2j + s,
-// lane 4k + i.
-inline int64_t lane_of(int64_t ch) {
-  const int64_t j = ch / 32, k = ch % 32 / 8, s = ch % 8 / 4, i = ch % 4;
-  return (2 * j + s) * 16 + 4 * k + i;
 }
 
 // w[0 .. c) (room for c rounded up to kLanes): head h's scaled scores over positions p[0 .. c).
@@ -371,7 +356,7 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   // the Bf16Form's instantiation for these widths (its accumulators 32 channels a chunk), or
   // none: head_run on float32 (bfloat16 widened) with the query scaled in float32
   HeadRun fast = nullptr;
-#ifdef PIPESERVE_SPARSE_BF16
+#ifdef PIPESERVE_BF16_PAIRS
   if constexpr (std::is_same_v<T, bf16>)
     if (bf16_form(in)) fast = head_run_for(in);
 #endif
@@ -406,7 +391,7 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
           s.next[t] = c1;
           for (int64_t h = 0; h < H; ++h) {
             const int64_t th = t * H + h;
-#ifdef PIPESERVE_SPARSE_BF16
+#ifdef PIPESERVE_BF16_PAIRS
             if constexpr (std::is_same_v<T, bf16>)
               if (fast) {
                 fast(in, in.q + (q0 * H + th) * dq, s.pos.data() + c0, c1 - c0, h, s.w.data(),
@@ -425,7 +410,7 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
     T* out = in.out + (q0 * H + th) * dv;
     const float* acc = s.acc.data() + th * acc_len;
     const float inv = s.sums[th] > 0.f ? 1.f / s.sums[th] : 0.f;  // nothing chosen: zeros
-#ifdef PIPESERVE_SPARSE_BF16
+#ifdef PIPESERVE_BF16_PAIRS
     if (fast) {
       for (int64_t j = 0; j < dv; ++j) out[j] = static_cast<T>(acc[lane_of(j)] * inv);
       continue;

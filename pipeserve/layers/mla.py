@@ -66,6 +66,13 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_d
 NATIVE_EXPANDED_SPEEDUP = 2
 # sparse_latent_attention off the compiled kernel: bytes of rows gathered per block of queries
 SPARSE_GATHER_BYTES = 2**27
+# V3.2's two forms on the compiled CPU kernels, in multiply-adds of the latent kernel
+# (sparse_attention.cpp): one of the expanded kernel (sparse_expanded.cpp) costs about this many
+# (each reads a key or value of its own where a latent row serves every head; benchmarks/
+# v32_kernels.py: 2-2.5 in float32 on Zen 3, 2.3-2.55 in the two kernels' bfloat16 vdpbf16ps
+# forms on Zen 4), one of the up-projection (a matrix product) this many (0.4 and 0.45)
+SPARSE_EXPANDED_MAC = 2.5
+UP_PROJECTION_MAC = 0.4
 Mode = Literal["auto", "expanded", "absorbed"]  # auto: the cheaper (MLAttention.absorbs)
 NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm ignore the config's rms_norm_eps
 
@@ -372,23 +379,21 @@ class MLAttention(nn.Module):
         native backend's), when up-projecting every
         position (once per segment) and then (qk_head_dim + v_head_dim) multiply-adds per
         chosen pair and head cost less than 2 * kv_lora_rank + qk_rope_head_dim per pair in
-        latent space, each form's multiply-adds weighed by its speed on these kernels and
-        dtype (`kernels.expanded_costs`). Long prompt chunks of a model with few heads expand;
-        decode steps and short chunks, and wide latents where the expanded kernel is slow per
-        multiply-add (float32), stay latent.
+        latent space, each form's multiply-adds weighed by its speed (SPARSE_EXPANDED_MAC,
+        UP_PROJECTION_MAC). Long prompt chunks of a model with few heads expand; decode steps
+        and short chunks, and heads wide beside the latent (DeepSeek-V3.2's own), stay latent.
         PIPESERVE_SPARSE_ATTENTION_FORM=latent|expanded overrides the rule."""
         if dtype not in (torch.float32, torch.bfloat16) or self.indexer is None:
             return False
         form = envs.sparse_attention_form()
-        if form == "latent" or kernels.sparse_expanded is None or kernels.expanded_costs is None:
+        if form == "latent" or kernels.sparse_expanded is None:
             return False
         if form == "expanded":
             return True
         m = self.mla
-        mac, up_mac = kernels.expanded_costs(dtype)
         pairs = q_len * min(self.indexer.config.topk, length)
-        up = length * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) * up_mac
-        expanded = up + pairs * (m.qk_head_dim + m.v_head_dim) * mac
+        up = length * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) * UP_PROJECTION_MAC
+        expanded = up + pairs * (m.qk_head_dim + m.v_head_dim) * SPARSE_EXPANDED_MAC
         return expanded < pairs * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
 
     def sparse_expanded(

@@ -10,7 +10,6 @@ import pytest
 import torch
 from selection_oracle import masked_attention, selection_mask
 
-from pipeserve.backends import native_backend
 from pipeserve.backends.base import TORCH_KERNELS
 from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.device import native_sparse_expanded_kernel
@@ -174,8 +173,9 @@ def test_long_chunks_of_narrow_latents_expand_decode_steps_stay_latent() -> None
     """The cost rule: with the benchmark's widths (latent 256, heads of 96/64) a 2,048-query
     chunk of a 16K request expands and a decode step does not; at DeepSeek-V3's widths (latent
     512, heads of 192/128) a 512-query chunk of a 128K request stays latent (up-projecting
-    every position would cost more than it saves); nothing expands off the compiled kernels
-    or their dtypes."""
+    every position would cost more than it saves), as does a 2,048-query chunk of 32K with heads
+    of 192/128 over a 256 latent (a pair's 320 per-head multiply-adds at the expanded kernel's
+    cost exceed the latent's 576); nothing expands off the compiled kernels or their dtypes."""
     narrow = layer(256, 8)
     assert narrow.sparse_expands(2048, 16384, NATIVE, torch.float32)
     assert narrow.sparse_expands(2048, 16384, NATIVE, torch.bfloat16)
@@ -184,21 +184,7 @@ def test_long_chunks_of_narrow_latents_expand_decode_steps_stay_latent() -> None
     assert not narrow.sparse_expands(2048, 16384, NATIVE, torch.float16)
     v3 = layer(512, 8, nope=128, rope=64)
     assert not v3.sparse_expands(512, 131072, NATIVE, torch.float32)
-
-
-def test_the_rule_weighs_each_form_by_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The released model's head widths over a 256 latent (16 heads of 192/128): a 2,048-query
-    chunk of a 32K request stays latent where the expanded kernel computes in float32 (its
-    float32 form, and bfloat16 widened on a CPU without AVX512-BF16) and expands where it
-    multiplies bfloat16 by vdpbf16ps, which runs at about the latent kernel's rate; at
-    DeepSeek-V3's 512 latent a 512-query chunk of 128K stays latent either way."""
-    released = layer(256, 16, nope=128, rope=64)
-    v3 = layer(512, 16, nope=128, rope=64)
-    monkeypatch.setattr(native_backend, "native_bf16_pairs", lambda: True)
-    assert released.sparse_expands(2048, 32768, NATIVE, torch.bfloat16)
-    assert not released.sparse_expands(2048, 32768, NATIVE, torch.float32)
-    assert not v3.sparse_expands(512, 131072, NATIVE, torch.bfloat16)
-    monkeypatch.setattr(native_backend, "native_bf16_pairs", lambda: False)
+    released = layer(256, 16, nope=128, rope=64)  # the released model's heads: a 2K chunk of 32K
     assert not released.sparse_expands(2048, 32768, NATIVE, torch.bfloat16)
 
 

@@ -63,6 +63,39 @@ def test_attends_to_the_chosen_rows_only(
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "width", "rank", "threads"),
+    [
+        (8, 288, 256, 2),  # benchmarks/v32_sparse.py's latent (256 + rope 32)
+        (16, 576, 512, 1),  # DeepSeek-V3.2's own (512 + rope 64)
+        (5, 77, 70, 2),  # chunks of 32 with tails; heads past the tile of 4
+    ],
+)
+def test_bfloat16_at_model_widths(heads: int, width: int, rank: int, threads: int) -> None:
+    """bfloat16 rows at DeepSeek's widths: on CPUs with AVX512-BF16 the kernel's vdpbf16ps
+    form (scores by chunks of 32 values; values two rows at a time with their weights rounded
+    to bfloat16, the channels permuted within a chunk and put back in order), elsewhere
+    bfloat16 widened. Against float64 attention on the same values, within the output's
+    bfloat16 rounding and the weights' own; choices whose tiles of 8 rows end odd."""
+    gen = torch.Generator().manual_seed(3)
+    n, length, topk = 19, 500, 75
+    q = torch.randn(n, heads, width, generator=gen).bfloat16()
+    rows = torch.randn(length, width, generator=gen).bfloat16()
+    slots = torch.stack([torch.randperm(length, generator=gen)[:topk] for _ in range(n)])
+    slots[2, ::4] = -1
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = KERNEL(q, rows, slots, rank, width**-0.5, torch.zeros(1, dtype=torch.long))
+    finally:
+        torch.set_num_threads(before)
+    k = rows[:, None].expand(-1, heads, -1)
+    keep = selection_mask(slots, length)
+    expected = masked_attention(q, k, k[..., :rank], keep, width**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2**-8)
+
+
+@needs_kernel
 def test_kernel_reads_strided_rows_in_place() -> None:
     """A view of wider rows (the context-parallel path's latent part of [latent | index key]
     rows) gives what a compact copy gives, and the order of a choice changes nothing."""
@@ -103,10 +136,12 @@ def test_a_slot_outside_the_rows_is_refused() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("n", [1, 2])
-def test_few_queries_split_their_heads_over_threads(n: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_queries_split_their_heads_over_threads(n: int, dtype: torch.dtype) -> None:
     """Decode steps (fewer queries than threads) run in groups of heads, each group reading
-    the rows: the same output, and each query's rows counted once."""
-    q, rows, slots = problem(torch.float32, seed=6)
+    the rows: the same output, and each query's rows counted once (bfloat16: within its
+    rounding, in the vdpbf16ps form where the CPU has it)."""
+    q, rows, slots = problem(dtype, seed=6)
     q, slots = q[:n], slots[:n]
     read = torch.zeros(1, dtype=torch.long)
     with_threads = torch.get_num_threads()
@@ -115,7 +150,10 @@ def test_few_queries_split_their_heads_over_threads(n: int) -> None:
         out = sparse_latent_attention(q, rows, slots, RANK, 0.2, KERNEL, read)
     finally:
         torch.set_num_threads(with_threads)
-    torch.testing.assert_close(out.double(), oracle(q, rows, slots, 0.2), atol=2e-6, rtol=0)
+    tolerance = (
+        {"atol": 2e-6, "rtol": 0} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2**-8}
+    )
+    torch.testing.assert_close(out.double(), oracle(q, rows, slots, 0.2), **tolerance)
     assert read.item() == int((slots >= 0).sum())
 
 

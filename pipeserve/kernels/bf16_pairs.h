@@ -1,0 +1,33 @@
+// What the DeepSeek-V3.2 kernels' bfloat16 forms share on CPUs with AVX512-BF16 (vdpbf16ps:
+// pairs of bfloat16 multiplied exactly, both products added into a float32 lane): widths in
+// chunks of 32 values, the last one masked, and the channel order that interleaving two rows
+// of values (vpunpck{l,h}wd, to add both by one vdpbf16ps) leaves in an accumulator.
+// PIPESERVE_BF16_PAIRS is defined where the compiler targets AVX512F and AVX512-BF16.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <cstdint>
+#define PIPESERVE_BF16_PAIRS 1
+
+namespace bf16_pairs {
+
+inline int64_t chunks(int64_t width) { return (width + 31) / 32; }
+
+inline __mmask32 chunk_mask(int64_t width, int64_t j) {  // chunk j's lanes below width
+  const int64_t left = width - 32 * j;
+  return left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+}
+
+// Where channel ch of a row sits in an accumulator of interleaved pairs of rows: chunk j's 32
+// channels 8k + 4s + i (k the 128-bit lane, s its low or high half) at vector 2j + s, lane
+// 4k + i (vpunpcklwd takes the low four 16-bit values of each 128-bit lane, vpunpckhwd the
+// high four). An accumulator holds 32 floats a chunk.
+inline int64_t lane_of(int64_t ch) {
+  const int64_t j = ch / 32, k = ch % 32 / 8, s = ch % 8 / 4, i = ch % 4;
+  return (2 * j + s) * 16 + 4 * k + i;
+}
+
+}  // namespace bf16_pairs
+#endif
