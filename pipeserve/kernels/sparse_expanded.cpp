@@ -309,7 +309,6 @@ void head_run_bf16(const Inputs<bf16>& in, const bf16* qh, const int64_t* p, int
   values_bf16<NV>(in, p, c, h, w, wb, acc);
 }
 
-
 using HeadRun = void (*)(const Inputs<bf16>&, const bf16*, const int64_t*, int64_t, int64_t,
                          float*, bf16*, float&, float&, float*);
 
