@@ -69,9 +69,7 @@ struct Scratch {
   std::vector<float> top;     // [H]: each head's running maximum
   std::vector<float> acc;     // [H, rank] (the Bf16Form's: 32 floats a chunk of rank)
   std::vector<float> sums;    // [H]: each head's sum of weights
-#ifdef PIPESERVE_BF16_PAIRS
-  std::vector<__m512i> pairs;  // the Bf16Form's interleaved rows of a tile
-#endif
+  std::vector<int16_t> pairs;  // the Bf16Form's interleaved rows of a tile (from a 64-byte line)
   int64_t read = 0;           // (query, row) pairs read by this thread
 };
 
@@ -229,9 +227,11 @@ inline void score_rows_bf16(const Inputs<bf16>& in, const bf16* q, const bf16* c
 }
 
 // acc[h] (32 floats a chunk of rank, lane_of's order) += sum_t w[h * kTile + t] row[t][:rank],
-// t < R, every head hb .. he - 1; pairs: scratch for the tile's interleaved rows.
+// t < R, every head hb .. he - 1; pairs: scratch for the tile's interleaved rows (kTile x
+// chunks(rank) vectors of 32 values).
 inline void value_tile_bf16(const Inputs<bf16>& in, const bf16* const* row, int64_t R,
-                            const float* w, int64_t hb, int64_t he, float* accs, __m512i* pairs) {
+                            const float* w, int64_t hb, int64_t he, float* accs, int16_t* pairs) {
+  const auto pair = [&](int64_t v) { return (__m512bh)_mm512_loadu_si512(pairs + 32 * v); };
   const int64_t nc = chunks(in.rank), len = 32 * nc, np = (R + 1) / 2;
   for (int64_t p = 0; p < np; ++p)
     for (int64_t j = 0; j < nc; ++j) {
@@ -239,8 +239,8 @@ inline void value_tile_bf16(const Inputs<bf16>& in, const bf16* const* row, int6
       const __m512i x0 = _mm512_maskz_loadu_epi16(m, row[2 * p] + 32 * j);
       const __m512i x1 =
           2 * p + 1 < R ? _mm512_maskz_loadu_epi16(m, row[2 * p + 1] + 32 * j) : _mm512_setzero_si512();
-      pairs[(p * nc + j) * 2] = _mm512_unpacklo_epi16(x0, x1);
-      pairs[(p * nc + j) * 2 + 1] = _mm512_unpackhi_epi16(x0, x1);
+      _mm512_storeu_si512(pairs + 32 * ((p * nc + j) * 2), _mm512_unpacklo_epi16(x0, x1));
+      _mm512_storeu_si512(pairs + 32 * ((p * nc + j) * 2 + 1), _mm512_unpackhi_epi16(x0, x1));
     }
   for (int64_t h = hb; h < he; ++h) {
     __m512bh wp[kTile / 2];  // the head's weights, a pair of rows in each 32-bit lane
@@ -255,18 +255,17 @@ inline void value_tile_bf16(const Inputs<bf16>& in, const bf16* const* row, int6
     float* acc = accs + h * len;
     if (np == kTile / 2) {  // a whole tile: two chains of two pairs each, then their sum
       for (int64_t v = 0; v < 2 * nc; ++v) {
-        const __m512i* x = pairs + v;
-        __m512 a = _mm512_dpbf16_ps(_mm512_loadu_ps(acc + 16 * v), (__m512bh)x[0], wp[0]);
-        __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)x[2 * nc], wp[1]);
-        a = _mm512_dpbf16_ps(a, (__m512bh)x[4 * nc], wp[2]);
-        b = _mm512_dpbf16_ps(b, (__m512bh)x[6 * nc], wp[3]);
+        __m512 a = _mm512_dpbf16_ps(_mm512_loadu_ps(acc + 16 * v), pair(v), wp[0]);
+        __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), pair(v + 2 * nc), wp[1]);
+        a = _mm512_dpbf16_ps(a, pair(v + 4 * nc), wp[2]);
+        b = _mm512_dpbf16_ps(b, pair(v + 6 * nc), wp[3]);
         _mm512_storeu_ps(acc + 16 * v, _mm512_add_ps(a, b));
       }
       continue;
     }
     for (int64_t v = 0; v < 2 * nc; ++v) {
       __m512 a = _mm512_loadu_ps(acc + 16 * v);
-      for (int64_t p = 0; p < np; ++p) a = _mm512_dpbf16_ps(a, (__m512bh)pairs[p * 2 * nc + v], wp[p]);
+      for (int64_t p = 0; p < np; ++p) a = _mm512_dpbf16_ps(a, pair(p * 2 * nc + v), wp[p]);
       _mm512_storeu_ps(acc + 16 * v, a);
     }
   }
@@ -336,7 +335,8 @@ void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& 
     }
 #ifdef PIPESERVE_BF16_PAIRS
     if constexpr (kPairs<T>) {
-      value_tile_bf16(in, row, R, sc, hb, he, s.acc.data(), s.pairs.data());
+      const auto line = (reinterpret_cast<uintptr_t>(s.pairs.data()) + 63) & ~uintptr_t{63};
+      value_tile_bf16(in, row, R, sc, hb, he, s.acc.data(), reinterpret_cast<int16_t*>(line));
       continue;
     }
 #endif
@@ -381,9 +381,7 @@ int64_t run(const Inputs<T>& in) {
         Scratch s;
         s.q.resize(in.H * in.W);
         s.acc.resize(in.H * acc_len<T>(in.rank));
-#ifdef PIPESERVE_BF16_PAIRS
-        s.pairs.resize(kTile * ((in.rank + 31) / 32));
-#endif
+        if (kPairs<T>) s.pairs.resize(kTile * ((in.rank + 31) / 32) * 32 + 32);
         s.sums.resize(in.H);
         s.top.resize(in.H);
         s.tile.resize(in.H * kTile);

@@ -359,7 +359,7 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   if constexpr (std::is_same_v<T, bf16>)
     if (bf16_form(in)) fast = head_run_for(in);
 #endif
-  const int64_t acc_len = fast ? 32 * chunks(dv) : dv;
+  const int64_t acc_len = fast ? 32 * ((dv + 31) / 32) : dv;
   if (!fast) {
     s.q.resize(m * H * dq);
     for (int64_t j = 0; j < m * H * dq; ++j)
