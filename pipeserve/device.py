@@ -399,8 +399,8 @@ def native_sparse_kernel(device: torch.device | None = None) -> Callable[..., to
 
 def native_bf16_pairs() -> bool:
     """Whether the compiled DeepSeek-V3.2 kernels multiply bfloat16 inputs by vdpbf16ps (built
-    where the compiler targets AVX512-BF16): the indexer's and the expanded sparse attention's
-    bfloat16 forms. False without the kernels."""
+    where the compiler targets AVX512-BF16): the bfloat16 forms of the indexer and of both sparse
+    attention kernels. False without the kernels."""
     supported = _native_function("bf16_pairs_supported")
     return supported is not None and bool(supported())
 

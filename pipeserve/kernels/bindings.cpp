@@ -69,7 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build has the native prefill kernel (needs AVX512-BF16)");
   m.def("bf16_pairs_supported", &bf16_pairs_supported,
         "whether this build has the DeepSeek-V3.2 kernels' vdpbf16ps forms for bfloat16 inputs "
-        "(the indexer's and the expanded sparse attention's; needs AVX512-BF16)");
+        "(the indexer's and both sparse attention kernels'; needs AVX512-BF16)");
   m.def("prefill_attention_avx2_supported", &prefill_attention_avx2_supported,
         "whether this build has the AVX2 prefill kernel (needs AVX2 and FMA)");
 }

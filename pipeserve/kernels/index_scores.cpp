@@ -16,7 +16,7 @@
 //    bfloat16 values exactly and adds both products into a float32 lane, so a 16-key vector
 //    advances two dimensions of every key at once (32 multiply-adds per instruction, twice
 //    float32's); blocks of 32 keys packed [d / 2][32][2]. A bfloat16 call on a CPU without
-//    it widens its inputs to float32 first.
+//    it, or at an odd d, widens its inputs to float32 first.
 // Blocks of a query's future are skipped, the rest of its row is masked. Work is split over
 // blocks of queries as the prefill kernels split theirs (prefill::run_tasks).
 #include <ATen/ops/empty.h>

@@ -11,13 +11,19 @@ of key t for query s (transformers' DeepseekV32Indexer, float32):
 over causally visible keys only (t <= position of s); later ones score -inf. Each query then keeps
 its `index_topk` best keys, or every visible key when it sees fewer.
 
+Precision: q and k in the run's dtype, every product exact and the sums in float32 (a bfloat16
+run multiplies by vdpbf16ps on CPUs with AVX512-BF16, widens elsewhere; the head sum and w are
+float32). DeepSeek's released kernels run the indexer in fp8; pipeserve does not, as CPUs have
+no fp8 product and an fp8 rounding would move the selection away from transformers' reference,
+which the parity tests hold it to.
+
 Tie-break: scores are sums of ReLUs, so exact ties (0 most of all) are common. Among equal scores
 the earlier position wins; -0.0 counts as 0.0. transformers' topk leaves this order unspecified.
 
 Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), as a
 set in no particular order, -1 for none where a query sees fewer than index_topk tokens.
-The attention then reads only those rows, in latent space (mla.py: `sparse_latent_attention`,
-prompt chunks and decode steps alike); no [q_len, keys] mask is built. A request no longer than
+The attention then reads only those rows (mla.py: `MLAttention.sparse`, in latent space or on
+up-projected keys); no [q_len, keys] mask is built. A request no longer than
 index_topk keeps every visible position, and its scores are not computed.
 
 Tensor parallelism: every projection is replicated (the indexer is small), so every rank caches

@@ -381,7 +381,7 @@ class MLAttention(nn.Module):
         chosen pair and head cost less than 2 * kv_lora_rank + qk_rope_head_dim per pair in
         latent space, each form's multiply-adds weighed by its speed (SPARSE_EXPANDED_MAC,
         UP_PROJECTION_MAC). Long prompt chunks of a model with few heads expand; decode steps
-        and short chunks, and heads wide beside the latent (DeepSeek-V3.2's own), stay latent.
+        and short chunks, and wide latents or heads (DeepSeek-V3.2's own widths), stay latent.
         PIPESERVE_SPARSE_ATTENTION_FORM=latent|expanded overrides the rule."""
         if dtype not in (torch.float32, torch.bfloat16) or self.indexer is None:
             return False
