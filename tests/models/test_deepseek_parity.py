@@ -14,7 +14,7 @@ import pytest
 import test_hf_parity
 import torch
 
-from pipeserve.device import native_sparse_expanded_kernel
+from pipeserve.device import native_bf16_pairs, native_sparse_expanded_kernel
 from pipeserve.engine.engine import Engine
 from pipeserve.layers import indexer as indexer_mod
 from pipeserve.layers import mla as mla_mod
@@ -204,3 +204,38 @@ def test_plain_query_projection_matches_transformers(model_dir, tmp_path: Path) 
 def test_deterministic_mode_is_refused_clearly(model_dir) -> None:
     with pytest.raises(ValueError, match=r"not available for multi-head latent attention"):
         Engine(str(model_dir("tiny-deepseek-v3")), enable_deterministic_inference=True)
+
+
+@pytest.mark.skipif(not native_bf16_pairs(), reason="V3.2's bfloat16 kernel forms need AVX512-BF16")
+def test_bfloat16_kernel_forms_are_as_close_as_torch_s_bfloat16(hf_saved, hf_reference) -> None:
+    """DeepSeek-V3.2 in bfloat16 on the native kernels' vdpbf16ps forms (the indexer, and the
+    sparse attention in each form) against transformers' float32: its prompt logprobs are no
+    further off, on average, than the same run on torch's ops in bfloat16 (an independent
+    bfloat16 reference). A wrong channel order or pairing in a form moves them by far more."""
+    _, path = hf_saved("tiny-deepseek-v32")
+    reference = hf_reference("tiny-deepseek-v32")
+
+    def error(backend: str, form: str) -> float:
+        with pytest.MonkeyPatch.context() as mp:
+            reads = SparseReads(mp, form)
+            with Engine(
+                str(path),
+                dtype="bfloat16",
+                attention_backend=backend,
+                max_total_tokens=4096,
+                **LAYOUTS["chunk48-page16"],
+            ) as engine:
+                outs = engine.generate(
+                    input_ids=prompts(), sampling_params=GREEDY, return_logprob=True
+                )
+        assert isinstance(outs, list) and reads.calls[form] > 0
+        diffs = [
+            (torch.tensor(out["prompt_logprobs"]) - logprobs).abs()
+            for out, (logprobs, _) in zip(outs, reference, strict=True)
+        ]
+        return torch.cat(diffs).mean().item()
+
+    torch_error = error("torch", "latent")
+    for form in ("latent", "expanded"):
+        native_error = error("native", form)  # here 0.208 / 0.222 against torch's 0.208
+        assert native_error <= 1.25 * torch_error, (form, native_error, torch_error)
