@@ -6,6 +6,7 @@
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -27,6 +28,17 @@ inline __mmask32 chunk_mask(int64_t width, int64_t j) {  // chunk j's lanes belo
 inline int64_t lane_of(int64_t ch) {
   const int64_t j = ch / 32, k = ch % 32 / 8, s = ch % 8 / 4, i = ch % 4;
   return (2 * j + s) * 16 + 4 * k + i;
+}
+
+// Chunk j (lanes `m`) of two rows interleaved for vdpbf16ps: each 32-bit lane a pair (x0's
+// value, x1's), the low halves of the 128-bit lanes in lo and the high ones in hi (vectors
+// 2j and 2j + 1 of lane_of's order). x1 null: zeros, for a lone last row.
+inline void interleave(const c10::BFloat16* x0, const c10::BFloat16* x1, int64_t j, __mmask32 m,
+                       __m512i& lo, __m512i& hi) {
+  const __m512i a = _mm512_maskz_loadu_epi16(m, x0 + 32 * j);
+  const __m512i b = x1 ? _mm512_maskz_loadu_epi16(m, x1 + 32 * j) : _mm512_setzero_si512();
+  lo = _mm512_unpacklo_epi16(a, b);
+  hi = _mm512_unpackhi_epi16(a, b);
 }
 
 }  // namespace bf16_pairs

@@ -235,12 +235,11 @@ inline void value_tile_bf16(const Inputs<bf16>& in, const bf16* const* row, int6
   const int64_t nc = chunks(in.rank), len = 32 * nc, np = (R + 1) / 2;
   for (int64_t p = 0; p < np; ++p)
     for (int64_t j = 0; j < nc; ++j) {
-      const __mmask32 m = chunk_mask(in.rank, j);
-      const __m512i x0 = _mm512_maskz_loadu_epi16(m, row[2 * p] + 32 * j);
-      const __m512i x1 =
-          2 * p + 1 < R ? _mm512_maskz_loadu_epi16(m, row[2 * p + 1] + 32 * j) : _mm512_setzero_si512();
-      _mm512_storeu_si512(pairs + 32 * ((p * nc + j) * 2), _mm512_unpacklo_epi16(x0, x1));
-      _mm512_storeu_si512(pairs + 32 * ((p * nc + j) * 2 + 1), _mm512_unpackhi_epi16(x0, x1));
+      __m512i lo, hi;
+      const bf16* second = 2 * p + 1 < R ? row[2 * p + 1] : nullptr;
+      bf16_pairs::interleave(row[2 * p], second, j, chunk_mask(in.rank, j), lo, hi);
+      _mm512_storeu_si512(pairs + 32 * ((p * nc + j) * 2), lo);
+      _mm512_storeu_si512(pairs + 32 * ((p * nc + j) * 2 + 1), hi);
     }
   for (int64_t h = hb; h < he; ++h) {
     __m512bh wp[kTile / 2];  // the head's weights, a pair of rows in each 32-bit lane

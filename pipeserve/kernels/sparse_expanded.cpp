@@ -222,10 +222,11 @@ void head_run(const Inputs<T>& in, const float* qh, const int64_t* p, int64_t c,
 //    one vdpbf16ps per chunk of its key, eight positions' 16-lane sums reduced together
 //    (score8's reduction); the scale multiplies the sums.
 //  - Values: two positions at a time, their weights rounded to bfloat16 as a pair and their
-//    value rows interleaved (vpunpck{l,h}wd), so one vdpbf16ps adds both into 16 channels;
-//    the head's accumulator (32 channels a chunk, in two vectors) stays in registers over the
-//    run. The interleave leaves the channels permuted within each chunk (bf16_pairs::lane_of);
-//    the accumulator is kept so and put in order when the query's output is written.
+//    value rows interleaved (bf16_pairs::interleave), so one vdpbf16ps adds both into 16
+//    channels; the head's accumulator (32 channels a chunk, in two vectors) stays in
+//    registers over the run. The interleave leaves the channels permuted within each chunk
+//    (bf16_pairs::lane_of); the accumulator is kept so and put in order when the query's
+//    output is written.
 // Widths beyond kMaxQueryChunks / kMaxValueChunks take head_run (bfloat16 widened).
 using bf16 = c10::BFloat16;
 using bf16_pairs::chunk_mask;
@@ -291,10 +292,10 @@ void values_bf16(const Inputs<bf16>& in, const int64_t* p, int64_t c, int64_t h,
     const bf16* v0 = in.v + p[r] * in.sv0 + h * in.sv1;
     const bf16* v1 = r + 1 < c ? in.v + p[r + 1] * in.sv0 + h * in.sv1 : nullptr;
     for (int j = 0; j < NV; ++j) {
-      const __m512i x0 = _mm512_maskz_loadu_epi16(mask[j], v0 + 32 * j);
-      const __m512i x1 = v1 ? _mm512_maskz_loadu_epi16(mask[j], v1 + 32 * j) : _mm512_setzero_si512();
-      a[2 * j] = _mm512_dpbf16_ps(a[2 * j], (__m512bh)_mm512_unpacklo_epi16(x0, x1), wp);
-      a[2 * j + 1] = _mm512_dpbf16_ps(a[2 * j + 1], (__m512bh)_mm512_unpackhi_epi16(x0, x1), wp);
+      __m512i lo, hi;
+      bf16_pairs::interleave(v0, v1, j, mask[j], lo, hi);
+      a[2 * j] = _mm512_dpbf16_ps(a[2 * j], (__m512bh)lo, wp);
+      a[2 * j + 1] = _mm512_dpbf16_ps(a[2 * j + 1], (__m512bh)hi, wp);
     }
   }
   for (int j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
