@@ -35,7 +35,7 @@ from pipeserve.device import (
     native_sparse_kernel,
 )
 from pipeserve.layers import batch_invariant
-from pipeserve.layers.block_quant import BLOCK_FORMATS, block_format
+from pipeserve.layers.block_quant import BLOCK_FORMATS, GROUP, block_format, group
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -175,7 +175,7 @@ class NativeLinears(LinearKernels):
         if keep_blocks and self.blocks is not None:
             for fmt in BLOCK_FORMATS:  # the smallest first
                 if (found := self.blocks.requantize(weight, fmt.code)) is not None:
-                    return found
+                    return group(found, fmt)
         narrow = weight.to(torch.bfloat16)
         return narrow if torch.equal(narrow.float(), weight) else weight
 
@@ -228,7 +228,8 @@ def _widened_linear(
         y = torch.nn.functional.linear(flat, widen(weight), bias)
     else:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        rows = max(16, WIDEN_BLOCK_BYTES // (k * x.element_size()))
+        # whole groups of a weight kept in blocks (layers/block_quant.py), ~WIDEN_BLOCK_BYTES
+        rows = max(2, WIDEN_BLOCK_BYTES // (k * x.element_size() * GROUP)) * GROUP
         for s in range(0, n, rows):
             y[:, s : s + rows] = flat @ widen(weight[s : s + rows]).T
         if bias is not None:

@@ -42,10 +42,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear_blocks", &skinny_linear_blocks,
         "skinny_linear for a weight kept in GGUF blocks of 32 values, each row its blocks' "
-        "bytes: format 1 Q4_1 (20 bytes), 2 Q8_0 (34 bytes); bitwise the float32 product on "
-        "the dequantised weight (CPU)",
+        "bytes: format 1 Q4_1 (20 bytes), 2 Q8_0 (34 bytes); x quantised to 8 bits per block "
+        "and met by integer dot products (form 0 the best compiled, 1 portable, 2 AVX2, "
+        "3 AVX512-VNNI) (CPU)",
         py::arg("x"), py::arg("w"), py::arg("format"), py::arg("bias") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("form") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("int8_product_forms", &int8_product_forms,
+        "the forms of skinny_linear_blocks' integer products compiled on this CPU");
   m.def("dequantize_blocks", &dequantize_blocks,
         "the float32 values of a weight kept in GGUF blocks (see skinny_linear_blocks), "
         "bitwise as GGUF's reference dequantisation computes them (CPU)",

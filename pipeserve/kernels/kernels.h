@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor runs, at::Tensor offsets, double scale);
@@ -32,7 +33,8 @@ at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix
 at::Tensor skinny_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias);
 int64_t skinny_linear_max_rows();
 at::Tensor skinny_linear_blocks(at::Tensor x, at::Tensor w, int64_t format,
-                                std::optional<at::Tensor> bias);
+                                std::optional<at::Tensor> bias, int64_t form);
+std::vector<int64_t> int8_product_forms();
 at::Tensor dequantize_blocks(at::Tensor w, int64_t format);
 std::optional<at::Tensor> requantize_blocks(at::Tensor w, int64_t format);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);

@@ -35,6 +35,8 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 #include "vec8.h"
@@ -180,13 +182,11 @@ inline void tile(const Problem<W>& p, int64_t r0, int64_t i0) {
   }
 }
 
-// Outputs [r0, r0 + R) of every row of x.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PIPESERVE_BLOCK_TILES 1
-// A whole block's four weight vectors at once: its scale (and minimum) converted and
-// broadcast once, its integers loaded once, where the per-vector `wload` above does both per
-// 8 values (Zen 4, one thread, SmolLM2's layers at one row: 1.2-2.4x faster; the built-in
-// model's decode 1.23x). The same values, each rounded the same way.
+// A whole block's four weight vectors at once (the compiled dequantisation): its scale (and
+// minimum) converted and broadcast once, its integers loaded once, where the per-vector
+// `wload` above does both per 8 values. The same values, each rounded the same way.
 inline float half(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
@@ -211,48 +211,41 @@ inline void block_values(const Q80*, const uint8_t* b, v8* w) {
     w[j] = (v8)_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
   }
 }
-
-// `tile` for block formats, a block at a time: each accumulator still takes the values in
-// the order of K, so the sums are bitwise `tile`'s.
-template <int64_t R, int64_t MT, typename W>
-inline void tile_blocks(const Problem<W>& p, int64_t r0, int64_t i0) {
-  const int64_t k = p.k;
-  const uint8_t* wr[R];
-  const float* xi[MT];
-  for (int64_t r = 0; r < R; ++r) wr[r] = &(p.w + (r0 + r) * p.ld)->byte;
-  for (int64_t i = 0; i < MT; ++i) xi[i] = p.x + (i0 + i) * k;
-  v8 acc[MT][R] = {};
-  for (int64_t c = 0; c < k; c += kBlock) {
-    const int64_t at = (c / kBlock) * kBlockBytes<W>;
-    for (int64_t r = 0; r < R; ++r) __builtin_prefetch(wr[r] + R * p.ld + at);
-    for (int64_t r = 0; r < R; ++r) {
-      v8 w[4];
-      block_values(static_cast<const W*>(nullptr), wr[r] + at, w);
-      for (int64_t j = 0; j < 4; ++j) {
-        for (int64_t i = 0; i < MT; ++i) acc[i][r] = fma8(w[j], load8(xi[i] + c + kLanes * j), acc[i][r]);
-      }
-    }
-  }
-  for (int64_t i = 0; i < MT; ++i) {
-    for (int64_t r = 0; r < R; ++r) {
-      float s = vec8::lanes_sum(acc[i][r]);
-      if (p.bias != nullptr) s += p.bias[r0 + r];
-      p.y[(i0 + i) * p.n + r0 + r] = s;
-    }
-  }
-}
 #endif
 
+// ---- The layout a weight in blocks is kept in (layers/block_quant.py `group`) ----
+//
+// Rows in groups of kGroup: a group's blocks b (one per row) lie together as a tile, the
+// rows' fp16 d's first (then Q4_1's fp16 m's), then their integers four values at a time,
+// row after row: Q4_1's 16 bytes of nibbles as four 4-byte quads, quad u of every row (byte e
+// of row j's quad u at 4 j + e holds values 4 u + e and 16 + 4 u + e), Q8_0's 32 bytes as
+// eight. A 32-byte load of a tile is then four values of each of eight rows, what an 8-lane
+// integer dot product needs to give each lane one row's sum, so the product streams the
+// weight once, in order. Rows past the last whole group (N mod kGroup) keep GGUF's own block
+// layout after the groups. The tile has as many bytes as its eight GGUF blocks.
+constexpr int64_t kGroup = 8;
+template <typename W>
+constexpr int64_t kHeadBytes = std::is_same_v<W, Q41> ? 4 : 2;  // per row: d (and m)
+
+// Row r's block b in GGUF's layout: in place for a row past the groups, else copied out of
+// its group's tile into `buf`.
+template <typename W>
+inline const uint8_t* gguf_block(const uint8_t* w, int64_t ld, int64_t n, int64_t r, int64_t b,
+                                 uint8_t* buf) {
+  const int64_t grouped = n - n % kGroup;
+  if (r >= grouped) return w + r * ld + b * kBlockBytes<W>;
+  const uint8_t* tile = w + (r - r % kGroup) * ld + b * kGroup * kBlockBytes<W>;
+  const int64_t j = r % kGroup, head = kHeadBytes<W>;
+  for (int64_t h = 0; h < head; h += 2) std::memcpy(buf + h, tile + h * kGroup + 2 * j, 2);
+  for (int64_t u = 0; u < (kBlockBytes<W> - head) / 4; ++u) {
+    std::memcpy(buf + head + 4 * u, tile + head * kGroup + 32 * u + 4 * j, 4);
+  }
+  return buf;
+}
+
+// Outputs [r0, r0 + R) of every row of x.
 template <int64_t R, typename W>
 inline void rows(const Problem<W>& p, int64_t r0) {
-#ifdef PIPESERVE_BLOCK_TILES
-  if constexpr (kBlockBytes<W> > 0) {
-    int64_t i = 0;
-    for (; i + kPair <= p.m; i += kPair) tile_blocks<R, kPair>(p, r0, i);
-    if (i < p.m) tile_blocks<R, 1>(p, r0, i);
-    return;
-  }
-#endif
   int64_t i = 0;
   for (; i + kPair <= p.m; i += kPair) tile<R, kPair>(p, r0, i);
   if (i < p.m) tile<R, 1>(p, r0, i);
@@ -317,19 +310,22 @@ at::Tensor skinny_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> b
 namespace {
 
 template <typename W>
-void dequantize_rows(const W* w, int64_t ld, int64_t n, int64_t k, float* out) {
+void dequantize_rows(const uint8_t* w, int64_t ld, int64_t n, int64_t k, float* out) {
   at::parallel_for(0, n, kGrainRows, [&](int64_t r0, int64_t r1) {
+    uint8_t buf[kBlockBytes<W>];
     for (int64_t r = r0; r < r1; ++r) {
-#ifdef PIPESERVE_BLOCK_TILES
-      const uint8_t* row = &(w + r * ld)->byte;
       for (int64_t c = 0; c < k; c += kBlock) {
+        const uint8_t* blk = gguf_block<W>(w, ld, n, r, c / kBlock, buf);
+#ifdef PIPESERVE_BLOCK_TILES
         v8 values[4];
-        block_values(w, row + (c / kBlock) * kBlockBytes<W>, values);
+        block_values(static_cast<const W*>(nullptr), blk, values);
         for (int64_t j = 0; j < 4; ++j) vec8::store8(out + r * k + c + kLanes * j, values[j]);
-      }
 #else
-      for (int64_t c = 0; c < k; c += kLanes) vec8::store8(out + r * k + c, wload_at(w + r * ld, c));
+        for (int64_t j = 0; j < kBlock; j += kLanes) {
+          vec8::store8(out + r * k + c + j, wload(reinterpret_cast<const W*>(blk), j));
+        }
 #endif
+      }
     }
   });
 }
@@ -426,15 +422,292 @@ at::Tensor dequantize_blocks(at::Tensor w, int64_t format) {
   at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
   const auto* bytes = static_cast<const uint8_t*>(w.data_ptr());
   if (format == 1) {
-    dequantize_rows(reinterpret_cast<const Q41*>(bytes), ld, n, k, out.data_ptr<float>());
+    dequantize_rows<Q41>(bytes, ld, n, k, out.data_ptr<float>());
   } else {
-    dequantize_rows(reinterpret_cast<const Q80*>(bytes), ld, n, k, out.data_ptr<float>());
+    dequantize_rows<Q80>(bytes, ld, n, k, out.data_ptr<float>());
   }
   return out;
 }
 
+namespace {
+
+// ---- Products on weights kept in blocks: 8-bit integer dot products ----
+//
+// x is quantised once per call, block by block as the weight's blocks run along K: a block of
+// 32 values gets the scale dx = max|x| / 127 and the integers qx = round(x / dx) in
+// [-127, 127], with dx sum(qx) beside them (llama.cpp's Q8_1 activations, with float32 in
+// place of fp16 for the scale and the sum). A weight block then meets it in one integer dot
+// product, scaled once: Q4_1 (v = d q + m, q in 0..15) gives d dx (q . qx) + m dx sum(qx),
+// Q8_0 (v = d q) gives d dx (q . qx): the product of the weight with x rounded to 8 bits.
+// (The exact sum(x) in Q4_1's second term is worse: a block's d q and m nearly cancel, and
+// the rounding error of the first term then stands alone. The built-in model's qkv products
+// on its own activations: 1.9% relative error against 0.77%.) About one instruction per
+// value of a group of eight rows where rebuilding the float32 values takes about three,
+// which makes the product bound by the memory rather than by arithmetic. The cost is x's
+// rounding to 8 bits, what llama.cpp's products on these formats carry.
+//
+// Three forms of the dot product, each compiled where the CPU has its instructions and
+// selectable for tests: portable integer loops; AVX2 (vpmaddubsw u8 x s8 pairs into 16 bits,
+// then vpmaddwd into 32); AVX512-VNNI (vpdpbusd u8 x s8 quads straight into 32 bits). Q8_0's
+// signed weights meet both through |q| . (qx with q's sign), which keeps the AVX2 pair sums
+// (at most 2 x 128 x 127) inside 16 bits.
+enum Form : int64_t { kBest = 0, kPortable = 1, kAvx2 = 2, kVnni = 3 };
+
+struct QuantizedX {
+  at::Tensor q;      // int8 [m, K]
+  at::Tensor scale;  // float [m, K / 32]: dx
+  at::Tensor sum;    // float [m, K / 32]: dx sum(qx)
+};
+
+QuantizedX quantize_x(const float* x, int64_t m, int64_t k) {
+  const int64_t nb = k / kBlock;
+  QuantizedX out{at::empty({m, k}, at::kChar), at::empty({m, nb}, at::kFloat),
+                 at::empty({m, nb}, at::kFloat)};
+  auto* q = out.q.data_ptr<int8_t>();
+  float *scale = out.scale.data_ptr<float>(), *sum = out.sum.data_ptr<float>();
+  for (int64_t b = 0; b < m * nb; ++b) {
+    const float* v = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::abs(v[j]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t levels = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const float level = std::min(127.f, std::max(-127.f, std::nearbyint(v[j] * inv)));
+      q[b * kBlock + j] = static_cast<int8_t>(level);
+      levels += static_cast<int32_t>(level);
+    }
+    scale[b] = amax / 127.f;
+    sum[b] = scale[b] * static_cast<float>(levels);
+  }
+  return out;
+}
+
+template <typename W>
+struct IntProblem {
+  const int8_t* xq;      // [m, k]
+  const float* xscale;   // [m, k / 32]
+  const float* xsum;     // [m, k / 32]
+  const uint8_t* w;      // [n, ld] the rows' blocks
+  const float* bias;     // [n] or nullptr
+  float* y;              // [m, n]
+  int64_t m, n, k, ld;
+};
+
+// A weight block's integers . the same block of x's (the portable form). Not vectorised by
+// the compiler: GCC 12 with AVX512-VNNI turns this signed . signed loop into vpdpbusd, which
+// takes the weight's bytes as unsigned (a negative Q8_0 integer q read as q + 256).
+template <typename W>
+__attribute__((optimize("no-tree-vectorize"))) int32_t block_dot_portable(const uint8_t* blk,
+                                                                        const int8_t* xq) {
+  int32_t dot = 0;
+  if constexpr (kBlockBytes<W> == kBlockBytes<Q41>) {
+    for (int64_t j = 0; j < 16; ++j) {
+      dot += static_cast<int32_t>(blk[4 + j] & 15) * xq[j];
+      dot += static_cast<int32_t>(blk[4 + j] >> 4) * xq[j + 16];
+    }
+  } else {
+    for (int64_t j = 0; j < kBlock; ++j) dot += static_cast<int32_t>(static_cast<int8_t>(blk[2 + j])) * xq[j];
+  }
+  return dot;
+}
+
+// Rows [r0, r1) of the product, block by block in GGUF's layout (the portable form; every
+// form's rows past the last whole group).
+template <typename W>
+void int_rows_portable(const IntProblem<W>& p, int64_t r0, int64_t r1) {
+  const int64_t nb = p.k / kBlock;
+  uint8_t buf[kBlockBytes<W>];
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t i = 0; i < p.m; ++i) {
+      float s = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = gguf_block<W>(p.w, p.ld, p.n, r, b, buf);
+        const int64_t at = i * nb + b;
+        const int32_t dot = block_dot_portable<W>(blk, p.xq + i * p.k + b * kBlock);
+        s += half_at(blk) * p.xscale[at] * static_cast<float>(dot);
+        if constexpr (std::is_same_v<W, Q41>) s += half_at(blk + 2) * p.xsum[at];
+      }
+      if (p.bias != nullptr) s += p.bias[r];
+      p.y[i * p.n + r] = s;
+    }
+  }
+}
+
+#ifdef PIPESERVE_BLOCK_TILES
+#define PIPESERVE_INT8_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PIPESERVE_INT8_VNNI 1
+#endif
+
+// A tile's integers (see the layout above) as eight vectors, vector t holding values
+// 4t .. 4t + 3 of each of the group's rows: Q4_1's levels (0..15), Q8_0's signed integers.
+inline void tile_ints(const Q41*, const uint8_t* ints, __m256i* w) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int64_t u = 0; u < 4; ++u) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ints + 32 * u));
+    w[u] = _mm256_and_si256(raw, nibble);
+    w[u + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  }
+}
+inline void tile_ints(const Q80*, const uint8_t* ints, __m256i* w) {
+  for (int64_t t = 0; t < 8; ++t) {
+    w[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ints + 32 * t));
+  }
+}
+
+// The group's eight rows . one block of x (32 int8), one int32 sum per lane (row).
+template <Form F, typename W>
+inline __m256i tile_dot(const __m256i* w, const int8_t* x) {
+  __m256i acc = _mm256_setzero_si256();
+  if constexpr (std::is_same_v<W, Q41>) {
+#ifdef PIPESERVE_INT8_VNNI
+    if constexpr (F == kVnni) {
+      for (int64_t t = 0; t < 8; ++t) {
+        int32_t quad;
+        std::memcpy(&quad, x + 4 * t, 4);
+        acc = _mm256_dpbusd_epi32(acc, w[t], _mm256_set1_epi32(quad));
+      }
+      return acc;
+    }
+#endif
+    // levels (<= 15) . int8 pairs stay within 16 bits summed over all eight (8 x 2 x 15 x 127)
+    for (int64_t t = 0; t < 8; ++t) {
+      int32_t quad;
+      std::memcpy(&quad, x + 4 * t, 4);
+      acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(quad)));
+    }
+    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+  } else {  // |q| . (x with q's sign): unsigned . signed
+    for (int64_t t = 0; t < 8; ++t) {
+      int32_t quad;
+      std::memcpy(&quad, x + 4 * t, 4);
+      const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad), w[t]);
+      const __m256i ws = _mm256_sign_epi8(w[t], w[t]);
+#ifdef PIPESERVE_INT8_VNNI
+      if constexpr (F == kVnni) {
+        acc = _mm256_dpbusd_epi32(acc, ws, xs);
+        continue;
+      }
+#endif
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ws, xs), _mm256_set1_epi16(1)));
+    }
+    return acc;
+  }
+}
+
+// Group g's eight outputs for x rows [i0, i0 + MT): each tile loaded and unpacked once
+// serves the MT rows of x.
+template <Form F, int64_t MT, typename W>
+inline void group_tile(const IntProblem<W>& p, int64_t g, int64_t i0) {
+  const int64_t nb = p.k / kBlock, tile_bytes = kGroup * kBlockBytes<W>;
+  const uint8_t* tiles = p.w + g * kGroup * p.ld;
+  __m256 acc[MT];
+  for (int64_t i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = tiles + b * tile_bytes;
+    for (int64_t line = 0; line < tile_bytes; line += 64) __builtin_prefetch(tile + 8 * tile_bytes + line);
+    __m256i w[8];
+    tile_ints(static_cast<const W*>(nullptr), tile + kGroup * kHeadBytes<W>, w);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+    for (int64_t i = 0; i < MT; ++i) {
+      const int64_t at = (i0 + i) * nb + b;
+      const __m256 dot = _mm256_cvtepi32_ps(tile_dot<F, W>(w, p.xq + (i0 + i) * p.k + b * kBlock));
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dot, d), _mm256_set1_ps(p.xscale[at]), acc[i]);
+    }
+    if constexpr (std::is_same_v<W, Q41>) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)));
+      for (int64_t i = 0; i < MT; ++i) {
+        acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(p.xsum[(i0 + i) * nb + b]), acc[i]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < MT; ++i) {
+    float* y = p.y + (i0 + i) * p.n + g * kGroup;
+    __m256 out = acc[i];
+    if (p.bias != nullptr) out = _mm256_add_ps(out, _mm256_loadu_ps(p.bias + g * kGroup));
+    _mm256_storeu_ps(y, out);
+  }
+}
+
+// The x rows in tiles of up to kXTile: a group's tiles, read from memory for the first, come
+// from L1 for the others (a group of SmolLM2's 1,536-wide rows: 7.5 KiB in Q4_1).
+constexpr int64_t kXTile = 4;
+
+template <Form F, typename W>
+inline void group_rows(const IntProblem<W>& p, int64_t g) {
+  int64_t i = 0;
+  for (; i + kXTile <= p.m; i += kXTile) group_tile<F, kXTile>(p, g, i);
+  switch (p.m - i) {
+    case 3: return group_tile<F, 3>(p, g, i);
+    case 2: return group_tile<F, 2>(p, g, i);
+    case 1: return group_tile<F, 1>(p, g, i);
+    default: return;
+  }
+}
+#endif
+
+// Threads take runs of groups; the rows past the last group go to the first run's thread.
+template <Form F, typename W>
+void run_int_form(const IntProblem<W>& p) {
+  const int64_t groups = p.n / kGroup;
+  at::parallel_for(0, groups + 1, kGrainRows / kGroup, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (g == groups) {
+        int_rows_portable(p, groups * kGroup, p.n);
+      } else if constexpr (F == kPortable) {
+        int_rows_portable(p, g * kGroup, (g + 1) * kGroup);
+      } else {
+#ifdef PIPESERVE_BLOCK_TILES
+        group_rows<F>(p, g);
+#endif
+      }
+    }
+  });
+}
+
+constexpr Form best_form() {
+#if defined(PIPESERVE_INT8_VNNI)
+  return kVnni;
+#elif defined(PIPESERVE_INT8_AVX2)
+  return kAvx2;
+#else
+  return kPortable;
+#endif
+}
+
+template <typename W>
+void run_int(const IntProblem<W>& p, Form form) {
+  switch (form == kBest ? best_form() : form) {
+#ifdef PIPESERVE_INT8_VNNI
+    case kVnni:
+      return run_int_form<kVnni>(p);
+#endif
+#ifdef PIPESERVE_INT8_AVX2
+    case kAvx2:
+      return run_int_form<kAvx2>(p);
+#endif
+    case kPortable:
+      return run_int_form<kPortable>(p);
+    default:
+      TORCH_CHECK(false, "the integer product's form ", form, " is not compiled on this CPU");
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> int8_product_forms() {
+  std::vector<int64_t> forms{kPortable};
+#ifdef PIPESERVE_INT8_AVX2
+  forms.push_back(kAvx2);
+#endif
+#ifdef PIPESERVE_INT8_VNNI
+  forms.push_back(kVnni);
+#endif
+  return forms;
+}
+
 at::Tensor skinny_linear_blocks(at::Tensor x, at::Tensor w, int64_t format,
-                                std::optional<at::Tensor> bias) {
+                                std::optional<at::Tensor> bias, int64_t form) {
   const int64_t block_bytes = block_bytes_of(format);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x [m, K] and w [N, K / 32 * block bytes] expected");
   TORCH_CHECK(w.element_size() == 1 && w.is_contiguous(), "w: the blocks' contiguous bytes");
@@ -443,17 +716,20 @@ at::Tensor skinny_linear_blocks(at::Tensor x, at::Tensor w, int64_t format,
   TORCH_CHECK(x.size(0) <= kMaxRows, "skinny_linear takes at most ", kMaxRows, " rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "skinny_linear takes float32 or bfloat16 x");
+  TORCH_CHECK(form >= kBest && form <= kVnni, "form: 0 (best), 1 portable, 2 AVX2, 3 VNNI");
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1), ld = w.size(1);
   const Operands o(x, bias, n);
-  const float *xf = o.xf.data_ptr<float>(), *b = o.bias();
+  const QuantizedX xq = quantize_x(o.xf.data_ptr<float>(), m, k);
   at::Tensor y = o.y;
   const auto* bytes = static_cast<const uint8_t*>(w.data_ptr());
+  const int8_t* q = xq.q.data_ptr<int8_t>();
+  const float *scale = xq.scale.data_ptr<float>(), *sum = xq.sum.data_ptr<float>();
   if (format == 1) {
-    run(Problem<Q41>{xf, reinterpret_cast<const Q41*>(bytes), b,
-                     y.data_ptr<float>(), m, n, k, ld});
+    run_int(IntProblem<Q41>{q, scale, sum, bytes, o.bias(), y.data_ptr<float>(), m, n, k, ld},
+            static_cast<Form>(form));
   } else {
-    run(Problem<Q80>{xf, reinterpret_cast<const Q80*>(bytes), b,
-                     y.data_ptr<float>(), m, n, k, ld});
+    run_int(IntProblem<Q80>{q, scale, sum, bytes, o.bias(), y.data_ptr<float>(), m, n, k, ld},
+            static_cast<Form>(form));
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

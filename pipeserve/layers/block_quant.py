@@ -5,10 +5,15 @@ GGUF's reference does it, in float32). Where a float32 weight's values are exact
 dequantisation, the compiled `requantize_blocks` (kernels/skinny_linear.cpp) finds its
 blocks again (each block's scale, minimum and small integers, checked by rebuilding every
 value bitwise) and the native backend keeps those bytes instead: a quarter of the float32
-weight's for Q4_1, a bit more for Q8_0, the same products (its skinny kernel rebuilds each
-value in registers). A weight kept so is a 2-D tensor of its rows' block bytes,
-[N, K / 32 * bytes per block], whose dtype names the format (`FORMATS`); `values` gives its
-float32 values back (torch ops, where a few rows are read: a tied embedding's lookups)."""
+weight's for Q4_1, a bit more for Q8_0. Its skinny kernel multiplies them by x quantised to
+8 bits per block (integer dot products, as llama.cpp does); torch's GEMM, for more rows, gets
+the exact values rebuilt.
+
+A weight kept so is a 2-D tensor of [N, K / 32 * bytes per block] bytes whose dtype names the
+format (`FORMATS`), its rows in groups of GROUP (`group`: the layout the kernel streams, see
+kernels/skinny_linear.cpp; the rows past the last whole group in GGUF's own layout).
+`values` gives its float32 values back and `row_values` some rows' (torch ops: a tied
+embedding's lookups)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # values per block
+GROUP = 8  # rows whose blocks lie together (kernels/skinny_linear.cpp kGroup)
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,59 @@ def describe_blocks(weights: Iterable[torch.Tensor]) -> str | None:
     )
 
 
-def values(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """A kept weight's (or some of its rows') float32 values [N, K]."""
+def group(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """A weight's GGUF blocks [N, K / 32 * block bytes] (row after row) in the kept layout:
+    each group of GROUP rows as tiles, one per block along K, holding the rows' scales (and
+    Q4_1's minimums), then their integers four values at a time, row after row."""
+    n, ld = blocks.shape
+    whole = n - n % GROUP
+    b = blocks[:whole].reshape(whole // GROUP, GROUP, ld // fmt.block_bytes, fmt.block_bytes)
+    b = b.transpose(1, 2)  # [groups, blocks, row, bytes]
+    head = 4 if fmt is Q4_1 else 2
+    scales = [b[..., h : h + 2].flatten(-2) for h in range(0, head, 2)]
+    quads = b[..., head:].unflatten(-1, (-1, 4)).transpose(2, 3).flatten(-3)
+    tiles = torch.cat([*scales, quads], dim=-1).reshape(whole, ld)
+    return torch.cat([tiles, blocks[whole:]]).contiguous()
+
+
+def ungroup(kept: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """`group`'s inverse: the rows' GGUF blocks, row after row."""
+    n, ld = kept.shape
+    whole = n - n % GROUP
+    t = kept[:whole].reshape(whole // GROUP, ld // fmt.block_bytes, GROUP * fmt.block_bytes)
+    head = 4 if fmt is Q4_1 else 2
+    scales = [
+        t[..., GROUP * h : GROUP * (h + 2)].unflatten(-1, (GROUP, 2)) for h in range(0, head, 2)
+    ]
+    quads = t[..., GROUP * head :].unflatten(-1, (-1, GROUP, 4)).transpose(2, 3).flatten(-2)
+    b = torch.cat([*scales, quads], dim=-1).transpose(1, 2).reshape(whole, ld)
+    return torch.cat([b, kept[whole:]]).contiguous()
+
+
+def values(kept: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """A kept weight's float32 values [N, K]."""
+    return gguf_values(ungroup(kept, fmt), fmt)
+
+
+def row_values(kept: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of a kept weight, as float32 values [*ids.shape, K]: each row's
+    group ungrouped (a tied embedding's lookups)."""
+    n, ld = kept.shape
+    whole = n - n % GROUP
+    flat = ids.reshape(-1)
+    grouped = flat < whole
+    groups = kept[:whole].reshape(-1, GROUP * ld)
+    picked = groups[torch.where(grouped, flat // GROUP, 0)] if whole else kept[:0]
+    if whole:
+        rows = ungroup(picked.reshape(-1, ld), fmt).view(-1, GROUP, ld)
+        rows = rows[torch.arange(flat.numel()), flat % GROUP]
+    tail = kept[torch.where(grouped, n - 1, flat)]
+    gguf = torch.where(grouped.unsqueeze(-1), rows, tail) if whole else tail
+    return gguf_values(gguf, fmt).view(*ids.shape, -1)
+
+
+def gguf_values(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The float32 values [N, K] of blocks in GGUF's layout, row after row."""
     n = blocks.shape[0]
     b = blocks.view(torch.uint8).reshape(n, -1, fmt.block_bytes)
     d = _halves(b, 0)

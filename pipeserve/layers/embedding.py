@@ -12,7 +12,7 @@ from torch import nn
 from pipeserve.backends.base import TORCH_LINEARS, LinearKernels
 from pipeserve.distributed.communication import tp_all_gather, tp_all_reduce
 from pipeserve.distributed.parallel_state import get_tp_rank, get_tp_size
-from pipeserve.layers.block_quant import block_format, values
+from pipeserve.layers.block_quant import block_format, row_values
 from pipeserve.model_loader import copy_into
 
 if TYPE_CHECKING:
@@ -51,11 +51,9 @@ class VocabParallelEmbedding(nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` in the compute dtype, whatever form a tied LM head keeps it
         in (bfloat16, GGUF blocks: `LinearKernels.store`)."""
-        rows = F.embedding(ids, self.weight)
         if (fmt := block_format(self.weight)) is not None:
-            flat = values(rows.reshape(-1, rows.shape[-1]), fmt)
-            return flat.view(*ids.shape, flat.shape[-1]).to(self.dtype)
-        return rows.to(self.dtype)
+            return row_values(self.weight, fmt, ids).to(self.dtype)
+        return F.embedding(ids, self.weight).to(self.dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -282,7 +282,8 @@ def test_a_q4_1_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: P
     """The built-in model's kind of file (Q4_1 layers, a Q8_0 embedding tied to the LM head),
     run in float32: the native backend keeps the linears in Q4_1 blocks and the shared
     embedding/LM head in Q8_0 (a quarter and about a quarter of their float32 bytes), and
-    gives the torch backend's tokens and logprobs on the dequantised weights;
+    gives the torch backend's tokens on the dequantised weights, its logprobs where torch's
+    GEMM runs and close to them where the blocks kernel does;
     --gguf-weights dequantize holds the float32 values."""
     from pipeserve.layers.block_quant import Q4_1, Q8_0, block_format
     from pipeserve.layers.embedding import ParallelLMHead
@@ -320,6 +321,10 @@ def test_a_q4_1_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: P
     assert held["native", "dequantize"] == held["torch", "keep"]
     for got, want in zip(runs["native"], runs["torch"], strict=True):
         assert got["output_ids"] == want["output_ids"]
-        for key in ("prompt_logprobs", "output_logprobs"):
+        # the prompts' 49 rows run torch's GEMM on the exact values; decode steps the blocks
+        # kernel, on x rounded to 8 bits (llama.cpp's rounding: tests/kernels/
+        # test_block_weights.py; on the built-in model as far from the exact values as
+        # llama.cpp, benchmarks/gguf_accuracy.py)
+        for key, atol in (("prompt_logprobs", 1e-4), ("output_logprobs", 0.25)):
             a, b = (torch.tensor(r[key], dtype=torch.float64) for r in (got, want))
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+            torch.testing.assert_close(a, b, atol=atol, rtol=0)
