@@ -79,8 +79,8 @@ class ModelConfig:
     gguf_weights: str = _flag(
         "keep",
         "GGUF checkpoints' Q4_1 and Q8_0 weights in a float32 run on a CPU with the native "
-        "kernels: 'keep' (held in their blocks, a quarter of float32's bytes for Q4_1, and "
-        "multiplied with their values rebuilt in registers: the same products) or "
+        "kernels: 'keep' (held in their blocks, a quarter of float32's bytes for Q4_1; "
+        "decode steps multiply them by 8-bit integer products, x in two 8-bit parts) or "
         "'dequantize' (held as float32 matrices, as other types, dtypes and devices always "
         "are)",
         choices=GGUF_WEIGHTS,

@@ -424,10 +424,17 @@ def native_norm_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | Non
     return None if rms is None or add is None else (rms, add)
 
 
+def native_rope_store() -> Callable[..., torch.Tensor] | None:
+    """The compiled CPU rotary embedding and KV write of a GQA layer (kernels/rope_store.cpp),
+    or None."""
+    return _native_function("rope_store")
+
+
 def native_block_kernels() -> tuple[Callable[..., torch.Tensor], ...] | None:
     """The compiled kernels for weights kept in GGUF blocks (layers/block_quant.py): the
-    skinny product, the blocks' float32 values, and a float32 weight's blocks (or None
-    where its values are no dequantisation); None without the compiled kernels."""
+    skinny product (x rounded to 8 bits, integer dot products), the kept blocks' float32
+    values, and a float32 weight's GGUF blocks (or None where its values are no
+    dequantisation); None without the compiled kernels."""
     names = ("skinny_linear_blocks", "dequantize_blocks", "requantize_blocks")
     found = [_native_function(name) for name in names]
     return None if any(f is None for f in found) else tuple(f for f in found if f is not None)

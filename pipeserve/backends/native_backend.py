@@ -20,6 +20,8 @@ from pipeserve.backends.base import (
     DirectKernels,
     LinearKernels,
     NormKernels,
+    QKNorms,
+    Rope,
     Segment,
 )
 from pipeserve.device import (
@@ -30,6 +32,7 @@ from pipeserve.device import (
     native_index_topk,
     native_norm_kernels,
     native_prefill_kernel,
+    native_rope_store,
     native_skinny_linear,
     native_sparse_expanded_kernel,
     native_sparse_kernel,
@@ -152,10 +155,12 @@ class NativeLinears(LinearKernels):
     there, so a decode row must too).
 
     `narrow`: float32 runs keep a linear weight whose values are all a GGUF dequantisation
-    (Q4_1, Q8_0: a GGUF checkpoint's, found again by `blocks.requantize`) in those blocks, and
-    one whose values are all bfloat16 numbers (a bfloat16 checkpoint's) in bfloat16: the same
-    products for a quarter or half of the bytes a decode step reads. Torch's GEMM gets such a
-    weight's values rebuilt (bfloat16 ones block by block: WIDEN_BLOCK_BYTES)."""
+    (Q4_1, Q8_0: a GGUF checkpoint's, found again by `blocks.requantize`) in those blocks
+    (rows grouped for the kernel: layers/block_quant.py), multiplied on x rounded to 8 bits
+    as llama.cpp does, and one whose values are all bfloat16 numbers (a bfloat16
+    checkpoint's) in bfloat16, the same products: a quarter or half of the bytes a decode
+    step reads. Torch's GEMM gets such a weight's exact values rebuilt (a group of rows at a
+    time: WIDEN_BLOCK_BYTES)."""
 
     def __init__(
         self,
@@ -185,8 +190,9 @@ class NativeLinears(LinearKernels):
         rows = x.numel() // max(1, x.shape[-1])
         kernel, widen = self.kernel, None
         if (fmt := block_format(weight)) is not None:
-            # GGUF blocks: the kernel rebuilds the values in registers; torch's GEMM gets them
-            # rebuilt by the compiled pass, a block of rows at a time below
+            # GGUF blocks: the kernel multiplies them with x rounded to 8 bits (integer dot
+            # products); torch's GEMM gets the exact values rebuilt by the compiled pass, a
+            # group of rows at a time below
             # WIDEN_WHOLE_MIN_ROWS (the built-in model, 64 requests, Zen 4: decode 1.24x
             # rebuilding whole weights) and whole above
             assert self.blocks is not None, "a weight in blocks is stored by linears with them"
@@ -245,6 +251,7 @@ class NativeBackend(AttentionBackend):
 
     def __init__(self, deterministic: bool = False) -> None:
         self.deterministic = deterministic
+        self.rope_store = native_rope_store()
         self.kernels = DirectKernels(
             native_prefill_kernel,
             native_sparse_kernel(),
@@ -263,6 +270,31 @@ class NativeBackend(AttentionBackend):
                 bf16_rows,
                 None if blocks is None else BlockKernels(*blocks),
             )
+
+    def rope_and_store(
+        self,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        rope: Rope,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        norms: QKNorms | None,
+    ) -> torch.Tensor | None:
+        """Rotary and the KV write in one compiled call (kernels/rope_store.cpp, bitwise the
+        torch ops): float32 or bfloat16 layers rotated over the whole head, without q/k
+        norms (Qwen3's keep the torch ops)."""
+        q, k, _ = qkv
+        cos, _ = rope
+        if (
+            self.rope_store is None
+            or norms is not None
+            or q.dtype not in SKINNY_DTYPES
+            or any(t.dtype != q.dtype for t in (*qkv, *rope, *cache))
+            or cos.dim() != 3
+            or cos.shape[-1] != q.shape[-1]
+            or any(t.stride(-1) != 1 for t in (*qkv, *rope, *cache))
+        ):
+            return None
+        return self.rope_store(*qkv, *rope, *cache, slots)
 
     def plan(
         self,

@@ -33,6 +33,7 @@ SOURCES = [
         "sparse_expanded.cpp",
         "skinny_linear.cpp",
         "rms_norm.cpp",
+        "rope_store.cpp",
         "bindings.cpp",
     )
 ]

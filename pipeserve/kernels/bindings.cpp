@@ -62,6 +62,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm,
         "the pre-norm residual step: (rms_norm(x + residual), x + residual) in one pass (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("rope_store", &rope_store,
+        "a GQA layer's rotary embedding of q and k and the write of k and v into the pool "
+        "[kv_heads, slots, d] at `slots`, bitwise as the torch ops -> the rotated q (CPU, "
+        "float32 or bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear_max_rows", &skinny_linear_max_rows, "the most rows skinny_linear takes");
   py::class_<ShmAllReduce>(m, "ShmAllReduce")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>())

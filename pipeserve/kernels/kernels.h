@@ -35,6 +35,8 @@ int64_t skinny_linear_max_rows();
 at::Tensor skinny_linear_blocks(at::Tensor x, at::Tensor w, int64_t format,
                                 std::optional<at::Tensor> bias, int64_t form);
 std::vector<int64_t> int8_product_forms();
+at::Tensor rope_store(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
+                      at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 at::Tensor dequantize_blocks(at::Tensor w, int64_t format);
 std::optional<at::Tensor> requantize_blocks(at::Tensor w, int64_t format);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);

@@ -433,18 +433,21 @@ namespace {
 
 // ---- Products on weights kept in blocks: 8-bit integer dot products ----
 //
-// x is quantised once per call, block by block as the weight's blocks run along K: a block of
-// 32 values gets the scale dx = max|x| / 127 and the integers qx = round(x / dx) in
-// [-127, 127], with dx sum(qx) beside them (llama.cpp's Q8_1 activations, with float32 in
-// place of fp16 for the scale and the sum). A weight block then meets it in one integer dot
-// product, scaled once: Q4_1 (v = d q + m, q in 0..15) gives d dx (q . qx) + m dx sum(qx),
-// Q8_0 (v = d q) gives d dx (q . qx): the product of the weight with x rounded to 8 bits.
-// (The exact sum(x) in Q4_1's second term is worse: a block's d q and m nearly cancel, and
-// the rounding error of the first term then stands alone. The built-in model's qkv products
-// on its own activations: 1.9% relative error against 0.77%.) About one instruction per
-// value of a group of eight rows where rebuilding the float32 values takes about three,
-// which makes the product bound by the memory rather than by arithmetic. The cost is x's
-// rounding to 8 bits, what llama.cpp's products on these formats carry.
+// x is quantised once per call, block by block as the weight's blocks run along K, in two
+// 8-bit parts: a block of 32 values gets the scale dx = max|x| / 127 and the integers
+// qx = round(x / dx) in [-127, 127] (llama.cpp's Q8_1 activations, with float32 scales), and
+// what they leave (at most dx / 2 a value) is rounded again, with the scale dx / 254. Each
+// part meets a weight block in one integer dot product, scaled once: Q4_1 (v = d q + m, q in
+// 0..15) gives d s (q . qs) + m s sum(qs) for a part of scale s, Q8_0 (v = d q) d s (q . qs).
+// The two products added are the weight's product with x rounded to about 16 bits (an error
+// of at most dx / 508 a value). One part alone, as llama.cpp computes, changes the built-in
+// model's greedy answers: its first token after "What is the capital of France?" is a
+// near-tie (logprobs -1.883 and -1.885 on the exact values) that 8-bit x turns, as it does
+// in llama.cpp. (Q4_1's second term takes the part's own sum: the exact sum(x) is worse,
+// since a block's d q and m nearly cancel, leaving the first term's rounding alone.) About
+// one instruction per value of a group of eight rows and part, where rebuilding the float32
+// values takes about three, which makes the product bound by the memory rather than by
+// arithmetic.
 //
 // Three forms of the dot product, each compiled where the CPU has its instructions and
 // selectable for tests: portable integer loops; AVX2 (vpmaddubsw u8 x s8 pairs into 16 bits,
@@ -453,31 +456,45 @@ namespace {
 // (at most 2 x 128 x 127) inside 16 bits.
 enum Form : int64_t { kBest = 0, kPortable = 1, kAvx2 = 2, kVnni = 3 };
 
-struct QuantizedX {
-  at::Tensor q;      // int8 [m, K]
-  at::Tensor scale;  // float [m, K / 32]: dx
-  at::Tensor sum;    // float [m, K / 32]: dx sum(qx)
+struct QuantizedX {  // x's rows in two parts: rows 2 i and 2 i + 1
+  at::Tensor q;      // int8 [2 m, K]
+  at::Tensor scale;  // float [2 m, K / 32]: the part's scale s
+  at::Tensor sum;    // float [2 m, K / 32]: s sum(q)
 };
 
+// One block of 32 values as 8-bit integers with scale `scale` (0: all zero) -> their sum.
+inline int32_t quantize_block(const float* v, float scale, int8_t* q) {
+  const float inv = scale > 0.f ? 1.f / scale : 0.f;
+  int32_t levels = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const float level = std::min(127.f, std::max(-127.f, std::nearbyint(v[j] * inv)));
+    q[j] = static_cast<int8_t>(level);
+    levels += static_cast<int32_t>(level);
+  }
+  return levels;
+}
+
+// x [m, K] in two 8-bit parts per row (see above): rows 2 i and 2 i + 1 of the result.
 QuantizedX quantize_x(const float* x, int64_t m, int64_t k) {
   const int64_t nb = k / kBlock;
-  QuantizedX out{at::empty({m, k}, at::kChar), at::empty({m, nb}, at::kFloat),
-                 at::empty({m, nb}, at::kFloat)};
+  QuantizedX out{at::empty({2 * m, k}, at::kChar), at::empty({2 * m, nb}, at::kFloat),
+                 at::empty({2 * m, nb}, at::kFloat)};
   auto* q = out.q.data_ptr<int8_t>();
   float *scale = out.scale.data_ptr<float>(), *sum = out.sum.data_ptr<float>();
-  for (int64_t b = 0; b < m * nb; ++b) {
-    const float* v = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::abs(v[j]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t levels = 0;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const float level = std::min(127.f, std::max(-127.f, std::nearbyint(v[j] * inv)));
-      q[b * kBlock + j] = static_cast<int8_t>(level);
-      levels += static_cast<int32_t>(level);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + i * k + b * kBlock;
+      const int64_t high = 2 * i * nb + b, low = high + nb;  // (row 2 i, b), (row 2 i + 1, b)
+      float amax = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::abs(v[j]));
+      scale[high] = amax / 127.f;
+      int8_t* qh = q + 2 * i * k + b * kBlock;
+      sum[high] = scale[high] * static_cast<float>(quantize_block(v, scale[high], qh));
+      float rest[kBlock];  // what the first part leaves, at most half its step
+      for (int64_t j = 0; j < kBlock; ++j) rest[j] = v[j] - scale[high] * static_cast<float>(qh[j]);
+      scale[low] = scale[high] / 254.f;
+      sum[low] = scale[low] * static_cast<float>(quantize_block(rest, scale[low], qh + k));
     }
-    scale[b] = amax / 127.f;
-    sum[b] = scale[b] * static_cast<float>(levels);
   }
   return out;
 }
@@ -720,16 +737,22 @@ at::Tensor skinny_linear_blocks(at::Tensor x, at::Tensor w, int64_t format,
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1), ld = w.size(1);
   const Operands o(x, bias, n);
   const QuantizedX xq = quantize_x(o.xf.data_ptr<float>(), m, k);
-  at::Tensor y = o.y;
+  at::Tensor parts = at::empty({2 * m, n}, o.y.options());  // each row's two parts' products
   const auto* bytes = static_cast<const uint8_t*>(w.data_ptr());
   const int8_t* q = xq.q.data_ptr<int8_t>();
   const float *scale = xq.scale.data_ptr<float>(), *sum = xq.sum.data_ptr<float>();
+  float* py = parts.data_ptr<float>();
   if (format == 1) {
-    run_int(IntProblem<Q41>{q, scale, sum, bytes, o.bias(), y.data_ptr<float>(), m, n, k, ld},
-            static_cast<Form>(form));
+    run_int(IntProblem<Q41>{q, scale, sum, bytes, nullptr, py, 2 * m, n, k, ld}, static_cast<Form>(form));
   } else {
-    run_int(IntProblem<Q80>{q, scale, sum, bytes, o.bias(), y.data_ptr<float>(), m, n, k, ld},
-            static_cast<Form>(form));
+    run_int(IntProblem<Q80>{q, scale, sum, bytes, nullptr, py, 2 * m, n, k, ld}, static_cast<Form>(form));
   }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  float* y = o.y.data_ptr<float>();
+  const float* b = o.bias();
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c = 0; c < n; ++c) {
+      y[i * n + c] = py[2 * i * n + c] + py[(2 * i + 1) * n + c] + (b != nullptr ? b[c] : 0.f);
+    }
+  }
+  return x.scalar_type() == at::kFloat ? o.y : o.y.to(x.scalar_type());
 }
