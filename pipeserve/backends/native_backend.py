@@ -38,7 +38,13 @@ from pipeserve.device import (
     native_sparse_kernel,
 )
 from pipeserve.layers import batch_invariant
-from pipeserve.layers.block_quant import BLOCK_FORMATS, GROUP, block_format, group
+from pipeserve.layers.block_quant import (
+    BLOCK_FORMATS,
+    GROUP,
+    BlockFormat,
+    block_format,
+    group,
+)
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -59,6 +65,7 @@ class RunSteps:
     rows: torch.Tensor  # [b] token rows of the steps
     runs: torch.Tensor  # [r, 2] (first slot, length), steps in order
     offsets: torch.Tensor  # [b + 1] where each step's runs start
+    leading: bool  # the rows are 0 .. b - 1: a batch of steps alone reads and writes q whole
 
 
 @dataclass
@@ -188,35 +195,55 @@ class NativeLinears(LinearKernels):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        kernel, widen = self.kernel, None
         if (fmt := block_format(weight)) is not None:
-            # GGUF blocks: the kernel multiplies them with x rounded to 8 bits (integer dot
-            # products); torch's GEMM gets the exact values rebuilt by the compiled pass, a
-            # group of rows at a time below
-            # WIDEN_WHOLE_MIN_ROWS (the built-in model, 64 requests, Zen 4: decode 1.24x
-            # rebuilding whole weights) and whole above
-            assert self.blocks is not None, "a weight in blocks is stored by linears with them"
-            blocks, code = self.blocks, fmt.code
-            most = SKINNY_MAX_ROWS_NARROW
-            kernel = lambda a, w, b: blocks.linear(a, w, code, b)  # noqa: E731
-            widen = lambda w: blocks.dequantize(w, code).to(x.dtype)  # noqa: E731
-        elif weight.dtype != x.dtype:
+            return self._blocks_linear(x, weight, bias, fmt, rows)
+        widen = None
+        if weight.dtype != x.dtype:
             most, widen = SKINNY_MAX_ROWS_NARROW, lambda w: w.to(x.dtype)
         else:
             most = self.bf16_max_rows if x.dtype == torch.bfloat16 else SKINNY_MAX_ROWS
         if (
             rows <= most
             and x.dtype in SKINNY_DTYPES
-            and (fmt is not None or weight.dtype in SKINNY_DTYPES)
+            and weight.dtype in SKINNY_DTYPES
             and (bias is None or bias.dtype == x.dtype)
             and weight.is_contiguous()
             and not batch_invariant.enabled()
         ):
-            y = kernel(x.reshape(rows, x.shape[-1]), weight, bias)
+            y = self.kernel(x.reshape(rows, x.shape[-1]), weight, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
         if widen is not None:
             return _widened_linear(x, weight, bias, widen)
         return super().linear(x, weight, bias)
+
+    def _blocks_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        fmt: BlockFormat,
+        rows: int,
+    ) -> torch.Tensor:
+        """A weight kept in GGUF blocks (contiguous, as `store` keeps it): up to
+        SKINNY_MAX_ROWS_NARROW rows on the kernel's integer products; more on torch's GEMM
+        over the exact values rebuilt by the compiled pass, a group of rows at a time below
+        WIDEN_WHOLE_MIN_ROWS (the built-in model, 64 requests, Zen 4: decode 1.24x rebuilding
+        whole weights) and whole above."""
+        blocks = self.blocks
+        assert blocks is not None, "a weight in blocks is stored by linears with them"
+        if (
+            rows <= SKINNY_MAX_ROWS_NARROW
+            and x.dtype in SKINNY_DTYPES
+            and (bias is None or bias.dtype == x.dtype)
+            and not batch_invariant.enabled()
+        ):
+            if x.dim() == 2:
+                return blocks.linear(x, weight, fmt.code, bias)
+            y = blocks.linear(x.reshape(rows, x.shape[-1]), weight, fmt.code, bias)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        return _widened_linear(
+            x, weight, bias, lambda w: blocks.dequantize(w, fmt.code).to(x.dtype)
+        )
 
 
 def _widened_linear(
@@ -282,16 +309,13 @@ class NativeBackend(AttentionBackend):
         """Rotary and the KV write in one compiled call (kernels/rope_store.cpp, bitwise the
         torch ops): float32 or bfloat16 layers rotated over the whole head, without q/k
         norms (Qwen3's keep the torch ops)."""
-        q, k, _ = qkv
-        cos, _ = rope
+        q = qkv[0]
         if (
             self.rope_store is None
             or norms is not None
             or q.dtype not in SKINNY_DTYPES
-            or any(t.dtype != q.dtype for t in (*qkv, *rope, *cache))
-            or cos.dim() != 3
-            or cos.shape[-1] != q.shape[-1]
-            or any(t.stride(-1) != 1 for t in (*qkv, *rope, *cache))
+            or cache[0].dtype != q.dtype  # the kernel checks the rest, and refuses
+            or rope[0].shape[-1] != q.shape[-1]
         ):
             return None
         return self.rope_store(*qkv, *rope, *cache, slots)
@@ -329,9 +353,11 @@ class NativeBackend(AttentionBackend):
         fresh: tuple[torch.Tensor, torch.Tensor] | None,
         out: torch.Tensor,
     ) -> None:
-        if meta.decode is not None:
-            steps = meta.decode.rows
-            out[steps] = self._decode(layer, q[steps], k_cache, v_cache, meta.decode)
+        if (steps := meta.decode) is not None:
+            if steps.leading and q.shape[0] == steps.rows.shape[0]:  # no gather, no scatter
+                out.copy_(self._decode(layer, q, k_cache, v_cache, steps))
+            else:
+                out[steps.rows] = self._decode(layer, q[steps.rows], k_cache, v_cache, steps)
         for p in meta.chunks:
             rows = slice(p.q_start, p.q_start + p.q_len)
             prefill = native_prefill_kernel(q.dtype)
@@ -366,4 +392,4 @@ def _run_steps(
     if not torch.equal(covered.diff(), torch.tensor(lengths)):  # the kernel reads them all
         raise ValueError("a decode step's KV runs do not cover exactly its sequence")
     row_ids = torch.tensor(rows, dtype=torch.long, device=device)
-    return RunSteps(row_ids, flat, ends)
+    return RunSteps(row_ids, flat, ends, rows == list(range(len(rows))))
