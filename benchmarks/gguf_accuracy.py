@@ -1,8 +1,9 @@
 """What computing on a GGUF checkpoint's kept blocks costs in accuracy: prompt-logprob error
 against the same checkpoint's exact values in float32 (`--gguf-weights dequantize`), for
-pipeserve's kept blocks (whose decode-sized products quantise x to 8 bits per block, as
-llama.cpp's do) and for llama.cpp on the file itself, as the mean and the max over all texts
-pooled. The built-in model (its Q4_1 GGUF) reads four 256-token pieces of README.md.
+pipeserve's kept blocks (whose decode-sized products round x per block in two 8-bit parts,
+kernels/skinny_linear.cpp) and for llama.cpp on the file itself (x in one 8-bit part), as the
+mean and the max over all texts pooled. The built-in model (its Q4_1 GGUF) reads four
+256-token pieces of README.md.
 
 Prompt chunks of 16 tokens put every product of pipeserve's forward on the decode kernel (it
 takes up to 16 rows; longer chunks run torch's GEMM on the exact values). llama.cpp (the
