@@ -463,7 +463,9 @@ struct QuantizedX {  // x's rows in two parts: rows 2 i and 2 i + 1
 };
 
 // One block of 32 values as 8-bit integers with scale `scale` (0: all zero) -> their sum.
-inline int32_t quantize_block(const float* v, float scale, int8_t* q) {
+// The scales are true quotients (no reciprocal estimates under -ffast-math), so the levels
+// are the same whatever the CPU and the compiler's choices.
+__attribute__((optimize("no-reciprocal-math"))) int32_t quantize_block(const float* v, float scale, int8_t* q) {
   const float inv = scale > 0.f ? 1.f / scale : 0.f;
   int32_t levels = 0;
   for (int64_t j = 0; j < kBlock; ++j) {
@@ -475,7 +477,7 @@ inline int32_t quantize_block(const float* v, float scale, int8_t* q) {
 }
 
 // x [m, K] in two 8-bit parts per row (see above): rows 2 i and 2 i + 1 of the result.
-QuantizedX quantize_x(const float* x, int64_t m, int64_t k) {
+__attribute__((optimize("no-reciprocal-math"))) QuantizedX quantize_x(const float* x, int64_t m, int64_t k) {
   const int64_t nb = k / kBlock;
   QuantizedX out{at::empty({2 * m, k}, at::kChar), at::empty({2 * m, nb}, at::kFloat),
                  at::empty({2 * m, nb}, at::kFloat)};
@@ -490,8 +492,8 @@ QuantizedX quantize_x(const float* x, int64_t m, int64_t k) {
       scale[high] = amax / 127.f;
       int8_t* qh = q + 2 * i * k + b * kBlock;
       sum[high] = scale[high] * static_cast<float>(quantize_block(v, scale[high], qh));
-      float rest[kBlock];  // what the first part leaves, at most half its step
-      for (int64_t j = 0; j < kBlock; ++j) rest[j] = v[j] - scale[high] * static_cast<float>(qh[j]);
+      float rest[kBlock];  // what the first part leaves (at most half its step), rounded once
+      for (int64_t j = 0; j < kBlock; ++j) rest[j] = std::fma(-scale[high], static_cast<float>(qh[j]), v[j]);
       scale[low] = scale[high] / 254.f;
       sum[low] = scale[low] * static_cast<float>(quantize_block(rest, scale[low], qh + k));
     }
