@@ -432,7 +432,7 @@ def native_rope_store() -> Callable[..., torch.Tensor] | None:
 
 def native_block_kernels() -> tuple[Callable[..., torch.Tensor], ...] | None:
     """The compiled kernels for weights kept in GGUF blocks (layers/block_quant.py): the
-    skinny product (x rounded to 8 bits, integer dot products), the kept blocks' float32
+    skinny product (integer dot products, x in two 8-bit parts), the kept blocks' float32
     values, and a float32 weight's GGUF blocks (or None where its values are no
     dequantisation); None without the compiled kernels."""
     names = ("skinny_linear_blocks", "dequantize_blocks", "requantize_blocks")

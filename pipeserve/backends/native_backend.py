@@ -163,8 +163,8 @@ class NativeLinears(LinearKernels):
 
     `narrow`: float32 runs keep a linear weight whose values are all a GGUF dequantisation
     (Q4_1, Q8_0: a GGUF checkpoint's, found again by `blocks.requantize`) in those blocks
-    (rows grouped for the kernel: layers/block_quant.py), multiplied on x rounded to 8 bits
-    as llama.cpp does, and one whose values are all bfloat16 numbers (a bfloat16
+    (rows grouped for the kernel: layers/block_quant.py), multiplied by integer products on x
+    rounded in two 8-bit parts, and one whose values are all bfloat16 numbers (a bfloat16
     checkpoint's) in bfloat16, the same products: a quarter or half of the bytes a decode
     step reads. Torch's GEMM gets such a weight's exact values rebuilt (a group of rows at a
     time: WIDEN_BLOCK_BYTES)."""

@@ -42,8 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear_blocks", &skinny_linear_blocks,
         "skinny_linear for a weight kept in GGUF blocks of 32 values, each row its blocks' "
-        "bytes: format 1 Q4_1 (20 bytes), 2 Q8_0 (34 bytes); x quantised to 8 bits per block "
-        "and met by integer dot products (form 0 the best compiled, 1 portable, 2 AVX2, "
+        "bytes: format 1 Q4_1 (20 bytes), 2 Q8_0 (34 bytes); x rounded per block in two 8-bit "
+        "parts and met by integer dot products (form 0 the best compiled, 1 portable, 2 AVX2, "
         "3 AVX512-VNNI) (CPU)",
         py::arg("x"), py::arg("w"), py::arg("format"), py::arg("bias") = py::none(),
         py::arg("form") = 0, py::call_guard<py::gil_scoped_release>());

@@ -5,9 +5,9 @@ GGUF's reference does it, in float32). Where a float32 weight's values are exact
 dequantisation, the compiled `requantize_blocks` (kernels/skinny_linear.cpp) finds its
 blocks again (each block's scale, minimum and small integers, checked by rebuilding every
 value bitwise) and the native backend keeps those bytes instead: a quarter of the float32
-weight's for Q4_1, a bit more for Q8_0. Its skinny kernel multiplies them by x quantised to
-8 bits per block (integer dot products, as llama.cpp does); torch's GEMM, for more rows, gets
-the exact values rebuilt.
+weight's for Q4_1, a bit more for Q8_0. Its skinny kernel multiplies them by integer dot
+products with x rounded per block in two 8-bit parts (about 16 bits); torch's GEMM, for more
+rows, gets the exact values rebuilt.
 
 A weight kept so is a 2-D tensor of [N, K / 32 * bytes per block] bytes whose dtype names the
 format (`FORMATS`), its rows in groups of GROUP (`group`: the layout the kernel streams, see
