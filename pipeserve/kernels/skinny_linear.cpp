@@ -14,13 +14,14 @@
 // over K, then the lanes added), so a row's result does not depend on the other rows of x or
 // on the thread count.
 //
-// `skinny_linear_blocks` takes a weight kept in GGUF's blocks of 32 values along K, each row
-// its blocks' bytes: Q4_1 (20 bytes: fp16 d, fp16 m, 16 bytes holding q_j in the low nibble
-// of byte j and q_(j+16) in its high one; v = d * q + m) or Q8_0 (34 bytes: fp16 d, 32 int8 q;
-// v = d * q). Each weight vector is rebuilt in registers as the dequantised checkpoint holds
-// it (a float32 product, then the sum: two roundings, as GGUF's reference dequantisation),
-// then used exactly as a float32 weight, so the result is bitwise the float32 kernel's on the
-// dequantised weight, for a quarter (Q4_1) or a bit more than a quarter (Q8_0) of its bytes.
+// `skinny_linear_blocks` takes a weight kept in GGUF's blocks of 32 values along K: Q4_1 (20
+// bytes: fp16 d, fp16 m, 16 bytes holding q_j in the low nibble of byte j and q_(j+16) in its
+// high one; v = d * q + m) or Q8_0 (34 bytes: fp16 d, 32 int8 q; v = d * q), its rows grouped
+// by eight for the kernel (see "The layout a weight in blocks is kept in" below), and
+// multiplies them by integer dot products with x rounded in two 8-bit parts (see "Products on
+// weights kept in blocks"): a quarter (Q4_1) or a bit more than a quarter (Q8_0) of the
+// float32 weight's bytes. `dequantize_blocks` gives the exact values back, as GGUF's
+// reference dequantisation computes them (a float32 product, then the sum).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -69,16 +70,6 @@ template <>
 constexpr int64_t kBlockBytes<Q80> = 34;
 constexpr int64_t kBlock = 32;  // values per block
 
-// Bytes from the start of a row to its value c (the start of c's block for block formats).
-template <typename W>
-inline int64_t offset_of(int64_t c) {
-  if constexpr (kBlockBytes<W> > 0) {
-    return (c / kBlock) * kBlockBytes<W>;
-  } else {
-    return c * static_cast<int64_t>(sizeof(W));
-  }
-}
-
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
@@ -124,24 +115,14 @@ inline v8 wload(const Q80* row, int64_t c) {
   return r;
 }
 
-// Eight weight values of a row from value c on, whatever the row's form.
-template <typename W>
-inline v8 wload_at(const W* row, int64_t c) {
-  if constexpr (kBlockBytes<W> > 0) {
-    return wload(row, c);
-  } else {
-    return wload(row + c);
-  }
-}
-
 template <typename W>
 struct Problem {
   const float* x;  // [m, k], float32 (widened once where the caller's is bfloat16)
-  const W* w;      // [n, ld]: k values per row, or a row's blocks
+  const W* w;      // [n, ld]: float32 or bfloat16 values, k per row
   const float* bias;  // [n] float32, or nullptr
   float* y;        // [m, n]
   int64_t m, n, k;
-  int64_t ld;      // a row's length in W (k, or its blocks' bytes)
+  int64_t ld;      // a row's length in W (k)
 };
 
 // y[i0 .. i0 + MT) x [r0 .. r0 + R): each weight vector loaded once serves the MT rows of x,
@@ -154,28 +135,26 @@ inline void tile(const Problem<W>& p, int64_t r0, int64_t i0) {
   for (int64_t r = 0; r < R; ++r) wr[r] = p.w + (r0 + r) * p.ld;
   for (int64_t i = 0; i < MT; ++i) xi[i] = p.x + (i0 + i) * k;
   v8 acc[MT][R] = {};
-  constexpr int64_t every = kBlockBytes<W> > 0 ? kBlock : 64 / sizeof(W);  // values per line
+  constexpr int64_t every = 64 / sizeof(W);  // values per cache line
   for (int64_t c = 0; c < kv; c += kLanes) {
     // the next tile's rows (the weight is one contiguous stream): more lines in flight than
     // the hardware prefetchers keep for these four interleaved streams
     if (c % every == 0) {
       for (int64_t r = 0; r < R; ++r) {
-        __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + R * p.ld) + offset_of<W>(c));
+        __builtin_prefetch(wr[r] + R * p.ld + c);
       }
     }
     v8 xv[MT];
     for (int64_t i = 0; i < MT; ++i) xv[i] = load8(xi[i] + c);
     for (int64_t r = 0; r < R; ++r) {
-      const v8 wv = wload_at(wr[r], c);
+      const v8 wv = wload(wr[r] + c);
       for (int64_t i = 0; i < MT; ++i) acc[i][r] = fma8(wv, xv[i], acc[i][r]);
     }
   }
   for (int64_t i = 0; i < MT; ++i) {
     for (int64_t r = 0; r < R; ++r) {
       float s = vec8::lanes_sum(acc[i][r]);
-      if constexpr (kBlockBytes<W> == 0) {  // blocks hold whole vectors
-        for (int64_t c = kv; c < k; ++c) s += widen(wr[r][c]) * xi[i][c];
-      }
+      for (int64_t c = kv; c < k; ++c) s += widen(wr[r][c]) * xi[i][c];
       if (p.bias != nullptr) s += p.bias[r0 + r];
       p.y[(i0 + i) * p.n + r0 + r] = s;
     }
@@ -519,7 +498,7 @@ template <typename W>
 __attribute__((optimize("no-tree-vectorize"))) int32_t block_dot_portable(const uint8_t* blk,
                                                                         const int8_t* xq) {
   int32_t dot = 0;
-  if constexpr (kBlockBytes<W> == kBlockBytes<Q41>) {
+  if constexpr (std::is_same_v<W, Q41>) {
     for (int64_t j = 0; j < 16; ++j) {
       dot += static_cast<int32_t>(blk[4 + j] & 15) * xq[j];
       dot += static_cast<int32_t>(blk[4 + j] >> 4) * xq[j + 16];

@@ -102,14 +102,14 @@ def row_values(kept: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torch
     n, ld = kept.shape
     whole = n - n % GROUP
     flat = ids.reshape(-1)
+    if whole == 0:  # no groups: every row in GGUF's layout
+        return gguf_values(kept[flat], fmt).view(*ids.shape, -1)
     grouped = flat < whole
-    groups = kept[:whole].reshape(-1, GROUP * ld)
-    picked = groups[torch.where(grouped, flat // GROUP, 0)] if whole else kept[:0]
-    if whole:
-        rows = ungroup(picked.reshape(-1, ld), fmt).view(-1, GROUP, ld)
-        rows = rows[torch.arange(flat.numel()), flat % GROUP]
-    tail = kept[torch.where(grouped, n - 1, flat)]
-    gguf = torch.where(grouped.unsqueeze(-1), rows, tail) if whole else tail
+    picked = kept[:whole].reshape(-1, GROUP * ld)[torch.where(grouped, flat // GROUP, 0)]
+    rows = ungroup(picked.reshape(-1, ld), fmt).view(-1, GROUP, ld)
+    rows = rows[torch.arange(flat.numel()), flat % GROUP]
+    tail = kept[torch.where(grouped, n - 1, flat)]  # rows past the groups, as they lie
+    gguf = torch.where(grouped.unsqueeze(-1), rows, tail)
     return gguf_values(gguf, fmt).view(*ids.shape, -1)
 
 
