@@ -430,6 +430,12 @@ def native_rope_store() -> Callable[..., torch.Tensor] | None:
     return _native_function("rope_store")
 
 
+def native_decode_stack() -> Callable[[], Any] | None:
+    """The compiled CPU decode step through a stage's Llama-family layers in one call
+    (kernels/decode_stack.cpp: its class, built empty and given its layers), or None."""
+    return _native_function("DecodeStack")
+
+
 def native_block_kernels() -> tuple[Callable[..., torch.Tensor], ...] | None:
     """The compiled kernels for weights kept in GGUF blocks (layers/block_quant.py): the
     skinny product (integer dot products, x in two 8-bit parts), the kept blocks' float32

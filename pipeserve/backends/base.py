@@ -16,7 +16,8 @@ ops), `latent_plan`/`latent_decode` (MLA's decode steps in one launch, or None),
 `kernels` (the compiled kernels MLA, DeepSeek-V3.2's indexer and context parallelism call on
 tensors of their own, outside a batch's plan; `DirectKernels`).
 `graph_buffers` says whether decode steps can be captured in a CUDA graph and owns the
-buffers a captured step reads.
+buffers a captured step reads. `decode_stack(layers)`: a stage's dense Llama-family layers as
+one kernel for decode-only batches (one native call a step instead of ~10 a layer), or None.
 
 Segments: (first row, rows, prefix length, KV runs) per request of the batch; a row is a
 token of the batch, a prompt chunk's rows attend to its prefix and causally to themselves.
@@ -27,7 +28,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -122,6 +123,44 @@ class LinearKernels:
 TORCH_LINEARS = LinearKernels()
 
 
+class StackLayer(NamedTuple):
+    """A dense Llama-family decoder layer as a whole-stack decode kernel takes it: pre-norm
+    residual steps, fused QKV (optional bias) with rotary over the whole head, GQA over the
+    layer's cache, o_proj, SwiGLU; weights as the layer's linears keep them."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    cache: tuple[torch.Tensor, torch.Tensor]  # K and V: [kv_heads, slots, head_dim]
+
+
+class DecodeStack(Protocol):
+    """A stage's layers (StackLayer) run as one kernel."""
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        meta: Any,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stage's layers over a batch (its plan's `meta`, the new tokens' KV `slots`):
+        (the last layer's output, the residual stream), or None where this batch does not
+        qualify (the layers run one by one)."""
+        ...
+
+
 class GraphBuffers(Protocol):
     """A capturable backend's persistent decode metadata: what a captured step reads."""
 
@@ -213,6 +252,10 @@ class AttentionBackend(ABC):
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         """The token rows of the decode steps in a `latent_plan` (None: it has none)."""
         raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
+
+    def decode_stack(self, layers: list[StackLayer]) -> DecodeStack | None:
+        """These layers as one kernel for the decode steps it takes, or None (none here)."""
+        return None
 
     def graph_buffers(self, pool_slots: int, rows: int, device: torch.device) -> GraphBuffers:
         """Persistent decode metadata for CUDA graphs of up to `rows` rows over a pool of

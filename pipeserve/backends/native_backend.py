@@ -17,17 +17,20 @@ import torch
 
 from pipeserve.backends.base import (
     AttentionBackend,
+    DecodeStack,
     DirectKernels,
     LinearKernels,
     NormKernels,
     QKNorms,
     Rope,
     Segment,
+    StackLayer,
 )
 from pipeserve.device import (
     cpu_native_bf16,
     native_block_kernels,
     native_decode_kernel,
+    native_decode_stack,
     native_index_scores,
     native_index_topk,
     native_norm_kernels,
@@ -41,10 +44,10 @@ from pipeserve.layers import batch_invariant
 from pipeserve.layers.block_quant import (
     BLOCK_FORMATS,
     GROUP,
-    BlockFormat,
     block_format,
     group,
 )
+from pipeserve.op_profile import region
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -191,59 +194,49 @@ class NativeLinears(LinearKernels):
         narrow = weight.to(torch.bfloat16)
         return narrow if torch.equal(narrow.float(), weight) else weight
 
+    def kernel_rows(
+        self, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> int:
+        """The most rows of x in `dtype` whose product with `weight` (as `store` keeps it)
+        runs on a compiled skinny kernel; 0: none does (torch's GEMM). A deterministic run
+        (batch_invariant) puts every product on torch's GEMM whatever this says."""
+        if dtype not in SKINNY_DTYPES or (bias is not None and bias.dtype != dtype):
+            return 0
+        if block_format(weight) is not None:
+            return SKINNY_MAX_ROWS_NARROW
+        if weight.dtype not in SKINNY_DTYPES or not weight.is_contiguous():
+            return 0
+        if weight.dtype != dtype:
+            return SKINNY_MAX_ROWS_NARROW
+        return self.bf16_max_rows if dtype == torch.bfloat16 else SKINNY_MAX_ROWS
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Up to `kernel_rows` rows on the skinny kernels (integer products for a weight in
+        GGUF blocks); more on torch's GEMM, over the exact values of a weight kept narrower
+        than x rebuilt by the compiled pass (WIDEN_BLOCK_BYTES; whole at WIDEN_WHOLE_MIN_ROWS
+        rows and above: the built-in model, 64 requests, Zen 4: decode 1.24x rebuilding whole
+        weights)."""
         rows = x.numel() // max(1, x.shape[-1])
-        if (fmt := block_format(weight)) is not None:
-            return self._blocks_linear(x, weight, bias, fmt, rows)
-        widen = None
+        fmt = block_format(weight)
+        if rows <= self.kernel_rows(x.dtype, weight, bias) and not batch_invariant.enabled():
+            flat = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])
+            if fmt is None:
+                y = self.kernel(flat, weight, bias)
+            else:
+                assert self.blocks is not None, "a weight in blocks is stored by linears with them"
+                y = self.blocks.linear(flat, weight, fmt.code, bias)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+        if fmt is not None:
+            blocks = self.blocks
+            assert blocks is not None, "a weight in blocks is stored by linears with them"
+            return _widened_linear(
+                x, weight, bias, lambda w: blocks.dequantize(w, fmt.code).to(x.dtype)
+            )
         if weight.dtype != x.dtype:
-            most, widen = SKINNY_MAX_ROWS_NARROW, lambda w: w.to(x.dtype)
-        else:
-            most = self.bf16_max_rows if x.dtype == torch.bfloat16 else SKINNY_MAX_ROWS
-        if (
-            rows <= most
-            and x.dtype in SKINNY_DTYPES
-            and weight.dtype in SKINNY_DTYPES
-            and (bias is None or bias.dtype == x.dtype)
-            and weight.is_contiguous()
-            and not batch_invariant.enabled()
-        ):
-            y = self.kernel(x.reshape(rows, x.shape[-1]), weight, bias)
-            return y.view(*x.shape[:-1], weight.shape[0])
-        if widen is not None:
-            return _widened_linear(x, weight, bias, widen)
+            return _widened_linear(x, weight, bias, lambda w: w.to(x.dtype))
         return super().linear(x, weight, bias)
-
-    def _blocks_linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        fmt: BlockFormat,
-        rows: int,
-    ) -> torch.Tensor:
-        """A weight kept in GGUF blocks (contiguous, as `store` keeps it): up to
-        SKINNY_MAX_ROWS_NARROW rows on the kernel's integer products; more on torch's GEMM
-        over the exact values rebuilt by the compiled pass, a group of rows at a time below
-        WIDEN_WHOLE_MIN_ROWS (the built-in model, 64 requests, Zen 4: decode 1.24x rebuilding
-        whole weights) and whole above."""
-        blocks = self.blocks
-        assert blocks is not None, "a weight in blocks is stored by linears with them"
-        if (
-            rows <= SKINNY_MAX_ROWS_NARROW
-            and x.dtype in SKINNY_DTYPES
-            and (bias is None or bias.dtype == x.dtype)
-            and not batch_invariant.enabled()
-        ):
-            if x.dim() == 2:
-                return blocks.linear(x, weight, fmt.code, bias)
-            y = blocks.linear(x.reshape(rows, x.shape[-1]), weight, fmt.code, bias)
-            return y.view(*x.shape[:-1], weight.shape[0])
-        return _widened_linear(
-            x, weight, bias, lambda w: blocks.dequantize(w, fmt.code).to(x.dtype)
-        )
 
 
 def _widened_linear(
@@ -320,6 +313,51 @@ class NativeBackend(AttentionBackend):
             return None
         return self.rope_store(*qkv, *rope, *cache, slots)
 
+    def decode_stack(self, layers: list[StackLayer]) -> DecodeStack | None:
+        """The layers as one compiled call per decode step (kernels/decode_stack.cpp), where
+        every product has a skinny kernel, the rotary spans whole heads of the pool's dtype,
+        and the run is not deterministic; batches of up to the fewest rows any of its
+        products takes there (NativeStack.run)."""
+        build = native_decode_stack()
+        linears = self.linears
+        if build is None or self.deterministic or not isinstance(linears, NativeLinears):
+            return None
+        dtype = layers[0].input_norm.dtype
+        rows = min(
+            linears.kernel_rows(dtype, w, b)
+            for layer in layers
+            for w, b in (
+                (layer.qkv, layer.qkv_bias),
+                (layer.o, None),
+                (layer.gate_up, None),
+                (layer.down, None),
+            )
+        )
+        if (
+            rows == 0
+            or self.rope_store is None
+            or any(t.dtype != dtype for layer in layers for t in (layer.post_norm, *layer.cache))
+        ):
+            return None
+        stack = build()
+        for layer in layers:
+            weights = [layer.qkv, layer.o, layer.gate_up, layer.down]
+            stack.add_layer(
+                layer.input_norm,
+                layer.input_eps,
+                layer.post_norm,
+                layer.post_eps,
+                weights,
+                [0 if (f := block_format(w)) is None else f.code for w in weights],
+                layer.qkv_bias,
+                layer.heads,
+                layer.kv_heads,
+                layer.head_dim,
+                layer.scale,
+                *layer.cache,
+            )
+        return NativeStack(stack, rows, layers[0].head_dim, dtype)
+
     def plan(
         self,
         segments: list[Segment],
@@ -378,6 +416,37 @@ class NativeBackend(AttentionBackend):
         q = q.reshape(b, layer.num_kv_heads, layer.group, d)  # GQA: a group shares its KV head
         o = kernel(q.contiguous(), k_cache, v_cache, plan.runs, plan.offsets, layer.scale)
         return o.reshape(b, layer.num_heads, d)
+
+
+class NativeStack:
+    """A stage's layers compiled as one call (NativeBackend.decode_stack), for batches of
+    decode steps alone (the layer-by-layer path takes the rest)."""
+
+    def __init__(self, stack: Any, rows: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.stack, self.rows, self.head_dim, self.dtype = stack, rows, head_dim, dtype
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        meta: Any,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        steps = meta.decode if isinstance(meta, NativeMeta) and not meta.chunks else None
+        n = hidden.shape[0]
+        if (
+            steps is None
+            or not steps.leading
+            or n != steps.rows.shape[0]
+            or n > self.rows
+            or hidden.dtype != self.dtype
+            or rope[0].shape[-1] != self.head_dim
+            or batch_invariant.enabled()
+        ):
+            return None
+        with region("decode_stack"):
+            return self.stack.run(hidden, residual, *rope, slots, steps.runs, steps.offsets)
 
 
 def _run_steps(

@@ -34,6 +34,7 @@ SOURCES = [
         "skinny_linear.cpp",
         "rms_norm.cpp",
         "rope_store.cpp",
+        "decode_stack.cpp",
         "bindings.cpp",
     )
 ]

@@ -73,6 +73,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_reduce_", &ShmAllReduce::all_reduce_, "sum in place across the ranks",
            py::call_guard<py::gil_scoped_release>())
       .def("unlink", &ShmAllReduce::unlink);
+  py::class_<DecodeStack>(m, "DecodeStack",
+                          "a decode step through a stage's Llama-family layers in one call (CPU)")
+      .def(py::init<>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_supported", &prefill_attention_supported,
         "whether this build has the native prefill kernel (needs AVX512-BF16)");
   m.def("bf16_pairs_supported", &bf16_pairs_supported,

@@ -46,6 +46,42 @@ at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, 
                       int64_t topk);
 bool bf16_pairs_supported();  // index_scores.cpp: the V3.2 kernels' vdpbf16ps forms
 
+// One decode step through a stage's Llama-family layers in one call (decode_stack.cpp): the
+// products, norms, rotary with the KV write and the attention of each layer, chained here.
+struct StackLinear {
+  at::Tensor weight;
+  int64_t format;  // 0: float32/bfloat16 rows (skinny_linear); else GGUF blocks (1 Q4_1, 2 Q8_0)
+  std::optional<at::Tensor> bias;
+};
+
+struct StackLayer {
+  at::Tensor input_norm;
+  double input_eps;
+  at::Tensor post_norm;
+  double post_eps;
+  StackLinear linears[4];  // qkv, o, gate_up, down
+  int64_t heads, kv_heads, head_dim;
+  double scale;
+  at::Tensor k_cache, v_cache;  // the pool's: [kv_heads, slots, head_dim]
+};
+
+class DecodeStack {
+ public:
+  void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps,
+                 std::vector<at::Tensor> weights, std::vector<int64_t> formats,
+                 std::optional<at::Tensor> qkv_bias, int64_t heads, int64_t kv_heads,
+                 int64_t head_dim, double scale, at::Tensor k_cache, at::Tensor v_cache);
+  // x [tokens, hidden] (one decode step per row), residual (none on the model's first layer),
+  // cos/sin [tokens, 1, head_dim], slots [tokens], runs/offsets as paged_decode_attention's
+  // -> (the last layer's output, the residual stream)
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, std::optional<at::Tensor> residual,
+                                         at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                                         at::Tensor runs, at::Tensor offsets);
+
+ private:
+  std::vector<StackLayer> layers_;
+};
+
 // Sum all-reduce among the TP ranks of one machine over a POSIX shared-memory segment (see
 // shm_allreduce.cpp). Rank 0 creates the segment; the others open it by name.
 class ShmAllReduce {

@@ -8,12 +8,13 @@ the parallel layer classes.
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+import weakref
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
-from pipeserve.backends.base import TORCH_NORMS, NormKernels
+from pipeserve.backends.base import TORCH_NORMS, DecodeStack, NormKernels, StackLayer
 from pipeserve.batch_overlap.operations import OpFn, Outputs, State, execute
 from pipeserve.batch_overlap.single_batch import get_single_batch_overlap
 from pipeserve.batch_overlap.strategies import Strategy, forward_stages
@@ -22,9 +23,15 @@ from pipeserve.layers.activation import silu_and_mul
 from pipeserve.layers.attention import PagedAttention
 from pipeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pipeserve.layers.layernorm import RMSNorm
-from pipeserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pipeserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pipeserve.layers.moe import MoEBlock
 from pipeserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.models.arch import ArchConfig
 from pipeserve.op_profile import region
 from pipeserve.runner.forward_batch import ForwardBatch
@@ -226,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
         # what runs around each of the stage's layers (shard linear's weight broadcasts, PD's
         # KV sending): before(n) in this order, after(n) in the reverse one
         self.layer_hooks: list[LayerHook] = []
+        # the whole-stack decode kernel (`_decode_stack`) and the backend and pool it is for
+        self._stack: tuple[weakref.ref[Any], weakref.ref[Any], DecodeStack | None] | None = None
 
     def make_layer(self, layer_id: int) -> nn.Module:
         a = self.arch
@@ -247,6 +256,11 @@ class LlamaForCausalLM(nn.Module):
         Other stages pass (hidden, residual) on to the next one."""
         hidden, residual = self._embed(fb, hidden, residual)
         rope = self.rotary.cos_sin(fb.positions, self.dtype)
+        stack = self._decode_stack(fb)
+        if stack is not None:
+            out = stack.run(hidden, residual, rope, fb.attn.meta, fb.out_slots)
+            if out is not None:
+                return self._final_norm(*out, fb.attn.norms)
         hooks = self.layer_hooks
         for n, i in enumerate(self.layer_ids):
             for hook in hooks:
@@ -255,6 +269,62 @@ class LlamaForCausalLM(nn.Module):
             for hook in reversed(hooks):
                 hook.after(n)
         return self._final_norm(hidden, residual, fb.attn.norms)
+
+    def _decode_stack(self, fb: ForwardBatch) -> DecodeStack | None:
+        """The batch's backend's whole-stack kernel over this stage's layers (built once per
+        backend and pool), where the stage qualifies: dense Llama-family layers without q/k
+        norms, TP, CP, FP8 weights or work around each layer (layer_hooks)."""
+        if fb.cp is not None or self.layer_hooks:
+            return None
+        backend, pool = fb.attn.backend, fb.kv_pool
+        built = self._stack
+        if built is not None and built[0]() is backend and built[1]() is pool:
+            return built[2]
+        layers = self._stack_layers(pool)
+        stack = None if layers is None else backend.decode_stack(layers)
+        self._stack = (weakref.ref(backend), weakref.ref(pool), stack)
+        return stack
+
+    def _stack_layers(self, pool: KVPool) -> list[StackLayer] | None:
+        found = []
+        for i in self.layer_ids:
+            layer = self.model.layers[i]
+            if type(layer) is not LlamaDecoderLayer:  # DeepSeek's layers subclass it
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(attn, LlamaAttention) or type(mlp) is not LlamaMLP:
+                return None
+            linears: tuple[ColumnParallelLinear | RowParallelLinear, ...] = (
+                attn.qkv_proj,
+                attn.o_proj,
+                mlp.gate_up_proj,
+                mlp.down_proj,
+            )
+            if (
+                attn.qk_norms() is not None
+                or any(lin.scale_inv is not None or lin.tp_size > 1 for lin in linears)
+                or any(lin.bias is not None for lin in linears[1:])
+            ):
+                return None
+            found.append(
+                StackLayer(
+                    layer.input_layernorm.weight,
+                    layer.input_layernorm.eps,
+                    layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.eps,
+                    attn.qkv_proj.weight,
+                    attn.qkv_proj.bias,
+                    attn.o_proj.weight,
+                    mlp.gate_up_proj.weight,
+                    mlp.down_proj.weight,
+                    attn.heads,
+                    attn.kv_heads,
+                    attn.head_dim,
+                    attn.attn.scale,
+                    pool.buffers(attn.attn.layer_id),
+                )
+            )
+        return found or None
 
     def forward_interleaved(
         self,

@@ -1,0 +1,103 @@
+// A decode step through a stage's Llama-family layers in one native call.
+//
+// A decode step of a small model is a chain of small kernels: per layer two norms, four
+// products, the rotary embedding with the KV write, and the attention, ~10 calls that each
+// cost a few microseconds of Python and torch dispatch around tens of microseconds of work.
+// On the built-in model (30 layers), at two threads that dispatch was about a third of the
+// step. Here the chain runs in C++, calling the same kernels the Python layers call, in the
+// same order, so the step's results are bitwise those of the layer-by-layer path
+// (models/llama.py LlamaDecoderLayer, backends/native_backend.py):
+//
+//   h, residual = add_rms_norm(x, residual)        (rms_norm(x), x on the stage's first layer)
+//   q, k, v     = qkv(h) split by heads
+//   q           = rope_store(q, k, v)              (rotary; k and v written to the pool)
+//   o           = o_proj(paged_decode_attention(q))
+//   h, residual = add_rms_norm(o, residual)
+//   x           = down(silu(gate) * up),  gate | up = gate_up(h)
+//
+// Products: skinny_linear for float32/bfloat16 weights, skinny_linear_blocks (form 0, the
+// best compiled) for weights kept in GGUF blocks. Norms: the compiled norm in float32, the
+// torch ops in bfloat16, as NativeNorms chooses. Which layers, weights and batches qualify
+// is decided in Python (NativeBackend.decode_stack); this file checks only what it indexes.
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/silu.h>
+
+#include "kernels.h"
+
+namespace {
+
+at::Tensor product(const StackLinear& l, const at::Tensor& x) {
+  if (l.format == 0) return skinny_linear(x, l.weight, l.bias);
+  return skinny_linear_blocks(x, l.weight, l.format, l.bias, 0);
+}
+
+// NormKernels.rms_norm's torch ops (backends/base.py), for bfloat16
+at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf.mul(at::rsqrt(xf.pow(2).mean(-1, true).add(eps)));
+  return w.mul(xf.to(x.scalar_type()));
+}
+
+// (norm(x + residual), x + residual); (norm(x), x) without a residual
+std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x,
+                                            const std::optional<at::Tensor>& residual,
+                                            const at::Tensor& w, double eps) {
+  if (x.scalar_type() == at::kFloat) {
+    if (!residual) return {rms_norm(x, w, eps), x};
+    return add_rms_norm(x, *residual, w, eps);
+  }
+  if (!residual) return {torch_rms_norm(x, w, eps), x};
+  at::Tensor sum = x.add(*residual);
+  return {torch_rms_norm(sum, w, eps), sum};
+}
+
+}  // namespace
+
+void DecodeStack::add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_norm,
+                            double post_eps,
+                            std::vector<at::Tensor> weights, std::vector<int64_t> formats,
+                            std::optional<at::Tensor> qkv_bias, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, double scale, at::Tensor k_cache,
+                            at::Tensor v_cache) {
+  TORCH_CHECK(weights.size() == 4 && formats.size() == 4,
+              "a layer's four products: qkv, o, gate_up, down");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads: a multiple of kv_heads");
+  TORCH_CHECK(weights[0].size(0) == (heads + 2 * kv_heads) * head_dim,
+              "qkv's rows: (heads + 2 kv_heads) head_dim");
+  TORCH_CHECK(weights[2].size(0) % 2 == 0, "gate_up's rows: gate's then up's");
+  StackLayer layer{input_norm, input_eps, post_norm, post_eps, {},     heads,
+                   kv_heads,   head_dim,  scale,     k_cache,  v_cache};
+  for (size_t i = 0; i < 4; ++i) {
+    layer.linears[i] = {weights[i], formats[i], i == 0 ? qkv_bias : std::nullopt};
+  }
+  layers_.push_back(std::move(layer));
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodeStack::run(at::Tensor x,
+                                                    std::optional<at::Tensor> residual,
+                                                    at::Tensor cos, at::Tensor sin,
+                                                    at::Tensor slots, at::Tensor runs,
+                                                    at::Tensor offsets) {
+  TORCH_CHECK(!layers_.empty(), "a stack without layers");
+  TORCH_CHECK(x.dim() == 2, "x: [tokens, hidden]");
+  const int64_t b = x.size(0);
+  x = x.contiguous();  // the compiled norm reads rows in place
+  if (residual) residual = residual->contiguous();
+  for (const StackLayer& l : layers_) {
+    const int64_t h = l.heads, kv = l.kv_heads, d = l.head_dim;
+    auto [normed, sum] = add_norm(x, residual, l.input_norm, l.input_eps);
+    at::Tensor qkv = product(l.linears[0], normed);
+    at::Tensor q = qkv.narrow(1, 0, h * d).view({b, h, d});
+    at::Tensor k = qkv.narrow(1, h * d, kv * d).view({b, kv, d});
+    at::Tensor v = qkv.narrow(1, (h + kv) * d, kv * d).view({b, kv, d});
+    at::Tensor rotated = rope_store(q, k, v, cos, sin, l.k_cache, l.v_cache, slots);
+    at::Tensor o = paged_decode_attention(rotated.view({b, kv, h / kv, d}), l.k_cache, l.v_cache,
+                                          runs, offsets, l.scale);
+    at::Tensor attended = product(l.linears[1], o.view({b, h * d}));
+    std::tie(normed, sum) = add_norm(attended, sum, l.post_norm, l.post_eps);
+    std::vector<at::Tensor> gate_up = product(l.linears[2], normed).chunk(2, -1);
+    x = product(l.linears[3], at::silu(gate_up[0]).mul(gate_up[1]));
+    residual = sum;
+  }
+  return {x, *residual};
+}
