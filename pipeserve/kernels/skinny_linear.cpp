@@ -1,18 +1,22 @@
 // A linear layer's product for a few rows (decode steps): y [m, N] = x [m, K] . w [N, K]^T
 // (+ bias [N]), what a step of a handful of requests spends most of its time in. Each weight
-// byte is read once per call, and the activations stay in L1: a register tile of kRows
-// output rows x kPair rows of x keeps its sums in registers over all of K, each weight vector
-// loaded once serving both rows of x (so m rows of x cost m / 2 passes over the weights'
-// L1-resident tile rows, not m passes from memory). Threads take blocks of output rows, so
-// two threads draw on the memory twice. The weight is read in the layout torch keeps ([N, K]
-// row-major): nothing is packed.
+// byte is read once per call, and the activations stay in L1. Up to kStreamRows rows of x a
+// thread streams one weight row after another (`stream_tile`), what the memory serves
+// fastest; above, a register tile of kRows output rows x kPair rows of x keeps its sums in
+// registers over all of K, each weight vector loaded once serving both rows of x and each x
+// vector four weight rows (so m rows of x cost m / 2 passes over the weights' L1-resident
+// tile rows, not m passes from memory). Threads take blocks of output rows, so two threads
+// draw on the memory twice. The weight is read in the layout torch keeps ([N, K] row-major):
+// nothing is packed.
 //
 // Arithmetic is float32: x is widened once per call, a bfloat16 weight as it is loaded (a
 // bfloat16 is a float32's top half), so bfloat16 weights with float32 activations read half
-// the bytes of float32 weights for the same products where the checkpoint is bfloat16. The
-// output and bias take x's dtype. Each output is one sum in a fixed order (eight lane sums
-// over K, then the lanes added), so a row's result does not depend on the other rows of x or
-// on the thread count.
+// the bytes of float32 weights for the same products where the checkpoint is bfloat16; on
+// CPUs with AVX512-BF16, bfloat16 x and weights meet in vdpbf16ps (`run_pairs`). The output
+// and bias take x's dtype. Each output is one sum in a fixed order (the streamed form: four
+// sums of eight lanes over K; the tiles: eight lane sums; then the lanes added), so a row's
+// result does not depend on the thread count, nor on the other rows of x among calls of up to
+// kStreamRows rows, or among calls of more.
 //
 // `skinny_linear_blocks` takes a weight kept in GGUF's blocks of 32 values along K: Q4_1 (20
 // bytes: fp16 d, fp16 m, 16 bytes holding q_j in the low nibble of byte j and q_(j+16) in its
@@ -39,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "kernels.h"
 #include "vec8.h"
 
@@ -53,6 +58,7 @@ constexpr int64_t kRows = 4;        // output rows per register tile
 constexpr int64_t kPair = 2;        // rows of x per register tile (kRows x kPair sums in registers)
 constexpr int64_t kGrainRows = 64;  // output rows per parallel task, at least
 constexpr int64_t kMaxRows = 16;    // rows of x one call takes (decode-sized)
+constexpr int64_t kStreamRows = 4;  // rows of x up to which a weight row is streamed alone
 
 
 // A row of GGUF blocks (see the header): the element type names the format.
@@ -230,8 +236,52 @@ inline void rows(const Problem<W>& p, int64_t r0) {
   if (i < p.m) tile<R, 1>(p, r0, i);
 }
 
+// Output r of rows [i0, i0 + MT) of x, the weight row streamed once: four sums a row (vector
+// c / 8 of K into sum c / 8 mod 4), added in a fixed order. Up to kStreamRows rows of x a
+// task reads one weight row after another, one sequential stream per thread, which the
+// prefetchers follow at the memory's speed where the tiles' four interleaved rows do not
+// (Zen 4, SmolLM2's weights out of cache, one row of x: bfloat16 weights 18 against 10 GB/s
+// a thread, float32 20 against 13); from 8 rows on the tiles' reuse of each x vector over
+// four weight rows wins (two threads: 23 against 27 ms a step's weights at 8 rows).
+template <int64_t MT, typename W>
+inline void stream_tile(const Problem<W>& p, int64_t r, int64_t i0) {
+  constexpr int64_t kChains = 4, kStep = kChains * kLanes;
+  const int64_t k = p.k, kv = k - k % kLanes;
+  const W* wr = p.w + r * p.ld;
+  const float* xi[MT];
+  for (int64_t i = 0; i < MT; ++i) xi[i] = p.x + (i0 + i) * k;
+  v8 acc[MT][kChains] = {};
+  int64_t c = 0;
+  for (; c + kStep <= kv; c += kStep) {
+    for (int64_t u = 0; u < kChains; ++u) {
+      const v8 wv = wload(wr + c + u * kLanes);
+      for (int64_t i = 0; i < MT; ++i) acc[i][u] = fma8(wv, load8(xi[i] + c + u * kLanes), acc[i][u]);
+    }
+  }
+  for (int64_t u = 0; c < kv; c += kLanes, ++u) {
+    const v8 wv = wload(wr + c);
+    for (int64_t i = 0; i < MT; ++i) acc[i][u] = fma8(wv, load8(xi[i] + c), acc[i][u]);
+  }
+  for (int64_t i = 0; i < MT; ++i) {
+    float s = vec8::lanes_sum((acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]));
+    for (int64_t t = kv; t < k; ++t) s += widen(wr[t]) * xi[i][t];
+    if (p.bias != nullptr) s += p.bias[r];
+    p.y[(i0 + i) * p.n + r] = s;
+  }
+}
+
 template <typename W>
 void run(const Problem<W>& p) {
+  if (p.m <= kStreamRows) {
+    at::parallel_for(0, p.n, kGrainRows, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        int64_t i = 0;
+        for (; i + 2 <= p.m; i += 2) stream_tile<2>(p, r, i);
+        if (i < p.m) stream_tile<1>(p, r, i);
+      }
+    });
+    return;
+  }
   const int64_t blocks = (p.n + kRows - 1) / kRows;
   at::parallel_for(0, blocks, kGrainRows / kRows, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -245,20 +295,102 @@ void run(const Problem<W>& p) {
   });
 }
 
+// The bias [n] in float32 (undefined without one); it must have x's dtype.
+at::Tensor widened_bias(const std::optional<at::Tensor>& bias, at::ScalarType x_dtype, int64_t n) {
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias [N] expected");
+  TORCH_CHECK(bias->scalar_type() == x_dtype, "the bias must have x's dtype");
+  return bias->to(at::kFloat).contiguous();
+}
+
+inline const float* bias_ptr(const at::Tensor& b) {
+  return b.defined() ? b.data_ptr<float>() : nullptr;
+}
+
 // What both entry points hand the kernel: x widened once ([m, K], small), the bias widened,
 // the float32 output [m, N].
 struct Operands {
   at::Tensor xf, bf, y;
   Operands(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n)
-      : xf(x.to(at::kFloat).contiguous()), y(at::empty({x.size(0), n}, x.options().dtype(at::kFloat))) {
-    if (bias.has_value()) {
-      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias [N] expected");
-      TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "the bias must have x's dtype");
-      bf = bias->to(at::kFloat).contiguous();
+      : xf(x.to(at::kFloat).contiguous()),
+        bf(widened_bias(bias, x.scalar_type(), n)),
+        y(at::empty({x.size(0), n}, x.options().dtype(at::kFloat))) {}
+  const float* bias() const { return bias_ptr(bf); }
+};
+
+#ifdef PIPESERVE_BF16_PAIRS
+// bfloat16 x and weight on CPUs with AVX512-BF16: vdpbf16ps multiplies 32 values of a row of x
+// by 32 of a weight row, exactly, adding each lane's pair of products into a float32 sum, so
+// one instruction does the work of four widenings and four 8-lane FMAs. The weight's rows pair
+// their own neighbouring values, as x's do: torch's [N, K] layout as it is. A task reads one
+// weight row after another, each once, for all rows of x (L1-resident): one sequential stream
+// per thread, which the prefetchers follow at the memory's speed, where the float32 tiles' four
+// interleaved rows drew 11 GB/s a thread (Zen 4, SmolLM2's weights out of cache: 17 GB/s a
+// thread this way, 26.5 for two; docs/cpu.md). Each output is one sum in a fixed order (even
+// and odd chunks of 32 values in two sums of sixteen lanes, then added), so a row's result
+// does not depend on the other rows of x or on the thread count.
+struct PairsProblem {
+  const c10::BFloat16* x;  // [m, k]
+  const c10::BFloat16* w;  // [n, k]
+  const float* bias;       // [n] float32, or nullptr
+  float* y;                // [m, n]
+  int64_t m, n, k;
+};
+
+inline __m512bh pairs_load(const c10::BFloat16* row, int64_t j) {  // a whole chunk
+  return (__m512bh)_mm512_loadu_si512(row + 32 * j);
+}
+inline __m512bh pairs_load(const c10::BFloat16* row, int64_t k, int64_t j) {  // the last one
+  return (__m512bh)_mm512_maskz_loadu_epi16(bf16_pairs::chunk_mask(k, j), row + 32 * j);
+}
+
+// Output r of rows [i0, i0 + MT) of x: each weight chunk loaded once serves the MT rows.
+template <int64_t MT>
+inline void pairs_tile(const PairsProblem& p, int64_t r, int64_t i0) {
+  const int64_t k = p.k, whole = k / 32;
+  const c10::BFloat16* wr = p.w + r * k;
+  const c10::BFloat16* xi[MT];
+  for (int64_t i = 0; i < MT; ++i) xi[i] = p.x + (i0 + i) * k;
+  __m512 even[MT], odd[MT];  // two dependency chains a row
+  for (int64_t i = 0; i < MT; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= whole; j += 2) {
+    const __m512bh w0 = pairs_load(wr, j), w1 = pairs_load(wr, j + 1);
+    for (int64_t i = 0; i < MT; ++i) {
+      even[i] = _mm512_dpbf16_ps(even[i], w0, pairs_load(xi[i], j));
+      odd[i] = _mm512_dpbf16_ps(odd[i], w1, pairs_load(xi[i], j + 1));
     }
   }
-  const float* bias() const { return bf.defined() ? bf.data_ptr<float>() : nullptr; }
-};
+  if (j < whole) {
+    const __m512bh w0 = pairs_load(wr, j);
+    for (int64_t i = 0; i < MT; ++i) even[i] = _mm512_dpbf16_ps(even[i], w0, pairs_load(xi[i], j));
+    ++j;
+  }
+  if (k % 32 != 0) {  // chunk j = whole, masked: into the chain the next whole chunk would use
+    const __m512bh w0 = pairs_load(wr, k, j);
+    for (int64_t i = 0; i < MT; ++i) {
+      __m512& acc = j % 2 == 0 ? even[i] : odd[i];
+      acc = _mm512_dpbf16_ps(acc, w0, pairs_load(xi[i], k, j));
+    }
+  }
+  for (int64_t i = 0; i < MT; ++i) {
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
+    if (p.bias != nullptr) s += p.bias[r];
+    p.y[(i0 + i) * p.n + r] = s;
+  }
+}
+
+void run_pairs(const PairsProblem& p) {
+  at::parallel_for(0, p.n, kGrainRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t i = 0;
+      for (; i + 4 <= p.m; i += 4) pairs_tile<4>(p, r, i);
+      for (; i + 2 <= p.m; i += 2) pairs_tile<2>(p, r, i);
+      if (i < p.m) pairs_tile<1>(p, r, i);
+    }
+  });
+}
+#endif
 
 }  // namespace
 
@@ -274,6 +406,15 @@ at::Tensor skinny_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> b
   }
   TORCH_CHECK(w.is_contiguous(), "the weight must be contiguous");
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
+#ifdef PIPESERVE_BF16_PAIRS
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    const at::Tensor xc = x.contiguous(), b = widened_bias(bias, x.scalar_type(), n);
+    at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+    using B = c10::BFloat16;
+    run_pairs(PairsProblem{xc.data_ptr<B>(), w.data_ptr<B>(), bias_ptr(b), y.data_ptr<float>(), m, n, k});
+    return y.to(at::kBFloat16);
+  }
+#endif
   const Operands o(x, bias, n);
   const float *xf = o.xf.data_ptr<float>(), *b = o.bias();
   at::Tensor y = o.y;

@@ -57,19 +57,27 @@ def test_matches_float64_products(x_dtype, w_dtype, m: int, n: int, k: int, bias
     torch.testing.assert_close(got.double(), want, atol=atol + 1e-6, rtol=rtol)
 
 
-def test_a_row_does_not_depend_on_the_others_or_the_threads() -> None:
-    """Each output is one float32 sum in a fixed order: a row computed alone, among 16 rows,
-    on one thread or two, comes out bitwise the same."""
-    x, w, b = data(16, 777, 1000, F32, BF16, seed=3)
+@pytest.mark.parametrize("x_dtype", [F32, BF16])  # bfloat16: vdpbf16ps where the CPU has it
+def test_a_row_does_not_depend_on_the_others_or_the_threads(x_dtype: torch.dtype) -> None:
+    """Each output is one float32 sum in a fixed order: a row computed alone, among up to 4
+    rows (the weight rows streamed) or among 5 to 16 (the register tiles), on one thread or
+    two, comes out bitwise the same within each form."""
+    x, w, b = data(16, 777, 1000, x_dtype, BF16, seed=3)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = torch.cat([KERNEL(x[i : i + 1], w, b) for i in range(16)])
+        fours = torch.cat([KERNEL(x[i : i + 4], w, b) for i in range(0, 16, 4)])
+        tiled = torch.cat([KERNEL(x[:5], w, b), KERNEL(x[5:], w, b)])
         torch.set_num_threads(2)
+        streamed = torch.cat([KERNEL(x[i : i + 3], w, b) for i in range(0, 15, 3)])
         together = KERNEL(x, w, b)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, together)
+    assert torch.equal(alone, fours) and torch.equal(alone[:15], streamed)
+    assert torch.equal(tiled, together)
+    if x_dtype == BF16 and native().bf16_pairs_supported():
+        assert torch.equal(alone, together)  # vdpbf16ps: one form for every row count
 
 
 def test_bad_input_is_refused() -> None:
