@@ -3,15 +3,18 @@
 and bfloat16 weights (bfloat16 ones with float32 activations, as a float32 run keeps a
 bfloat16 checkpoint's), 1 to 64 rows of activations, in medians of interleaved rounds. The
 LM head's bytes per second stand beside `sum` over the same tensor (what one pass over it
-costs here). Prints and saves JSON.
+costs here). The shapes above repeat one weight, which stays in cache from call to call; a
+decode step reads each of its weights once, from memory, so `--step-rows` also times a whole
+step's products out of cache (SmolLM2's 30 layers and LM head, every weight its own tensor)
+in bytes per second beside `sum` over a tensor of the same bytes. Prints and saves JSON.
 
     python benchmarks/skinny_linear.py --threads 1 --json out.json
 
 Torch's product of a bfloat16 weight takes bfloat16 activations (it has no mixed product),
 so the float32-activation rows compare against float32 weights, what a run without the
 narrow weights computes on. `native_bf16` is a bfloat16 run's product (bfloat16 activations
-and weights) beside `torch_bf16`: on CPUs with AVX512-BF16 or AMX torch's runs on bf16
-instructions, ours on float32 FMAs."""
+and weights) beside `torch_bf16`: on CPUs with AVX512-BF16 or AMX both run on bf16
+instructions (ours on vdpbf16ps; on float32 FMAs elsewhere)."""
 
 from __future__ import annotations
 
@@ -59,11 +62,42 @@ def seconds(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def step_bandwidth(kernel: Callable[..., torch.Tensor], rows: int, rounds: int) -> dict:
+    """A decode step's products of SmolLM2's 30 layers and LM head with every weight read from
+    memory (each its own tensor, 0.27-1.1 GB in all): bytes per second for each weight form,
+    beside `sum` over as many bytes."""
+    layers = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")] * 30
+    step = [*layers, SHAPES["lm_head"]]
+    out: dict[str, float] = {}
+    for label, w_dtype, x_dtype in (
+        ("f32", torch.float32, torch.float32),
+        ("bf16_weight", torch.bfloat16, torch.float32),
+        ("bf16", torch.bfloat16, torch.bfloat16),
+    ):
+        weights = [torch.randn(n, k).to(w_dtype) for n, k in step]
+        xs = {k: torch.randn(rows, k).to(x_dtype) for _, k in step}
+        total = sum(w.nbytes for w in weights)
+
+        def run(weights=weights, xs=xs) -> None:
+            for w in weights:
+                kernel(xs[w.shape[1]], w, None)
+
+        best = min(seconds(run, 1) for _ in range(rounds))
+        flat = torch.cat([w.flatten() for w in weights])
+        del weights
+        summed = min(seconds(flat.sum, 1) for _ in range(rounds))
+        out[f"step_{label}_GBps"] = total / best / 1e9
+        out[f"sum_{label}_GBps"] = total / summed / 1e9
+        out[f"step_{label}_ms"] = best * 1e3
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--step-rows", type=int, nargs="*", default=[1])
     ap.add_argument("--json")
     args = ap.parse_args()
     kernel = native_skinny_linear()
@@ -112,11 +146,19 @@ def main() -> None:
         head[f"lm_head_{label}_GBps"] = t.nbytes / ours / 1e9
         head[f"sum_{label}_GBps"] = t.nbytes / stream / 1e9
     print(", ".join(f"{key} {value:.1f}" for key, value in head.items()))
+    steps = {}
+    for m in args.step_rows:
+        steps[m] = step_bandwidth(kernel, m, args.rounds)
+        print(
+            f"a step's products out of cache, {m} row(s): "
+            + ", ".join(f"{key} {value:.1f}" for key, value in steps[m].items())
+        )
     out = {
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
         "results": results,
         "lm_head_bandwidth": head,
+        "step_out_of_cache": steps,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -9,12 +9,18 @@ the parallel layer classes.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
-from pipeserve.backends.base import TORCH_NORMS, DecodeStack, NormKernels, StackLayer
+from pipeserve.backends.base import (
+    TORCH_NORMS,
+    AttentionBackend,
+    DecodeStack,
+    NormKernels,
+    StackLayer,
+)
 from pipeserve.batch_overlap.operations import OpFn, Outputs, State, execute
 from pipeserve.batch_overlap.single_batch import get_single_batch_overlap
 from pipeserve.batch_overlap.strategies import Strategy, forward_stages
@@ -233,8 +239,11 @@ class LlamaForCausalLM(nn.Module):
         # what runs around each of the stage's layers (shard linear's weight broadcasts, PD's
         # KV sending): before(n) in this order, after(n) in the reverse one
         self.layer_hooks: list[LayerHook] = []
-        # the whole-stack decode kernel (`_decode_stack`) and the backend and pool it is for
-        self._stack: tuple[weakref.ref[Any], weakref.ref[Any], DecodeStack | None] | None = None
+        # each backend's whole-stack decode kernel (`_decode_stack`) and the pool it is for: a
+        # split backend hands prompt chunks and decode steps to two
+        self._stacks: weakref.WeakKeyDictionary[
+            AttentionBackend, tuple[weakref.ref[KVPool], DecodeStack | None]
+        ] = weakref.WeakKeyDictionary()
 
     def make_layer(self, layer_id: int) -> nn.Module:
         a = self.arch
@@ -277,12 +286,12 @@ class LlamaForCausalLM(nn.Module):
         if fb.cp is not None or self.layer_hooks:
             return None
         backend, pool = fb.attn.backend, fb.kv_pool
-        built = self._stack
-        if built is not None and built[0]() is backend and built[1]() is pool:
-            return built[2]
+        built = self._stacks.get(backend)
+        if built is not None and built[0]() is pool:
+            return built[1]
         layers = self._stack_layers(pool)
         stack = None if layers is None else backend.decode_stack(layers)
-        self._stack = (weakref.ref(backend), weakref.ref(pool), stack)
+        self._stacks[backend] = (weakref.ref(pool), stack)
         return stack
 
     def _stack_layers(self, pool: KVPool) -> list[StackLayer] | None:
