@@ -457,6 +457,12 @@ class ServerConfig:
     http_body_timeout: float = _flag(
         30.0, "seconds a request has to send its whole body once its head is in; then 408"
     )
+    sse_keepalive_interval: float = _flag(
+        15.0,
+        "seconds a streamed response may stay silent (a long prompt prefilling, a slow "
+        "step) before it sends an SSE comment line, so that the client, a proxy or the PD "
+        "router does not take the connection for dead",
+    )
     http_max_connections: int = _flag(
         2048,
         "HTTP connections held at once (at most the descriptor limit less 64); at the cap the "
@@ -708,6 +714,10 @@ def validate(config: EngineConfig) -> None:
         ),
         (config.server.http_head_timeout > 0, "--http-head-timeout must be positive"),
         (config.server.http_body_timeout > 0, "--http-body-timeout must be positive"),
+        (
+            config.server.sse_keepalive_interval > 0,
+            "--sse-keepalive-interval must be positive",
+        ),
         (config.server.http_max_connections > 0, "--http-max-connections must be positive"),
         (
             config.server.http_max_pending_per_peer > 0,

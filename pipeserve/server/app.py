@@ -208,7 +208,7 @@ def _add_generation_routes(
                 prefill,
             )
         if body.stream:
-            return _sse(run.stream_completion(body))
+            return _sse(run.stream_completion(body), state.config.server.sse_keepalive_interval)
         return await until_done(request, run.complete_completion())
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
@@ -229,7 +229,7 @@ def _add_generation_routes(
                 state, ticket, ids, body.sampling(max_new), body.logprobs, top, prefill
             )
         if body.stream:
-            return _sse(run.stream_chat(body))
+            return _sse(run.stream_chat(body), state.config.server.sse_keepalive_interval)
         return await until_done(request, run.complete_chat())
 
 
@@ -324,15 +324,38 @@ def _validation_error(request: Request, exc: RequestValidationError) -> Response
     return JSONResponse(P.error_body(message, param=where or None), status_code=400)
 
 
-def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    """Server-sent events; an error after the stream started becomes an `error` event."""
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients and proxies read it, nobody shows it
+
+
+def _sse(events: AsyncIterator[dict[str, Any]], keepalive_s: float) -> StreamingResponse:
+    """Server-sent events; an error after the stream started becomes an `error` event. While
+    the next event takes longer than `keepalive_s` (a long prompt prefilling) a comment line
+    goes out every `keepalive_s`, so no idle timeout on the way cuts the stream."""
 
     async def body() -> AsyncIterator[str]:
+        it = aiter(events)
+        pending: asyncio.Future[dict[str, Any]] | None = None
         try:
-            async for event in events:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(it))
+                done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+                if not done:
+                    yield KEEPALIVE
+                    continue
+                ready, pending = pending, None
+                try:
+                    event = ready.result()
+                except StopAsyncIteration:
+                    break
                 yield f"data: {json.dumps(event)}\n\n"
         except (ApiError, EngineFailed) as exc:
             yield _error_event(exc)
+        finally:  # the client went away: the request's own clean-up runs before this ends
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
