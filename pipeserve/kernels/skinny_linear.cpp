@@ -240,9 +240,12 @@ inline void rows(const Problem<W>& p, int64_t r0) {
 // c / 8 of K into sum c / 8 mod 4), added in a fixed order. Up to kStreamRows rows of x a
 // task reads one weight row after another, one sequential stream per thread, which the
 // prefetchers follow at the memory's speed where the tiles' four interleaved rows do not
-// (Zen 4, SmolLM2's weights out of cache, one row of x: bfloat16 weights 18 against 10 GB/s
-// a thread, float32 20 against 13); from 8 rows on the tiles' reuse of each x vector over
-// four weight rows wins (two threads: 23 against 27 ms a step's weights at 8 rows).
+// (Zen 4, a step's products of SmolLM2's weights out of cache, one row of x, one thread:
+// bfloat16 weights 22 GB/s, float32 19, where the tiles drew ~10 and ~13; `benchmarks/
+// skinny_linear.py --step-rows`). From 8 rows on the tiles' reuse of each x vector over four
+// weight rows wins (two threads, bfloat16 weights: 23 ms a step's products on the tiles
+// against 27 streamed, when this was chosen); at 4 rows streaming was ahead (13.6 against
+// 15.4 ms).
 template <int64_t MT, typename W>
 inline void stream_tile(const Problem<W>& p, int64_t r, int64_t i0) {
   constexpr int64_t kChains = 4, kStep = kChains * kLanes;
@@ -324,11 +327,12 @@ struct Operands {
 // one instruction does the work of four widenings and four 8-lane FMAs. The weight's rows pair
 // their own neighbouring values, as x's do: torch's [N, K] layout as it is. A task reads one
 // weight row after another, each once, for all rows of x (L1-resident): one sequential stream
-// per thread, which the prefetchers follow at the memory's speed, where the float32 tiles' four
-// interleaved rows drew 11 GB/s a thread (Zen 4, SmolLM2's weights out of cache: 17 GB/s a
-// thread this way, 26.5 for two; docs/cpu.md). Each output is one sum in a fixed order (even
-// and odd chunks of 32 values in two sums of sixteen lanes, then added), so a row's result
-// does not depend on the other rows of x or on the thread count.
+// per thread, which the prefetchers follow at the memory's speed (Zen 4, a step's products of
+// SmolLM2's weights out of cache, `benchmarks/skinny_linear.py --step-rows`: 22 GB/s on one
+// thread, 30 on two, where tiles of four interleaved weight rows drew ~11 and ~19). Each
+// output is one sum in a fixed order (even and odd chunks of 32 values in two sums of sixteen
+// lanes, then added), so a row's result does not depend on the other rows of x or on the
+// thread count.
 struct PairsProblem {
   const c10::BFloat16* x;  // [m, k]
   const c10::BFloat16* w;  // [n, k]
