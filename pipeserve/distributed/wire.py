@@ -454,13 +454,27 @@ def encode_delta(d: StreamDelta) -> list[Any]:
         None if d.ttft is None else float(d.ttft),
         d.error,
         d.error_kind,
+        d.prefilled,
     ]
 
 
 def decode_delta(v: Any) -> StreamDelta:
-    rid, text, ids, lps, top, finish, stop, prompt, completion, cached, ttft, error, kind = _fields(
-        v, 13, "stream delta"
-    )
+    (
+        rid,
+        text,
+        ids,
+        lps,
+        top,
+        finish,
+        stop,
+        prompt,
+        completion,
+        cached,
+        ttft,
+        error,
+        kind,
+        prefilled,
+    ) = _fields(v, 14, "stream delta")
     if stop is not None and type(stop) not in (str, int):
         raise _fail("matched stop: expected a string or an int", stop)
     return StreamDelta(
@@ -477,6 +491,7 @@ def decode_delta(v: Any) -> StreamDelta:
         _optional(_float, ttft),
         _optional(_str, error),
         _str(kind),
+        _optional(_int, prefilled),
     )
 
 

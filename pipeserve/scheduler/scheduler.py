@@ -44,6 +44,8 @@ class RequestUpdate:
     ttft: float | None = None  # seconds from arrival to the first token, sent once
     chunk_sizes: list[int] | None = None  # prefill chunk sizes, sent at the end
     error: str | None = None  # with finish_reason "error": what went wrong (engine side)
+    prefilled: int | None = None  # after a prompt chunk that samples nothing: prompt tokens
+    # in the cache so far, cached prefix included (a long prompt's progress)
 
 
 class Scheduler:
@@ -230,6 +232,8 @@ class Scheduler:
             if token is not None:
                 assert logprob is not None and top is not None
                 updates.append(self._append_token_or_fail(req, token, logprob, top))
+            elif not s.is_decode:
+                updates.append(RequestUpdate(req.rid, prefilled=s.prefix_len + s.num_tokens))
         return updates
 
     def _append_token_or_fail(

@@ -121,6 +121,12 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    @property
+    def include_progress(self) -> bool:
+        """pipeserve's `stream_options.include_progress`: a `prefill.progress` chunk after each
+        prompt chunk but the last (what a client of a prompt of minutes waits on)."""
+        return bool(self.stream_options and self.stream_options.get("include_progress"))
+
 
 class CompletionRequest(_Request):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]

@@ -92,7 +92,7 @@ class RequestRun:
     ) -> dict[str, Any]:
         """An OpenAI response object of `kind`; with `final`, the request's usage counts."""
         out = {
-            "id": self.id.replace("cmpl", "chatcmpl") if kind.startswith("chat") else self.id,
+            "id": self._id(kind),
             "object": kind,
             "created": self.created,
             "model": self.state.model_name,
@@ -117,20 +117,40 @@ class RequestRun:
     async def _stream(
         self,
         kind: str,
-        include_usage: bool,
+        body: P.CompletionRequest | P.ChatCompletionRequest,
         choice: Callable[[StreamDelta, _Logprobs, int], dict[str, Any]],
     ) -> AsyncIterator[dict[str, Any]]:
-        """One chunk per delta that has something to show, then the usage chunk if asked."""
+        """One chunk per delta that has something to show, then the usage chunk if asked;
+        the prompt's progress if asked."""
         lps = _Logprobs(self.state.tokenizer)
         ids_only = self.state.tokenizer is None
         async for d in self.deltas():
+            if d.prefilled is not None:  # a prompt chunk done, no token
+                if body.include_progress:
+                    yield self._progress(kind, d)
+                continue
             if not (d.text or d.finish_reason or self.logprobs or (ids_only and d.token_ids)):
                 continue  # text held back (a partial character or stop string)
             start = len(lps.ids)
             lps.add(d)
             yield self._envelope(kind, [choice(d, lps, start)])
-            if d.finish_reason is not None and include_usage:
+            if d.finish_reason is not None and body.include_usage:
                 yield self._envelope(kind, [], final=d)
+
+    def _id(self, kind: str) -> str:
+        return self.id.replace("cmpl", "chatcmpl") if kind.startswith("chat") else self.id
+
+    def _progress(self, kind: str, d: StreamDelta) -> dict[str, Any]:
+        """A `prefill.progress` chunk (pipeserve's, asked for by
+        `stream_options.include_progress`): the prompt tokens computed so far, of all."""
+        return {
+            "id": self._id(kind),
+            "object": "prefill.progress",
+            "created": self.created,
+            "model": self.state.model_name,
+            "prefilled_tokens": d.prefilled,
+            "prompt_tokens": d.prompt_tokens,
+        }
 
     # -- /v1/completions -----------------------------------------------------------------
 
@@ -160,7 +180,7 @@ class RequestRun:
                 **self._token_ids(d.token_ids),
             }
 
-        return self._stream("text_completion", body.include_usage, choice)
+        return self._stream("text_completion", body, choice)
 
     # -- /v1/chat/completions ------------------------------------------------------------
 
@@ -188,7 +208,7 @@ class RequestRun:
             "chat.completion.chunk",
             [{"index": 0, "delta": opening, "finish_reason": None, "logprobs": None}],
         )
-        async for chunk in self._stream("chat.completion.chunk", body.include_usage, choice):
+        async for chunk in self._stream("chat.completion.chunk", body, choice):
             yield chunk
 
 

@@ -28,6 +28,7 @@ class StreamDelta:
     ttft: float | None = None
     error: str | None = None
     error_kind: str = "invalid"  # "invalid": the request was rejected; "engine": the engine failed
+    prefilled: int | None = None  # a long prompt's progress: prompt tokens computed so far
 
 
 class OutputStream:
@@ -58,6 +59,7 @@ class OutputStream:
             self.completion_tokens,
             u.cached_tokens,
             u.ttft,
+            prefilled=u.prefilled,
         )
 
     def _text(self, u: RequestUpdate) -> str:

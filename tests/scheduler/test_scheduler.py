@@ -131,7 +131,8 @@ class Harness:
         return finished[0]
 
     def first(self, rid: str) -> RequestUpdate:
-        return self.updates[rid][0]
+        """The first update that is not a prompt's progress (the first token's)."""
+        return next(u for u in self.updates[rid] if u.prefilled is None)
 
     def slices_of(self, rid: str) -> list[ReqSlice]:
         return [s for b in self.batches for s in b.slices if s.rid == rid]
@@ -202,6 +203,11 @@ def test_long_prompt_is_prefilled_in_chunks() -> None:
     h.run()
     assert h.outputs("a") == [11, 12]
     assert h.final("a").chunk_sizes == [4, 4, 2]
+    # the chunks that sample nothing report the prompt's progress, once each, in order
+    progress = [u.prefilled for u in h.updates["a"] if u.prefilled is not None]
+    assert progress == [4, 8]
+    assert all(not u.new_token_ids and u.finish_reason is None
+               for u in h.updates["a"] if u.prefilled is not None)
 
 
 def test_nobody_is_admitted_behind_a_chunked_prompt() -> None:

@@ -59,8 +59,9 @@ class FakeProc:
 
 
 class FakeEngine:
-    """Stands in for EngineClient. A request waits for `gate` (when there is one), then
-    gets `tokens` one-token deltas, or one error delta when `error` = (message, kind)."""
+    """Stands in for EngineClient. A request gets a progress delta for each of `progress`,
+    waits for `gate` (when there is one), then gets `tokens` one-token deltas, or one error
+    delta when `error` = (message, kind)."""
 
     def __init__(self, context_len: int = 4096, vocab_size: int = 512) -> None:
         self.info: dict[str, Any] = {"context_len": context_len, "vocab_size": vocab_size}
@@ -68,6 +69,7 @@ class FakeEngine:
         self.stats: dict[str, Any] = {}
         self.proc = FakeProc()
         self.tokens = 3
+        self.progress: list[int] = []  # prompt tokens done after each prompt chunk but the last
         self.gate: asyncio.Event | None = None
         self.error: tuple[str, str] | None = None
         self.requests: list[list[int]] = []
@@ -114,6 +116,8 @@ class FakeEngine:
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
+            for done in self.progress:
+                yield StreamDelta("r", prompt_tokens=len(ids), prefilled=done)
             if self.gate is not None:
                 await self.gate.wait()
             for d in self._deltas(len(ids)):

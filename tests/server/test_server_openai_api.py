@@ -10,6 +10,7 @@ starts (the server must not sit idle for long: see test_server_idle.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,6 +225,29 @@ def test_completion_streamed_and_not_equal_offline(
         assert got["text"] == ref["text"], (stream, got["text"], ref["text"])
         assert got["finish"] == ref["meta_info"]["finish_reason"]
         check_usage(got["usage"], ref)
+
+
+def test_a_long_prompt_s_progress_streams_when_asked(server: Server) -> None:
+    """Through the engine process: a 200-token prompt in chunks of 64 reports each chunk but
+    the last as a `prefill.progress` chunk before its first token; the text is unchanged."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": NAME, "prompt": list(range(5, 205)), "max_tokens": 4, "temperature": 0}
+
+    def events(extra: dict[str, Any]) -> list[dict[str, Any]]:
+        r = server.post("/v1/completions", {**body, "stream": True, **extra}, headers=headers)
+        assert r.status_code == 200, r.text
+        parts = r.text.split("\n\n")
+        return [json.loads(p[6:]) for p in parts if p.startswith("data: {")]
+
+    got = events({"stream_options": {"include_progress": True}})
+    progress = [e["prefilled_tokens"] for e in got if e["object"] == "prefill.progress"]
+    assert progress == [64, 128, 192]
+    assert all(e["prompt_tokens"] == 200 for e in got if e["object"] == "prefill.progress")
+    assert got[len(progress)]["object"] == "text_completion"  # progress first, then tokens
+    text = "".join(e["choices"][0]["text"] for e in got if e["object"] == "text_completion")
+    plain = events({})
+    assert not any(e["object"] == "prefill.progress" for e in plain)
+    assert text == "".join(e["choices"][0]["text"] for e in plain)
 
 
 def test_greedy_output_has_characters_split_across_tokens(

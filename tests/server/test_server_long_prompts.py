@@ -1,8 +1,11 @@
-"""A streamed response that stays silent (a long prompt prefilling) sends an SSE comment line
-every --sse-keepalive-interval seconds until its next event, so that no idle timeout of the
-client, a proxy or the PD router cuts it; the events themselves are those of a stream without
-the wait; a client gone while the comments flow is one abort that frees its admission; the
-interval must be positive. In-process (fake engine)."""
+"""Long prompts over HTTP. A streamed response that stays silent (a long prompt prefilling)
+sends an SSE comment line every --sse-keepalive-interval seconds until its next event, so that
+no idle timeout of the client, a proxy or the PD router cuts it; the events themselves are
+those of a stream without the wait; a client gone while the comments flow is one abort that
+frees its admission; the interval must be positive. A stream asked for
+`stream_options.include_progress` gets a `prefill.progress` chunk for each prompt chunk the
+engine reports; without it, or unstreamed, the engine's progress changes nothing.
+In-process (fake engine)."""
 
 from __future__ import annotations
 
@@ -111,3 +114,47 @@ def test_a_client_gone_while_comments_flow_is_one_abort() -> None:
 def test_the_interval_must_be_positive() -> None:
     with pytest.raises(SettingsError, match="--sse-keepalive-interval must be positive"):
         EngineConfig.from_flags(sse_keepalive_interval=0)
+
+
+def run(path: str, body: dict[str, Any], progress: list[int]) -> str:
+    state = make_state()
+    engine: Any = state.client
+    engine.progress = progress
+
+    async def go() -> str:
+        async with serving(state) as http:
+            r = await http.post(path, json=body)
+            assert r.status_code == 200
+            return r.text
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_asked_for_progress_gets_the_prompt_s_progress(path: str) -> None:
+    body = COMPLETION if path == "/v1/completions" else CHAT
+    plain = events(run(path, body, []))
+    asked = {**body, "stream_options": {"include_progress": True, "include_usage": True}}
+    got = events(run(path, asked, [2048, 4096]))
+    progress = [e for e in got if e["object"] == "prefill.progress"]
+    prompt_tokens = got[-1]["usage"]["prompt_tokens"]
+    assert [(e["prefilled_tokens"], e["prompt_tokens"]) for e in progress] == [
+        (2048, prompt_tokens),
+        (4096, prompt_tokens),
+    ]
+    assert all(e["model"] == NAME for e in progress)
+    usage = events(run(path, {**body, "stream_options": {"include_usage": True}}, []))
+    assert [e for e in got if e["object"] != "prefill.progress"] == usage
+    first_chunk = next(i for i, e in enumerate(got) if e["object"] != "prefill.progress")
+    assert path.endswith("chat/completions") or first_chunk == len(progress)
+    # not asked for, with logprobs (whose chunks go out even without text), or unstreamed:
+    # the progress shows nowhere
+    assert events(run(path, body, [2048, 4096])) == plain
+    logprobs = {"logprobs": 1} if path == "/v1/completions" else {"logprobs": True}
+    with_lps = {**body, **logprobs}
+    assert events(run(path, with_lps, [2048])) == events(run(path, with_lps, []))
+    unstreamed = {**body, "stream": False}
+    whole, quiet = json.loads(run(path, unstreamed, [2048])), json.loads(run(path, unstreamed, []))
+    for answer in (whole, quiet):
+        answer.pop("id"), answer.pop("created")
+    assert whole == quiet
