@@ -784,7 +784,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         help="seconds a decode server may stay silent, before its answer starts or between two "
-        "parts of it (then HTTP 504)",
+        "parts of it (then HTTP 504), on top of the wait for a prompt's prefill that the "
+        "decode server reports on /health (its --disaggregation-prefill-timeout plus its KV "
+        "transfer's); a streamed answer's keep-alive comments count as parts",
     )
     router.add_argument(
         "--max-request-bytes",

@@ -140,10 +140,19 @@ def _authorizer(key: str | None) -> Callable[[Request], Awaitable[None]]:
 def _add_info_routes(
     app: FastAPI, state: ServerState, authorize: Callable[[Request], Awaitable[None]]
 ) -> None:
+    d = state.config.disaggregation
+    ok: dict[str, Any] = {"status": "ok"}
+    if d.disaggregation_mode == "decode":
+        # the longest a request may wait here for its prompt's prefill on a prefill server
+        # and its KV (the router's time limit for an answer adds this to its own)
+        ok["prefill_wait_s"] = (
+            d.disaggregation_prefill_timeout + 2 * d.disaggregation_transfer_timeout
+        )
+
     @app.get("/health")
     async def health() -> Response:
         if state.client.healthy:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse(ok)
         body = {"status": "unhealthy", "error": _unhealthy_cause(state.client)}
         return error_response(503, body, RETRY_UNAVAILABLE_S)
 

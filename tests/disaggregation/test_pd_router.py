@@ -75,12 +75,15 @@ class FakeDecode:
     default), sse, sse_gated (the last event waits for `gate`), sse_break (the connection
     breaks after one event), sse_hang (one event, then nothing until the client leaves),
     sse_endless (one event that never ends: `data: ` and 64 KiB pieces until the client
-    leaves), json_hang (nothing until the client leaves) or bad (a 400). Headers are
-    recorded as received, repeats included."""
+    leaves), json_hang (nothing until the client leaves), json_slow (json after `delay_s`) or
+    bad (a 400). Headers are recorded as received, repeats included. /health reports
+    `prefill_wait` as its prefill_wait_s where it is set."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.healthy = True
+        self.prefill_wait: Any = None
+        self.delay_s = 0.0
         self.received: list[tuple[Headers, bytes]] = []
         self.gate = threading.Event()
         self.closed = threading.Event()  # an sse_hang stream was cancelled or closed
@@ -91,7 +94,11 @@ class FakeDecode:
         self.app.post("/v1/chat/completions")(self.complete)
 
     async def health(self) -> Response:
-        return Response(status_code=200 if self.healthy else 503)
+        if not self.healthy:
+            return Response(status_code=503)
+        if self.prefill_wait is None:
+            return Response(status_code=200)
+        return JSONResponse({"status": "ok", "prefill_wait_s": self.prefill_wait})
 
     async def models(self, request: Request) -> dict[str, Any]:
         self.received.append((request.headers, b""))
@@ -108,6 +115,9 @@ class FakeDecode:
             return JSONResponse({"server": self.name, "path": request.url.path})
         if fake == "json_hang":
             return await self._until_client_leaves(request)
+        if fake == "json_slow":
+            await asyncio.sleep(self.delay_s)
+            return JSONResponse({"server": self.name, "path": request.url.path})
         if fake == "sse_endless":
             return StreamingResponse(self._endless_event(), media_type="text/event-stream")
         return StreamingResponse(self._events(fake), media_type="text/event-stream")
@@ -179,12 +189,20 @@ class Setup:
     """One prefill server, `decodes` fake decode servers, and a router in front of them."""
 
     def __init__(
-        self, stack: contextlib.ExitStack, decodes: int, certs: Certs | None = None, **router: Any
+        self,
+        stack: contextlib.ExitStack,
+        decodes: int,
+        certs: Certs | None = None,
+        prefill_wait: Any = None,
+        **router: Any,
     ) -> None:
-        """`certs`: the servers behind the router serve HTTPS with them."""
+        """`certs`: the servers behind the router serve HTTPS with them; `prefill_wait`: what
+        the decode servers' /health reports as prefill_wait_s (nothing where None)."""
         self.prefill_state = {"healthy": True}
         self.prefill = stack.enter_context(serving(prefill_app(self.prefill_state), certs))
         self.fakes = [FakeDecode(f"d{i}") for i in range(decodes)]
+        for fake in self.fakes:
+            fake.prefill_wait = prefill_wait
         self.decodes = [stack.enter_context(serving(f.app, certs)) for f in self.fakes]
         urls = [d.url for d in self.decodes]
         router = {"health_interval_s": 0.2, "pd_auth_key": PD_KEY, **router}
@@ -639,3 +657,25 @@ def test_the_internal_credential_is_checked_head_first_and_taken_once(
     # `made` and `first` were forgotten: a credential as old as them is refused
     late = {auth.INTERNAL_HEADER: first[auth.INTERNAL_HEADER]}
     assert check.problem("GET", "/v1/models", b"", late) == "an internal credential used before"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("reported", "status"),
+    [(2.0, 200), (None, 504), (-1, 504), ("forever", 504), (1e12, 504)],
+)
+def test_a_decode_server_s_prefill_wait_extends_the_router_s_time_limit(
+    setup: Callable[..., Setup], reported: Any, status: int
+) -> None:
+    """A decode server whose answer takes longer than --request-timeout is waited for when it
+    reported on /health that a request may wait that long for its prefill; a report that is no
+    sane number of seconds counts as none (504, the wait named)."""
+    # the startup probe only: it reads the report
+    s = setup(health_interval_s=30.0, request_timeout_s=0.3, prefill_wait=reported)
+    s.fakes[0].delay_s = 0.8
+    r = s.complete("json_slow")
+    assert r.status_code == status, r.text
+    if status == 504:
+        assert "did not answer within 0.3 s" in r.json()["error"]["message"]
+    else:
+        assert r.json()["server"] == "d0"

@@ -4,8 +4,9 @@ no idle timeout of the client, a proxy or the PD router cuts it; the events them
 those of a stream without the wait; a client gone while the comments flow is one abort that
 frees its admission; the interval must be positive. A stream asked for
 `stream_options.include_progress` gets a `prefill.progress` chunk for each prompt chunk the
-engine reports; without it, or unstreamed, the engine's progress changes nothing.
-In-process (fake engine)."""
+engine reports; without it, or unstreamed, the engine's progress changes nothing. A PD
+decode server reports on /health how long a request may wait there for its prefill (what the
+router adds to its time limit). In-process (fake engine)."""
 
 from __future__ import annotations
 
@@ -158,3 +159,23 @@ def test_a_stream_asked_for_progress_gets_the_prompt_s_progress(path: str) -> No
     for answer in (whole, quiet):
         answer.pop("id"), answer.pop("created")
     assert whole == quiet
+
+
+def test_a_pd_decode_server_reports_its_prefill_wait_on_health() -> None:
+    """What the PD router adds to its time limit: the prefill timeout and the KV transfer's
+    (twice: the room outlives the request's deadline by one); other servers report none."""
+    key = "9c41e07a2b5d83f6e1a4c2b9d07f5e38"
+    flags = {
+        "disaggregation_mode": "decode",
+        "disaggregation_auth_key": key,
+        "disaggregation_prefill_timeout": 100.0,
+        "disaggregation_transfer_timeout": 7.0,
+    }
+    for state, want in ((make_state(**flags), 114.0), (make_state(), None)):
+
+        async def health(state: Any = state) -> dict[str, Any]:
+            async with serving(state) as http:
+                return (await http.get("/health")).json()
+
+        body = asyncio.run(health())
+        assert body["status"] == "ok" and body.get("prefill_wait_s") == want

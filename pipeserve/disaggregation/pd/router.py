@@ -71,6 +71,7 @@ RELAYED_HEADERS = ("content-type", "retry-after", "cache-control")
 SSE_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 LONGEST_EVENT_END = max(len(end) for end in SSE_EVENT_ENDS)
 MAX_EVENT_BYTES = 4 * 2**20  # one event larger than this ends the relay (bounds its buffer)
+MAX_PREFILL_WAIT_S = 7 * 86400.0  # a decode server's reported prefill bound beyond: ignored
 
 T = TypeVar("T")
 
@@ -82,6 +83,8 @@ class Upstream:
     def __init__(self, role: str, index: int, url: str) -> None:
         self.role, self.index, self.url = role, index, url
         self.healthy: bool | None = None
+        # a decode server's bound on a request's wait for its prefill (its /health says)
+        self.prefill_wait_s = 0.0
 
     @property
     def name(self) -> str:
@@ -329,6 +332,21 @@ async def _probe(state: RouterState, server: Upstream) -> None:
         server.mark(False, f"GET /health failed: {_describe(exc)}")
         return
     server.mark(answer.status_code == 200, f"GET /health answered {answer.status_code}")
+    if answer.status_code == 200 and server.role == "decode":
+        server.prefill_wait_s = _prefill_wait(server, answer)
+
+
+def _prefill_wait(server: Upstream, answer: httpx.Response) -> float:
+    """The `prefill_wait_s` a decode server's /health reports (0 where it has none); a value
+    that is no number of seconds up to MAX_PREFILL_WAIT_S is ignored with a warning."""
+    try:
+        value = answer.json().get("prefill_wait_s", 0.0)
+    except (ValueError, AttributeError):
+        return 0.0  # not a JSON object: a server that reports no bound
+    if type(value) in (int, float) and 0 <= value <= MAX_PREFILL_WAIT_S:
+        return float(value)
+    log.warning("decode server %s reported prefill_wait_s %r: ignored", server.url, value)
+    return 0.0
 
 
 async def _probe_forever(state: RouterState) -> None:
@@ -406,7 +424,12 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
         PREFILL_HEADER: prefill.url,
         **state.credential.headers("POST", path, body, prefill.url),
     }
-    sent = state.client.build_request("POST", decode.url + path, content=body, headers=headers)
+    # the decode server may wait for the prompt's prefill (its bound, from its /health) and
+    # then stay silent for up to --request-timeout
+    wait = httpx.Timeout(state.request_timeout_s + decode.prefill_wait_s, connect=CONNECT_TIMEOUT_S)
+    sent = state.client.build_request(
+        "POST", decode.url + path, content=body, headers=headers, timeout=wait
+    )
     try:
         upstream = await _unless_client_leaves(request, state.client.send(sent, stream=True))
     except httpx.HTTPError as exc:
@@ -605,8 +628,11 @@ def _upstream_failed(state: RouterState, decode: Upstream, exc: httpx.HTTPError)
     state.metrics.errors.inc()
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
         log.warning("decode server %s timed out: %s", decode.url, _describe(exc))
+        waited = state.request_timeout_s + decode.prefill_wait_s
         message = (
-            f"{decode.name} did not answer within --request-timeout ({state.request_timeout_s:g} s)"
+            f"{decode.name} did not answer within {waited:g} s (--request-timeout "
+            f"{state.request_timeout_s:g} s after the {decode.prefill_wait_s:g} s it may wait "
+            "for a prefill)"
         )
         return _error(504, message, "server_error", "upstream_timeout")
     decode.mark(False, _describe(exc))
