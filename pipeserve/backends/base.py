@@ -125,8 +125,9 @@ TORCH_LINEARS = LinearKernels()
 
 class StackLayer(NamedTuple):
     """A dense Llama-family decoder layer as a whole-stack decode kernel takes it: pre-norm
-    residual steps, fused QKV (optional bias) with rotary over the whole head, GQA over the
-    layer's cache, o_proj, SwiGLU; weights as the layer's linears keep them."""
+    residual steps, fused QKV (optional bias, optional per-head q/k norms) with rotary over
+    the whole head, GQA over the layer's cache, o_proj, SwiGLU; weights as the layer's
+    linears keep them."""
 
     input_norm: torch.Tensor
     input_eps: float
@@ -134,6 +135,7 @@ class StackLayer(NamedTuple):
     post_eps: float
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
+    qk_norms: tuple[torch.Tensor, float, torch.Tensor, float] | None  # Qwen3's, with their eps
     o: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor

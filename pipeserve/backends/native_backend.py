@@ -350,6 +350,7 @@ class NativeBackend(AttentionBackend):
                 weights,
                 [0 if (f := block_format(w)) is None else f.code for w in weights],
                 layer.qkv_bias,
+                *(layer.qk_norms or (None, 0.0, None, 0.0)),
                 layer.heads,
                 layer.kv_heads,
                 layer.head_dim,

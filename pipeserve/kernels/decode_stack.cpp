@@ -11,6 +11,7 @@
 //   h, residual = add_rms_norm(x, residual)        (rms_norm(x), x on the stage's first layer)
 //   q, k, v     = qkv(h) split by heads
 //   q           = rope_store(q, k, v)              (rotary; k and v written to the pool)
+//                 (Qwen3: q and k normed per head, rotated and written by the torch ops)
 //   o           = o_proj(paged_decode_attention(q))
 //   h, residual = add_rms_norm(o, residual)
 //   x           = down(silu(gate) * up),  gate | up = gate_up(h)
@@ -19,6 +20,8 @@
 // best compiled) for weights kept in GGUF blocks. Norms: the compiled norm in float32, the
 // torch ops in bfloat16, as NativeNorms chooses. Which layers, weights and batches qualify
 // is decided in Python (NativeBackend.decode_stack); this file checks only what it indexes.
+#include <ATen/TensorIndexing.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/silu.h>
 
@@ -36,6 +39,27 @@ at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   at::Tensor xf = x.to(at::kFloat);
   xf = xf.mul(at::rsqrt(xf.pow(2).mean(-1, true).add(eps)));
   return w.mul(xf.to(x.scalar_type()));
+}
+
+// apply_rotary's torch ops (layers/rotary.py): the half-split rotation over the whole head
+at::Tensor torch_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
+  return x.mul(cos).add(rotated.mul(sin));
+}
+
+// Qwen3's q/k norms, the rotary and the KV write, as the layer's torch ops compute them
+// (models/llama.py LlamaAttention.forward, layers/attention.py PagedAttention.forward)
+at::Tensor norm_rope_store(const StackLayer& l, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& slots) {
+  using at::indexing::Slice;
+  at::Tensor qr = torch_rotary(torch_rms_norm(q, l.q_norm, l.q_eps), cos, sin);
+  at::Tensor kr = torch_rotary(torch_rms_norm(k, l.k_norm, l.k_eps), cos, sin);
+  at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
+  k_cache.index_put_({Slice(), slots}, kr.transpose(0, 1));
+  v_cache.index_put_({Slice(), slots}, v.transpose(0, 1));
+  return qr.contiguous();
 }
 
 // (norm(x + residual), x + residual); (norm(x), x) without a residual
@@ -56,7 +80,9 @@ std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x,
 void DecodeStack::add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_norm,
                             double post_eps,
                             std::vector<at::Tensor> weights, std::vector<int64_t> formats,
-                            std::optional<at::Tensor> qkv_bias, int64_t heads,
+                            std::optional<at::Tensor> qkv_bias,
+                            std::optional<at::Tensor> q_norm, double q_eps,
+                            std::optional<at::Tensor> k_norm, double k_eps, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, double scale, at::Tensor k_cache,
                             at::Tensor v_cache) {
   TORCH_CHECK(weights.size() == 4 && formats.size() == 4,
@@ -65,8 +91,22 @@ void DecodeStack::add_layer(at::Tensor input_norm, double input_eps, at::Tensor 
   TORCH_CHECK(weights[0].size(0) == (heads + 2 * kv_heads) * head_dim,
               "qkv's rows: (heads + 2 kv_heads) head_dim");
   TORCH_CHECK(weights[2].size(0) % 2 == 0, "gate_up's rows: gate's then up's");
-  StackLayer layer{input_norm, input_eps, post_norm, post_eps, {},     heads,
-                   kv_heads,   head_dim,  scale,     k_cache,  v_cache};
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms: both or neither");
+  StackLayer layer{input_norm,
+                   input_eps,
+                   post_norm,
+                   post_eps,
+                   {},
+                   q_norm.value_or(at::Tensor()),
+                   k_norm.value_or(at::Tensor()),
+                   q_eps,
+                   k_eps,
+                   heads,
+                   kv_heads,
+                   head_dim,
+                   scale,
+                   k_cache,
+                   v_cache};
   for (size_t i = 0; i < 4; ++i) {
     layer.linears[i] = {weights[i], formats[i], i == 0 ? qkv_bias : std::nullopt};
   }
@@ -90,7 +130,9 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::run(at::Tensor x,
     at::Tensor q = qkv.narrow(1, 0, h * d).view({b, h, d});
     at::Tensor k = qkv.narrow(1, h * d, kv * d).view({b, kv, d});
     at::Tensor v = qkv.narrow(1, (h + kv) * d, kv * d).view({b, kv, d});
-    at::Tensor rotated = rope_store(q, k, v, cos, sin, l.k_cache, l.v_cache, slots);
+    at::Tensor rotated = l.q_norm.defined()
+                             ? norm_rope_store(l, q, k, v, cos, sin, slots)
+                             : rope_store(q, k, v, cos, sin, l.k_cache, l.v_cache, slots);
     at::Tensor o = paged_decode_attention(rotated.view({b, kv, h / kv, d}), l.k_cache, l.v_cache,
                                           runs, offsets, l.scale);
     at::Tensor attended = product(l.linears[1], o.view({b, h * d}));

@@ -60,6 +60,8 @@ struct StackLayer {
   at::Tensor post_norm;
   double post_eps;
   StackLinear linears[4];  // qkv, o, gate_up, down
+  at::Tensor q_norm, k_norm;  // Qwen3's RMSNorms over each query and key head (undefined: none)
+  double q_eps, k_eps;
   int64_t heads, kv_heads, head_dim;
   double scale;
   at::Tensor k_cache, v_cache;  // the pool's: [kv_heads, slots, head_dim]
@@ -69,8 +71,10 @@ class DecodeStack {
  public:
   void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps,
                  std::vector<at::Tensor> weights, std::vector<int64_t> formats,
-                 std::optional<at::Tensor> qkv_bias, int64_t heads, int64_t kv_heads,
-                 int64_t head_dim, double scale, at::Tensor k_cache, at::Tensor v_cache);
+                 std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
+                 double q_eps, std::optional<at::Tensor> k_norm, double k_eps, int64_t heads,
+                 int64_t kv_heads, int64_t head_dim, double scale, at::Tensor k_cache,
+                 at::Tensor v_cache);
   // x [tokens, hidden] (one decode step per row), residual (none on the model's first layer),
   // cos/sin [tokens, 1, head_dim], slots [tokens], runs/offsets as paged_decode_attention's
   // -> (the last layer's output, the residual stream)

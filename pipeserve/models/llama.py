@@ -193,6 +193,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn(x, rope, fb)
 
 
+def _norm_pair(q: RMSNorm, k: RMSNorm) -> tuple[torch.Tensor, float, torch.Tensor, float]:
+    return q.weight, q.eps, k.weight, k.eps
+
+
 class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage (named `model.` in checkpoints): the embedding
     on the first stage, this stage's layers (others are empty placeholders), the final norm
@@ -281,8 +285,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, fb: ForwardBatch) -> DecodeStack | None:
         """The batch's backend's whole-stack kernel over this stage's layers (built once per
-        backend and pool), where the stage qualifies: dense Llama-family layers without q/k
-        norms, TP, CP, FP8 weights or work around each layer (layer_hooks)."""
+        backend and pool), where the stage qualifies: dense Llama-family layers (Qwen3's q/k
+        norms included) without TP, CP, FP8 weights or work around each layer
+        (layer_hooks)."""
         if fb.cp is not None or self.layer_hooks:
             return None
         backend, pool = fb.attn.backend, fb.kv_pool
@@ -309,10 +314,8 @@ class LlamaForCausalLM(nn.Module):
                 mlp.gate_up_proj,
                 mlp.down_proj,
             )
-            if (
-                attn.qk_norms() is not None
-                or any(lin.scale_inv is not None or lin.tp_size > 1 for lin in linears)
-                or any(lin.bias is not None for lin in linears[1:])
+            if any(lin.scale_inv is not None or lin.tp_size > 1 for lin in linears) or any(
+                lin.bias is not None for lin in linears[1:]
             ):
                 return None
             found.append(
@@ -323,6 +326,7 @@ class LlamaForCausalLM(nn.Module):
                     layer.post_attention_layernorm.eps,
                     attn.qkv_proj.weight,
                     attn.qkv_proj.bias,
+                    None if (qk := attn.qk_norms()) is None else _norm_pair(*qk),
                     attn.o_proj.weight,
                     mlp.gate_up_proj.weight,
                     mlp.down_proj.weight,

@@ -2,9 +2,10 @@
 steps through a stage's dense Llama-family layers in one native call. It chains the kernels the
 layer-by-layer path calls, in its order, so its results are bitwise that path's: the same
 tokens and the same logprobs to the last bit, for float32 and bfloat16 runs, float weights and
-weights kept in GGUF blocks, a qkv bias (Qwen2), GQA, several requests of different lengths;
-it is taken by batches of decode steps alone and only those; stages it does not fit (q/k norms,
-deterministic runs) keep the layers."""
+weights kept in GGUF blocks, a qkv bias (Qwen2), q/k norms (Qwen3), GQA, several requests of
+different lengths;
+it is taken by batches of decode steps alone and only those; Qwen3's q/k norms included;
+stages it does not fit (MLA, deterministic runs) keep the layers."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ WIDE = {
         ("tiny-llama", "float32", {}),  # bfloat16 weights under float32 x, llama3 rope scaling
         ("tiny-llama", "bfloat16", WIDE),  # bfloat16 norms by the torch ops
         ("tiny-qwen2", "float32", {}),  # a qkv bias, one KV head
+        ("tiny-qwen3", "float32", {}),  # q/k norms, tied embeddings
+        ("tiny-qwen3", "bfloat16", {}),
     ],
 )
 def test_the_stack_is_bitwise_the_layers(
@@ -104,11 +107,22 @@ def test_the_built_in_model_s_blocks_take_the_stack(monkeypatch) -> None:
 
 
 def test_stages_it_does_not_fit_keep_the_layers(model_dir, monkeypatch) -> None:
-    """Qwen3's q/k norms, and a deterministic run's backend (its products batch-invariant on
-    torch's GEMM): no stack; batches of more rows than a product's skinny kernel takes: the
+    """DeepSeek's MLA layers, and a deterministic run's backend (its products batch-invariant
+    on torch's GEMM): no stack; batches of more rows than a product's skinny kernel takes: the
     layers."""
-    _, counts = generate(model_dir("tiny-qwen3"), monkeypatch, True, dtype="float32")
-    assert counts.stack_steps == 0 and counts.layer_calls > 0
+    path = model_dir("tiny-deepseek-v3")
+    with monkeypatch.context() as patch:
+        built: list[object] = []
+        decode_stack = NativeBackend.decode_stack
+
+        def asked(backend: NativeBackend, layers: list) -> object:
+            built.append(layers)
+            return decode_stack(backend, layers)
+
+        patch.setattr(NativeBackend, "decode_stack", asked)
+        with Engine(str(path), dtype="float32", **FLAGS) as engine:
+            out = engine.generate(input_ids=PROMPTS, sampling_params=SAMPLING)
+    assert built == [] and all(len(o["output_ids"]) == 12 for o in out)
     assert NativeBackend(deterministic=True).decode_stack([]) is None
     with monkeypatch.context() as patch:
         # float32 x over bfloat16 weights: 2 rows at most on the skinny kernel, and the three
