@@ -65,7 +65,7 @@ def seconds(fn: Callable[[], object], calls: int) -> float:
 def step_bandwidth(kernel: Callable[..., torch.Tensor], rows: int, rounds: int) -> dict:
     """A decode step's products of SmolLM2's 30 layers and LM head with every weight read from
     memory (each its own tensor, 0.27-1.1 GB in all): bytes per second for each weight form,
-    beside `sum` over as many bytes."""
+    the layers' small weights alone too, beside `sum` over as many bytes."""
     layers = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")] * 30
     step = [*layers, SHAPES["lm_head"]]
     out: dict[str, float] = {}
@@ -82,7 +82,13 @@ def step_bandwidth(kernel: Callable[..., torch.Tensor], rows: int, rounds: int) 
             for w in weights:
                 kernel(xs[w.shape[1]], w, None)
 
+        def layers(weights=weights[:-1], xs=xs) -> None:  # the small weights alone
+            for w in weights:
+                kernel(xs[w.shape[1]], w, None)
+
         best = min(seconds(run, 1) for _ in range(rounds))
+        alone = min(seconds(layers, 1) for _ in range(rounds))
+        out[f"step_{label}_layers_GBps"] = (total - weights[-1].nbytes) / alone / 1e9
         flat = torch.cat([w.flatten() for w in weights])
         del weights
         summed = min(seconds(flat.sum, 1) for _ in range(rounds))

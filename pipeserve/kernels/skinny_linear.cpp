@@ -12,11 +12,11 @@
 // Arithmetic is float32: x is widened once per call, a bfloat16 weight as it is loaded (a
 // bfloat16 is a float32's top half), so bfloat16 weights with float32 activations read half
 // the bytes of float32 weights for the same products where the checkpoint is bfloat16; on
-// CPUs with AVX512-BF16, bfloat16 x and weights meet in vdpbf16ps (`run_pairs`). The output
-// and bias take x's dtype. Each output is one sum in a fixed order (the streamed form: four
-// sums of eight lanes over K; the tiles: eight lane sums; then the lanes added), so a row's
-// result does not depend on the thread count, nor on the other rows of x among calls of up to
-// kStreamRows rows, or among calls of more.
+// CPUs with AVX512-BF16, bfloat16 x meets bfloat16 weights in vdpbf16ps (`run_pairs`). The output and bias take x's dtype. Each output is one sum in a
+// fixed order (the streamed form: four sums of eight lanes over K; the tiles: eight lane
+// sums; vdpbf16ps: four sums of sixteen; then the lanes added), so a row's result does not
+// depend on the thread count, nor on the other rows of x among calls of up to kStreamRows
+// rows, or among calls of more.
 //
 // `skinny_linear_blocks` takes a weight kept in GGUF's blocks of 32 values along K: Q4_1 (20
 // bytes: fp16 d, fp16 m, 16 bytes holding q_j in the low nibble of byte j and q_(j+16) in its
@@ -326,13 +326,16 @@ struct Operands {
 // by 32 of a weight row, exactly, adding each lane's pair of products into a float32 sum, so
 // one instruction does the work of four widenings and four 8-lane FMAs. The weight's rows pair
 // their own neighbouring values, as x's do: torch's [N, K] layout as it is. A task reads one
-// weight row after another, each once, for all rows of x (L1-resident): one sequential stream
-// per thread, which the prefetchers follow at the memory's speed (Zen 4, a step's products of
-// SmolLM2's weights out of cache, `benchmarks/skinny_linear.py --step-rows`: 22 GB/s on one
-// thread, 30 on two, where tiles of four interleaved weight rows drew ~11 and ~19). Each
-// output is one sum in a fixed order (even and odd chunks of 32 values in two sums of sixteen
-// lanes, then added), so a row's result does not depend on the other rows of x or on the
-// thread count.
+// weight row after another for all rows of x (L1-resident), two rows of x at a time: one
+// sequential stream per thread, as the streamed FMA form (Zen 4, a step's products of
+// SmolLM2's weights out of cache, one row, `benchmarks/skinny_linear.py --step-rows`: 21.7 GB/s
+// on one thread and 29.9 on two; tiles of four interleaved weight rows drew ~11 and ~19). The
+// streamed FMA form on x widened read 25 and 33.5 there, but in the engine, where widening x
+// is one more op per product, the two measured within this machine's noise (SmolLM2 in
+// bfloat16, one thread: 48.6-51.1 tok/s against 49.2-55.2), and one form for every row count
+// keeps a row's result independent of the others. Each output is one sum in a fixed order
+// (chunk j of 32 values into sum j mod 4 of sixteen lanes, then added), so a row's result
+// does not depend on the other rows of x or on the thread count.
 struct PairsProblem {
   const c10::BFloat16* x;  // [m, k]
   const c10::BFloat16* w;  // [n, k]
@@ -349,36 +352,44 @@ inline __m512bh pairs_load(const c10::BFloat16* row, int64_t k, int64_t j) {  //
 }
 
 // Output r of rows [i0, i0 + MT) of x: each weight chunk loaded once serves the MT rows.
+// Chunk j goes into sum j mod kPairChains (independent dependency chains).
+constexpr int64_t kPairChains = 4;
 template <int64_t MT>
 inline void pairs_tile(const PairsProblem& p, int64_t r, int64_t i0) {
   const int64_t k = p.k, whole = k / 32;
   const c10::BFloat16* wr = p.w + r * k;
   const c10::BFloat16* xi[MT];
   for (int64_t i = 0; i < MT; ++i) xi[i] = p.x + (i0 + i) * k;
-  __m512 even[MT], odd[MT];  // two dependency chains a row
-  for (int64_t i = 0; i < MT; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  __m512 acc[MT][kPairChains];
+  for (int64_t i = 0; i < MT; ++i) {
+    for (int64_t u = 0; u < kPairChains; ++u) acc[i][u] = _mm512_setzero_ps();
+  }
   int64_t j = 0;
-  for (; j + 2 <= whole; j += 2) {
-    const __m512bh w0 = pairs_load(wr, j), w1 = pairs_load(wr, j + 1);
-    for (int64_t i = 0; i < MT; ++i) {
-      even[i] = _mm512_dpbf16_ps(even[i], w0, pairs_load(xi[i], j));
-      odd[i] = _mm512_dpbf16_ps(odd[i], w1, pairs_load(xi[i], j + 1));
+  for (; j + kPairChains <= whole; j += kPairChains) {
+    for (int64_t u = 0; u < kPairChains; ++u) {
+      const __m512bh w = pairs_load(wr, j + u);
+      for (int64_t i = 0; i < MT; ++i) {
+        acc[i][u] = _mm512_dpbf16_ps(acc[i][u], w, pairs_load(xi[i], j + u));
+      }
     }
   }
-  if (j < whole) {
-    const __m512bh w0 = pairs_load(wr, j);
-    for (int64_t i = 0; i < MT; ++i) even[i] = _mm512_dpbf16_ps(even[i], w0, pairs_load(xi[i], j));
-    ++j;
-  }
-  if (k % 32 != 0) {  // chunk j = whole, masked: into the chain the next whole chunk would use
-    const __m512bh w0 = pairs_load(wr, k, j);
+  for (; j < whole; ++j) {
+    const __m512bh w = pairs_load(wr, j);
     for (int64_t i = 0; i < MT; ++i) {
-      __m512& acc = j % 2 == 0 ? even[i] : odd[i];
-      acc = _mm512_dpbf16_ps(acc, w0, pairs_load(xi[i], k, j));
+      acc[i][j % kPairChains] = _mm512_dpbf16_ps(acc[i][j % kPairChains], w, pairs_load(xi[i], j));
+    }
+  }
+  if (k % 32 != 0) {  // chunk j = whole, masked, into its chain like a whole one
+    const __m512bh w = pairs_load(wr, k, j);
+    for (int64_t i = 0; i < MT; ++i) {
+      __m512& a = acc[i][j % kPairChains];
+      a = _mm512_dpbf16_ps(a, w, pairs_load(xi[i], k, j));
     }
   }
   for (int64_t i = 0; i < MT; ++i) {
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]),
+                                     _mm512_add_ps(acc[i][2], acc[i][3]));
+    float s = _mm512_reduce_add_ps(sum);
     if (p.bias != nullptr) s += p.bias[r];
     p.y[(i0 + i) * p.n + r] = s;
   }
@@ -388,7 +399,6 @@ void run_pairs(const PairsProblem& p) {
   at::parallel_for(0, p.n, kGrainRows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int64_t i = 0;
-      for (; i + 4 <= p.m; i += 4) pairs_tile<4>(p, r, i);
       for (; i + 2 <= p.m; i += 2) pairs_tile<2>(p, r, i);
       if (i < p.m) pairs_tile<1>(p, r, i);
     }

@@ -43,7 +43,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     ("x_dtype", "w_dtype"), [(F32, F32), (F32, BF16), (BF16, BF16), (BF16, F32)]
 )
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 1, 1), (1, 7, 13), (3, 130, 67), (16, 301, 576), (2, 1000, 8)]
+    ("m", "n", "k"),
+    [(1, 1, 1), (1, 7, 13), (3, 130, 67), (6, 130, 67), (5, 50, 100), (16, 301, 576), (2, 1000, 8)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_products(x_dtype, w_dtype, m: int, n: int, k: int, bias: bool) -> None:
@@ -60,8 +61,8 @@ def test_matches_float64_products(x_dtype, w_dtype, m: int, n: int, k: int, bias
 @pytest.mark.parametrize("x_dtype", [F32, BF16])  # bfloat16: vdpbf16ps where the CPU has it
 def test_a_row_does_not_depend_on_the_others_or_the_threads(x_dtype: torch.dtype) -> None:
     """Each output is one float32 sum in a fixed order: a row computed alone, among up to 4
-    rows (the weight rows streamed) or among 5 to 16 (the register tiles), on one thread or
-    two, comes out bitwise the same within each form."""
+    rows (the weight rows streamed) or among 5 to 16 (the register tiles, or vdpbf16ps), on
+    one thread or two, comes out bitwise the same within each form."""
     x, w, b = data(16, 777, 1000, x_dtype, BF16, seed=3)
     threads = torch.get_num_threads()
     try:
