@@ -11,7 +11,7 @@
 //   h, residual = add_rms_norm(x, residual)        (rms_norm(x), x on the stage's first layer)
 //   q, k, v     = qkv(h) split by heads
 //   q           = rope_store(q, k, v)              (rotary; k and v written to the pool)
-//                 (Qwen3: q and k normed per head, rotated and written by the torch ops)
+//                 (Qwen3: q and k normed per head by the torch ops first)
 //   o           = o_proj(paged_decode_attention(q))
 //   h, residual = add_rms_norm(o, residual)
 //   x           = down(silu(gate) * up),  gate | up = gate_up(h)
@@ -20,8 +20,6 @@
 // best compiled) for weights kept in GGUF blocks. Norms: the compiled norm in float32, the
 // torch ops in bfloat16, as NativeNorms chooses. Which layers, weights and batches qualify
 // is decided in Python (NativeBackend.decode_stack); this file checks only what it indexes.
-#include <ATen/TensorIndexing.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/silu.h>
 
@@ -41,25 +39,14 @@ at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   return w.mul(xf.to(x.scalar_type()));
 }
 
-// apply_rotary's torch ops (layers/rotary.py): the half-split rotation over the whole head
-at::Tensor torch_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  at::Tensor rotated = at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
-  return x.mul(cos).add(rotated.mul(sin));
-}
-
-// Qwen3's q/k norms, the rotary and the KV write, as the layer's torch ops compute them
-// (models/llama.py LlamaAttention.forward, layers/attention.py PagedAttention.forward)
+// Qwen3's q/k norms by the torch ops its layers run (RMSNorm's default kernels), then the
+// rotary and the KV write by the same compiled call as the other layers (rope_store: bitwise
+// the torch ops)
 at::Tensor norm_rope_store(const StackLayer& l, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& slots) {
-  using at::indexing::Slice;
-  at::Tensor qr = torch_rotary(torch_rms_norm(q, l.q_norm, l.q_eps), cos, sin);
-  at::Tensor kr = torch_rotary(torch_rms_norm(k, l.k_norm, l.k_eps), cos, sin);
-  at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
-  k_cache.index_put_({Slice(), slots}, kr.transpose(0, 1));
-  v_cache.index_put_({Slice(), slots}, v.transpose(0, 1));
-  return qr.contiguous();
+  return rope_store(torch_rms_norm(q, l.q_norm, l.q_eps), torch_rms_norm(k, l.k_norm, l.k_eps),
+                    v, cos, sin, l.k_cache, l.v_cache, slots);
 }
 
 // (norm(x + residual), x + residual); (norm(x), x) without a residual

@@ -306,7 +306,11 @@ class LlamaForCausalLM(nn.Module):
             if type(layer) is not LlamaDecoderLayer:  # DeepSeek's layers subclass it
                 return None
             attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(attn, LlamaAttention) or type(mlp) is not LlamaMLP:
+            if (
+                not isinstance(attn, LlamaAttention)
+                or type(attn).forward is not LlamaAttention.forward  # Qwen3 changes qk_norms only
+                or type(mlp) is not LlamaMLP
+            ):
                 return None
             linears: tuple[ColumnParallelLinear | RowParallelLinear, ...] = (
                 attn.qkv_proj,

@@ -18,7 +18,8 @@ from pipeserve.backends import native_backend
 from pipeserve.backends.native_backend import NativeBackend, NativeStack
 from pipeserve.device import native_decode_stack
 from pipeserve.engine.engine import Engine
-from pipeserve.models.llama import LlamaDecoderLayer
+from pipeserve.models.llama import LlamaAttention, LlamaDecoderLayer
+from pipeserve.models.qwen3 import Qwen3Attention
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -107,9 +108,9 @@ def test_the_built_in_model_s_blocks_take_the_stack(monkeypatch) -> None:
 
 
 def test_stages_it_does_not_fit_keep_the_layers(model_dir, monkeypatch) -> None:
-    """DeepSeek's MLA layers, and a deterministic run's backend (its products batch-invariant
-    on torch's GEMM): no stack; batches of more rows than a product's skinny kernel takes: the
-    layers."""
+    """DeepSeek's MLA layers, a deterministic run's backend (its products batch-invariant on
+    torch's GEMM) and an attention whose forward is not LlamaAttention's: no stack; batches of
+    more rows than a product's skinny kernel takes: the layers."""
     path = model_dir("tiny-deepseek-v3")
     with monkeypatch.context() as patch:
         built: list[object] = []
@@ -124,6 +125,11 @@ def test_stages_it_does_not_fit_keep_the_layers(model_dir, monkeypatch) -> None:
             out = engine.generate(input_ids=PROMPTS, sampling_params=SAMPLING)
     assert built == [] and all(len(o["output_ids"]) == 12 for o in out)
     assert NativeBackend(deterministic=True).decode_stack([]) is None
+    with monkeypatch.context() as patch:
+        # an attention that computes otherwise than LlamaAttention.forward (here: a wrapper)
+        patch.setattr(Qwen3Attention, "forward", lambda a, *args: LlamaAttention.forward(a, *args))
+        _, counts = generate(model_dir("tiny-qwen3"), patch, True, dtype="float32")
+    assert counts.stack_steps == 0 and counts.layer_calls > 0
     with monkeypatch.context() as patch:
         # float32 x over bfloat16 weights: 2 rows at most on the skinny kernel, and the three
         # requests decode together
