@@ -7,8 +7,8 @@
   ORPHAN_TIMEOUT_S exits, so no worker outlives its scheduler, on any node (before the first
   keepalive it waits FIRST_KEEPALIVE_TIMEOUT_S: node 0 may start well after the others).
 
-Every message is encoded by `wire` (msgpack, fixed schemas, never pickle); one that does not
-decode is dropped with a warning and has no other effect.
+Every message is one of `messages`' types, encoded by `wire` (msgpack, never pickle); one
+that does not decode is dropped with a warning and has no other effect.
 
 Who can connect: on one node the sockets are ipc:// files in a directory only this user can
 enter (mode 0700), which the scheduler creates and removes. Across nodes they are tcp://
@@ -29,7 +29,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -37,6 +36,16 @@ from zmq.utils import z85
 
 from pipeserve.distributed import wire
 from pipeserve.distributed.gate import Gate, Tunnel, gate_secret
+from pipeserve.distributed.messages import (
+    STAGE,
+    STATUS,
+    Heartbeat,
+    StageCommand,
+    Status,
+    StatusBody,
+    TimelinePiece,
+)
+from pipeserve.timeline import Event
 
 log = logging.getLogger(__name__)
 
@@ -233,31 +242,31 @@ class SchedulerChannels:
         sock.bind(url)
         return sock
 
-    def send_batch(self, obj: Any, block: bool = True) -> bool:
-        """Send a ScheduledBatch, "shutdown", "timeline" or ("profile", points, runs) to every
-        first-stage rank. False if one did not take it (within SEND_TIMEOUT_MS if blocking)."""
-        return self.send_each([obj] * len(self._batch), block)
+    def send_batch(self, command: StageCommand, block: bool = True) -> bool:
+        """Send one command to every first-stage rank. False if one did not take it (within
+        SEND_TIMEOUT_MS if blocking)."""
+        return self.send_each([command] * len(self._batch), block)
 
-    def send_each(self, objs: list[Any], block: bool = True) -> bool:
-        """Send objs[i] to first-stage rank i (each as `send_batch` takes them)."""
+    def send_each(self, commands: list[StageCommand], block: bool = True) -> bool:
+        """Send commands[i] to first-stage rank i."""
         encoded: dict[int, bytes] = {}  # one encoding per distinct object
         try:
-            for s, obj in zip(self._batch, objs, strict=True):
+            for s, obj in zip(self._batch, commands, strict=True):
                 if id(obj) not in encoded:
-                    encoded[id(obj)] = wire.encode_batch_command(obj)
+                    encoded[id(obj)] = STAGE.encode(obj)
                 data = encoded[id(obj)]
                 s.send(data, copy=False, flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
 
-    def poll(self, timeout_ms: int) -> tuple[str, int, Any] | None:
-        """The next status message, (kind, rank, payload), waiting up to `timeout_ms`;
-        messages that do not decode are dropped on the way."""
+    def poll(self, timeout_ms: int) -> Status | None:
+        """The next status message, waiting up to `timeout_ms`; messages that do not decode
+        are dropped on the way."""
         deadline = time.monotonic() + timeout_ms / 1000
         while self._status.poll(max(0, round((deadline - time.monotonic()) * 1000))):
             try:
-                return wire.decode_status(self._status.recv())
+                return STATUS.decode(self._status.recv())
             except wire.WireError as exc:
                 self._dropped.dropped(exc)
         return None
@@ -339,31 +348,31 @@ class WorkerChannels:
         sock.connect(self._tunnel.local[url] if self._tunnel is not None else url)
         return sock
 
-    def send_status(self, kind: str, payload: Any = None) -> None:
-        data = wire.encode_status(kind, self.rank, payload)
+    def send_status(self, body: StatusBody) -> None:
+        data = STATUS.encode(Status(self.rank, body))
         with self._lock:
             self._status.send(data)
 
-    def send_timeline(self, events: list[Any]) -> None:
+    def send_timeline(self, events: list[Event]) -> None:
         """The recorded events, in pieces of wire.TIMELINE_PIECE (the last one says so), so
         that no status message outgrows the channel's cap."""
         step = wire.TIMELINE_PIECE
         starts = range(0, max(len(events), 1), step)
         for start in starts:
-            self.send_status("timeline", (events[start : start + step], start == starts[-1]))
+            self.send_status(TimelinePiece(events[start : start + step], start == starts[-1]))
 
-    def recv_batch(self) -> tuple[wire.MsgType, wire.StageBody]:
+    def recv_batch(self) -> StageCommand:
         """The next message from the scheduler that decodes (others are dropped)."""
         assert self._batch is not None
         while True:
             try:
-                return wire.decode_stage(self._batch.recv())
+                return STAGE.decode(self._batch.recv())
             except wire.WireError as exc:
                 self._dropped.dropped(exc)
 
     def _heartbeat(self) -> None:
         while not self._closed.is_set():
-            self.send_status("heartbeat")
+            self.send_status(Heartbeat())
             self._closed.wait(self.heartbeat_s)
 
     def _watchdog(self) -> None:

@@ -1,10 +1,11 @@
 """Typed point-to-point messages between adjacent pipeline stages.
 
-A message is a fixed-size header (type, sizes), the batch description (or a profile
-request) encoded by `wire` (msgpack, never pickle) and the activations `hidden_states` and
-`residual` [tokens, hidden]. Sends are non-blocking: `send()` returns a handle that keeps
-the payload alive until `wait()` at the sender's commit point. Each link has its own process
-group, so a stage's receiving thread and its sending thread never share one.
+A message is a fixed-size header (sizes), the stage command (a batch description, or a
+control message) encoded by `wire` (msgpack, never pickle) and the batch's activations
+`hidden_states` and `residual` [tokens, hidden]. Sends are non-blocking: `send()` returns a
+handle that keeps the payload alive until `wait()` at the sender's commit point. Each link
+has its own process group, so a stage's receiving thread and its sending thread never share
+one.
 
 Under TP every rank of a stage holds the same activations, so each sends only its 1/T share
 of the rows to its peer in the next stage, whose ranks put the rows back together with one
@@ -23,27 +24,20 @@ import torch.distributed as dist
 
 from pipeserve.device import stream_synchronize
 from pipeserve.distributed import wire
-from pipeserve.distributed.wire import MsgType
+from pipeserve.distributed.messages import STAGE, StageCommand
 from pipeserve.scheduler.batch import ScheduledBatch
 
-HEADER = 7  # type, meta bytes, tokens, rows sent, hidden size, has residual, dtype code
+HEADER = 6  # command bytes, tokens, rows sent, hidden size, has residual, dtype code
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @dataclass
 class StageMessage:
-    kind: MsgType
-    batch: ScheduledBatch | None = None
+    """A stage command; a batch's comes with its activations (None on the first stage)."""
+
+    command: StageCommand
     hidden: torch.Tensor | None = None
     residual: torch.Tensor | None = None
-    profile: wire.Profile | None = None  # points, runs
-
-
-def stage_message(kind: MsgType, body: wire.StageBody) -> StageMessage:
-    """The message a decoded (kind, body) stands for, without activations."""
-    if isinstance(body, ScheduledBatch):
-        return StageMessage(kind, batch=body)
-    return StageMessage(kind, profile=body)
 
 
 @dataclass(frozen=True)
@@ -79,8 +73,7 @@ def send(
     msg: StageMessage, dst: int, group: Any, device: torch.device, shard: Shard = Shard()
 ) -> PendingSend:
     """Post the message (this rank's share of the activations rows) without waiting."""
-    body = msg.batch if msg.batch is not None else msg.profile
-    meta = wire.encode_stage(msg.kind, body) if body is not None else b""
+    meta = STAGE.encode(msg.command)
     hidden = msg.hidden
     tokens = hidden.shape[0] if hidden is not None else 0
     start, end = shard.rows(tokens)
@@ -88,7 +81,6 @@ def send(
     tensors = [t for t in tensors if t.numel()]  # an idle rank's step: zero rows, none sent
     header = torch.tensor(
         [
-            int(msg.kind),
             len(meta),
             tokens,
             end - start,
@@ -99,10 +91,8 @@ def send(
         dtype=torch.long,
         device=device,
     )
-    payload = [header]
-    if meta:
-        payload.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
-    payload += tensors
+    meta_bytes = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device)
+    payload = [header, meta_bytes, *tensors]
     works = [dist.isend(t, dst, group=group) for t in payload]
     return PendingSend(works, payload)
 
@@ -111,12 +101,10 @@ def recv(src: int, group: Any, device: torch.device, shard: Shard = Shard()) -> 
     """The next message from the previous stage, its activations whole again."""
     header = torch.empty(HEADER, dtype=torch.long, device=device)
     dist.recv(header, src, group=group)
-    kind, meta_len, tokens, rows, hidden_size, has_residual, dtype_code = header.tolist()
-    msg = StageMessage(MsgType(kind))
-    if meta_len:
-        msg = stage_message(*_recv_meta(kind, meta_len, src, group, device))
-    if msg.kind is not MsgType.PROXY:
-        return msg
+    meta_len, tokens, rows, hidden_size, has_residual, dtype_code = header.tolist()
+    command = _recv_command(meta_len, src, group, device)
+    if not isinstance(command, ScheduledBatch):
+        return StageMessage(command)
     start, end = shard.rows(tokens)
     if end - start != rows:
         raise RuntimeError(
@@ -130,20 +118,15 @@ def recv(src: int, group: Any, device: torch.device, shard: Shard = Shard()) -> 
         dist.recv(parts[i, :rows], src, group=group)
     whole = _reassemble(parts, tokens, shard)
     stream_synchronize(device)  # complete before the compute stream (another thread's) reads it
-    return StageMessage(MsgType.PROXY, msg.batch, whole[0], whole[1] if has_residual else None)
+    return StageMessage(command, whole[0], whole[1] if has_residual else None)
 
 
-def _recv_meta(
-    kind: int, size: int, src: int, group: Any, device: torch.device
-) -> tuple[MsgType, wire.StageBody]:
-    if size > wire.BATCH_MAX_BYTES:
-        raise RuntimeError(f"the previous stage announced a {size}-byte batch description")
+def _recv_command(size: int, src: int, group: Any, device: torch.device) -> StageCommand:
+    if not 0 < size <= wire.BATCH_MAX_BYTES:
+        raise RuntimeError(f"the previous stage announced a {size}-byte stage command")
     meta = torch.empty(size, dtype=torch.uint8, device=device)
     dist.recv(meta, src, group=group)
-    decoded = wire.decode_stage(meta.cpu().numpy().tobytes())
-    if decoded[0] != kind:
-        raise RuntimeError(f"a {MsgType(kind).name} header came with a {decoded[0].name} body")
-    return decoded
+    return STAGE.decode(meta.cpu().numpy().tobytes())
 
 
 def _reassemble(parts: torch.Tensor, tokens: int, shard: Shard) -> torch.Tensor:

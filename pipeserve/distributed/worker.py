@@ -38,6 +38,16 @@ from pipeserve.device import (
 from pipeserve.disaggregation.afd.ffn_worker import FfnRunner
 from pipeserve.distributed import p2p
 from pipeserve.distributed.channels import Endpoints, WorkerChannels
+from pipeserve.distributed.messages import (
+    Failed,
+    Profile,
+    ProfileTimes,
+    Ready,
+    Refused,
+    ReportTimeline,
+    Shutdown,
+    StageCommand,
+)
 from pipeserve.distributed.parallel_state import (
     ParallelState,
     get_stage_links,
@@ -53,7 +63,7 @@ from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.kv_layout import kv_pool_pages
 from pipeserve.runner.layer_costs import measure_layer_costs
 from pipeserve.runner.model_runner import ModelRunner
-from pipeserve.scheduler.batch import BatchResult
+from pipeserve.scheduler.batch import BatchResult, ScheduledBatch
 from pipeserve.timeline import now
 
 INIT_TIMEOUT_S = 600
@@ -106,21 +116,20 @@ def worker_main(args: WorkerArgs) -> None:
             runner = ModelRunner(config, arch, model_path, num_pages, backend)
         receiver = getattr(runner, "kv_receiver", None)
         channels.send_status(
-            "ready",
-            {
-                "num_pages": num_pages,
-                "partition": partition,
-                "stage": state.pp_rank,
-                "tp_rank": state.tp_rank,
-                "ep_rank": state.ep_rank,
-                "expert_bytes": runner.expert_bytes(),
-                "tp_all_reduce": _all_reduce_kind(state),
+            Ready(
+                num_pages,
+                partition,
+                state.pp_rank,
+                state.tp_rank,
+                state.ep_rank,
+                runner.expert_bytes(),
+                _all_reduce_kind(state),
                 # prefill/decode disaggregation, decode side: where this rank takes KV
-                "kv_endpoint": receiver.endpoint if receiver else "",
-                "kv_control": receiver.control_endpoint if receiver else "",
+                receiver.endpoint if receiver else "",
+                receiver.control_endpoint if receiver else "",
                 # the control link's secret, random per receiver: only this message carries it
-                "kv_control_secret": receiver.control_secret.hex() if receiver else "",
-            },
+                receiver.control_secret.hex() if receiver else "",
+            )
         )
         started = True
         StageWorker(runner, state, channels, args).run()
@@ -146,9 +155,9 @@ def report_failure(channels: Any, exc: BaseException, started: bool, rank: int) 
     if refused:
         level = logging.ERROR if envs.show_tracebacks() else logging.DEBUG
         log.log(level, "rank %d refused its settings:\n%s", rank, text)
-        channels.send_status("refused", str(exc))
+        channels.send_status(Refused(str(exc)))
     else:
-        channels.send_status("error", text)
+        channels.send_status(Failed(text))
     channels.close(linger_ms=LAST_WORDS_MS)
     return refused
 
@@ -317,16 +326,15 @@ class StageWorker:
             if isinstance(msg, BaseException):
                 raise msg
             recorder.add("recv_wait", waited, now())
-            if msg.kind is not p2p.MsgType.PROXY:
+            batch = msg.command
+            if not isinstance(batch, ScheduledBatch):
                 if pending is not None:
                     pending.wait()
                     pending = None
-                self._pass_on(msg)
-                if msg.kind is p2p.MsgType.SHUTDOWN:
+                self._pass_on(batch)
+                if isinstance(batch, Shutdown):
                     break
                 continue
-            batch = msg.batch
-            assert batch is not None
             fb = self.runner.prepare(batch)
             done = self.stream.submit(
                 self.runner.execute, batch, fb, msg.hidden, msg.residual, future=self.future
@@ -341,7 +349,7 @@ class StageWorker:
             # the batch, and the send's stream may then read the activations
             out.wait()
             if self.links.next_rank is not None:
-                nxt = p2p.StageMessage(p2p.MsgType.PROXY, batch, out.hidden, out.residual)
+                nxt = p2p.StageMessage(batch, out.hidden, out.residual)
                 sent = now()
                 pending = p2p.send(
                     nxt, self.links.next_rank, self.links.next_group, self.device, self.shard
@@ -349,7 +357,7 @@ class StageWorker:
                 recorder.add("send", sent, now(), batch, nbytes=pending.bytes)
             elif self.reports:
                 result = out.result or BatchResult(batch.batch_id, [], [], [])
-                self.channels.send_status("result", result)
+                self.channels.send_status(result)
         self.stream.close()
         if isinstance(self.runner, ModelRunner):
             self.runner.close()
@@ -361,28 +369,27 @@ class StageWorker:
             while True:
                 msg = self._next_message()
                 self.inbox.put(msg)
-                if msg.kind is p2p.MsgType.SHUTDOWN:
+                if isinstance(msg.command, Shutdown):
                     return
         except BaseException as exc:  # surfaces in the main loop
             self.inbox.put(exc)
 
     def _next_message(self) -> p2p.StageMessage:
         if self.links.prev_rank is None:
-            return p2p.stage_message(*self.channels.recv_batch())
+            return p2p.StageMessage(self.channels.recv_batch())
         return p2p.recv(self.links.prev_rank, self.links.prev_group, self.device, self.shard)
 
-    def _pass_on(self, msg: p2p.StageMessage) -> None:
+    def _pass_on(self, command: StageCommand) -> None:
         """A control message: act on it here, then send it down the pipeline. A profile
         request is timed here (this stage's layers, zero hidden states on later stages) and
         reported before it moves on, so no two stages time at once."""
-        kind = msg.kind
-        if kind is p2p.MsgType.TIMELINE:
-            self.channels.send_timeline(self.runner.recorder.take())
-        if kind is p2p.MsgType.PROFILE:
-            assert msg.profile is not None
-            times = self.runner.profile_prefill(*msg.profile)
-            if self.state.stage_rank == 0:
-                self.channels.send_status("profile", (self.state.pp_rank, times))
+        match command:
+            case ReportTimeline():
+                self.channels.send_timeline(self.runner.recorder.take())
+            case Profile(points, runs):
+                times = self.runner.profile_prefill(points, runs)
+                if self.state.stage_rank == 0:
+                    self.channels.send_status(ProfileTimes(self.state.pp_rank, times))
         if self.links.next_rank is not None:
-            msg = p2p.StageMessage(kind, profile=msg.profile)
+            msg = p2p.StageMessage(command)
             p2p.send(msg, self.links.next_rank, self.links.next_group, self.device).wait()

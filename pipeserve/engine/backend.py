@@ -347,16 +347,16 @@ class WorkerBackend(Backend):
         except BaseException:
             self.workers.shutdown()
             raise
-        num_pages = info[0]["num_pages"]  # per rank; under CP the ranks' pages are striped
+        num_pages = info[0].num_pages  # per rank; under CP the ranks' pages are striped
         num_pages = global_pages(num_pages, p.cp_size) if p.cp_size > 1 else num_pages
-        self.partition = info[0]["partition"]
+        self.partition = info[0].partition
         log.info(
             "pipeline layer partition: %s%s",
             ",".join(map(str, self.partition)),
             " (balanced on measured layer costs)" if p.layer_partition == "auto" else "",
         )
         if p.tp_size > 1:
-            kinds = sorted({i["tp_all_reduce"] for i in info.values()})
+            kinds = sorted({i.tp_all_reduce for i in info.values()})
             log.info("TP all-reduce: %s", ", ".join(kinds))
         token_bytes = stage_kv_bytes_per_token(config, arch, self.partition)
         self.scheduler = build_pipeline_scheduler(
@@ -398,14 +398,14 @@ class WorkerBackend(Backend):
         return self.cpu.take() + self.workers.collect_timeline()
 
     def kv_endpoints(self) -> tuple[str, ...]:
-        return tuple(self.workers.info[r]["kv_endpoint"] for r in sorted(self.workers.info))
+        return tuple(self.workers.info[r].kv_endpoint for r in sorted(self.workers.info))
 
     def kv_controls(self) -> tuple[tuple[str, bytes], ...]:
         info = [self.workers.info[r] for r in sorted(self.workers.info)]
-        return tuple((i["kv_control"], bytes.fromhex(i["kv_control_secret"])) for i in info)
+        return tuple((i.kv_control, bytes.fromhex(i.kv_control_secret)) for i in info)
 
     def expert_bytes_per_rank(self) -> int:
-        return max(i["expert_bytes"] for i in self.workers.info.values())
+        return max(i.expert_bytes for i in self.workers.info.values())
 
     def check_health(self) -> None:
         try:

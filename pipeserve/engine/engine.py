@@ -26,7 +26,7 @@ from pipeserve.mem_cache.host_tier import claim_bytes, with_host_memory
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.kv_layout import kv_bytes_per_token
-from pipeserve.scheduler.request import Req, SamplingParams
+from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, Req, SamplingParams
 from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.tokenizer import load_tokenizer
 
@@ -199,6 +199,8 @@ class Engine:
             raise ValueError(
                 "stop strings need the tokenizer (--skip-tokenizer-init is on); use stop_token_ids"
             )
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")

@@ -4,8 +4,9 @@ dies or stalls, and stop them all."""
 from __future__ import annotations
 
 import time
+import typing
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
 
 from pipeserve.config import EngineConfig, SettingsError
 from pipeserve.distributed.channels import SchedulerChannels
@@ -14,6 +15,20 @@ from pipeserve.distributed.launcher import (
     local_ranks,
     rendezvous,
     start_workers,
+)
+from pipeserve.distributed.messages import (
+    Failed,
+    Heartbeat,
+    Profile,
+    ProfileTimes,
+    Ready,
+    Refused,
+    ReportTimeline,
+    Shutdown,
+    StageCommand,
+    Status,
+    StatusBody,
+    TimelinePiece,
 )
 from pipeserve.lifetime import REFUSED_EXIT
 from pipeserve.scheduler.batch import BatchResult, Run, ScheduledBatch
@@ -70,18 +85,18 @@ class WorkerSet:
         self.procs = start_workers(config, model_path, endpoints, rdzv, future_ring)
         self.local = dict(zip(local_ranks(config), self.procs, strict=True))
         self.last_seen: dict[int, float] = {}
-        self._pending: deque[tuple[str, int, Any]] = deque()
+        self._pending: deque[Status] = deque()
         self._results: dict[int, deque[BatchResult]] = {r: deque() for r in self.reporters}
-        self.info: dict[int, dict[str, Any]] = {}
+        self.info: dict[int, Ready] = {}
         self.closed = False
 
-    def wait_ready(self) -> dict[int, dict[str, Any]]:
+    def wait_ready(self) -> dict[int, Ready]:
         """Block until every rank (on every node) has loaded its shard."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(self.info) < self.world_size:
             msg = self._poll()
-            if msg is not None and msg[0] == "ready":
-                self.info[msg[1]] = msg[2]
+            if msg is not None and isinstance(msg.body, Ready):
+                self.info[msg.rank] = msg.body
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(self.info))
                 raise WorkerError(f"workers {missing} did not start within {START_TIMEOUT_S:.0f}s")
@@ -94,23 +109,23 @@ class WorkerSet:
             self._check_alive(time.monotonic())
             raise WorkerError("the first pipeline stage is not taking batches")
 
-    def _send_per_rank(self, objs: list[Any]) -> bool:
+    def _send_per_rank(self, objs: Sequence[StageCommand]) -> bool:
         """`objs`: one per attention rank. An FFN worker of attention-FFN disaggregation gets
         the same with no work: an empty batch of the step (it serves the MoE layers of the
         attention workers' forward), a profile request without KV slots."""
         if self.ffn_ranks:
-            objs = objs + [_without_work(objs[0])] * self.ffn_ranks
+            objs = [*objs, *[_without_work(objs[0])] * self.ffn_ranks]
         if len(objs) == 1:
             return self.channels.send_batch(objs[0])
-        return self.channels.send_each(objs)
+        return self.channels.send_each(list(objs))
 
     def wait_results(self) -> list[BatchResult]:
         """The next micro-batch's result from every reporting rank (the last stage's first
         TP rank, or each attention rank), in rank order. Each rank's results arrive in launch
         order; one rank may be a micro-batch ahead of another."""
         while not all(self._results.values()):
-            msg = self._collect("result", 1, self.step_timeout_s, "a step (--watchdog-timeout)")
-            self._results[msg[0][1]].append(msg[0][2])
+            msg = self._collect(BatchResult, 1, self.step_timeout_s, "a step (--watchdog-timeout)")
+            self._results[msg[0].rank].append(typing.cast(BatchResult, msg[0].body))
         return [self._results[r].popleft() for r in self.reporters]
 
     def profile_stages(
@@ -119,40 +134,42 @@ class WorkerSet:
         """Every stage times the profile chunks on its own layers, one stage after the other
         (the request travels down the pipeline); the seconds per stage, in stage order.
         `runs`: per attention rank, the KV slots its pool lent for the profile."""
-        self._send_per_rank([("profile", points, r) for r in runs])
+        self._send_per_rank([Profile(points, r) for r in runs])
         stages = self.pp_size
-        msgs = self._collect("profile", stages, PROFILE_TIMEOUT_S, "the chunk-time profile")
-        by_stage = {stage: list(times) for stage, times in (m[2] for m in msgs)}
+        msgs = self._collect(ProfileTimes, stages, PROFILE_TIMEOUT_S, "the chunk-time profile")
+        times = [typing.cast(ProfileTimes, m.body) for m in msgs]
+        by_stage = {t.stage: t.seconds for t in times}
         return [by_stage[s] for s in sorted(by_stage)]
 
     def collect_timeline(self) -> list[Event]:
         """Every rank's recorded events (sent down the pipeline in order, so all micro-batches
         launched before are included)."""
-        self.channels.send_batch("timeline")
+        self.channels.send_batch(ReportTimeline())
         events: list[Event] = []
         finished: set[int] = set()  # ranks whose last piece came
         deadline = time.monotonic() + TIMELINE_TIMEOUT_S
         while len(finished) < self.world_size:
             left = max(0.0, deadline - time.monotonic())
-            for _, rank, (piece, last) in self._collect("timeline", 1, left, "the timeline"):
-                events += piece
-                if last:
-                    finished.add(rank)
+            for msg in self._collect(TimelinePiece, 1, left, "the timeline"):
+                piece = typing.cast(TimelinePiece, msg.body)
+                events += piece.events
+                if piece.last:
+                    finished.add(msg.rank)
         return events
 
     def _collect(
-        self, kind: str, count: int, timeout_s: float, what: str
-    ) -> list[tuple[str, int, Any]]:
+        self, kind: type[StatusBody], count: int, timeout_s: float, what: str
+    ) -> list[Status]:
         """The next `count` messages of `kind`; messages of other kinds that arrive meanwhile
         (results of micro-batches in flight) stay queued, in order, for their own readers."""
         deadline = time.monotonic() + timeout_s
-        found: list[tuple[str, int, Any]] = []
-        others: list[tuple[str, int, Any]] = []
+        found: list[Status] = []
+        others: list[Status] = []
         try:
             while len(found) < count:
                 msg = self._poll()
                 if msg is not None:
-                    (found if msg[0] == kind else others).append(msg)
+                    (found if isinstance(msg.body, kind) else others).append(msg)
                 elif time.monotonic() > deadline:
                     raise WorkerError(f"{what} took longer than {timeout_s:g}s")
         finally:
@@ -164,7 +181,7 @@ class WorkerSet:
         self._drain(0)
         self._check_alive(time.monotonic())
 
-    def _poll(self) -> tuple[str, int, Any] | None:
+    def _poll(self) -> Status | None:
         """The next message that is not a heartbeat (waiting up to POLL_MS for one); all
         heartbeats queued before it are counted first, so a long idle spell is no silence."""
         if not self._pending:
@@ -179,17 +196,19 @@ class WorkerSet:
     def _drain(self, timeout_ms: int) -> None:
         msg = self.channels.poll(timeout_ms)
         while msg is not None:
-            kind, rank, payload = msg
-            self.last_seen[rank] = time.monotonic()
-            if kind == "refused" and self.starting:
-                raise SettingsError(payload)
-            if kind in ("error", "refused"):
-                if self.starting:  # another rank's refusal may be what failed this one
-                    self._await_refusal()
-                last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
-                raise WorkerError(f"worker rank {rank} failed: {last}", details=payload)
-            if kind != "heartbeat":
-                self._pending.append(msg)
+            self.last_seen[msg.rank] = time.monotonic()
+            match msg.body:
+                case Refused(message) if self.starting:
+                    raise SettingsError(message)
+                case Failed(text) | Refused(text):
+                    if self.starting:  # another rank's refusal may be what failed this one
+                        self._await_refusal()
+                    last = text.strip().splitlines()[-1] if text.strip() else "unknown error"
+                    raise WorkerError(f"worker rank {msg.rank} failed: {last}", details=text)
+                case Heartbeat():
+                    pass
+                case _:
+                    self._pending.append(msg)
             msg = self.channels.poll(0)
 
     def _await_refusal(self) -> None:
@@ -198,8 +217,8 @@ class WorkerSet:
         deadline = time.monotonic() + REFUSAL_WAIT_MS / 1000
         while (left := deadline - time.monotonic()) > 0:
             msg = self.channels.poll(int(left * 1000) + 1)
-            if msg is not None and msg[0] == "refused":
-                raise SettingsError(msg[2])
+            if msg is not None and isinstance(msg.body, Refused):
+                raise SettingsError(msg.body.message)
 
     def _check_alive(self, now: float) -> None:
         for rank, proc in self.local.items():
@@ -223,7 +242,7 @@ class WorkerSet:
         self.closed = True
         first_stage_alive = all(p.is_alive() for r, p in self.local.items() if r < self.width)
         if first_stage_alive:  # a dead first stage would make this wait out the send timeout
-            self.channels.send_batch("shutdown", block=False)
+            self.channels.send_batch(Shutdown(), block=False)
         deadline = time.monotonic() + 5
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -234,8 +253,12 @@ class WorkerSet:
         self.channels.close()
 
 
-def _without_work(obj: Any) -> Any:
-    if isinstance(obj, ScheduledBatch):  # as many micro-batches as the attention workers
-        return ScheduledBatch(obj.batch_id, [], micro_batches=[0] * len(obj.micro_batches))
-    kind, points, _runs = obj  # ("profile", points, runs)
-    return (kind, points, [])
+def _without_work(command: StageCommand) -> StageCommand:
+    match command:
+        case ScheduledBatch():  # as many micro-batches as the attention workers
+            return ScheduledBatch(
+                command.batch_id, [], micro_batches=[0] * len(command.micro_batches)
+            )
+        case Profile(points, _runs):
+            return Profile(points, [])
+    return command

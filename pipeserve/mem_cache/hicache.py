@@ -45,6 +45,14 @@ class CacheOp:
     src_pages: tuple[int, ...]
     dst_pages: tuple[int, ...]
 
+    def wire_check(self) -> None:
+        """ValueError unless the tiers differ and each page pairs with one (`wire`)."""
+        if self.src not in TIERS or self.dst not in TIERS or self.src == self.dst:
+            raise ValueError(f"a cache op between tiers {self.src!r} and {self.dst!r}")
+        pages = self.src_pages + self.dst_pages
+        if len(self.src_pages) != len(self.dst_pages) or any(p < 1 for p in pages):
+            raise ValueError("a cache op's pages: as many of each, all positive")
+
 
 @dataclass
 class TierCounters:

@@ -41,6 +41,7 @@ from pipeserve.server.checks import (
     check_prompt_size,
     check_vocab,
     max_new_tokens,
+    sampling_params,
 )
 from pipeserve.server.engine_client import EngineClient, EngineFailed
 from pipeserve.server.errors import RETRY_UNAVAILABLE_S, ApiError, error_response, unavailable
@@ -59,8 +60,9 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.client.start()
-        state.context_len = state.client.info["context_len"]
-        state.vocab_size = state.client.info["vocab_size"]
+        assert state.client.info is not None  # started
+        state.context_len = state.client.info.context_len
+        state.vocab_size = state.client.info.vocab_size
         watcher = asyncio.create_task(_watch_failure(state))
         try:
             yield
@@ -179,7 +181,7 @@ def _add_info_routes(
 def _unhealthy_cause(client: EngineClient) -> str:
     if client.failure is not None:
         return client.failure
-    if not client.info:
+    if client.info is None:
         return "engine starting"
     if not client.proc.is_alive():
         return f"engine process exited with code {client.proc.exitcode}"
@@ -211,7 +213,7 @@ def _add_generation_routes(
                 state,
                 ticket,
                 ids,
-                body.sampling(max_new),
+                sampling_params(body, max_new),
                 body.logprobs is not None,
                 top,
                 prefill,
@@ -235,7 +237,7 @@ def _add_generation_routes(
             check_vocab(state, ids)
             top = body.top_logprobs or 0 if body.logprobs else 0
             run = RequestRun(
-                state, ticket, ids, body.sampling(max_new), body.logprobs, top, prefill
+                state, ticket, ids, sampling_params(body, max_new), body.logprobs, top, prefill
             )
         if body.stream:
             return _sse(run.stream_chat(body), state.config.server.sse_keepalive_interval)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server import protocol as P
 from pipeserve.server.errors import ApiError, unavailable
 
@@ -66,6 +67,15 @@ def check_vocab(state: ServerState, ids: list[int]) -> None:
         raise ApiError(
             400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
         )
+
+
+def sampling_params(body: P._Request, max_new_tokens: int) -> SamplingParams:
+    """The request's sampling parameters, validated here, where the request enters: from
+    here on a typed value (the engine trusts its types and checks the model's limits)."""
+    try:
+        return SamplingParams.from_dict(body.sampling(max_new_tokens))
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 def max_new_tokens(

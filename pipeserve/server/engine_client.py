@@ -17,6 +17,23 @@ import zmq.asyncio
 
 from pipeserve.distributed import wire
 from pipeserve.distributed.channels import private_directory
+from pipeserve.distributed.messages import (
+    FROM_ENGINE,
+    TO_ENGINE,
+    Abort,
+    AddRequest,
+    Deltas,
+    EngineReady,
+    Fatal,
+    FromEngine,
+    Prefilled,
+    Reserve,
+    Reserved,
+    Stats,
+    StopEngine,
+    ToEngine,
+)
+from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.engine_process import EngineProcessArgs, engine_main
 from pipeserve.server.streams import StreamDelta
 
@@ -61,7 +78,7 @@ class EngineClient:
         )
         self.queues: dict[str, asyncio.Queue[StreamDelta]] = {}
         self.stats: dict[str, Any] = {}
-        self.info: dict[str, Any] = {}
+        self.info: EngineReady | None = None
         self.failure: str | None = None
         self._reader: asyncio.Task[None] | None = None
         # decode server of a disaggregated pair: requests waiting for their pages and room
@@ -69,13 +86,13 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and self.proc.is_alive() and bool(self.info)
+        return self.failure is None and self.proc.is_alive() and self.info is not None
 
     async def start(self, timeout_s: float = 900.0) -> None:
         self.proc.start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not self.info:
+        while self.info is None:
             if self.failure is not None:
                 raise EngineFailed(self.failure)
             if not self.proc.is_alive():
@@ -95,29 +112,29 @@ class EngineClient:
 
     def _receive(self, data: bytes) -> None:
         try:
-            msg = wire.decode_from_engine(data)
+            msg = FROM_ENGINE.decode(data)
         except wire.WireError as exc:  # only the engine can connect; still, never trust bytes
             log.warning("dropped a malformed message from the engine: %s", exc)
             return
         self._dispatch(msg)
 
-    def _dispatch(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "deltas":
-            for d in msg[1]:
-                q = self.queues.get(d.rid)
-                if q is not None:
-                    q.put_nowait(d)
-        elif kind == "stats":
-            self.stats = msg[1]
-        elif kind == "ready":
-            self.info = msg[1]
-        elif kind == "reserved":
-            waiter = self._reserved.get(msg[1][0])
-            if waiter is not None and not waiter.done():
-                waiter.set_result(msg[1][1])
-        elif kind == "fatal":
-            self._fail(msg[1])
+    def _dispatch(self, msg: FromEngine) -> None:
+        match msg:
+            case Deltas(deltas):
+                for d in deltas:
+                    q = self.queues.get(d.rid)
+                    if q is not None:
+                        q.put_nowait(d)
+            case Stats(values):
+                self.stats = values
+            case EngineReady():
+                self.info = msg
+            case Reserved(rid, destination):
+                waiter = self._reserved.get(rid)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(destination)
+            case Fatal(message):
+                self._fail(message)
 
     def _fail(self, message: str) -> None:
         """Every waiting request gets the error; the server turns unhealthy. The first
@@ -135,7 +152,7 @@ class EngineClient:
     async def generate(
         self,
         input_ids: list[int],
-        params: dict[str, Any],
+        sampling: SamplingParams,
         return_logprob: bool,
         top_logprobs: int,
         transfer: dict[str, Any] | None = None,
@@ -151,13 +168,14 @@ class EngineClient:
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self.queues[rid] = queue
         finished = False
-        args = (rid, input_ids, params, return_logprob, top_logprobs)
         try:
             try:
                 if prefill is None:
-                    await self._send(("add", *args, transfer))
+                    args = (input_ids, sampling, return_logprob, top_logprobs, transfer)
+                    await self._send(AddRequest(rid, *args))
                 else:
-                    failed = await self._prefill_elsewhere(args, queue, prefill)
+                    reserve = Reserve(rid, input_ids, sampling, return_logprob, top_logprobs)
+                    failed = await self._prefill_elsewhere(reserve, queue, prefill)
                     if failed is not None:  # the engine may still hold it: aborted below
                         yield failed
                         return
@@ -174,20 +192,20 @@ class EngineClient:
         finally:
             self.queues.pop(rid, None)
             if not finished and self.failure is None:
-                await self._send(("abort", rid))
+                await self._send(Abort(rid))
 
     async def _prefill_elsewhere(
-        self, args: tuple[Any, ...], queue: asyncio.Queue[StreamDelta], prefill: Prefill
+        self, reserve: Reserve, queue: asyncio.Queue[StreamDelta], prefill: Prefill
     ) -> StreamDelta | None:
         """Reserve pages here, have the prefill server compute the prompt into them, hand
         its first token to this engine. An error delta if any of it fails (the request is
         then aborted here by the caller's cleanup: its pages and room go)."""
-        rid = args[0]
+        rid = reserve.rid
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._reserved[rid] = waiter
         rejected = asyncio.ensure_future(queue.get())
         try:
-            await self._send(("pd_reserve", *args))
+            await self._send(reserve)
             pending: set[asyncio.Future[Any]] = {waiter, rejected}
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if rejected.done():  # the engine refused it (an error delta)
@@ -200,27 +218,27 @@ class EngineClient:
         except PrefillFailed as exc:
             kind = "invalid" if exc.invalid else "engine"
             return StreamDelta(rid, finish_reason="error", error=str(exc), error_kind=kind)
-        await self._send(("pd_prefilled", rid, *first))
+        await self._send(Prefilled(rid, *first))
         return None
 
     @property
     def num_active(self) -> int:
         return len(self.queues)
 
-    async def _send_now(self, msg: tuple[Any, ...]) -> None:
+    async def _send_now(self, msg: ToEngine) -> None:
         """Send, giving up after SEND_NOW_TIMEOUT_S (an engine that is gone takes nothing)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._send(msg), SEND_NOW_TIMEOUT_S)
 
-    async def _send(self, msg: tuple[Any, ...]) -> None:
-        await self._to_engine.send(wire.encode_to_engine(msg))
+    async def _send(self, msg: ToEngine) -> None:
+        await self._to_engine.send(TO_ENGINE.encode(msg))
 
     async def shutdown(self, timeout_s: float = 15.0) -> None:
         """Abort everything, stop the engine (and its workers), wait for it."""
         for rid in list(self.queues):
-            await self._send_now(("abort", rid))
+            await self._send_now(Abort(rid))
         if self.proc.is_alive():
-            await self._send_now(("shutdown",))
+            await self._send_now(StopEngine())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self.proc.is_alive() and loop.time() < deadline:

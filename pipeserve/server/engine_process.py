@@ -2,17 +2,14 @@
 worker processes), request intake and detokenization, so the HTTP event loop only moves
 bytes. Talks to the HTTP process over ZMQ ipc:// sockets in a private directory.
 
-Messages in:  ("add", rid, input_ids, sampling dict, return_logprob, top_logprobs,
-              transfer), ("abort", rid), ("shutdown",); prefill/decode disaggregation:
-              ("pd_reserve", rid, input_ids, sampling dict, return_logprob, top_logprobs)
-              and ("pd_prefilled", rid, token, logprob, top) on a decode server
-Messages out: ("ready", info), ("deltas", [StreamDelta]), ("stats", dict),
-              ("fatal", message), ("reserved", [rid, destination]) on a decode server
+Messages (`distributed/messages.py`) in: AddRequest, Abort, StopEngine; prefill/decode
+disaggregation: Reserve and Prefilled on a decode server. Out: EngineReady, Deltas, Stats,
+Fatal; Reserved on a decode server.
 
-A prefill server's "add" may carry a transfer destination (the prompt's KV goes there as
-it is computed). A decode server's "pd_reserve" gets pages and a room (answered by
-"reserved", or by an error delta); "pd_prefilled" brings the first token the prefill server
-sampled; the request's deltas follow once its KV has arrived.
+A prefill server's AddRequest may carry a transfer destination (the prompt's KV goes there
+as it is computed). A decode server's Reserve gets pages and a room (answered by Reserved,
+or by an error delta); Prefilled brings the first token the prefill server sampled; the
+request's deltas follow once its KV has arrived.
 """
 
 from __future__ import annotations
@@ -33,8 +30,24 @@ from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, plan
 from pipeserve.disaggregation.pd.transfer import ReceiverControl
 from pipeserve.distributed import wire
+from pipeserve.distributed.messages import (
+    FROM_ENGINE,
+    TO_ENGINE,
+    Abort,
+    AddRequest,
+    Deltas,
+    EngineReady,
+    Fatal,
+    FromEngine,
+    Prefilled,
+    Reserve,
+    Reserved,
+    Stats,
+    StopEngine,
+    ToEngine,
+)
 from pipeserve.lifetime import REFUSED_EXIT, exit_with_parent
-from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, Req, SamplingParams
+from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.server.streams import OutputStream, StreamDelta
 
@@ -64,7 +77,7 @@ def engine_main(args: EngineProcessArgs) -> None:
 
         engine = Engine(**args.flags)
     except BaseException as exc:  # start-up failure: tell the server, then exit
-        outbox.send(wire.encode_from_engine(("fatal", f"engine failed to start: {exc}")))
+        outbox.send(FROM_ENGINE.encode(Fatal(f"engine failed to start: {exc}")))
         time.sleep(0.2)
         if isinstance(exc, SettingsError) and not envs.show_tracebacks():  # the server says it
             raise SystemExit(REFUSED_EXIT) from None
@@ -106,17 +119,12 @@ class EngineLoop:
     def run(self) -> None:
         threading.Thread(target=self._watchdog, daemon=True).start()
         self._send(
-            (
-                "ready",
-                {
-                    # what one request can hold: the model's context, or the KV pool if
-                    # smaller (the HTTP layer's default max_tokens must fit it)
-                    "context_len": min(
-                        self.engine.context_len, self.backend.schedulers[0].kv.capacity_tokens
-                    ),
-                    "vocab_size": self.engine.arch.vocab_size,
-                    "model_path": str(self.engine.model_path),
-                },
+            EngineReady(
+                # what one request can hold: the model's context, or the KV pool if smaller
+                # (the HTTP layer's default max_tokens must fit it)
+                min(self.engine.context_len, self.backend.schedulers[0].kv.capacity_tokens),
+                self.engine.arch.vocab_size,
+                str(self.engine.model_path),
             )
         )
         try:
@@ -135,7 +143,7 @@ class EngineLoop:
                 self._maybe_stats()
         except BaseException as exc:
             log.error("engine failed:\n%s%s", traceback.format_exc(), getattr(exc, "details", ""))
-            self._send(("fatal", f"engine failed: {exc}"))
+            self._send(Fatal(f"engine failed: {exc}"))
             raise
         finally:
             if self.transfers is not None:
@@ -144,7 +152,7 @@ class EngineLoop:
 
     def _transfer_step(self, transfers: DecodeTransfers) -> None:
         for rid, dest in transfers.reserve():
-            self._send(("reserved", [rid, dest]))
+            self._send(Reserved(rid, dest))
         self._emit(transfers.step())
 
     def _intake(self, block: bool) -> None:
@@ -156,52 +164,43 @@ class EngineLoop:
             timeout = IDLE_POLL_MS
         while self.inbox.poll(timeout):
             try:
-                msg = wire.decode_to_engine(self.inbox.recv())
+                msg = TO_ENGINE.decode(self.inbox.recv())
             except wire.WireError as exc:
                 log.warning("dropped a malformed message from the HTTP server: %s", exc)
             else:
                 self._handle(msg)
             timeout = 0
 
-    def _handle(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "add":
-            self._add(*msg[1:7])
-        elif kind == "pd_reserve":
-            rid, input_ids, params, return_logprob, top = msg[1:6]
-            self._add(rid, input_ids, params, return_logprob, top, reserve=True)
-        elif kind == "pd_prefilled":
-            if self.transfers is not None:
-                self.transfers.prefilled(*msg[1:])
-        elif kind == "abort":
-            self.streams.pop(msg[1], None)
-            if self.transfers is not None and msg[1] in self.transfers:
-                self.transfers.abort(msg[1])
-            else:
-                self.backend.abort(msg[1])
-        elif kind == "shutdown":
-            self.running = False
+    def _handle(self, msg: ToEngine) -> None:
+        match msg:
+            case AddRequest() | Reserve():
+                self._add(msg)
+            case Prefilled(rid, token, logprob, top):
+                if self.transfers is not None:
+                    self.transfers.prefilled(rid, token, logprob, top)
+            case Abort(rid):
+                self.streams.pop(rid, None)
+                if self.transfers is not None and rid in self.transfers:
+                    self.transfers.abort(rid)
+                else:
+                    self.backend.abort(rid)
+            case StopEngine():
+                self.running = False
 
-    def _add(
-        self,
-        rid: str,
-        input_ids: list[int],
-        params: dict[str, Any],
-        return_logprob: bool,
-        top: int,
-        transfer: dict[str, Any] | None = None,
-        reserve: bool = False,
-    ) -> None:
-        """Admit a request (on a decode server, `reserve`: queue it for pages its KV is sent
+    def _add(self, msg: AddRequest | Reserve) -> None:
+        """Admit a request (on a decode server, Reserve: queue it for pages its KV is sent
         to); anything wrong with it (or any failure while admitting it) is answered to that
-        request alone."""
+        request alone. It was validated where it entered; the engine checks what only it
+        knows (the model's limits, its layout against a KV destination)."""
+        rid, input_ids = msg.rid, msg.input_ids
         submitted = False
         try:
-            req = request_from_message(rid, input_ids, params, return_logprob, top)
+            top = msg.top_logprobs
+            req = Req(rid, input_ids, msg.sampling, msg.return_logprob or top > 0, top_logprobs=top)
             self.engine.validate(req)
-            if transfer is not None:
-                req.kv_dest = self._destination(transfer)
-            if reserve:
+            if isinstance(msg, AddRequest) and msg.transfer is not None:
+                req.kv_dest = self._destination(msg.transfer)
+            if isinstance(msg, Reserve):
                 if self.transfers is None:
                     raise ValueError("not a decode server (--disaggregation-mode decode)")
                 self.transfers.add(req)
@@ -216,7 +215,7 @@ class EngineLoop:
             elif submitted:
                 self.backend.abort(rid)
             invalid = isinstance(exc, ValueError) and not submitted
-            self._send(("deltas", [self._error_delta(rid, exc, invalid)]))
+            self._send(Deltas([self._error_delta(rid, exc, invalid)]))
 
     def _destination(self, transfer: dict[str, Any]) -> KVDestination:
         """Where a prefill server sends a request's KV; ValueError unless this server is a
@@ -237,7 +236,7 @@ class EngineLoop:
     def _emit(self, updates: list[RequestUpdate]) -> None:
         deltas = [d for u in updates if (d := self._delta(u)) is not None]
         if deltas:
-            self._send(("deltas", deltas))
+            self._send(Deltas(deltas))
 
     def _delta(self, u: RequestUpdate) -> StreamDelta | None:
         """The client's view of one update; a failure here fails (and aborts) that request."""
@@ -272,11 +271,11 @@ class EngineLoop:
         stats = self.backend.stats()
         if self.transfers is not None:
             stats |= self.transfers.stats()
-        self._send(("stats", stats))
+        self._send(Stats(stats))
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send(self, msg: FromEngine) -> None:
         with self._lock:
-            self.outbox.send(wire.encode_from_engine(msg))
+            self.outbox.send(FROM_ENGINE.encode(msg))
 
     def _watchdog(self) -> None:
         """A step that overruns --watchdog-timeout cannot be interrupted from inside: report
@@ -287,10 +286,7 @@ class EngineLoop:
             started = self.step_started
             if started is not None and time.monotonic() - started > self.watchdog_timeout:
                 self._send(
-                    (
-                        "fatal",
-                        f"a step took longer than --watchdog-timeout {self.watchdog_timeout:g}s",
-                    )
+                    Fatal(f"a step took longer than --watchdog-timeout {self.watchdog_timeout:g}s")
                 )
                 self._die(70)
 
@@ -300,20 +296,3 @@ class EngineLoop:
             kill()
         time.sleep(0.2)
         os._exit(code)
-
-
-def request_from_message(
-    rid: Any, input_ids: Any, params: Any, return_logprob: Any, top: Any
-) -> Req:
-    """The Req of an "add" message; ValueError names the first field that is wrong (the
-    HTTP layer checks these too: this is the engine's own line of defence)."""
-    if not isinstance(rid, str):
-        raise ValueError(f"the request id must be a string, got {type(rid).__name__}")
-    if not isinstance(input_ids, list) or not all(type(t) is int for t in input_ids):
-        raise ValueError("input_ids must be a list of integers")
-    if not isinstance(return_logprob, bool):
-        raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
-    if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
-    sp = SamplingParams.from_dict(params)
-    return Req(rid, input_ids, sp, return_logprob or top > 0, top_logprobs=top)

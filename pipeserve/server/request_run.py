@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from pipeserve.disaggregation.pd.http import prefill_call
+from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server import protocol as P
 from pipeserve.server.admission import Ticket
 from pipeserve.server.engine_client import EngineFailed
@@ -32,7 +33,7 @@ class RequestRun:
         state: ServerState,
         ticket: Ticket,
         ids: list[int],
-        params: dict[str, Any],
+        params: SamplingParams,
         logprobs: bool,
         top: int,
         prefill_url: str | None = None,

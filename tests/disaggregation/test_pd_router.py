@@ -37,6 +37,7 @@ from pipeserve.disaggregation.pd.router import (
     PREFILL_HEADER,
     create_router_app,
 )
+from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.engine_client import PrefillFailed
 
 WAIT_S = 10.0  # longest any step may take: a hang fails fast
@@ -618,12 +619,12 @@ def test_a_decode_server_calls_https_prefill_servers_verified_by_its_ca(tmp_path
         return SimpleNamespace(config=config, pd_credential=credential, vocab_size=10)
 
     with serving(app, certs) as server:
-        call = prefill_call(state(certs.ca), server.url, [1, 2, 3], {}, True, 0)
+        call = prefill_call(state(certs.ca), server.url, [1, 2, 3], SamplingParams(), True, 0)
         assert asyncio.run(call({"room": "x"})) == (3, -0.5, [])
         [(headers, body)] = seen
         check = auth.InternalCredential(PD_KEY)  # the prefill server's
         assert check.problem("POST", "/pd/prefill", body, headers) is None
-        call = prefill_call(state(None), server.url, [1, 2, 3], {}, True, 0)
+        call = prefill_call(state(None), server.url, [1, 2, 3], SamplingParams(), True, 0)
         with pytest.raises(PrefillFailed):
             asyncio.run(call({"room": "x"}))
         assert len(seen) == 1

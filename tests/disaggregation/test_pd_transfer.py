@@ -37,6 +37,14 @@ from pipeserve.disaggregation.pd.transfer import (
     new_room,
     split_positions,
 )
+from pipeserve.distributed.messages import (
+    KV_ANSWER,
+    KV_CONTROL,
+    KV_HEADER,
+    KVHeader,
+    OpenRoom,
+    RoomAnswer,
+)
 from pipeserve.scheduler.batch import ReqSlice, ScheduledBatch
 
 pytestmark = pytest.mark.timeout(60)
@@ -211,7 +219,7 @@ def peer(endpoint: str, key: str = KEY) -> RawPeer:
 
 
 def kv_message(room: str, layer: int, heads: tuple, runs: list, nbytes: int) -> list[bytes]:
-    header = msgpack.packb([room, layer, *heads, runs, time.time()], use_bin_type=True)
+    header = KV_HEADER.encode(KVHeader(room, layer, *heads, [tuple(r) for r in runs], time.time()))
     frame = torch.ones(nbytes // 4).numpy().tobytes()
     return [header, frame, frame]
 
@@ -310,8 +318,8 @@ def test_the_pd_key_does_not_open_the_control_link(sides: list) -> None:
     control.open(new_room(), [(0, 8)], 8)  # the engine's own opens go through
 
 
-def ask(channel: Channel, message: list[bytes]) -> bytes:
-    """Send one control message on `channel` and return the kind of the answer."""
+def ask(channel: Channel, message: list[bytes]) -> str:
+    """Send one control message on `channel` and return the answer."""
     deadline = time.monotonic() + 10
     while not channel.ready:
         assert time.monotonic() < deadline, "no handshake"
@@ -319,8 +327,10 @@ def ask(channel: Channel, message: list[bytes]) -> bytes:
     channel.send(message)
     while True:
         assert time.monotonic() < deadline, "no answer"
-        for _, (kind, _body) in link.drive([channel], 0.05):
-            return bytes(kind)
+        for _, frames in link.drive([channel], 0.05):
+            answer = KV_ANSWER.decode(bytes(frames[0]))
+            assert isinstance(answer, RoomAnswer), answer
+            return answer.answer
 
 
 def test_opens_over_held_or_foreign_slots_are_refused(sides: list) -> None:
@@ -346,8 +356,8 @@ def test_opens_over_held_or_foreign_slots_are_refused(sides: list) -> None:
     endpoint, secret = control.controls[0]
     link_ = Channel.connect(endpoint, secret, 1 << 20)
     for runs, n, ttl, reason in bad:
-        body = msgpack.packb([new_room(), [list(r) for r in runs], n, ttl])
-        assert ask(link_, [b"open", body]) == b"refused", reason
+        body = KV_CONTROL.encode(OpenRoom(new_room(), runs, n, ttl))
+        assert ask(link_, [body]) == "refused", reason
         assert receiver.refused_opens[reason] >= 1, reason
     link_.close()
     with pytest.raises(RoomRefused, match="refused to open"):
@@ -452,7 +462,7 @@ def test_an_error_writing_one_message_leaves_the_receiver_serving(sides: list) -
 
     def once_broken(header, frames):
         if not failures:
-            failures.append(header[0])
+            failures.append(header.room)
             raise RuntimeError("forced")
         return real(header, frames)
 

@@ -28,7 +28,7 @@ from floods import Flood
 from ports import free_port
 
 from pipeserve.disaggregation.pd import link
-from pipeserve.distributed import gate, wire
+from pipeserve.distributed import gate
 from pipeserve.distributed.channels import (
     CurveKeys,
     SchedulerChannels,
@@ -36,6 +36,7 @@ from pipeserve.distributed.channels import (
     secure_client,
 )
 from pipeserve.distributed.gate import Tunnel, gate_secret
+from pipeserve.distributed.messages import STAGE, STATUS, Heartbeat, ReportTimeline, Status
 from pipeserve.engine.backend import WorkerBackend
 from pipeserve.engine.engine import Engine
 
@@ -191,7 +192,7 @@ def test_with_an_auth_key_only_the_right_key_gets_through() -> None:
     channels = SchedulerChannels("127.0.0.1", 1, base, auth_key=RIGHT)
     client = Clients(channels)
     try:
-        heartbeat = wire.encode_status("heartbeat", 0)
+        heartbeat = STATUS.encode(Status(0, Heartbeat()))
         senders = [client(zmq.PUSH, channels.endpoints.status, key) for key in (WRONG, None)]
         for sender in senders:
             sender.send(heartbeat, zmq.NOBLOCK)
@@ -201,19 +202,19 @@ def test_with_an_auth_key_only_the_right_key_gets_through() -> None:
         for spy in spies:
             spy.setsockopt(zmq.SUBSCRIBE, b"")
         time.sleep(POLL_MS / 1000)
-        assert not channels.send_batch("timeline", block=False)  # no authenticated taker
+        assert not channels.send_batch(ReportTimeline(), block=False)  # no authenticated taker
 
         sender = client(zmq.PUSH, channels.endpoints.status, RIGHT)
         sender.send(heartbeat)
-        assert channels.poll(10_000) == ("heartbeat", 0, None)
+        assert channels.poll(10_000) == Status(0, Heartbeat())
         assert channels.poll(POLL_MS) is None  # and nothing of the others' came after it
         worker = client(zmq.PULL, channels.endpoints.batch[0], RIGHT)
         deadline = time.monotonic() + 10
-        while not channels.send_batch("timeline", block=False):
+        while not channels.send_batch(ReportTimeline(), block=False):
             assert time.monotonic() < deadline, "the right key never connected"
             time.sleep(0.05)
         assert worker.poll(10_000)
-        assert wire.decode_stage(worker.recv()) == (wire.MsgType.TIMELINE, None)
+        assert STAGE.decode(worker.recv()) == ReportTimeline()
         for sock in [*outsiders, *spies]:
             assert not sock.poll(POLL_MS)
     finally:
@@ -288,7 +289,7 @@ def test_curve_still_guards_the_sockets_behind_the_gate() -> None:
     ctx = zmq.Context()
     tunnels = []
     try:
-        heartbeat = wire.encode_status("heartbeat", 0)
+        heartbeat = STATUS.encode(Status(0, Heartbeat()))
         for curve in (WRONG, None):
             tunnel = Tunnel(gate_secret(RIGHT), [channels.endpoints.status], private_directory())
             tunnels.append(tunnel)
@@ -354,11 +355,11 @@ def test_a_flood_leaves_a_late_worker_served() -> None:
             held = open_fds() - before - len(flood.held)  # the flood's own sockets excluded
             start = time.monotonic()
             sender = client(zmq.PUSH, channels.endpoints.status, RIGHT)
-            sender.send(wire.encode_status("heartbeat", 0))
+            sender.send(STATUS.encode(Status(0, Heartbeat())))
             got = channels.poll(10_000)
             waited = time.monotonic() - start
             flood.end()
-            assert got == ("heartbeat", 0, None)
+            assert got == Status(0, Heartbeat())
             assert waited < 1.0, waited  # here 0.03-0.04 s; the flood against ZeroMQ: ~3 s
             cap = gate.PER_ADDRESS if len(sources) == 1 else gate.PENDING
             assert held <= cap + 8, held  # not one descriptor per connection

@@ -119,7 +119,7 @@ def test_layout_gives_the_same_tokens_and_logprobs(
         assert engine.backend.stats()["loop"] == ("pipeline" if flags.get("pp_size") else "overlap")
         if flags.get("tp_size") and native() is not None:  # one machine: shared memory
             info = worker_backend(engine).workers.info
-            assert {i["tp_all_reduce"] for i in info.values()} == {"shared memory"}
+            assert {i.tp_all_reduce for i in info.values()} == {"shared memory"}
         out = run(engine)
         assert_same_outputs(out, reference[kind])
         assert_pages_back(engine)

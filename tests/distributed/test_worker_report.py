@@ -6,22 +6,21 @@ the message leaves before the process ends."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from pipeserve.config import SettingsError
+from pipeserve.distributed.messages import Failed, Refused, StatusBody
 from pipeserve.distributed.wire import WireError
 from pipeserve.distributed.worker import LAST_WORDS_MS, report_failure
 
 
 class Channels:
     def __init__(self) -> None:
-        self.sent: list[tuple[str, Any]] = []
+        self.sent: list[StatusBody] = []
         self.linger_ms: int | None = None
 
-    def send_status(self, kind: str, payload: Any = None) -> None:
-        self.sent.append((kind, payload))
+    def send_status(self, body: StatusBody) -> None:
+        self.sent.append(body)
 
     def close(self, linger_ms: int = 0) -> None:
         self.linger_ms = linger_ms
@@ -42,7 +41,7 @@ def failed(exc: BaseException, started: bool) -> tuple[bool, Channels]:
 def test_a_check_refusing_at_start_up_is_sent_as_its_message(exc: BaseException) -> None:
     refused, channels = failed(exc, started=False)
     assert refused
-    assert channels.sent == [("refused", str(exc))]
+    assert channels.sent == [Refused(str(exc))]
     assert channels.linger_ms == LAST_WORDS_MS > 0
 
 
@@ -57,8 +56,9 @@ def test_a_check_refusing_at_start_up_is_sent_as_its_message(exc: BaseException)
 def test_other_failures_are_sent_with_their_traceback(exc: BaseException, started: bool):
     refused, channels = failed(exc, started)
     assert not refused
-    [(kind, text)] = channels.sent
-    assert kind == "error"
+    [failure] = channels.sent
+    assert isinstance(failure, Failed)
+    text = failure.text
     assert text.startswith("Traceback (most recent call last):")
     assert text.rstrip().endswith(f"{type(exc).__name__}: {exc}")
     assert channels.linger_ms == LAST_WORDS_MS

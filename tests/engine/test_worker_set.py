@@ -12,6 +12,16 @@ from typing import Any
 import pytest
 
 from pipeserve.config import SettingsError
+from pipeserve.distributed.messages import (
+    Failed,
+    Heartbeat,
+    Profile,
+    ProfileTimes,
+    Refused,
+    Status,
+    StatusBody,
+    TimelinePiece,
+)
 from pipeserve.engine import workers as workers_mod
 from pipeserve.engine.workers import WorkerError, WorkerSet, report_ranks
 from pipeserve.lifetime import REFUSED_EXIT
@@ -22,9 +32,28 @@ from pipeserve.timeline import Event
 pytestmark = pytest.mark.timeout(30)  # a lost result would make wait_results wait forever
 
 
+def status(kind: str, rank: int, payload: Any) -> Status:
+    """A status message, written in the tests as (kind, rank, payload)."""
+    body: StatusBody
+    match kind:
+        case "result":
+            body = payload
+        case "profile":
+            body = ProfileTimes(*payload)
+        case "timeline":
+            body = TimelinePiece(*payload)
+        case "heartbeat":
+            body = Heartbeat()
+        case "error":
+            body = Failed(payload)
+        case "refused":
+            body = Refused(payload)
+    return Status(rank, body)
+
+
 class FakeChannels:
     def __init__(self, inbox: list[tuple[str, int, Any]]) -> None:
-        self.inbox = deque(inbox)
+        self.inbox = deque(status(*m) for m in inbox)
         self.sent: list[Any] = []  # what went to every first-stage rank alike
         self.sent_each: list[list[Any]] = []  # per-rank messages, one list per send
 
@@ -36,7 +65,7 @@ class FakeChannels:
         self.sent_each.append(list(objs))
         return True
 
-    def poll(self, timeout_ms: int) -> tuple[str, int, Any] | None:
+    def poll(self, timeout_ms: int) -> Status | None:
         return self.inbox.popleft() if self.inbox else None
 
 
@@ -88,7 +117,7 @@ def test_results_arriving_during_a_profile_are_kept_in_order() -> None:
     )
     points = [(0, 64), (64, 64)]
     assert ws.profile_stages(points, [[(1, 128)]]) == [[0.1, 0.2], [0.3, 0.4]]
-    assert sent(ws).sent == [("profile", points, [(1, 128)])]  # one rank: a plain send
+    assert sent(ws).sent == [Profile(points, [(1, 128)])]  # one rank: a plain send
     assert [ids(ws.wait_results()) for _ in range(2)] == [[(7, 7)], [(8, 8)]]
 
 
@@ -169,7 +198,7 @@ def test_a_profile_over_two_attention_ranks_sends_each_its_own_slots() -> None:
     runs = [[(0, 128)], [(512, 128)]]
     assert ws.profile_stages(points, runs) == [[0.1], [0.2]]
     assert sent(ws).sent == []
-    assert sent(ws).sent_each == [[("profile", points, runs[0]), ("profile", points, runs[1])]]
+    assert sent(ws).sent_each == [[Profile(points, runs[0]), Profile(points, runs[1])]]
 
 
 def test_a_group_sends_each_attention_rank_its_batch() -> None:
@@ -200,8 +229,8 @@ def test_afd_ffn_workers_get_the_step_without_work() -> None:
     ws.channels = FakeChannels([("profile", 0, (0, [0.1]))])  # type: ignore[assignment]
     points, runs = [(0, 16)], [[(0, 128)], [(512, 128)]]
     assert ws.profile_stages(points, runs) == [[0.1]]
-    assert sent(ws).sent_each == [[("profile", points, runs[0]), ("profile", points, runs[1]),
-                                   ("profile", points, []), ("profile", points, [])]]
+    assert sent(ws).sent_each == [[Profile(points, runs[0]), Profile(points, runs[1]),
+                                   Profile(points, []), Profile(points, [])]]
 
 
 # --- settings refused at start-up ------------------------------------------------------------
@@ -217,7 +246,7 @@ class LateChannels(FakeChannels):
         super().__init__(inbox)
         self.delay = delay
 
-    def poll(self, timeout_ms: int) -> tuple[str, int, Any] | None:
+    def poll(self, timeout_ms: int) -> Status | None:
         if self.delay:
             self.delay -= 1
             return None

@@ -14,6 +14,8 @@ import httpx
 from fastapi import FastAPI
 
 from pipeserve.config import EngineConfig
+from pipeserve.distributed.messages import EngineReady
+from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.app import create_app
 from pipeserve.server.engine_client import EngineFailed
 from pipeserve.server.state import ServerState
@@ -64,7 +66,7 @@ class FakeEngine:
     delta when `error` = (message, kind)."""
 
     def __init__(self, context_len: int = 4096, vocab_size: int = 512) -> None:
-        self.info: dict[str, Any] = {"context_len": context_len, "vocab_size": vocab_size}
+        self.info = EngineReady(context_len, vocab_size, "fake")
         self.failure: str | None = None
         self.stats: dict[str, Any] = {}
         self.proc = FakeProc()
@@ -79,7 +81,7 @@ class FakeEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and self.proc.is_alive() and bool(self.info)
+        return self.failure is None and self.proc.is_alive() and self.info is not None
 
     @property
     def num_active(self) -> int:
@@ -97,7 +99,7 @@ class FakeEngine:
     def generate(
         self,
         ids: list[int],
-        params: dict[str, Any],
+        sampling: SamplingParams,
         logprobs: bool,
         top: int,
         transfer: Any = None,

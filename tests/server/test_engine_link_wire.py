@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from pipeserve.distributed import wire
+from pipeserve.distributed.messages import TO_ENGINE, Abort, StopEngine
 from pipeserve.server.engine_process import EngineLoop
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,8 +50,8 @@ def test_garbage_and_pickles_on_the_engine_inbox_are_dropped(
     try:
         sender.send(b"\x00\xffnot msgpack")
         sender.send(pickle.dumps(Marker(str(marker))))
-        sender.send(pickle.dumps(("shutdown",)))  # a valid message, pickled: still refused
-        sender.send(wire.encode_to_engine(("abort", "r1")))
+        sender.send(pickle.dumps(StopEngine()))  # a valid message, pickled: still refused
+        sender.send(TO_ENGINE.encode(Abort("r1")))
         with caplog.at_level(logging.WARNING):
             loop._intake(block=True)
         assert not marker.exists(), "a message was unpickled"

@@ -1,9 +1,11 @@
 """One bad request never takes the engine loop down: the loop of the engine process, on the
 tiny model in this process (its sockets replaced by a list of what it sends), gets normal
-requests mixed with requests carrying hostile values in every field of an "add" message,
-one whose output stream raises and one whose result processing in the scheduler raises.
-Each bad request gets its own error; the normal ones give the offline engine's tokens and
-text; every KV page is free afterwards."""
+requests mixed with requests carrying hostile values in every field of an AddRequest, one
+whose output stream raises and one whose result processing in the scheduler raises. A
+hostile value is refused where the request enters (its sampling parameters validated, the
+message encoded for the engine) or, if it is well-typed but beyond the model's limits, by
+the engine, for that request alone. Each bad request gets its own error; the normal ones
+give the offline engine's tokens and text; every KV page is free afterwards."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from pipeserve.distributed.messages import TO_ENGINE, AddRequest, Deltas, FromEngine
 from pipeserve.engine.engine import Engine
+from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server import engine_process
 from pipeserve.server.engine_process import EngineLoop
 from pipeserve.server.streams import OutputStream, StreamDelta
@@ -52,7 +56,8 @@ HOSTILE: list[tuple[Any, Any, Any, Any, Any, str]] = [
     ("top-k-10^400", PROMPT, {"top_k": 10**400}, False, 0, "top_k"),
     ("max-new-neg", PROMPT, {"max_new_tokens": -5}, False, 0, "max_new_tokens"),
     ("max-new-float", PROMPT, {"max_new_tokens": 2.5}, False, 0, "max_new_tokens"),
-    ("max-new-huge", PROMPT, {"max_new_tokens": 10**30}, False, 0, "context length"),
+    ("max-new-huge", PROMPT, {"max_new_tokens": 10**30}, False, 0, "max_new_tokens"),
+    ("max-new-big", PROMPT, {"max_new_tokens": 2**62}, False, 0, "context length"),
     ("seed-neg", PROMPT, {"seed": -1}, False, 0, "seed"),
     ("seed-str", PROMPT, {"seed": "7"}, False, 0, "seed"),
     ("ignore-eos-str", PROMPT, {"ignore_eos": "yes"}, False, 0, "ignore_eos"),
@@ -64,14 +69,16 @@ HOSTILE: list[tuple[Any, Any, Any, Any, Any, str]] = [
     ("ids-float", [1.5], GREEDY, False, 0, "input_ids"),
     ("ids-none", None, GREEDY, False, 0, "input_ids"),
     ("ids-neg", [-1, 3], GREEDY, False, 0, "vocabulary"),
-    ("ids-huge", [10**30], GREEDY, False, 0, "vocabulary"),
+    ("ids-huge", [10**30], GREEDY, False, 0, "input_ids"),
     ("ids-empty", [], GREEDY, False, 0, "empty"),
     ("logprob-str", PROMPT, GREEDY, "yes", 0, "return_logprob"),
     ("top-str", PROMPT, GREEDY, False, "5", "top_logprobs"),
     ("top-huge", PROMPT, GREEDY, True, 10**9, "top_logprobs"),
     ("top-neg", PROMPT, GREEDY, True, -1, "top_logprobs"),
-    (12345, PROMPT, GREEDY, False, 0, "request id"),
+    (12345, PROMPT, GREEDY, False, 0, "rid"),
 ]
+# well-typed, so they reach the engine, which refuses them against its limits
+REACH_ENGINE = {"max-new-big", "ids-neg", "ids-empty", "top-huge", "top-neg"}
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -90,12 +97,21 @@ class Loop:
 
     def __init__(self, engine: Engine) -> None:
         self.loop = EngineLoop(engine, None, None, watchdog_timeout=60.0)  # type: ignore[arg-type]
-        self.sent: list[tuple[Any, ...]] = []
+        self.sent: list[FromEngine] = []
         self.loop._send = self.sent.append  # type: ignore[method-assign]
         self.steps = 0
+        self.refused: dict[Any, str] = {}  # where it entered: rid -> the error
 
     def add(self, rid: Any, ids: Any, params: Any, logprob: Any = False, top: Any = 0) -> None:
-        self.loop._handle(("add", rid, ids, params, logprob, top))
+        """As the HTTP process sends it: its sampling parameters validated, then encoded (a
+        ValueError of either refuses it there); decoded and handled by the engine loop."""
+        try:
+            sampling = SamplingParams.from_dict(params)
+            data = TO_ENGINE.encode(AddRequest(rid, ids, sampling, logprob, top))
+        except ValueError as exc:  # WireError is one
+            self.refused[rid] = str(exc)
+            return
+        self.loop._handle(TO_ENGINE.decode(data))
 
     def run(self) -> dict[Any, list[StreamDelta]]:
         sched = self.loop.backend.scheduler
@@ -106,9 +122,9 @@ class Loop:
             self.steps += 1
         assert not sched.has_work()
         out: dict[Any, list[StreamDelta]] = defaultdict(list)
-        for kind, *body in self.sent:
-            assert kind == "deltas", (kind, body)
-            for d in body[0]:
+        for msg in self.sent:
+            assert isinstance(msg, Deltas), msg
+            for d in msg.deltas:
                 out[d.rid].append(d)
         return out
 
@@ -158,11 +174,15 @@ def test_bad_requests_fail_alone(
     for i, ref in enumerate(refs):
         assert_completed(out[f"ok-{i}"], ref)
     for rid, *_, words in HOSTILE:
-        assert_rejected(out[rid], "invalid", words)
+        if rid in REACH_ENGINE:
+            assert_rejected(out[rid], "invalid", words)
+        else:
+            assert words.lower() in loop.refused[rid].lower(), (rid, loop.refused[rid])
+    assert set(loop.refused) == {h[0] for h in HOSTILE} - REACH_ENGINE
     for rid in FAILING:
         assert_rejected(out[rid], "engine", "RuntimeError('injected')")
         assert rid in caplog.text
-    assert set(out) == {f"ok-{i}" for i in range(4)} | {h[0] for h in HOSTILE} | set(FAILING)
+    assert set(out) == {f"ok-{i}" for i in range(4)} | REACH_ENGINE | set(FAILING)
     assert caplog.text.count("Traceback") >= len(FAILING)
     assert loop.steps < LONG // 2  # the failed requests were aborted, not left running
     assert not loop.loop.streams

@@ -19,6 +19,7 @@ aborts the prompt at once, as for any client that disconnects.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pipeserve.disaggregation.pd.router import PREFILL_HEADER
-from pipeserve.scheduler.request import MAX_TOP_LOGPROBS
+from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, SamplingParams
 from pipeserve.server.connection_guard import client_tls
 from pipeserve.server.engine_client import Prefill, PrefillFailed
 from pipeserve.server.errors import ApiError, unavailable
@@ -90,7 +91,7 @@ def prefill_call(
     state: ServerState,
     url: str,
     input_ids: list[int],
-    params: dict[str, Any],
+    params: SamplingParams,
     return_logprob: bool,
     top_logprobs: int,
 ) -> Prefill:
@@ -105,7 +106,7 @@ def prefill_call(
     async def call(destination: dict[str, Any]) -> tuple[int, float, list[tuple[int, float]]]:
         body = {
             "input_ids": input_ids,
-            "sampling": {**params, "max_new_tokens": 1},
+            "sampling": {**dataclasses.asdict(params), "max_new_tokens": 1},
             "return_logprob": return_logprob,
             "top_logprobs": top_logprobs,
             "transfer": destination,
@@ -220,9 +221,9 @@ def add_prefill_route(app: FastAPI, state: ServerState) -> None:
 
 def prefill_request(
     body: Any, vocab: int
-) -> tuple[list[int], dict[str, Any], bool, int, dict[str, Any]]:
+) -> tuple[list[int], SamplingParams, bool, int, dict[str, Any]]:
     """The fields of a /pd/prefill body, their types and ranges checked (ApiError 400):
-    the engine checks the sampling parameters and the destination's layout."""
+    the engine checks the destination against its own layout."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     fields = ("input_ids", "sampling", "return_logprob", "top_logprobs", "transfer")
@@ -244,14 +245,18 @@ def prefill_request(
         )
     if not isinstance(transfer, dict):
         raise ApiError(400, "transfer must be an object", param="transfer")
-    return ids, sampling, logprob, top, transfer
+    try:
+        params = SamplingParams.from_dict(sampling)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="sampling") from None
+    return ids, params, logprob, top, transfer
 
 
 async def _run_prefill(
     state: ServerState,
     ticket: Any,
     ids: list[int],
-    params: dict[str, Any],
+    params: SamplingParams,
     logprob: bool,
     top: int,
     transfer: dict[str, Any],

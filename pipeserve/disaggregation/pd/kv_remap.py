@@ -81,6 +81,10 @@ class KVDestination:
     endpoints: tuple[str, ...]
     layout: SideLayout
 
+    def wire_check(self) -> None:
+        """ValueError unless this is a destination `from_json` accepts (`wire`)."""
+        KVDestination.from_json(self.to_json())
+
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
         return {

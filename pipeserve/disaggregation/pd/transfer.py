@@ -52,7 +52,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import torch
 
 from pipeserve.context_parallel.layout import PageStriping, runs_of
@@ -67,6 +66,18 @@ from pipeserve.disaggregation.pd.kv_remap import (
 )
 from pipeserve.disaggregation.pd.link import PING_S, Channel, LinkClosed, Server, drive
 from pipeserve.distributed.channels import private_directory
+from pipeserve.distributed.messages import (
+    KV_ANSWER,
+    KV_CONTROL,
+    KV_HEADER,
+    AskDropped,
+    CloseRoom,
+    KVHeader,
+    OpenRoom,
+    RoomAnswer,
+    RoomDone,
+)
+from pipeserve.distributed.wire import PD_CONTROL_MAX_BYTES, WireError
 from pipeserve.layers.attention_parts import gather_index
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.scheduler.batch import Run, ScheduledBatch, runs_prefix
@@ -77,7 +88,7 @@ SEND_BYTES = 16 << 20  # encrypted bytes a sender keeps ahead of one destination
 CONTROL_TIMEOUT_S = 10.0  # a decode rank must confirm open/close within this
 MAX_FAILED_ROOMS = 4096  # given-up rooms a sender remembers (to drop their later messages)
 MAX_MESSAGE_POSITIONS = 8192  # positions one kv message carries at most (a chunk's layer)
-MAX_CONTROL_BYTES = 16 * 2**20  # an open message lists a request's slot runs
+MAX_CONTROL_BYTES = PD_CONTROL_MAX_BYTES  # an open message lists a request's slot runs
 MIN_PART_BYTES = 1 << 20  # a kv message's header may list many runs (context parallelism)
 DATA_PEERS, DATA_PENDING = 256, 64  # the data listener's connection limits (link.py)
 # handshakes one address may have under way: a prefill host's workers reconnecting at once
@@ -213,8 +224,9 @@ class KVSender:
                 endpoint = dest.endpoints[dst_index]
                 for part, part_slots in split_positions(positions, slots, MAX_MESSAGE_POSITIONS):
                     frames = self._frames(layer, piece, part_slots)
-                    header = [dest.room, layer, *piece.heads, part, time.time()]
-                    self._out.put(_Outgoing(endpoint, dest.room, [_pack(header), *frames]))
+                    header = KVHeader(dest.room, layer, *piece.heads, part, time.time())
+                    message = [KV_HEADER.encode(header), *frames]
+                    self._out.put(_Outgoing(endpoint, dest.room, message))
 
     def _pieces(self, dst: SideLayout) -> dict[int, list[tuple[int, Piece]]]:
         """Per layer of this stage: (decode rank index, piece) this rank sends."""
@@ -556,55 +568,52 @@ class KVReceiver:
             shutil.rmtree(self._control_dir, ignore_errors=True)
 
     def _on_control(self, channel: Channel, frames: list[bytearray]) -> None:
-        """open / close / stats from the engine process (the only peer of this listener)."""
+        """OpenRoom / CloseRoom / AskDropped from the engine process (the only peer of this
+        listener)."""
         try:
-            kind, body = bytes(frames[0]), frames[1]
-            if kind == b"open":
-                self._open(channel, _unpack(body))
-            elif kind == b"close":
-                room = _unpack(body)
+            if len(frames) != 1:
+                raise WireError(f"{len(frames)} frames")
+            msg = KV_CONTROL.decode(bytes(frames[0]))
+        except WireError as exc:  # a bug of ours: log it, keep serving
+            log.error("KV receiver: dropped a malformed control message: %s", exc)
+            return
+        match msg:
+            case OpenRoom():
+                self._open(channel, msg)
+            case CloseRoom(room):
                 self._free(room)
-                self._reply(channel, b"closed", room)
-            elif kind == b"stats":
-                self._reply(channel, b"stats", "")
-        except Exception:  # a bug of ours, or a malformed message: log it, keep serving
-            log.exception("KV receiver: a malformed control message")
+                self._reply(channel, "closed", room)
+            case AskDropped():
+                self._reply(channel, "dropped", "")
 
-    def _open(self, channel: Channel, body: Any) -> None:
+    def _open(self, channel: Channel, msg: OpenRoom) -> None:
         """A room over slots of the pool that no other open room holds, for a finite time;
         anything else is refused (answered `refused`) and counted."""
-        room, runs, num_tokens, ttl_s = body
+        room, runs, num_tokens, ttl_s = msg.room, msg.runs, msg.num_tokens, msg.ttl_s
         problem = None
-        if not (isinstance(room, str) and ROOM_FORM.fullmatch(room)):
+        if not ROOM_FORM.fullmatch(room):
             problem = "a malformed room id"
         elif room in self._rooms:
             problem = "a room that is open already"
-        elif not (isinstance(ttl_s, int | float) and 0 < ttl_s <= MAX_ROOM_TTL_S):
+        elif not 0 < ttl_s <= MAX_ROOM_TTL_S:
             problem = "a time to live that is not finite and positive"  # NaN fails too
-        elif not (
-            isinstance(runs, list)
-            and all(
-                isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) for r in runs
-            )
-        ):
-            problem = "malformed slot runs"
         elif not all(a >= 0 and n > 0 and a + n <= self.pool.num_slots for a, n in runs):
             problem = "slots outside the pool"
         if problem is None:
-            slots = slot_index([(a, n) for a, n in runs])
-            if type(num_tokens) is not int or len(slots) != num_tokens or num_tokens == 0:
+            slots = slot_index(runs)
+            if len(slots) != num_tokens or num_tokens == 0:
                 problem = "slot runs that do not cover its tokens"
             elif torch.unique(slots).numel() != len(slots) or bool(self._held[slots].any()):
                 problem = "slots another room holds"
         if problem is not None:
             self.refused_opens[problem] += 1
             log.warning("KV receiver: refused to open a room: %s", problem)
-            self._reply(channel, b"refused", room if isinstance(room, str) else "")
+            self._reply(channel, "refused", room)
             return
         expected = num_tokens * self.units_per_position
         self._held[slots] = True
         self._rooms[room] = _Room(slots, expected, channel, time.monotonic() + ttl_s)
-        self._reply(channel, b"opened", room)
+        self._reply(channel, "opened", room)
 
     def _free(self, room_id: str) -> None:
         """The room is over (closed, done or expired): its slots may be opened again."""
@@ -612,8 +621,9 @@ class KVReceiver:
         if room is not None:
             self._held[room.slots] = False
 
-    def _reply(self, channel: Channel, kind: bytes, room: str) -> None:
-        self._server.send(channel, [kind, _pack([room, sum(self.dropped.values())])])
+    def _reply(self, channel: Channel, answer: str, room: str) -> None:
+        msg = RoomAnswer(answer, room, sum(self.dropped.values()))
+        self._server.send(channel, [KV_ANSWER.encode(msg)])
 
     def _on_data(self, frames: list[bytearray]) -> None:
         """One kv message: written if every check passes, else dropped and counted."""
@@ -627,8 +637,9 @@ class KVReceiver:
             self.dropped["an error while writing"] += 1
             log.exception("KV receiver: a kv message failed to write")
 
-    def _write(self, header: list[Any], frames: list[bytearray]) -> None:
-        room_id, layer, h0, h1, positions, sent = header
+    def _write(self, header: KVHeader, frames: list[bytearray]) -> None:
+        room_id, layer, h0, h1 = header.room, header.layer, header.h0, header.h1
+        positions, sent = header.positions, header.sent
         room = self._rooms.get(room_id)
         arrival = time.time()
         if room is not None and room.expires < time.monotonic():  # before the next sweep
@@ -671,8 +682,8 @@ class KVReceiver:
         if room.received == room.expected:  # every position of every piece, once
             self._free(room_id)
             exposed = max(0.0, room.last_arrival - room.last_sent)
-            stats = [room.nbytes, room.wire_s, exposed]
-            self._server.send(room.owner, [b"done", _pack([room_id, *stats])])
+            done = RoomDone(room_id, room.nbytes, room.wire_s, exposed)
+            self._server.send(room.owner, [KV_ANSWER.encode(done)])
 
     def _expire(self, now: float) -> None:
         """Rooms past their time go (their request is over: failed or timed out)."""
@@ -691,19 +702,15 @@ class KVReceiver:
         self._thread.join(timeout=5)
 
 
-def _header(data: bytearray) -> list[Any]:
-    """A kv message's header, its types checked: [room, layer, h0, h1, runs, sent]."""
+def _header(data: bytearray) -> KVHeader:
+    """A kv message's header, decoded (its types checked) with a finite send time."""
     try:
-        room, layer, h0, h1, runs, sent = _unpack(data)
-        runs = [(a, n) for a, n in runs]
-        ok = isinstance(room, str) and all(type(v) is int for v in (layer, h0, h1))
-        ok = ok and all(type(v) is int for run in runs for v in run)
-        ok = ok and isinstance(sent, float) and math.isfinite(sent)
-    except Exception:
-        ok = False
-    if not ok:
+        header = KV_HEADER.decode(bytes(data))
+    except WireError:
+        raise Dropped("a malformed header") from None
+    if not math.isfinite(header.sent):
         raise Dropped("a malformed header")
-    return [room, layer, h0, h1, runs, sent]
+    return header
 
 
 class TransferError(RuntimeError):
@@ -724,7 +731,7 @@ class ReceiverControl:
     room_ttl_s: float = 3600.0  # a room not closed by then closes itself
     _links: list[Channel] = field(default_factory=list)
     _done: dict[str, list[RoomStats]] = field(default_factory=dict)
-    _acks: set[tuple[int, bytes, str]] = field(default_factory=set)
+    _acks: set[tuple[int, str, str]] = field(default_factory=set)
     _dropped: list[int] = field(default_factory=list)
     _stats_at: float = 0.0
 
@@ -749,37 +756,39 @@ class ReceiverControl:
             self._read(timeout_ms=50)
 
     def open(self, room: str, runs: list[Run], num_tokens: int) -> None:
-        body = [room, [list(r) for r in runs], num_tokens, min(self.room_ttl_s, MAX_ROOM_TTL_S)]
+        ttl_s = min(self.room_ttl_s, MAX_ROOM_TTL_S)
         ranks = range(len(self._links))
-        answers = self._ask(b"open", room, body, ranks)
-        if any(a == b"refused" for a in answers.values()):  # the rank's log says why
-            opened = [i for i, a in answers.items() if a == b"opened"]
+        answers = self._ask(OpenRoom(room, list(runs), num_tokens, ttl_s), room, ranks)
+        if "refused" in answers.values():  # the rank's log says why
+            opened = [i for i, a in answers.items() if a == "opened"]
             if opened:  # those close it again (the room id may be another's elsewhere)
-                self._ask(b"close", room, room, opened)
+                self._ask(CloseRoom(room), room, opened)
             raise RoomRefused("a decode rank refused to open the request's room")
 
     def close(self, room: str) -> None:
         """After this returns no receiver writes into the room's slots any more."""
-        self._ask(b"close", room, room, range(len(self._links)))
+        self._ask(CloseRoom(room), room, range(len(self._links)))
         self._done.pop(room, None)
 
-    def _ask(self, kind: bytes, room: str, body: Any, ranks: Iterable[int]) -> dict[int, bytes]:
-        """Send `kind` to `ranks` and wait for each one's answer about `room`."""
-        answers: dict[int, bytes] = {}
+    def _ask(self, msg: OpenRoom | CloseRoom, room: str, ranks: Iterable[int]) -> dict[int, str]:
+        """Send `msg` to `ranks` and wait for each one's answer about `room`."""
+        answers: dict[int, str] = {}
         ranks = list(ranks)
+        data = KV_CONTROL.encode(msg)
         for i in ranks:
-            self._links[i].send([kind, _pack(body)])
+            self._links[i].send([data])
         deadline = time.monotonic() + CONTROL_TIMEOUT_S
         while True:
             for i in ranks:
-                for answer in (b"opened", b"closed", b"refused"):
+                for answer in ("opened", "closed", "refused"):
                     if (i, answer, room) in self._acks:
                         self._acks.discard((i, answer, room))
                         answers[i] = answer
             if len(answers) == len(ranks):
                 return answers
             if time.monotonic() > deadline:
-                raise TransferError(f"a decode rank did not confirm {kind.decode()} of a room")
+                what = type(msg).__name__
+                raise TransferError(f"a decode rank did not answer {what} of a room")
             self._read(timeout_ms=50)
 
     def poll(self) -> list[tuple[str, RoomStats]]:
@@ -787,8 +796,9 @@ class ReceiverControl:
         now = time.monotonic()
         if now - self._stats_at > STATS_EVERY_S:  # answered whenever: read by later polls
             self._stats_at = now
+            ask = KV_CONTROL.encode(AskDropped())
             for link in self._links:
-                link.send([b"stats", _pack(None)])
+                link.send([ask])
         self._read(timeout_ms=0)
         done = [r for r, got in self._done.items() if len(got) == len(self._links)]
         out = []
@@ -817,27 +827,24 @@ class ReceiverControl:
         except LinkClosed as exc:
             raise TransferError(f"the control link to a decode rank failed: {exc}") from exc
         index = {id(link): i for i, link in enumerate(self._links)}
-        for link, (kind, body) in got:
+        for link, frames in got:
             i = index[id(link)]
-            if kind == b"done":
-                room, nbytes, wire_s, exposed_s = _unpack(body)
-                self._done.setdefault(room, []).append(RoomStats(nbytes, wire_s, exposed_s))
-            else:
-                room, self._dropped[i] = _unpack(body)
-                if kind != b"stats":
-                    self._acks.add((i, bytes(kind), room))
+            try:
+                msg = KV_ANSWER.decode(bytes(frames[0]))
+            except WireError as exc:  # our own receiver's: a bug of ours
+                log.error("dropped a malformed answer of decode rank %d: %s", i, exc)
+                continue
+            match msg:
+                case RoomDone(room, nbytes, wire_s, exposed_s):
+                    self._done.setdefault(room, []).append(RoomStats(nbytes, wire_s, exposed_s))
+                case RoomAnswer(answer, room, dropped):
+                    self._dropped[i] = dropped
+                    if answer != "dropped":
+                        self._acks.add((i, answer, room))
 
     def shutdown(self) -> None:
         for link in self._links:
             link.close()
-
-
-def _pack(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
-
-
-def _unpack(data: bytes | bytearray) -> Any:
-    return msgpack.unpackb(data, raw=False)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

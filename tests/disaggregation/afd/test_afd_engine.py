@@ -93,7 +93,7 @@ def test_afd_matches_one_process(models, reference, model: str, layout: dict[str
     na, nf = layout["afd_attention_size"], layout["afd_ffn_size"]
     arch = ArchConfig.load(models[model])
     per_expert = routed_expert_params(arch) * 4 // arch.num_experts  # float32
-    held = [info[r]["expert_bytes"] for r in range(na + nf)]
+    held = [info[r].expert_bytes for r in range(na + nf)]
     assert held[:na] == [0] * na
     assert sum(held[na:]) == per_expert * arch.num_experts
     # every worker ran the steps; rows went out and partial sums came back
