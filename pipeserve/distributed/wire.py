@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import reprlib
 import sys
 import types
 import typing
 from array import array
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Annotated, Any, Generic, TypeVar
 
 import msgpack
@@ -196,37 +197,113 @@ def _free_text(v: Any) -> str:
 
 
 def _dataclass(cls: type) -> tuple[Encode, Decode]:
+    """Generated code per class (a message's fields are read and checked inline, primitives
+    without a call each: the hot path of every step's batch and deltas)."""
     hints = typing.get_type_hints(cls, include_extras=True)
     fields = dataclasses.fields(cls)
     if any(not f.init for f in fields):
         raise TypeError(f"{cls.__name__} has fields the constructor does not take")
     names = tuple(f.name for f in fields)
     codecs = [_codec(hints[n]) for n in names]
-    encoders = tuple(zip(names, (c[0] for c in codecs), strict=True))
-    decoders = tuple(c[1] for c in codecs)
-    count, what = len(names), cls.__name__
-    check = getattr(cls, "wire_check", None)
+    what = cls.__name__
+    scope: dict[str, Any] = {
+        "cls": cls,
+        "check": getattr(cls, "wire_check", None),
+        "fail": _fail,
+        "which": _which_field,
+        "ERRORS": _ERRORS,
+        "WireError": WireError,
+        "repr": reprlib.repr,
+        "INT_MIN": INT_MIN,
+        "UINT_MAX": UINT_MAX,
+        "encoders": [(n, c[0]) for n, c in zip(names, codecs, strict=True)],
+        "decoders": [(n, c[1]) for n, c in zip(names, codecs, strict=True)],
+    }
+    enc_lines, enc_values, dec_lines, dec_values = [], [], [], []
+    for i, (name, hint, (enc, dec)) in enumerate(
+        zip(names, (hints[n] for n in names), codecs, strict=True)
+    ):
+        scope[f"e{i}"], scope[f"d{i}"] = enc, dec
+        x = f"x{i}"
+        enc_lines.append(f"{x} = v.{name}")
+        if hint is int:
+            enc_lines.append(
+                f"if type({x}) is not int or not INT_MIN <= {x} <= UINT_MAX: raise TypeError"
+            )
+            dec_lines.append(f"if type({x}) is not int: raise TypeError")
+        elif hint in (str, bool):
+            kind = hint.__name__
+            enc_lines.append(f"if type({x}) is not {kind}: raise TypeError")
+            dec_lines.append(f"if type({x}) is not {kind}: raise TypeError")
+        elif hint is float:
+            enc_lines.append(f"if type({x}) is not float: {x} = e{i}({x})")
+            dec_lines.append(f"if type({x}) is not float: raise TypeError")
+        elif (inner := _optional_of(hint)) is not None:
+            if inner in (int, str, bool, float):  # checked by the call (rarely not None)
+                enc_lines.append(f"if {x} is not None: {x} = e{i}({x})")
+                dec_lines.append(
+                    f"if {x} is not None and type({x}) is not {inner.__name__}: raise TypeError"
+                )
+            else:
+                scope[f"e{i}"], scope[f"d{i}"] = _codec(inner)
+                enc_lines.append(f"if {x} is not None: {x} = e{i}({x})")
+                dec_lines.append(f"if {x} is not None: {x} = d{i}({x})")
+        else:
+            enc_lines.append(f"{x} = e{i}({x})")
+            dec_lines.append(f"{x} = d{i}({x})")
+        enc_values.append(x)
+        dec_values.append(x)
+    count = len(names)
+    unpack = f"{', '.join(dec_values)}, = v" if count else "pass"
+    # built without the constructor where it only stores the fields (a frozen class's
+    # __init__ sets each through object.__setattr__)
+    frozen = cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    plain = frozen and not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+    stores = "; ".join(f"d[{n!r}] = x{i}" for i, n in enumerate(names))
+    build = (
+        f"obj = new(cls); d = obj.__dict__; {stores}"
+        if plain and count
+        else (f"obj = cls({', '.join(dec_values)})")
+    )
+    scope["new"] = object.__new__
+    source = f"""
+def encode(v):
+    if type(v) is not cls:
+        raise fail("expected a {what}", v)
+    try:
+        {_block(enc_lines, 8)}
+    except ERRORS:
+        raise which("{what}", [(n, e, getattr(v, n)) for n, e in encoders]) from None
+    return [{", ".join(enc_values)}]
 
-    def encode(v: Any) -> list[Any]:
-        if type(v) is not cls:
-            raise _fail(f"expected a {what}", v)
-        try:
-            return [enc(getattr(v, name)) for name, enc in encoders]
-        except _ERRORS:
-            raise _which_field(what, [(n, e, getattr(v, n)) for n, e in encoders]) from None
+def decode(v):
+    if type(v) is not list or len(v) != {count}:
+        raise WireError(f"{what}: expected {count} fields, got {{repr(v)}}")
+    try:
+        {unpack}
+        {_block(dec_lines, 8)}
+        {build}
+    except ERRORS:
+        raise which("{what}", [(n, d, x) for (n, d), x in zip(decoders, v)]) from None
+    if check is not None:
+        check(obj)
+    return obj
+"""
+    exec(compile(source, f"<wire codec of {what}>", "exec"), scope)
+    return scope["encode"], scope["decode"]
 
-    def decode(v: Any) -> Any:
-        if type(v) is not list or len(v) != count:
-            raise WireError(f"{what}: expected {count} fields, got {reprlib.repr(v)}")
-        try:
-            obj = cls(*[dec(x) for dec, x in zip(decoders, v, strict=True)])
-        except _ERRORS:
-            raise _which_field(what, list(zip(names, decoders, v, strict=True))) from None
-        if check is not None:
-            check(obj)
-        return obj
 
-    return encode, decode
+def _optional_of(hint: Any) -> Any:
+    """X of `X | None` (None for anything else)."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return None
+    args = typing.get_args(hint)
+    rest = [a for a in args if a is not type(None)]
+    return rest[0] if len(args) == 2 and len(rest) == 1 else None
+
+
+def _block(lines: list[str], indent: int) -> str:
+    return ("\n" + " " * indent).join(lines) or "pass"
 
 
 _ERRORS = (WireError, TypeError, ValueError, OverflowError)
@@ -330,22 +407,28 @@ _ARRAY_CODE = {int: "q", float: "d"}
 def _pack_array(values: Any, code: str) -> bytes:
     """The container's type is checked, not each element's (a Python loop over every token
     of a long prompt): a bool inside goes as 0 or 1, as it would in any int arithmetic."""
-    if type(values) not in (list, tuple) and not isinstance(values, Generator):
+    kind = type(values)
+    if kind is not list and kind is not tuple and kind is not itertools.chain:
         raise _fail("expected a list", values)
+    if not values and kind is not itertools.chain:
+        return b""
     try:
         packed = array(code, values)
     except (TypeError, OverflowError) as exc:
         raise WireError(f"cannot pack a list as {code!r}: {exc}") from None
-    if sys.byteorder == "big":
+    if BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+BIG_ENDIAN = sys.byteorder == "big"  # the wire's arrays are little-endian
 
 
 def _unpack_array(v: Any, code: str) -> array:
     if type(v) is not bytes or len(v) % 8:
         raise _fail(f"expected {code!r} array bytes", v)
     values = array(code, v)
-    if sys.byteorder == "big":
+    if BIG_ENDIAN:
         values.byteswap()
     return values
 
@@ -354,6 +437,8 @@ def _packed(item: type, origin: type) -> tuple[Encode, Decode]:
     code = _ARRAY_CODE[item]
 
     def decode(v: Any) -> Any:
+        if v == b"" and type(v) is bytes:  # most of a batch's lists are empty
+            return () if origin is tuple else []
         values = _unpack_array(v, code).tolist()
         return tuple(values) if origin is tuple else values
 
@@ -364,11 +449,13 @@ def _columns(inner: tuple[Any, ...], origin: type) -> tuple[Encode, Decode]:
     """A sequence of fixed tuples of ints and floats, one packed array per column."""
     codes = [_ARRAY_CODE[a] for a in inner]
     width = len(codes)
+    if len(set(codes)) == 1:
+        return _interleaved(codes[0], width, origin)
 
     def encode(v: Any) -> list[bytes]:
         if not isinstance(v, list | tuple) or any(len(row) != width for row in v):
             raise _fail(f"expected rows of {width}", v)
-        return [_pack_array((row[i] for row in v), c) for i, c in enumerate(codes)]
+        return [_pack_array([row[i] for row in v], c) for i, c in enumerate(codes)]
 
     def decode(v: Any) -> Any:
         if type(v) is not list or len(v) != width:
@@ -377,6 +464,29 @@ def _columns(inner: tuple[Any, ...], origin: type) -> tuple[Encode, Decode]:
         if any(len(c) != len(cols[0]) for c in cols):
             raise WireError("columns of different lengths")
         rows = list(zip(*cols, strict=True))
+        return tuple(rows) if origin is tuple else rows
+
+    return encode, decode
+
+
+def _interleaved(code: str, width: int, origin: type) -> tuple[Encode, Decode]:
+    """Rows of one type (runs, pairs) as one packed array, row after row."""
+
+    def encode(v: Any) -> bytes:
+        if type(v) not in (list, tuple):
+            raise _fail("expected a list", v)
+        data = _pack_array(itertools.chain.from_iterable(v), code)
+        if len(data) != 8 * width * len(v):
+            raise _fail(f"expected rows of {width}", v)
+        return data
+
+    def decode(v: Any) -> Any:
+        if v == b"" and type(v) is bytes:
+            return () if origin is tuple else []
+        flat = _unpack_array(v, code)
+        if len(flat) % width:
+            raise WireError(f"expected rows of {width}, got {len(flat)} values")
+        rows = list(zip(*(flat[i::width] for i in range(width)), strict=True))
         return tuple(rows) if origin is tuple else rows
 
     return encode, decode
