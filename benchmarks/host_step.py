@@ -104,8 +104,11 @@ class Bench:
         return batch
 
 
-def to_device(host: torch.Tensor) -> torch.Tensor:
-    """The runner's move, host side: a copy (into pinned memory, there), then the device."""
+def to_device(host: Any) -> Any:
+    """The runner's move, host side: a copy (into pinned memory, there), then the device; of
+    one tensor (commits before the one-copy staging) or of a step's list of them."""
+    if isinstance(host, list):
+        return [h.clone().to(META) for h in host]
     return host.clone().to(META)
 
 

@@ -5,10 +5,14 @@ is current where `ModelRunner.execute` runs: `device.ComputeStream`'s own on CUD
 stream for a batch's inputs, and the host, which waits on events only when it needs
 values. Per batch:
 
-    host:    build inputs in pinned memory ─┐
-    copy:    non-blocking host->device ─────┴─ record `ready`
+    host:    build inputs, pack them into a persistent pinned buffer ─┐
+    copy:    one non-blocking host->device copy ──────────────────────┴─ record `ready`
     compute: wait `ready` ── forward ── sample ── device->host into pinned buffers ── record `done`
     host:    ... schedules the next batch ...  wait `done` only when the tokens are needed
+
+The pinned buffers (`StagingRing`) alternate, two of them, so that the next batch is packed
+while the last one's copy may still be in flight; a buffer is packed again only after its
+copy's `ready` (in the overlap loop, a copy two batches back: long done).
 
 On a CPU every op has finished when it returns: no copy stream, no events, and the same
 calls cost nothing. CUDA is reached through `CudaApi`, six one-line methods, so that tests
@@ -36,6 +40,7 @@ class DeviceApi(Protocol):
     def new_event(self, timing: bool) -> Any: ...
     def keep_for(self, tensor: torch.Tensor, stream: Any) -> None: ...
     def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...  # non-blocking H2D
 
 
 class CudaApi:
@@ -57,23 +62,70 @@ class CudaApi:
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
 
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+
+ALIGN = 16  # bytes: each tensor's place in a staging buffer (any dtype's view of it)
+
+
+class StagingRing:
+    """A worker's persistent pinned buffers for batch inputs, used in turn; each is packed
+    again only once its last copy is done (`Upload.ready`, waited for on the host)."""
+
+    def __init__(self, api: DeviceApi, slots: int = 2) -> None:
+        self.api = api
+        self.buffers: list[torch.Tensor | None] = [None] * slots
+        self.last: list[Upload | None] = [None] * slots
+        self.turn = 0
+
+    def take(self, nbytes: int, up: Upload) -> torch.Tensor:
+        """A pinned uint8 buffer of at least `nbytes`, free to pack (its last upload's copy
+        has finished), now `up`'s."""
+        i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+        last = self.last[i]
+        if last is not None and last.ready is not None:
+            last.ready.synchronize()
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < nbytes:  # grown, by half again, seldom
+            size = max(nbytes + nbytes // 2, 1 << 16)
+            buf = self.buffers[i] = self.api.pin(torch.empty(size, dtype=torch.uint8))
+        self.last[i] = up
+        return buf
+
 
 class Upload:
-    """Inputs of one batch on their way to the device: `move()` takes a host tensor, pins
-    it and queues its copy on the copy stream; `ready` (an event, None on a CPU) marks the
-    end of them all. `tensors` lists what was copied, for `DeviceStreams.wait`."""
+    """Inputs of one batch on their way to the device: `move()` takes its host tensors,
+    packs them into a staging buffer and queues one copy of them all on the copy stream;
+    `ready` (an event, None on a CPU) marks its end. `tensors` lists what was copied, for
+    `DeviceStreams.wait`."""
 
-    def __init__(self, device: torch.device, api: DeviceApi | None) -> None:
-        self.device, self.api = device, api
+    def __init__(
+        self, device: torch.device, api: DeviceApi | None, ring: StagingRing | None = None
+    ) -> None:
+        self.device, self.api, self.ring = device, api, ring
         self.ready: Any = None
         self.tensors: list[torch.Tensor] = []
 
-    def move(self, host: torch.Tensor) -> torch.Tensor:
-        if self.api is None:
-            return host.to(self.device)
-        moved = self.api.pin(host).to(self.device, non_blocking=True)
-        self.tensors.append(moved)
-        return moved
+    def move(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors on the device: views of one buffer filled by one copy."""
+        if self.api is None or self.ring is None:
+            return [h.to(self.device) for h in hosts]
+        places, end = [], 0
+        for h in hosts:
+            places.append(end)
+            end += -(-h.numel() * h.element_size() // ALIGN) * ALIGN
+        staging = self.ring.take(end, self)
+        for h, at in zip(hosts, places, strict=True):
+            nbytes = h.numel() * h.element_size()
+            staging[at : at + nbytes].view(h.dtype).copy_(h.reshape(-1))
+        on_device = torch.empty(end, dtype=torch.uint8, device=self.device)
+        self.api.upload(on_device, staging[:end])
+        self.tensors.append(on_device)
+        return [
+            on_device[at : at + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+            for h, at in zip(hosts, places, strict=True)
+        ]
 
 
 class HostCopy:
@@ -130,12 +182,13 @@ class DeviceStreams:
             api = CudaApi()
         self.device, self.api = device, api
         self.copy_stream = api.new_stream(device) if api is not None else None
+        self.staging = StagingRing(api) if api is not None else None
 
     @contextmanager
     def upload(self) -> Iterator[Upload]:
         """Build a batch's inputs inside: copies (and any device op) go to the copy stream,
         whose `ready` event is recorded on the way out."""
-        up = Upload(self.device, self.api)
+        up = Upload(self.device, self.api, self.staging)
         if self.api is None:
             yield up
             return

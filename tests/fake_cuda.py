@@ -5,7 +5,7 @@ op has finished when it returns); what the fake checks is the order of the proto
 - an event is waited on (by a stream or the host) only after it was recorded;
 - every wait, record and pin is logged as a tuple, in order, in `FakeApi.log`:
   ("record", event, stream), ("stream_wait", stream, event), ("host_wait", event),
-  ("keep", stream), ("pin",).
+  ("keep", stream), ("pin",), ("upload", bytes, stream) (a host-to-device copy).
 
 Streams are named: "copy" for one made with `new_stream` (a worker's copy stream), and
 "default:<thread name>" for a thread's own current stream (the compute stream is the one
@@ -90,3 +90,8 @@ class FakeApi:
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         self.log.append(("pin",))
         return tensor
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        stream = self.current_stream(dst.device)
+        self.log.append(("upload", src.numel() * src.element_size(), stream.name))
+        dst.copy_(src)

@@ -16,7 +16,7 @@ def test_on_a_cpu_nothing_is_queued() -> None:
     streams = DeviceStreams(CPU)
     assert streams.api is None and streams.copy_stream is None
     with streams.upload() as up:
-        t = up.move(torch.arange(3))
+        [t] = up.move([torch.arange(3)])
     assert up.ready is None and up.tensors == []
     streams.wait(up.ready, up.tensors)
     host = streams.to_host([t * 2])
@@ -26,21 +26,44 @@ def test_on_a_cpu_nothing_is_queued() -> None:
     assert timer.seconds() >= 0
 
 
-def test_upload_goes_through_the_copy_stream_and_the_compute_stream_waits() -> None:
+def test_upload_is_one_copy_on_the_copy_stream_and_the_compute_stream_waits() -> None:
     api = FakeApi()
     streams = DeviceStreams(CPU, api)
+    # 32 bytes, 8 bytes and 16 bytes, each at a 16-byte boundary: 64 bytes in one copy
+    hosts = [torch.arange(4), torch.ones(2), torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)]
     with streams.upload() as up:
         assert api.current_stream(CPU).name == "copy"  # device ops while preparing go there
-        a = up.move(torch.arange(4))
-        b = up.move(torch.ones(2))
+        moved = up.move(hosts)
     assert api.current_stream(CPU).name.startswith("default")
-    assert up.tensors == [a, b]
-    assert api.log == [("pin",), ("pin",), ("record", up.ready.id, "copy")]
+    assert [(m.dtype, m.shape) for m in moved] == [(h.dtype, h.shape) for h in hosts]
+    assert all(torch.equal(m, h) for m, h in zip(moved, hosts, strict=True))
+    [copied] = up.tensors  # one buffer, of which the moved tensors are views
+    assert all(m.untyped_storage().data_ptr() == copied.untyped_storage().data_ptr() for m in moved)
+    assert api.log == [("pin",), ("upload", 64, "copy"), ("record", up.ready.id, "copy")]
     streams.wait(up.ready, up.tensors)
     compute = api.current_stream(CPU).name
-    assert api.log[3:] == [("stream_wait", compute, up.ready.id), ("keep", compute)] + [
-        ("keep", compute)
-    ]
+    assert api.log[3:] == [("stream_wait", compute, up.ready.id), ("keep", compute)]
+
+
+def test_staging_buffers_alternate_and_are_packed_again_only_after_their_copy() -> None:
+    """Two pinned buffers for every step (pinned once, grown seldom); the third step packs
+    the first one's buffer after waiting for that step's copy, and sees no stale bytes."""
+    api = FakeApi()
+    streams = DeviceStreams(CPU, api)
+    ups = []
+    for step in range(6):
+        with streams.upload() as up:
+            [moved] = up.move([torch.full((100 + step,), step)])
+        assert moved.tolist() == [step] * (100 + step)
+        ups.append(up)
+    assert sum(e == ("pin",) for e in api.log) == 2
+    assert sum(e[0] == "upload" for e in api.log) == 6
+    waited = [e[1] for e in api.log if e[0] == "host_wait"]
+    assert waited == [u.ready.id for u in ups[:4]]  # step k + 2 waits for step k's copy
+    for k in range(2, 6):
+        wait = api.log.index(("host_wait", ups[k - 2].ready.id))
+        uploads = [i for i, e in enumerate(api.log) if e[0] == "upload"]
+        assert uploads[k - 1] < wait < uploads[k]
 
 
 def test_results_come_back_without_blocking_until_read() -> None:

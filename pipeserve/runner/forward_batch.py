@@ -17,6 +17,8 @@ from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
 from pipeserve.scheduler.batch import ReqSlice, Run, ScheduledBatch, runs_prefix
 
+Mover = Callable[[list[torch.Tensor]], list[torch.Tensor]]  # host tensors -> the device's
+
 
 @dataclass
 class LatentSlots:
@@ -39,11 +41,6 @@ class LatentSlots:
         if table and segments:
             return cls(table=SlotRuns.build(used, device), heads=heads)
         return cls([LatentSegment(row, n, runs=r, device=device) for row, n, r in heads])
-
-    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> LatentSlots:
-        if self.table is None:
-            return self
-        return replace(self, table=replace(self.table, packed=move(self.table.packed)))
 
     def expanded(self) -> LatentSlots:
         if self.table is None or self.segments:
@@ -93,13 +90,14 @@ class ForwardBatch:
         device: torch.device,
         backend: AttentionBackend | None = None,
         cp: CpContext | None = None,
-        move: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        move: Mover | None = None,
         pad_to: int | None = None,
     ) -> ForwardBatch:
-        """With `move` (the model runner's on a device: pinned memory, a non-blocking copy on
-        the copy stream) every tensor is built on the host, with host-side index arithmetic,
-        and then moved (a backend's page tables as their slot runs, expanded on the device
-        after the copy); without, built on `device` directly. (A context-parallel plan is
+        """With `move` (the model runner's on a device: the tensors packed into a pinned
+        buffer, one non-blocking copy on the copy stream) every tensor is built on the host,
+        with host-side index arithmetic, and then moved, all at once (a backend's page
+        tables as their slot runs, expanded on the device after the copy); without, built on
+        `device` directly. (A context-parallel plan is
         built on `device` in both cases.) `backend`: the run's (the torch backend where None),
         which hands the batch to the backend that plans it. `pad_to`: a decode step padded
         with rows that read and write PAD_SLOT alone (token 0 at position 0, never sampled)
@@ -141,21 +139,31 @@ class ForwardBatch:
         # batched page tables and the latent segments' slots: made on the device
         return replace(fb, attn=fb.attn.expanded(), latent=fb.latent.expanded())
 
-    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> ForwardBatch:
-        """This batch with its tensors (not the pool's, not a CP plan's) passed through
-        `move`."""
-        return replace(
-            self,
-            input_ids=move(self.input_ids),
-            positions=move(self.positions),
-            out_slots=move(self.out_slots),
-            attn=map_tensors(self.attn, move),
-            sample_rows=move(self.sample_rows),
-            logprob_rows=move(self.logprob_rows),
-            logprob_targets=move(self.logprob_targets),
-            future_slots=move(self.future_slots),
-            latent=self.latent.moved(move),
+    def moved(self, move: Mover) -> ForwardBatch:
+        """This batch with its tensors (not the pool's, not a CP plan's) moved by one call
+        of `move` (all of them in one list)."""
+        names = (
+            "input_ids",
+            "positions",
+            "out_slots",
+            "attn",
+            "sample_rows",
+            "logprob_rows",
+            "logprob_targets",
+            "future_slots",
+            "latent",
         )
+        parts = tuple(getattr(self, n) for n in names)
+        hosts: list[torch.Tensor] = []
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            hosts.append(t)
+            return t
+
+        map_tensors(parts, collect)
+        on_device = iter(move(hosts))
+        moved = map_tensors(parts, lambda _: next(on_device))
+        return replace(self, **dict(zip(names, moved, strict=True)))
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The model runner and the event loops on a (fake) device: the same protocol as on CUDA,
-checked on a CPU through tests/fake_cuda.py. Inputs reach the compute stream through the
-copy stream and an event; the forward launches without any host read of device values; the
-host waits for a batch's results only when it processes them, which the overlap loop does
-after it has launched the next batch."""
+checked on a CPU through tests/fake_cuda.py. A step's inputs reach the compute stream in one
+copy on the copy stream and an event; the forward launches without any host read of device
+values; the host waits for a batch's results only when it processes them, which the overlap
+loop does after it has launched the next batch."""
 
 from __future__ import annotations
 
@@ -51,6 +51,19 @@ def host_wait_leads(api: FakeApi) -> list[int]:
     return leads
 
 
+def copies_per_upload(api: FakeApi) -> list[int]:
+    """Host-to-device copies queued before each upload's `ready` (recorded on the copy
+    stream)."""
+    counts, n = [], 0
+    for entry in api.log:
+        if entry[0] == "upload":
+            n += 1
+        elif entry[0] == "record" and entry[2] == "copy":
+            counts.append(n)
+            n = 0
+    return counts
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_loop_on_a_device_waits_only_for_results_it_processes(make_engine, overlap) -> None:
     prompts = random_prompts([40, 70, 25], seed=3)
@@ -64,6 +77,7 @@ def test_loop_on_a_device_waits_only_for_results_it_processes(make_engine, overl
     waited = [e for e in api.log if e[0] == "stream_wait"]
     assert ready and ready == {e[2] for e in waited}
     assert all(e[1] != "copy" for e in waited)
+    assert set(copies_per_upload(api)) == {1}  # a step's inputs: one host-to-device copy
     leads = host_wait_leads(api)
     assert len(leads) >= len(GREEDY) and min(leads) >= 1
     if overlap:  # decode steps: the next batch was launched before this one's results read

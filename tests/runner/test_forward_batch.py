@@ -95,8 +95,8 @@ class NoDataSizedOutputs(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def to_meta(host: torch.Tensor) -> torch.Tensor:
-    return host.to(META)
+def to_meta(hosts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [h.to(META) for h in hosts]
 
 
 def prepared_on_meta(batch: ScheduledBatch, pool: KVPool = POOL) -> tuple[HostWork, ForwardBatch]:
@@ -141,7 +141,7 @@ def test_mla_decode_plan_host_work_does_not_grow_with_context() -> None:
         segments = [(row, 1, s.prefix_len, s.kv_runs) for row, s in enumerate(batch.slices)]
         with HostWork() as work:
             attn = AttentionPlan(TRITON, TRITON.latent_plan(segments, CPU))
-            attn = map_tensors(attn, to_meta).expanded()
+            attn = map_tensors(attn, lambda t: t.to(META)).expanded()
         return work, attn
 
     (work_1k, _), (work_32k, attn) = plan(1024), plan(32 * 1024)
@@ -173,7 +173,7 @@ def test_mla_segments_slots_are_every_positions_slot(context: int) -> None:
     streams = DeviceStreams(CPU, FakeApi())
     with streams.upload() as up, no_host_sync(), NoDataSizedOutputs():
         moved = ForwardBatch.prepare(batch, LATENT_POOL, CPU, TRITON, move=up.move)
-    assert sum(t.numel() for t in up.tensors) < 1024
+    assert sum(t.numel() * t.element_size() for t in up.tensors) < 8 * 1024  # bytes
     on_cpu = ForwardBatch.prepare(batch, LATENT_POOL, CPU, TRITON)
     expected = positions_slots(batch)
     rows = list(accumulate((len(s.input_ids) for s in batch.slices), initial=0))[:-1]
@@ -225,8 +225,9 @@ def test_a_moved_plan_is_expanded_after_the_copy_without_host_reads(context: int
     assert extend is not None and extend.kv_indptr is not None and extend.kv_indices is not None
     tables = [decode.kv_indptr, decode.kv_indices, extend.kv_indptr, extend.kv_indices]
     assert not any(t is u for t in tables for u in up.tensors)
-    copied = sum(t.numel() for t in up.tensors)
-    assert copied == sum(t.numel() for t in _copied(mixed_batch(1024))) < 1024
+    copied = sum(t.numel() * t.element_size() for t in up.tensors)  # bytes
+    assert copied == sum(t.numel() * t.element_size() for t in _copied(mixed_batch(1024)))
+    assert copied < 8 * 1024
     steps = [s for s in batch.slices if s.is_decode]
     chunk = next(s for s in batch.slices if not s.is_decode)
     assert decode.rows.tolist() == [0, 1, 2 + CHUNK, 3 + CHUNK, 4 + CHUNK, 5 + CHUNK]
