@@ -9,6 +9,7 @@ from typing import Any
 
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from pipeserve.config import ModelConfig
 
@@ -100,6 +101,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([i for i in ids if i >= 0], skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self) -> TextStream:
+        """A fresh incremental decoder (skipping special tokens, as `decode` does)."""
+        return TextStream(self._tok)
+
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -158,33 +163,13 @@ def load_tokenizer(config: ModelConfig, model_path: Path) -> Tokenizer | None:
     return Tokenizer(config.tokenizer_path or model_path, config.chat_template)
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas. Text is held back while the tail
-    decodes to an incomplete UTF-8 character, so a multi-byte character split across tokens
-    is emitted whole."""
+class TextStream:
+    """`tokenizers`' incremental decoder bound to its tokenizer: one `step` per token gives
+    the text it completes (None while a character waits for its last byte)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""
+    def __init__(self, tok: HFTokenizer) -> None:
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
 
-    def add(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix_offset : self.read_offset])
-        after = decode(self.ids[self.prefix_offset :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        delta = after[len(before) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
-        return delta
-
-    def flush(self) -> str:
-        """Whatever is still held back once the stream has ended."""
-        full = self.tokenizer.decode(self.ids)
-        delta = full[len(self.text) :] if full.startswith(self.text) else ""
-        self.text += delta
-        return delta
+    def step(self, token_id: int) -> str | None:
+        return self._stream.step(self._tok, token_id)

@@ -6,9 +6,8 @@ annotations (msgpack, never pickle).
                  a ScheduledBatch to run, or Shutdown, ReportTimeline, Profile
     STATUS       worker -> scheduler: Status(rank, Ready | BatchResult | Heartbeat | Failed
                  | Refused | TimelinePiece | ProfileTimes)
-    TO_ENGINE    HTTP process -> engine process: AddRequest, Reserve, Prefilled, Abort,
-                 StopEngine
-    FROM_ENGINE  engine process -> HTTP process: EngineReady, Deltas, Stats, Fatal, Reserved
+    TO_ENGINE    HTTP process -> engine process: AddRequest, Abort, StopEngine
+    FROM_ENGINE  engine process -> HTTP process: EngineReady, Deltas, Stats, Fatal
     KV_CONTROL   a decode engine -> its ranks' KV receivers (pd/transfer.py): OpenRoom,
                  CloseRoom, AskDropped; answered on KV_ANSWER by RoomAnswer, and RoomDone
                  once a room's KV has all arrived
@@ -34,8 +33,8 @@ from pipeserve.distributed.wire import (
     FreeText,
 )
 from pipeserve.scheduler.batch import BatchResult, Run, ScheduledBatch
+from pipeserve.scheduler.output import StreamDelta
 from pipeserve.scheduler.request import SamplingParams
-from pipeserve.server.streams import StreamDelta
 from pipeserve.timeline import Event
 
 # --- the batch channel and the P2P meta --------------------------------------------------
@@ -132,7 +131,9 @@ class Status:
 @dataclass(frozen=True)
 class AddRequest:
     """A request, validated where it entered. `transfer`: a prefill server's request sends
-    its prompt's KV there (a peer's JSON: the engine checks it against its own layout)."""
+    its prompt's KV there (a peer's JSON: the engine checks it against its own layout).
+    `prefill_url`: a decode server's request whose prompt that prefill server computes (the
+    engine reserves its pages, calls it, and decodes once the KV is in)."""
 
     rid: str
     input_ids: list[int]
@@ -140,28 +141,7 @@ class AddRequest:
     return_logprob: bool
     top_logprobs: int
     transfer: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class Reserve:
-    """A decode server's request: pages and a room for the KV a prefill server will send
-    (answered by Reserved, or by an error delta)."""
-
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    return_logprob: bool
-    top_logprobs: int
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """The first token the prefill server sampled for a reserved request."""
-
-    rid: str
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
+    prefill_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +154,7 @@ class StopEngine:
     """Shut the engine (and its workers) down."""
 
 
-ToEngine = AddRequest | Reserve | Prefilled | Abort | StopEngine
+ToEngine = AddRequest | Abort | StopEngine
 
 
 @dataclass(frozen=True)
@@ -201,15 +181,7 @@ class Fatal:
     message: FreeText
 
 
-@dataclass(frozen=True)
-class Reserved:
-    """A decode server's pages and room for a request: where the prefill server sends."""
-
-    rid: str
-    destination: dict[str, Any]
-
-
-FromEngine = EngineReady | Deltas | Stats | Fatal | Reserved
+FromEngine = EngineReady | Deltas | Stats | Fatal
 
 # --- prefill/decode disaggregation's KV transfer ------------------------------------------
 

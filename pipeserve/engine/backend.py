@@ -74,7 +74,7 @@ def build_scheduler(
         kv,
         context_len,
         tuple(sorted(eos)),
-        detokenize=tokenizer.decode if tokenizer else None,
+        tokenizer=tokenizer,
         max_batch_reqs=max_batch_reqs,
         clock=clock,
     )

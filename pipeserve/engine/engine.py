@@ -26,6 +26,7 @@ from pipeserve.mem_cache.host_tier import claim_bytes, with_host_memory
 from pipeserve.models.arch import ArchConfig
 from pipeserve.models.resolve import resolve_model_path
 from pipeserve.runner.kv_layout import kv_bytes_per_token
+from pipeserve.scheduler.output import OutputProcessor
 from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, Req, SamplingParams
 from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.tokenizer import load_tokenizer
@@ -45,8 +46,11 @@ class _Pending:
     ttft: float | None = None
     chunk_sizes: list[int] = field(default_factory=list)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    text: str = ""  # what the server would have streamed: the same output processor's
 
     def apply(self, u: RequestUpdate) -> None:
+        assert self.req.output is not None
+        self.text += self.req.output.delta(u).text
         self.output_ids += u.new_token_ids
         self.output_logprobs += u.new_logprobs
         if u.ttft is not None:
@@ -173,6 +177,12 @@ class Engine:
         """Submit requests and step until all have finished."""
         pending = {r.rid: _Pending(r) for r in reqs}
         for req in reqs:
+            if req.output is None:
+                sp = req.sampling
+                stop, include = sp.stop, sp.include_stop_str_in_output
+                req.output = OutputProcessor(
+                    req.rid, self.tokenizer, stop, len(req.input_ids), include
+                )
             req.arrival_time = time.perf_counter()
             self.backend.submit(req)
         left = len(reqs)
@@ -232,11 +242,8 @@ class Engine:
         return [SamplingParams.from_dict(params)] * n
 
     def _result(self, p: _Pending) -> dict[str, Any]:
-        text = None if self.tokenizer is None else self.tokenizer.decode(p.output_ids)
-        if text is not None and isinstance(p.matched_stop, str) and p.matched_stop in text:
-            text = text[: text.index(p.matched_stop)]
         out: dict[str, Any] = {
-            "text": text,
+            "text": None if self.tokenizer is None else p.text,
             "output_ids": p.output_ids,
             "meta_info": {
                 "id": p.req.rid,

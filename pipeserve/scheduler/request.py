@@ -6,9 +6,12 @@ import math
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeserve.disaggregation.pd.kv_remap import KVDestination
+
+if TYPE_CHECKING:
+    from pipeserve.scheduler.output import OutputProcessor
 
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (0, 2**63 - 1)
@@ -31,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before
 
     @property
     def greedy(self) -> bool:
@@ -89,8 +93,9 @@ def _check_types(sp: SamplingParams) -> None:
         raise ValueError("stop_token_ids must be a list of integers")
     if sp.seed is not None and (not isinstance(sp.seed, int) or isinstance(sp.seed, bool)):
         raise ValueError(f"seed must be an integer, got {sp.seed!r}")
-    if not isinstance(sp.ignore_eos, bool):
-        raise ValueError(f"ignore_eos must be true or false, got {sp.ignore_eos!r}")
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        if not isinstance(getattr(sp, name), bool):
+            raise ValueError(f"{name} must be true or false, got {getattr(sp, name)!r}")
 
 
 def _check_ranges(sp: SamplingParams) -> None:
@@ -180,6 +185,8 @@ class Req:
     finish_time: float | None = None
     # prefill/decode disaggregation, prefill side: where the prompt's KV is sent
     kv_dest: KVDestination | None = None
+    # tokens -> the client's text and stop strings (the scheduler gives one if none is set)
+    output: OutputProcessor | None = None
 
     @property
     def seq_len(self) -> int:

@@ -17,6 +17,7 @@ from pipeserve.scheduler.batch import BatchResult, ReqSlice, Run, ScheduledBatch
 from pipeserve.scheduler.decode import DecodeManager
 from pipeserve.scheduler.dynamic_chunking import OnlineRefit
 from pipeserve.scheduler.kv_manager import KVManager
+from pipeserve.scheduler.output import Detokenizer, OutputProcessor
 from pipeserve.scheduler.prefill import (
     DECODE_RESERVE_CLIP,
     DECODE_RESERVE_RATIO,
@@ -24,7 +25,6 @@ from pipeserve.scheduler.prefill import (
     PrefillManager,
 )
 from pipeserve.scheduler.request import Req, Status
-from pipeserve.scheduler.stop_matcher import StopStringWatch
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class RequestUpdate:
     cached_tokens: int = 0
     ttft: float | None = None  # seconds from arrival to the first token, sent once
     chunk_sizes: list[int] | None = None  # prefill chunk sizes, sent at the end
-    error: str | None = None  # with finish_reason "error": what went wrong (engine side)
+    error: str | None = None  # with finish_reason "error": what went wrong
+    error_kind: str = "engine"  # "invalid": the request itself (a client error, HTTP 400)
     prefilled: int | None = None  # after a prompt chunk that samples nothing: prompt tokens
     # in the cache so far, cached prefix included (a long prompt's progress)
 
@@ -55,19 +56,21 @@ class Scheduler:
         kv: KVManager,
         context_len: int,
         eos_token_ids: tuple[int, ...],
-        detokenize: Callable[[list[int]], str] | None = None,
+        tokenizer: Detokenizer | None = None,
         chunk_sizer: ChunkSizer | None = None,
         max_batch_reqs: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """`clock`: what first-token and finish times are read from (the simulator's clock is
-        simulated time; requests' arrival times must be on the same clock)."""
+        """`tokenizer`: what a request's output processor decodes its tokens with (None: no
+        text, no stop strings); `clock`: what first-token and finish times are read from (the
+        simulator's clock is simulated time; requests' arrival times must be on the same
+        clock)."""
         self.config = config
         self.clock = clock
         self.kv = kv
         self.context_len = context_len
         self.eos_token_ids = set(eos_token_ids)
-        self.detokenize = detokenize
+        self.tokenizer = tokenizer
         self.max_batch_reqs = max_batch_reqs or config.max_running_requests
         chunk = config.chunk_size
         if chunk_sizer is None and chunk is not None:
@@ -77,7 +80,6 @@ class Scheduler:
         self.stage_busy: list[float] = []  # forward seconds per pipeline stage, cumulative
         self.decode = DecodeManager(kv, on_retract=self.prefill.waiting.appendleft)
         self.reqs: dict[str, Req] = {}
-        self._stop_watches: dict[str, StopStringWatch] = {}  # requests with stop strings
         self._released: list[str] = []
         # batch id -> the requests its slices were made for: a result goes to those objects,
         # not to whatever request holds their id by then (an id reused after an abort)
@@ -90,10 +92,18 @@ class Scheduler:
         if req.rid in self.reqs:
             raise ValueError(f"request id {req.rid!r} is already in use")
         self.check_request(len(req.input_ids), req.sampling.max_new_tokens)
-        if req.sampling.stop and self.detokenize is not None:
-            self._stop_watches[req.rid] = StopStringWatch(req.sampling.stop, self.detokenize)
+        self._give_output(req)
         self.reqs[req.rid] = req
         self.prefill.waiting.append(req)
+
+    def _give_output(self, req: Req) -> None:
+        """The request's output processor, unless its caller gave it one: the scheduler
+        hands it every token (it detokenizes and matches stop strings)."""
+        if req.output is None:
+            sp = req.sampling
+            req.output = OutputProcessor(
+                req.rid, self.tokenizer, sp.stop, len(req.input_ids), sp.include_stop_str_in_output
+            )
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
@@ -199,8 +209,7 @@ class Scheduler:
     ) -> RequestUpdate:
         """A reserved request whose prompt KV has arrived, with the first token the prefill
         side sampled: it runs from here like one this scheduler prefilled."""
-        if req.sampling.stop and self.detokenize is not None:
-            self._stop_watches[req.rid] = StopStringWatch(req.sampling.stop, self.detokenize)
+        self._give_output(req)
         self.reqs[req.rid] = req
         req.status = Status.RUNNING
         self.decode.running.append(req)
@@ -275,8 +284,7 @@ class Scheduler:
         sp = req.sampling
         if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
             return "stop", token
-        watch = self._stop_watches.get(req.rid)
-        matched = watch.advance(req.output_ids) if watch is not None else None
+        matched = req.output.add(token) if req.output is not None else None
         if matched is not None:
             return "stop", matched
         if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= self.context_len:
@@ -290,7 +298,6 @@ class Scheduler:
         if req.pages or req.last_node is not None:
             self.kv.release(req, cache=True)
         del self.reqs[req.rid]
-        self._stop_watches.pop(req.rid, None)
         self._released.append(req.rid)
         return RequestUpdate(
             req.rid, finish_reason=reason, matched_stop=matched, chunk_sizes=req.chunk_sizes

@@ -12,13 +12,8 @@ the same character, the longest (it starts earliest, so the least text is emitte
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-
-# A character split over tokens decodes to U+FFFD until its last byte arrives; after this
-# many tokens without a whole character the bytes are taken as they decode (invalid UTF-8).
-MAX_HELD_TOKENS = 8
 
 
 class StopAutomaton:
@@ -131,35 +126,3 @@ class StopMatcher:
             if state == 0:
                 return 0
             state = fail[state]
-
-
-class StopStringWatch:
-    """A request's generated tokens decoded incrementally and fed to its stop matcher, each
-    character once and only whole: a character split over tokens waits for its last byte,
-    the characters before it do not. The decode window is the tokens not yet taken plus
-    the last taken ones, so a token's text is judged in context (leading spaces of
-    SentencePiece pieces, bytes of a split character)."""
-
-    def __init__(self, stops: Iterable[str], detokenize: Callable[[list[int]], str]) -> None:
-        self.matcher = StopMatcher(automaton_for(tuple(stops)))
-        self.detokenize = detokenize
-        self.prefix = 0  # start of the decode window
-        self.read = 0  # tokens taken
-        self.partial = 0  # characters fed from the tokens after `read`
-
-    def advance(self, output_ids: list[int]) -> str | None:
-        """The stop string completed by the tokens after those seen before, if any."""
-        match = self.matcher.feed(self._new_text(output_ids))
-        return None if match is None else match.stop
-
-    def _new_text(self, ids: list[int]) -> str:
-        before = self.detokenize(ids[self.prefix : self.read])
-        after = self.detokenize(ids[self.prefix :])
-        overdue = len(ids) - self.read >= MAX_HELD_TOKENS  # keeps the window bounded
-        whole = overdue or not after.endswith("\ufffd")
-        new = (after if whole else after.rstrip("\ufffd"))[len(before) + self.partial :]
-        if overdue or (whole and len(after) > len(before)):
-            self.prefix, self.read, self.partial = self.read, len(ids), 0
-        else:
-            self.partial += len(new)
-        return new

@@ -9,7 +9,7 @@ import logging
 import multiprocessing as mp
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -26,16 +26,13 @@ from pipeserve.distributed.messages import (
     EngineReady,
     Fatal,
     FromEngine,
-    Prefilled,
-    Reserve,
-    Reserved,
     Stats,
     StopEngine,
     ToEngine,
 )
+from pipeserve.scheduler.output import StreamDelta
 from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.engine_process import EngineProcessArgs, engine_main
-from pipeserve.server.streams import StreamDelta
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +41,6 @@ SEND_NOW_TIMEOUT_S = 0.5
 
 class EngineFailed(RuntimeError):
     pass
-
-
-class PrefillFailed(RuntimeError):
-    """The prefill server of a disaggregated request failed it (`invalid`: it rejected the
-    request itself, a 400)."""
-
-    def __init__(self, message: str, invalid: bool = False) -> None:
-        super().__init__(message)
-        self.invalid = invalid
-
-
-# a decode server's call to a prefill server: the KV destination in, the first token out
-# as (token, logprob, top logprobs)
-Prefill = Callable[[dict[str, Any]], Awaitable[tuple[int, float, list[tuple[int, float]]]]]
 
 
 class EngineClient:
@@ -81,8 +64,6 @@ class EngineClient:
         self.info: EngineReady | None = None
         self.failure: str | None = None
         self._reader: asyncio.Task[None] | None = None
-        # decode server of a disaggregated pair: requests waiting for their pages and room
-        self._reserved: dict[str, asyncio.Future[dict[str, Any]]] = {}
 
     @property
     def healthy(self) -> bool:
@@ -129,10 +110,6 @@ class EngineClient:
                 self.stats = values
             case EngineReady():
                 self.info = msg
-            case Reserved(rid, destination):
-                waiter = self._reserved.get(rid)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(destination)
             case Fatal(message):
                 self._fail(message)
 
@@ -156,12 +133,12 @@ class EngineClient:
         return_logprob: bool,
         top_logprobs: int,
         transfer: dict[str, Any] | None = None,
-        prefill: Prefill | None = None,
+        prefill_url: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Deltas of one request until it finishes; aborts it if the caller stops listening.
         A prefill server's request may carry a KV `transfer` destination. On a decode
-        server, `prefill` runs the request's prompt on a prefill server (given where to send
-        the KV; it returns the first token) once this engine has reserved pages for it."""
+        server, `prefill_url` names the prefill server that computes the prompt (the engine
+        reserves pages for it, calls it and decodes once the KV is in)."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         rid = uuid.uuid4().hex
@@ -170,15 +147,8 @@ class EngineClient:
         finished = False
         try:
             try:
-                if prefill is None:
-                    args = (input_ids, sampling, return_logprob, top_logprobs, transfer)
-                    await self._send(AddRequest(rid, *args))
-                else:
-                    reserve = Reserve(rid, input_ids, sampling, return_logprob, top_logprobs)
-                    failed = await self._prefill_elsewhere(reserve, queue, prefill)
-                    if failed is not None:  # the engine may still hold it: aborted below
-                        yield failed
-                        return
+                args = (input_ids, sampling, return_logprob, top_logprobs, transfer, prefill_url)
+                await self._send(AddRequest(rid, *args))
             except wire.WireError as exc:  # e.g. an integer beyond 64 bits
                 finished = True
                 yield StreamDelta(rid, finish_reason="error", error=f"invalid request: {exc}")
@@ -193,33 +163,6 @@ class EngineClient:
             self.queues.pop(rid, None)
             if not finished and self.failure is None:
                 await self._send(Abort(rid))
-
-    async def _prefill_elsewhere(
-        self, reserve: Reserve, queue: asyncio.Queue[StreamDelta], prefill: Prefill
-    ) -> StreamDelta | None:
-        """Reserve pages here, have the prefill server compute the prompt into them, hand
-        its first token to this engine. An error delta if any of it fails (the request is
-        then aborted here by the caller's cleanup: its pages and room go)."""
-        rid = reserve.rid
-        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._reserved[rid] = waiter
-        rejected = asyncio.ensure_future(queue.get())
-        try:
-            await self._send(reserve)
-            pending: set[asyncio.Future[Any]] = {waiter, rejected}
-            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if rejected.done():  # the engine refused it (an error delta)
-                return rejected.result()
-        finally:
-            rejected.cancel()  # also when the caller went away meanwhile
-            self._reserved.pop(rid, None)
-        try:
-            first = await prefill(waiter.result())
-        except PrefillFailed as exc:
-            kind = "invalid" if exc.invalid else "engine"
-            return StreamDelta(rid, finish_reason="error", error=str(exc), error_kind=kind)
-        await self._send(Prefilled(rid, *first))
-        return None
 
     @property
     def num_active(self) -> int:

@@ -2,14 +2,14 @@
 worker processes), request intake and detokenization, so the HTTP event loop only moves
 bytes. Talks to the HTTP process over ZMQ ipc:// sockets in a private directory.
 
-Messages (`distributed/messages.py`) in: AddRequest, Abort, StopEngine; prefill/decode
-disaggregation: Reserve and Prefilled on a decode server. Out: EngineReady, Deltas, Stats,
-Fatal; Reserved on a decode server.
+Messages (`distributed/messages.py`) in: AddRequest, Abort, StopEngine. Out: EngineReady,
+Deltas, Stats, Fatal.
 
-A prefill server's AddRequest may carry a transfer destination (the prompt's KV goes there
-as it is computed). A decode server's Reserve gets pages and a room (answered by Reserved,
-or by an error delta); Prefilled brings the first token the prefill server sampled; the
-request's deltas follow once its KV has arrived.
+Prefill/decode disaggregation: a prefill server's AddRequest may carry a transfer
+destination (the prompt's KV goes there as it is computed). A decode server's AddRequest
+may name a prefill server: this process then reserves the request's pages and room, calls
+that server, and decodes once the first token and the KV are in (pd/decode_side.py); the
+HTTP process only forwards the request and its deltas.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pipeserve import envs
 from pipeserve.config import SettingsError
 from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, plan
+from pipeserve.disaggregation.pd.prefill_client import PrefillCall, PrefillCalls, PrefillClient
 from pipeserve.disaggregation.pd.transfer import ReceiverControl
 from pipeserve.distributed import wire
 from pipeserve.distributed.messages import (
@@ -39,17 +40,14 @@ from pipeserve.distributed.messages import (
     EngineReady,
     Fatal,
     FromEngine,
-    Prefilled,
-    Reserve,
-    Reserved,
     Stats,
     StopEngine,
     ToEngine,
 )
 from pipeserve.lifetime import REFUSED_EXIT, exit_with_parent
+from pipeserve.scheduler.output import OutputProcessor, StreamDelta
 from pipeserve.scheduler.request import Req
 from pipeserve.scheduler.scheduler import RequestUpdate
-from pipeserve.server.streams import OutputStream, StreamDelta
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ class EngineLoop:
     ) -> None:
         self.engine, self.backend = engine, engine.backend
         self.inbox, self.outbox = inbox, outbox
-        self.streams: dict[str, OutputStream] = {}
+        self.streams: dict[str, OutputProcessor] = {}  # the requests it answers
         self.watchdog_timeout = watchdog_timeout
         self.step_started: float | None = None
         self.stage_busy: list[float] = []
@@ -114,7 +112,8 @@ class EngineLoop:
             room_ttl_s=sum(timeouts) + d.disaggregation_transfer_timeout,
         )
         scheduler = engine.backend.schedulers[0]
-        return DecodeTransfers(scheduler, control, engine.kv_layout(), *timeouts)
+        calls = PrefillCalls(PrefillClient.from_config(engine.config, engine.arch.vocab_size))
+        return DecodeTransfers(scheduler, control, engine.kv_layout(), *timeouts, calls)
 
     def run(self) -> None:
         threading.Thread(target=self._watchdog, daemon=True).start()
@@ -151,8 +150,7 @@ class EngineLoop:
             self.engine.shutdown()
 
     def _transfer_step(self, transfers: DecodeTransfers) -> None:
-        for rid, dest in transfers.reserve():
-            self._send(Reserved(rid, dest))
+        transfers.reserve()  # pages and rooms, and the prefill calls started
         self._emit(transfers.step())
 
     def _intake(self, block: bool) -> None:
@@ -173,11 +171,8 @@ class EngineLoop:
 
     def _handle(self, msg: ToEngine) -> None:
         match msg:
-            case AddRequest() | Reserve():
+            case AddRequest():
                 self._add(msg)
-            case Prefilled(rid, token, logprob, top):
-                if self.transfers is not None:
-                    self.transfers.prefilled(rid, token, logprob, top)
             case Abort(rid):
                 self.streams.pop(rid, None)
                 if self.transfers is not None and rid in self.transfers:
@@ -187,28 +182,33 @@ class EngineLoop:
             case StopEngine():
                 self.running = False
 
-    def _add(self, msg: AddRequest | Reserve) -> None:
-        """Admit a request (on a decode server, Reserve: queue it for pages its KV is sent
-        to); anything wrong with it (or any failure while admitting it) is answered to that
-        request alone. It was validated where it entered; the engine checks what only it
-        knows (the model's limits, its layout against a KV destination)."""
+    def _add(self, msg: AddRequest) -> None:
+        """Admit a request (one whose prompt a prefill server computes: queue it for pages
+        its KV is sent to); anything wrong with it (or any failure while admitting it) is
+        answered to that request alone. It was validated where it entered; the engine
+        checks what only it knows (the model's limits, its layout against a KV
+        destination, its prefill servers)."""
         rid, input_ids = msg.rid, msg.input_ids
         submitted = False
         try:
             top = msg.top_logprobs
-            req = Req(rid, input_ids, msg.sampling, msg.return_logprob or top > 0, top_logprobs=top)
+            sp = msg.sampling
+            req = Req(rid, input_ids, sp, msg.return_logprob or top > 0, top_logprobs=top)
+            req.output = OutputProcessor(
+                rid, self.engine.tokenizer, sp.stop, len(input_ids), sp.include_stop_str_in_output
+            )
             self.engine.validate(req)
-            if isinstance(msg, AddRequest) and msg.transfer is not None:
+            if msg.transfer is not None:
                 req.kv_dest = self._destination(msg.transfer)
-            if isinstance(msg, Reserve):
+            if msg.prefill_url is not None:
                 if self.transfers is None:
                     raise ValueError("not a decode server (--disaggregation-mode decode)")
-                self.transfers.add(req)
+                call = PrefillCall(msg.prefill_url, input_ids, sp, msg.return_logprob, top)
+                self.transfers.add(req, call)
             else:
                 self.backend.submit(req)
             submitted = True
-            stream = OutputStream(rid, self.engine.tokenizer, req.sampling.stop, len(input_ids))
-            self.streams[rid] = stream
+            self.streams[rid] = req.output
         except Exception as exc:
             if submitted and self.transfers is not None and rid in self.transfers:
                 self.transfers.abort(rid)
@@ -244,15 +244,15 @@ class EngineLoop:
         if stream is None:
             return None
         try:
-            delta = stream.apply(u)
+            delta = stream.delta(u)
         except Exception as exc:
             del self.streams[u.rid]
             self.backend.abort(u.rid)
             return self._error_delta(u.rid, exc, invalid=False)
         if u.finish_reason is not None:
             del self.streams[u.rid]
-        if u.error is not None:  # the scheduler failed this request
-            delta.error, delta.error_kind = u.error, "engine"
+        if u.error is not None:  # the engine failed it (or a prefill server refused it)
+            delta.error, delta.error_kind = u.error, u.error_kind
         return delta
 
     @staticmethod

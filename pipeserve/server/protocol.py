@@ -72,6 +72,7 @@ class _Request(BaseModel):
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
 
     @model_validator(mode="before")
     @classmethod
@@ -115,6 +116,7 @@ class _Request(BaseModel):
             "stop": self.stop_list(),
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
 
     @property

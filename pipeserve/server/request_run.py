@@ -10,13 +10,12 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from pipeserve.disaggregation.pd.http import prefill_call
+from pipeserve.scheduler.output import StreamDelta
 from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server import protocol as P
 from pipeserve.server.admission import Ticket
 from pipeserve.server.engine_client import EngineFailed
 from pipeserve.server.errors import ApiError, unavailable
-from pipeserve.server.streams import StreamDelta
 from pipeserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -52,12 +51,8 @@ class RequestRun:
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
         reason = "abort"  # unless the engine says how the request ended
-        prefill = None
-        if self.prefill_url is not None:
-            args = (self.ids, self.params, self.logprobs, self.top)
-            prefill = prefill_call(self.state, self.prefill_url, *args)
         deltas = self.state.client.generate(
-            self.ids, self.params, self.logprobs, self.top, prefill=prefill
+            self.ids, self.params, self.logprobs, self.top, prefill_url=self.prefill_url
         )
         gen = cast(AsyncGenerator[StreamDelta, None], deltas)  # an async generator function
         try:

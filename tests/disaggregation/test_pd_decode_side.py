@@ -1,7 +1,9 @@
 """A decode server's reserved requests (no model, a fake receiver control): pages are
 reserved in order while memory lasts; a request decodes only once both its KV and its first
 token are in (either order), from the first token on; an abort or a transfer past the
-timeout closes the room on the ranks before its pages are freed; nothing leaks."""
+timeout closes the room on the ranks before its pages are freed; nothing leaks. The engine's
+prefill call starts once the pages and room are there; a failed call fails its request
+alone (a 400 when the prefill server refused it); an abort cancels the call."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 from pipeserve.config import SchedulerConfig
 from pipeserve.disaggregation.pd.decode_side import DecodeTransfers
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
+from pipeserve.disaggregation.pd.prefill_client import First, PrefillCall, PrefillFailed
 from pipeserve.disaggregation.pd.transfer import RoomRefused, RoomStats
 from pipeserve.scheduler.kv_manager import KVManager
 from pipeserve.scheduler.request import Req, SamplingParams
@@ -162,3 +165,83 @@ def test_a_refused_room_fails_its_request_alone() -> None:
     assert update.error is not None and "refused" in update.error
     assert sched.kv.allocator.num_free == free - 20 // PAGE  # only b's pages are held
     assert t.stats()["pd_transfers_failed"] == 1 and "a" not in t
+
+
+# -- the prefill call, made by the engine ---------------------------------------------------
+
+
+class FakeCalls:
+    """Stands in for PrefillCalls: records what is started and cancelled; the test ends
+    the calls."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, tuple[PrefillCall, dict]] = {}
+        self.cancelled: list[str] = []
+        self.ended: list[tuple[str, First | PrefillFailed]] = []
+
+    def start(self, rid: str, call: PrefillCall, destination: dict) -> None:
+        self.started[rid] = (call, destination)
+
+    def done(self) -> list[tuple[str, First | PrefillFailed]]:
+        out, self.ended = self.ended, []
+        return out
+
+    def cancel(self, rid: str) -> None:
+        self.cancelled.append(rid)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def with_calls() -> tuple[Scheduler, FakeControl, DecodeTransfers, FakeCalls]:
+    sched, control, t = setup()
+    calls = FakeCalls()
+    t.calls = calls  # type: ignore[assignment]
+    return sched, control, t, calls
+
+
+def call_of(r: Req) -> PrefillCall:
+    return PrefillCall("http://p:1", r.input_ids, r.sampling, False, 0)
+
+
+def test_the_call_starts_once_pages_and_room_are_there_and_its_token_starts_decoding() -> None:
+    sched, control, t, calls = with_calls()
+    a, b = req("a", 100), req("b", 60)
+    t.add(a, call_of(a))
+    t.add(b, call_of(b))  # no pages for it yet: no call either
+    t.reserve()
+    assert list(calls.started) == ["a"]
+    call, dest = calls.started["a"]
+    assert call.url == "http://p:1" and KVDestination.from_json(dest).room in control.open_rooms
+    calls.ended.append(("a", (7, -0.5, [])))
+    control.finish("a", t)
+    (update,) = t.step()
+    assert update.rid == "a" and update.new_token_ids == [7] and "a" in sched.reqs
+
+
+@pytest.mark.parametrize("invalid", [True, False])
+def test_a_failed_call_fails_its_request_alone_and_frees_everything(invalid: bool) -> None:
+    sched, control, t, calls = with_calls()
+    free = sched.kv.allocator.num_free
+    a, b = req("a", 40), req("b", 40)
+    t.add(a, call_of(a))
+    t.add(b, call_of(b))
+    t.reserve()
+    calls.ended.append(("a", PrefillFailed("the prefill server rejected it", invalid=invalid)))
+    (update,) = t.step()
+    assert (update.rid, update.finish_reason) == ("a", "error")
+    assert update.error_kind == ("invalid" if invalid else "engine")
+    assert calls.cancelled == ["a"] and [r for r, _ in control.log] == ["close"]
+    assert t.stats()["pd_transfers_failed"] == 0  # the call failed, not a transfer
+    assert "b" in t.pending and sched.kv.allocator.num_free == free - 10
+
+
+def test_an_abort_cancels_the_call() -> None:
+    sched, control, t, calls = with_calls()
+    a = req("a", 40)
+    t.add(a, call_of(a))
+    t.reserve()
+    t.abort("a")
+    assert calls.cancelled == ["a"] and not control.open_rooms and not t.active
+    calls.ended.append(("a", (7, -0.5, [])))  # a late answer finds nothing to start
+    assert t.step() == [] and "a" not in sched.reqs

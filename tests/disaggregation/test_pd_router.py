@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -30,7 +29,7 @@ from starlette.datastructures import Headers
 from tls_certs import Certs, make_certs
 
 from pipeserve.disaggregation.pd import auth
-from pipeserve.disaggregation.pd.http import prefill_call
+from pipeserve.disaggregation.pd.prefill_client import PrefillCall, PrefillClient, PrefillFailed
 from pipeserve.disaggregation.pd.router import (
     FORWARDED_HEADERS,
     MAX_EVENT_BYTES,
@@ -38,7 +37,6 @@ from pipeserve.disaggregation.pd.router import (
     create_router_app,
 )
 from pipeserve.scheduler.request import SamplingParams
-from pipeserve.server.engine_client import PrefillFailed
 
 WAIT_S = 10.0  # longest any step may take: a hang fails fast
 PIPESERVE = Path(sys.executable).parent / "pipeserve"
@@ -599,9 +597,10 @@ def test_the_router_serves_https_with_a_certificate(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_decode_server_calls_https_prefill_servers_verified_by_its_ca(tmp_path: Path) -> None:
-    """The decode server's leg to a prefill server (`http.prefill_call`): over TLS to a
-    certificate chaining to --ssl-ca-certs, its credential made for the call; without the
-    CA the call fails and nothing reaches the prefill server."""
+    """The decode server's leg to a prefill server (`PrefillClient.call`, run by its engine):
+    over TLS to a certificate chaining to --ssl-ca-certs, its credential made for the call;
+    without the CA the call fails and nothing reaches the prefill server; nor is a prefill
+    server it was not started with ever called."""
     certs = make_certs(tmp_path)
     seen: list[tuple[Headers, bytes]] = []
     app = FastAPI()
@@ -611,22 +610,24 @@ def test_a_decode_server_calls_https_prefill_servers_verified_by_its_ca(tmp_path
         seen.append((request.headers, await request.body()))
         return JSONResponse({"token": 3, "logprob": -0.5, "top": []})
 
-    def state(ca: Path | None) -> Any:
-        server = SimpleNamespace(ssl_ca_certs=str(ca) if ca else None)
-        d = SimpleNamespace(disaggregation_prefill_timeout=10.0)
-        config = SimpleNamespace(server=server, disaggregation=d)
+    def client(ca: Path | None, url: str) -> PrefillClient:
         credential = auth.InternalCredential(PD_KEY)
-        return SimpleNamespace(config=config, pd_credential=credential, vocab_size=10)
+        return PrefillClient(credential, str(ca) if ca else None, 10.0, 10, (url,))
 
     with serving(app, certs) as server:
-        call = prefill_call(state(certs.ca), server.url, [1, 2, 3], SamplingParams(), True, 0)
-        assert asyncio.run(call({"room": "x"})) == (3, -0.5, [])
+        call = PrefillCall(server.url, [1, 2, 3], SamplingParams(), True, 0)
+        assert asyncio.run(client(certs.ca, server.url).call(call, {"room": "x"})) == (
+            3,
+            -0.5,
+            [],
+        )
         [(headers, body)] = seen
         check = auth.InternalCredential(PD_KEY)  # the prefill server's
         assert check.problem("POST", "/pd/prefill", body, headers) is None
-        call = prefill_call(state(None), server.url, [1, 2, 3], SamplingParams(), True, 0)
         with pytest.raises(PrefillFailed):
-            asyncio.run(call({"room": "x"}))
+            asyncio.run(client(None, server.url).call(call, {"room": "x"}))
+        with pytest.raises(PrefillFailed, match="not a prefill server"):
+            asyncio.run(client(certs.ca, "https://elsewhere:1").call(call, {"room": "x"}))
         assert len(seen) == 1
 
 

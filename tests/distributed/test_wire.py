@@ -45,14 +45,11 @@ from pipeserve.distributed.messages import (
     Heartbeat,
     KVHeader,
     OpenRoom,
-    Prefilled,
     Profile,
     ProfileTimes,
     Ready,
     Refused,
     ReportTimeline,
-    Reserve,
-    Reserved,
     RoomAnswer,
     RoomDone,
     Shutdown,
@@ -65,8 +62,8 @@ from pipeserve.distributed.messages import (
 from pipeserve.distributed.wire import MAX_MAP_LEN, MAX_PLAIN_DEPTH, Channel, WireError
 from pipeserve.mem_cache.hicache import CacheOp
 from pipeserve.scheduler.batch import BatchResult, ReqSlice, ScheduledBatch, TwoBatchSplit
+from pipeserve.scheduler.output import StreamDelta
 from pipeserve.scheduler.request import SamplingParams
-from pipeserve.server.streams import StreamDelta
 from pipeserve.timeline import Event
 
 SAMPLING = SamplingParams(
@@ -170,8 +167,7 @@ STATUS_MESSAGES: list[Any] = [
 TO_ENGINE_MESSAGES: list[Any] = [
     AddRequest("rid-1", [1, 2, 3], SAMPLING, True, 5, None),
     AddRequest("rid-2", [1], SamplingParams(), False, 0, DESTINATION.to_json()),
-    Reserve("rid-3", [1, 2], SAMPLING, False, 2),
-    Prefilled("rid-3", 17, -0.5, [(17, -0.5), (3, -1.25)]),
+    AddRequest("rid-3", [1, 2], SAMPLING, False, 2, None, "http://10.0.0.3:8000"),
     Abort("rid-1"),
     StopEngine(),
 ]
@@ -188,7 +184,6 @@ FROM_ENGINE_MESSAGES: list[Any] = [
         }
     ),
     Fatal("engine failed: worker rank 1 exited with code -9"),
-    Reserved("rid-3", DESTINATION.to_json()),
 ]
 KV_CONTROL_MESSAGES: list[Any] = [
     OpenRoom("0f" * 16, [(20, 40), (4096, 8)], 48, 3600.0),
@@ -324,8 +319,8 @@ def test_a_message_is_tagged_with_its_place_in_the_union(channel: Channel[Any], 
 
 def test_tags_follow_the_order_of_the_unions() -> None:
     assert [STAGE.tag(m) for m in STAGE_MESSAGES] == [0, 1, 2, 3]
-    assert [TO_ENGINE.tag(m) for m in TO_ENGINE_MESSAGES] == [0, 0, 1, 2, 3, 4]
-    assert [FROM_ENGINE.tag(m) for m in FROM_ENGINE_MESSAGES] == [0, 1, 2, 3, 4]
+    assert [TO_ENGINE.tag(m) for m in TO_ENGINE_MESSAGES] == [0, 0, 0, 1, 2]
+    assert [FROM_ENGINE.tag(m) for m in FROM_ENGINE_MESSAGES] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
@@ -425,6 +420,10 @@ def nested(depth: int) -> Any:
 SP = SamplingParams()
 
 
+def top_of(rows: list[Any]) -> StreamDelta:
+    return StreamDelta("a", token_ids=[1], top_logprobs=[rows])
+
+
 @pytest.mark.parametrize(
     "channel,msg",
     [
@@ -449,16 +448,16 @@ SP = SamplingParams()
         pytest.param(TO_ENGINE, Abort(b"r"), id="bytes-for-string"),
         pytest.param(TO_ENGINE, Abort("\ud800"), id="lone-surrogate-outside-free-text"),
         pytest.param(STATUS, Status(0, Failed(None)), id="none-for-free-text"),
-        pytest.param(TO_ENGINE, Prefilled("r", 1, None, []), id="none-for-float"),
+        pytest.param(messages.KV_ANSWER, RoomDone("r", 1, None, 0.0), id="none-for-float"),
         pytest.param(TO_ENGINE, AddRequest("r", [2**63], SP, False, 0), id="int-list-overflow"),
         pytest.param(TO_ENGINE, AddRequest("r", [1.5], SP, False, 0), id="float-in-int-list"),
         pytest.param(TO_ENGINE, AddRequest("r", ["1"], SP, False, 0), id="string-in-int-list"),
         pytest.param(TO_ENGINE, AddRequest("r", "12", SP, False, 0), id="string-for-int-list"),
         pytest.param(TO_ENGINE, AddRequest("r", None, SP, False, 0), id="none-for-int-list"),
         pytest.param(STATUS, Status(0, ProfileTimes(0, ["1"])), id="string-in-float-list"),
-        pytest.param(TO_ENGINE, Prefilled("r", 1, 0.5, [(1, 0.5, 2)]), id="rows-of-3-for-pairs"),
-        pytest.param(TO_ENGINE, Prefilled("r", 1, 0.5, [(0.5, 1)]), id="float-in-int-column"),
-        pytest.param(TO_ENGINE, Prefilled("r", 1, 0.5, [1]), id="int-for-a-row"),
+        pytest.param(FROM_ENGINE, Deltas([top_of([(1, 0.5, 2)])]), id="rows-of-3-for-pairs"),
+        pytest.param(FROM_ENGINE, Deltas([top_of([(0.5, 1)])]), id="float-in-int-column"),
+        pytest.param(FROM_ENGINE, Deltas([top_of([1])]), id="int-for-a-row"),
         pytest.param(STAGE, Profile([(0, 1, 2)], []), id="run-of-3"),
         pytest.param(FROM_ENGINE, Deltas([DELTA, "x"]), id="string-for-dataclass"),
         pytest.param(
@@ -475,15 +474,17 @@ SP = SamplingParams()
         pytest.param(FROM_ENGINE, Stats({"a": "\ud800"}), id="plain-lone-surrogate"),
         pytest.param(FROM_ENGINE, Stats({"a": nested(MAX_PLAIN_DEPTH)}), id="plain-too-deep"),
         pytest.param(FROM_ENGINE, Stats([("a", 1)]), id="list-for-dict"),
-        pytest.param(TO_ENGINE, Prefilled("r", 1, 2**1024, []), id="int-too-big-for-a-float"),
         pytest.param(
-            TO_ENGINE,
-            Prefilled("r", 1, "1.5", []),
+            messages.KV_ANSWER, RoomDone("r", 1, 2**1024, 0.0), id="int-too-big-for-a-float"
+        ),
+        pytest.param(
+            messages.KV_ANSWER,
+            RoomDone("r", 1, "1.5", 0.0),
             id="string-for-float",
         ),
         pytest.param(
-            TO_ENGINE,
-            Prefilled("r", 1, True, []),
+            messages.KV_ANSWER,
+            RoomDone("r", 1, True, 0.0),
             id="bool-for-float",
         ),
         pytest.param(

@@ -10,10 +10,12 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
+from byte_tokenizer import letters
 
 from pipeserve.config import SchedulerConfig
 from pipeserve.scheduler.batch import BatchResult, ReqSlice, ScheduledBatch
 from pipeserve.scheduler.kv_manager import KVManager
+from pipeserve.scheduler.output import Detokenizer
 from pipeserve.scheduler.request import Req, SamplingParams, Status
 from pipeserve.scheduler.scheduler import RequestUpdate, Scheduler
 
@@ -23,11 +25,6 @@ NextToken = Callable[[list[int]], int]
 
 def count_up(seq: list[int]) -> int:
     return seq[-1] + 1
-
-
-def letters(ids: list[int]) -> str:
-    """Detokenizer: token 1 is 'a', 2 is 'b', ..."""
-    return "".join(chr(ord("a") + t - 1) for t in ids)
 
 
 def slots(runs: list[tuple[int, int]]) -> list[int]:
@@ -70,13 +67,13 @@ class Harness:
         page_size: int = 1,
         context_len: int = 64,
         disable_radix_cache: bool = False,
-        detokenize: Callable[[list[int]], str] | None = None,
+        tokenizer: Detokenizer | None = None,
         next_token: NextToken = count_up,
         **flags: int | bool,
     ) -> None:
         self.kv = KVManager(num_pages, page_size, disable_radix_cache)
         self.config = SchedulerConfig(**flags)  # type: ignore[arg-type]
-        self.sched = Scheduler(self.config, self.kv, context_len, (EOS,), detokenize)
+        self.sched = Scheduler(self.config, self.kv, context_len, (EOS,), tokenizer)
         self.executor = FakeExecutor(next_token)
         self.reqs: dict[str, Req] = {}
         self.updates: dict[str, list[RequestUpdate]] = defaultdict(list)
@@ -426,9 +423,9 @@ def test_abort_unknown_request() -> None:
 # -- stop conditions --------------------------------------------------------------------
 
 
-def run_one(prompt: list[int], detokenize: Callable[[list[int]], str] | None = None,
+def run_one(prompt: list[int], tokenizer: Detokenizer | None = None,
             **sampling: object) -> Harness:
-    h = Harness(detokenize=detokenize)
+    h = Harness(tokenizer=tokenizer)
     h.add("a", prompt, **sampling)
     h.run()
     h.assert_all_pages_back()
@@ -460,13 +457,13 @@ def test_stop_token_ids_apply_even_with_ignore_eos() -> None:
 
 
 def test_stop_string_across_tokens() -> None:
-    h = run_one([1, 2, 3], letters, max_new_tokens=10, stop=["ef", "zz"])
+    h = run_one([1, 2, 3], letters(), max_new_tokens=10, stop=["ef", "zz"])
     assert h.outputs("a") == [4, 5, 6]  # "d", "e", "f"
     assert (h.final("a").finish_reason, h.final("a").matched_stop) == ("stop", "ef")
 
 
 def test_stop_string_in_the_prompt_does_not_stop() -> None:
-    h = run_one([1, 2, 3], letters, max_new_tokens=3, stop="bc")
+    h = run_one([1, 2, 3], letters(), max_new_tokens=3, stop="bc")
     assert h.outputs("a") == [4, 5, 6]
     assert h.final("a").finish_reason == "length"
 

@@ -15,11 +15,11 @@ from fastapi import FastAPI
 
 from pipeserve.config import EngineConfig
 from pipeserve.distributed.messages import EngineReady
+from pipeserve.scheduler.output import StreamDelta
 from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.app import create_app
 from pipeserve.server.engine_client import EngineFailed
 from pipeserve.server.state import ServerState
-from pipeserve.server.streams import StreamDelta
 
 NAME = "tiny"
 
@@ -103,7 +103,7 @@ class FakeEngine:
         logprobs: bool,
         top: int,
         transfer: Any = None,
-        prefill: Any = None,
+        prefill_url: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """A request's deltas. The fake keeps every stream: only closing it, never the
         garbage collector, ends it (as with a server that holds on to it)."""

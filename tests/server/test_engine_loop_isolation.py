@@ -21,10 +21,9 @@ import torch
 
 from pipeserve.distributed.messages import TO_ENGINE, AddRequest, Deltas, FromEngine
 from pipeserve.engine.engine import Engine
+from pipeserve.scheduler.output import StreamDelta
 from pipeserve.scheduler.request import SamplingParams
-from pipeserve.server import engine_process
 from pipeserve.server.engine_process import EngineLoop
-from pipeserve.server.streams import OutputStream, StreamDelta
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -198,15 +197,25 @@ def add_failing_requests(loop: Loop, monkeypatch: pytest.MonkeyPatch) -> None:
     their output stream, while the scheduler processes their token."""
     long = {**GREEDY, "max_new_tokens": LONG}
 
-    def stream_or_fail(rid: str, *args: Any) -> OutputStream:
-        return _raise() if rid == "bad-admit" else OutputStream(rid, *args)
-
-    monkeypatch.setattr(engine_process, "OutputStream", stream_or_fail)
+    loop.loop.streams = FailsToTrack(loop.loop.streams, "bad-admit")
     loop.add("bad-admit", PROMPT, long)
     loop.add("bad-stream", PROMPT, long)
-    loop.loop.streams["bad-stream"].apply = _raise  # type: ignore[method-assign]
+    loop.loop.streams["bad-stream"].delta = _raise  # type: ignore[method-assign]
     loop.add("bad-result", PROMPT, {**long, "stop": ["qqqq"]})
-    loop.loop.backend.scheduler._stop_watches["bad-result"].detokenize = _raise
+    loop.loop.streams["bad-result"].add = _raise  # type: ignore[method-assign]
+
+
+class FailsToTrack(dict):
+    """The loop's requests, failing to take one (a failure after its submission)."""
+
+    def __init__(self, streams: dict[str, Any], rid: str) -> None:
+        super().__init__(streams)
+        self.rid = rid
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == self.rid:
+            _raise()
+        super().__setitem__(key, value)
 
 
 def _raise(*_: Any) -> Any:

@@ -14,9 +14,7 @@ import pytest
 from fake_engine import NAME, FakeEngine, serving
 
 from pipeserve.config import EngineConfig
-from pipeserve.scheduler.scheduler import RequestUpdate
 from pipeserve.server.state import ServerState
-from pipeserve.server.streams import OutputStream
 from pipeserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,9 +65,3 @@ async def _no_template(tokenizer: Tokenizer) -> None:
         assert r.status_code == 400 and "--chat-template FILE" in r.text
         r = await http.post("/v1/completions", json={"model": NAME, "prompt": "hi"})
         assert r.status_code == 200
-
-
-def test_the_engine_side_stream_carries_ids_and_no_text_without_a_tokenizer() -> None:
-    stream = OutputStream("r", None, (), prompt_tokens=3)
-    d = stream.apply(RequestUpdate("r", new_token_ids=[7, 8], new_logprobs=[0.0, 0.0]))
-    assert d.text == "" and d.token_ids == [7, 8] and d.completion_tokens == 2

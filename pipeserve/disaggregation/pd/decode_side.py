@@ -1,11 +1,15 @@
-"""The decode server's side of a disaggregated request, in its engine process: reserve the
-prompt's pages, open a room for them on every decode rank (the bootstrap the prefill side is
-told), and hand the request to the scheduler once both its KV (every rank's done notice)
-and its first token (the prefill server's answer) are in.
+"""The decode server's side of a disaggregated request, in its engine process, as one
+state machine: reserve the prompt's pages, open a room for them on every decode rank, call
+the prefill server with where to send the KV (prefill_client.py), and hand the request to
+the scheduler once both its KV (every rank's done notice) and its first token (the prefill
+server's answer) are in.
 
-Every way out frees what the request holds: an abort (the client or the prefill call gone)
-or a transfer that overruns the timeout closes the room on every rank first (so no late
-message can write into the pages) and then releases the pages.
+    waiting (no pages yet) -> pending: room open, call in flight -> first token in
+        -> KV in (both, in either order) -> the scheduler decodes it
+
+Every way out frees what the request holds: an abort (the client gone), a failed call, or a
+transfer that overruns the timeout cancels the call and closes the room on every rank (so
+no late message can write into the pages) before the pages are released.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.disaggregation.pd.kv_remap import KVDestination, SideLayout
+from pipeserve.disaggregation.pd.prefill_client import PrefillCall, PrefillCalls, PrefillFailed
 from pipeserve.disaggregation.pd.transfer import (
     ReceiverControl,
     RoomRefused,
@@ -66,37 +71,41 @@ class DecodeTransfers:
         layout: SideLayout,
         prefill_timeout_s: float,
         transfer_timeout_s: float,
+        calls: PrefillCalls | None = None,
     ) -> None:
         """The KV must be in `transfer_timeout_s` after the first token came (its last layer
         was computed by then); the whole, within the prefill timeout plus that (a cap: the
-        HTTP leg fails the request first when the prefill server dies or takes too long)."""
+        call fails the request first when the prefill server dies or takes too long).
+        `calls`: where the prefill calls run (None: whoever drives this calls `prefilled`)."""
         self.scheduler, self.control, self.layout = scheduler, control, layout
         self.prefill_timeout_s, self.transfer_timeout_s = prefill_timeout_s, transfer_timeout_s
-        self.waiting: deque[Req] = deque()  # no pages yet (memory short)
+        self.calls = calls
+        self.waiting: deque[tuple[Req, PrefillCall | None]] = deque()  # no pages yet
         self.pending: dict[str, _Pending] = {}
         self.refused: list[RequestUpdate] = []  # requests whose room a rank refused
         self.totals = TransferTotals()
 
     def __contains__(self, rid: str) -> bool:
-        return rid in self.pending or any(r.rid == rid for r in self.waiting)
+        return rid in self.pending or any(r.rid == rid for r, _ in self.waiting)
 
     @property
     def active(self) -> bool:
         return bool(self.pending or self.waiting)
 
-    def add(self, req: Req) -> None:
-        """Queue a request for pages; ValueError if it can never be served."""
+    def add(self, req: Req, call: PrefillCall | None = None) -> None:
+        """Queue a request for pages, its prefill `call` made once it has them; ValueError
+        if it can never be served."""
         if req.rid in self or req.rid in self.scheduler.reqs:
             raise ValueError(f"request id {req.rid!r} is already in use")
         self.scheduler.check_request(len(req.input_ids), req.sampling.max_new_tokens)
-        self.waiting.append(req)
+        self.waiting.append((req, call))
 
     def reserve(self) -> list[tuple[str, dict[str, Any]]]:
-        """Pages and a room for queued requests, in order, while memory lasts: (rid, the
-        destination the prefill side sends to) for each."""
+        """Pages and a room for queued requests, in order, while memory lasts, and their
+        prefill calls started: (rid, the destination the prefill side sends to) for each."""
         out = []
         while self.waiting:
-            req = self.waiting[0]
+            req, call = self.waiting[0]
             runs = self.scheduler.reserve_transfer(req)
             if runs is None:
                 break
@@ -115,8 +124,10 @@ class DecodeTransfers:
                 self.scheduler.drop_transfer(req)
                 raise
             self.pending[req.rid] = _Pending(req, room, time.monotonic())
-            dest = KVDestination(room, self.control.endpoints, self.layout)
-            out.append((req.rid, dest.to_json()))
+            dest = KVDestination(room, self.control.endpoints, self.layout).to_json()
+            if self.calls is not None and call is not None:
+                self.calls.start(req.rid, call, dest)
+            out.append((req.rid, dest))
         return out
 
     def prefilled(self, rid: str, token: int, logprob: float, top: Top) -> None:
@@ -127,11 +138,20 @@ class DecodeTransfers:
     def step(self) -> list[RequestUpdate]:
         """Requests whose KV and first token are both in start decoding (their first token
         is their first update); transfers past the timeout fail."""
+        updates, self.refused = self.refused, []
+        for rid, answer in self.calls.done() if self.calls is not None else []:
+            if isinstance(answer, PrefillFailed):
+                if rid in self.pending:  # the call failed, not the transfer: not counted
+                    update = self._fail(rid, "error", counted=False)
+                    update.error = str(answer)
+                    update.error_kind = "invalid" if answer.invalid else "engine"
+                    updates.append(update)
+            else:
+                self.prefilled(rid, *answer)
         for room, stats in self.control.poll():
             p = next((p for p in self.pending.values() if p.room == room), None)
             if p is not None:
                 p.kv = stats
-        updates, self.refused = self.refused, []
         now = time.monotonic()
         for rid, p in list(self.pending.items()):
             if p.kv is not None and p.first is not None:
@@ -161,19 +181,21 @@ class DecodeTransfers:
 
     def abort(self, rid: str) -> RequestUpdate | None:
         """End a request still waiting for pages or KV (None if it is not here)."""
-        req = next((r for r in self.waiting if r.rid == rid), None)
-        if req is not None:
-            self.waiting.remove(req)
+        queued = next((w for w in self.waiting if w[0].rid == rid), None)
+        if queued is not None:
+            self.waiting.remove(queued)
             return RequestUpdate(rid, finish_reason="abort")
         return self._fail(rid, "abort") if rid in self.pending else None
 
-    def _fail(self, rid: str, reason: str) -> RequestUpdate:
+    def _fail(self, rid: str, reason: str, counted: bool = True) -> RequestUpdate:
         p = self.pending.pop(rid)
+        if self.calls is not None:
+            self.calls.cancel(rid)  # the prefill server aborts the prompt
         try:
             self.control.close(p.room)  # no rank writes into the pages after this
         finally:
             self.scheduler.drop_transfer(p.req)
-        self.totals.failed += reason == "error"
+        self.totals.failed += counted and reason == "error"
         return RequestUpdate(rid, finish_reason=reason)
 
     def _count(self, s: RoomStats) -> None:
@@ -188,4 +210,6 @@ class DecodeTransfers:
         return stats | {"pd_kv_messages_dropped": self.control.dropped}
 
     def shutdown(self) -> None:
+        if self.calls is not None:
+            self.calls.shutdown()
         self.control.shutdown()

@@ -1,9 +1,11 @@
 """The HTTP legs of a disaggregated request. The router sends the client's request to a
 decode server, naming a prefill server in the `X-Pipeserve-Prefill` header (with the
-internal credential, auth.py); the decode server reserves pages, then calls that prefill
-server's `POST /pd/prefill` with the prompt, the sampling parameters and where to send the
-KV; the prefill server computes the prompt (sending KV as it goes) and answers with the
-first token. The client's stream comes from the decode server alone.
+internal credential, auth.py); the decode server's engine reserves pages, then calls that
+prefill server's `POST /pd/prefill` with the prompt, the sampling parameters and where to
+send the KV (prefill_client.py); the prefill server computes the prompt (sending KV as it
+goes) and answers with the first token. The client's stream comes from the decode server
+alone. This module: the header's check on the decode server, the route on the prefill
+server.
 
 Neither side trusts the other's input more than a client's. A decode server calls only the
 prefill servers it was started with (`--disaggregation-prefill-url`; the header names one
@@ -18,34 +20,27 @@ aborts the prompt at once, as for any client that disconnects.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pipeserve.disaggregation.pd.prefill_client import PREFILL_PATH
 from pipeserve.disaggregation.pd.router import PREFILL_HEADER
+from pipeserve.scheduler.output import StreamDelta
 from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, SamplingParams
-from pipeserve.server.connection_guard import client_tls
-from pipeserve.server.engine_client import Prefill, PrefillFailed
 from pipeserve.server.errors import ApiError, unavailable
-from pipeserve.server.streams import StreamDelta
 
 if TYPE_CHECKING:
     from pipeserve.server.state import ServerState
 
-__all__ = ["PREFILL_HEADER", "add_prefill_route", "prefill_call", "prefill_target"]
+__all__ = ["PREFILL_HEADER", "add_prefill_route", "prefill_target"]
 
 log = logging.getLogger(__name__)
 
-PREFILL_PATH = "/pd/prefill"
-MAX_ANSWER_BYTES = 1 << 20  # a first token with its top logprobs is far smaller
-PEER_TEXT_LOGGED = 300  # characters of a peer's error message kept in the log
 
 
 async def prefill_target(state: ServerState, request: Request) -> str | None:
@@ -85,105 +80,6 @@ async def prefill_target(state: ServerState, request: Request) -> str | None:
             code="unknown_prefill_server",
         )
     return url
-
-
-def prefill_call(
-    state: ServerState,
-    url: str,
-    input_ids: list[int],
-    params: SamplingParams,
-    return_logprob: bool,
-    top_logprobs: int,
-) -> Prefill:
-    """The decode server's call of one request's prefill (see `EngineClient.generate`): to a
-    configured prefill server `url`, with the internal credential."""
-    credential = state.pd_credential
-    assert credential is not None, "a decode server has its PD key"
-    tls = client_tls(state.config.server.ssl_ca_certs)
-    timeout_s = state.config.disaggregation.disaggregation_prefill_timeout
-    vocab = state.vocab_size
-
-    async def call(destination: dict[str, Any]) -> tuple[int, float, list[tuple[int, float]]]:
-        body = {
-            "input_ids": input_ids,
-            "sampling": {**dataclasses.asdict(params), "max_new_tokens": 1},
-            "return_logprob": return_logprob,
-            "top_logprobs": top_logprobs,
-            "transfer": destination,
-        }
-        content = json.dumps(body).encode()
-        headers = {
-            "content-type": "application/json",
-            **credential.headers("POST", PREFILL_PATH, content),
-        }
-        try:
-            async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, verify=tls) as client:
-                r = await client.post(url + PREFILL_PATH, content=content, headers=headers)
-        except httpx.HTTPError as exc:
-            log.warning("prefill server %s failed: %r", url, exc)
-            raise PrefillFailed(f"the prefill server failed ({type(exc).__name__})") from None
-        if r.status_code != 200:
-            log.warning(
-                "prefill server %s answered HTTP %d: %s",
-                url,
-                r.status_code,
-                _error_message(r)[:PEER_TEXT_LOGGED],
-            )
-            if r.status_code == 400:  # the request itself: the client should know
-                raise PrefillFailed("the prefill server rejected the request", invalid=True)
-            raise PrefillFailed(f"the prefill server failed (HTTP {r.status_code})")
-        try:
-            return first_token(r, vocab, return_logprob, top_logprobs)
-        except ValueError as exc:
-            log.warning("prefill server %s answered a malformed first token: %s", url, exc)
-            raise PrefillFailed(f"the prefill server's answer is malformed: {exc}") from None
-
-    return call
-
-
-def first_token(
-    r: httpx.Response, vocab: int, return_logprob: bool, top_logprobs: int
-) -> tuple[int, float, list[tuple[int, float]]]:
-    """The (token, logprob, top) of a prefill server's answer, checked like client input:
-    ValueError says what is wrong (in our words: the peer's text is not repeated)."""
-    if len(r.content) > MAX_ANSWER_BYTES:
-        raise ValueError("the answer is too large")
-    try:
-        out = r.json()
-        token, logprob, top = out["token"], out["logprob"], out["top"]
-    except (ValueError, KeyError, TypeError):
-        raise ValueError("not a JSON object with token, logprob and top") from None
-    if type(token) is not int or not 0 <= token < vocab:
-        raise ValueError(f"the token is not an id in [0, {vocab})")
-    if logprob is None:
-        value = math.nan  # not asked for
-    elif _finite(logprob):
-        value = float(logprob)
-    else:
-        raise ValueError("the logprob is not a finite number")
-    if return_logprob and logprob is None:
-        raise ValueError("the logprob asked for is missing")
-    if not isinstance(top, list) or len(top) > top_logprobs:
-        raise ValueError(f"top is not a list of at most {top_logprobs} pairs")
-    pairs = []
-    for pair in top:
-        if not (isinstance(pair, list) and len(pair) == 2):
-            raise ValueError("top is not a list of [token, logprob] pairs")
-        t, v = pair
-        if type(t) is not int or not 0 <= t < vocab or not _finite(v):
-            raise ValueError("a top pair is not [an id in the vocabulary, a finite logprob]")
-        pairs.append((t, float(v)))
-    return token, value, pairs
-
-
-def _finite(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
-
-
-def _error_message(r: httpx.Response) -> str:
-    with contextlib.suppress(ValueError, KeyError, TypeError):
-        return str(r.json()["error"]["message"])
-    return f"HTTP {r.status_code}"
 
 
 def add_prefill_route(app: FastAPI, state: ServerState) -> None:
