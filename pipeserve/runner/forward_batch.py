@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, TypeVar
@@ -240,16 +241,31 @@ T = TypeVar("T")
 def map_tensors(obj: T, fn: Callable[[torch.Tensor], torch.Tensor]) -> T:
     """`obj` with every tensor in it (through dataclass fields, lists and tuples) replaced by
     fn(tensor); other values kept."""
+    if type(obj) in _LEAVES:
+        return obj
     if isinstance(obj, torch.Tensor):
         return fn(obj)  # type: ignore[return-value]
-    if isinstance(obj, list):
-        return [map_tensors(x, fn) for x in obj]  # type: ignore[return-value]
-    if isinstance(obj, tuple):
-        return tuple(map_tensors(x, fn) for x in obj)  # type: ignore[return-value]
+    if isinstance(obj, list | tuple):
+        mapped = [map_tensors(x, fn) for x in obj]
+        if all(a is b for a, b in zip(mapped, obj, strict=True)):
+            return obj  # nothing in it changed (a traversal that only looks)
+        return mapped if isinstance(obj, list) else tuple(mapped)  # type: ignore[return-value]
     if is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in fields(obj) if f.init}
-        return replace(obj, **changes)
+        names = _init_fields(type(obj))
+        values = [getattr(obj, n) for n in names]
+        mapped = [map_tensors(v, fn) for v in values]
+        if all(a is b for a, b in zip(mapped, values, strict=True)):
+            return obj
+        return replace(obj, **dict(zip(names, mapped, strict=True)))
     return obj
+
+
+_LEAVES = (int, float, bool, str, type(None))
+
+
+@functools.cache
+def _init_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.init)
 
 
 def _tail_slots(runs: list[Run], n: int) -> Sequence[int]:
