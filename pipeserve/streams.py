@@ -12,7 +12,7 @@ values. Per batch:
 
 The pinned buffers (`StagingRing`) alternate, two of them, so that the next batch is packed
 while the last one's copy may still be in flight; a buffer is packed again only after its
-copy's `ready` (in the overlap loop, a copy two batches back: long done).
+last copy's `ready` (an earlier batch's: done by then, as a rule).
 
 On a CPU every op has finished when it returns: no copy stream, no events, and the same
 calls cost nothing. CUDA is reached through `CudaApi`, six one-line methods, so that tests
@@ -21,6 +21,7 @@ can drive the same protocol with a fake that checks the order of events.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -71,27 +72,38 @@ ALIGN = 16  # bytes: each tensor's place in a staging buffer (any dtype's view o
 
 class StagingRing:
     """A worker's persistent pinned buffers for batch inputs, used in turn; each is packed
-    again only once its last copy is done (`Upload.ready`, waited for on the host)."""
+    again only once its last copy is done (the upload's `ready`, waited for on the host). A
+    buffer whose upload is still being packed (another thread's) is skipped for a one-off
+    one."""
 
     def __init__(self, api: DeviceApi, slots: int = 2) -> None:
         self.api = api
         self.buffers: list[torch.Tensor | None] = [None] * slots
-        self.last: list[Upload | None] = [None] * slots
+        self.copied: list[Any] = [None] * slots  # the event after each one's last copy
+        self.busy = [False] * slots  # packed by an upload not yet over
         self.turn = 0
+        self._lock = threading.Lock()
 
-    def take(self, nbytes: int, up: Upload) -> torch.Tensor:
-        """A pinned uint8 buffer of at least `nbytes`, free to pack (its last upload's copy
-        has finished), now `up`'s."""
-        i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
-        last = self.last[i]
-        if last is not None and last.ready is not None:
-            last.ready.synchronize()
+    def take(self, nbytes: int) -> tuple[int | None, torch.Tensor]:
+        """(its slot, a pinned uint8 buffer of at least `nbytes` free to pack); the slot is
+        None for a one-off buffer. Give it back with `release`."""
+        with self._lock:
+            i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+            if self.busy[i]:
+                return None, self.api.pin(torch.empty(nbytes, dtype=torch.uint8))
+            self.busy[i], event = True, self.copied[i]
+        if event is not None:
+            event.synchronize()
         buf = self.buffers[i]
         if buf is None or buf.numel() < nbytes:  # grown, by half again, seldom
             size = max(nbytes + nbytes // 2, 1 << 16)
             buf = self.buffers[i] = self.api.pin(torch.empty(size, dtype=torch.uint8))
-        self.last[i] = up
-        return buf
+        return i, buf
+
+    def release(self, slot: int, copied: Any) -> None:
+        """The slot's upload is over; `copied`: the event its copy ends at."""
+        with self._lock:
+            self.copied[slot], self.busy[slot] = copied, False
 
 
 class Upload:
@@ -106,6 +118,7 @@ class Upload:
         self.device, self.api, self.ring = device, api, ring
         self.ready: Any = None
         self.tensors: list[torch.Tensor] = []
+        self.slots: list[int] = []  # the staging buffers it packed
 
     def move(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors on the device: views of one buffer filled by one copy."""
@@ -115,7 +128,9 @@ class Upload:
         for h in hosts:
             places.append(end)
             end += -(-h.numel() * h.element_size() // ALIGN) * ALIGN
-        staging = self.ring.take(end, self)
+        slot, staging = self.ring.take(end)
+        if slot is not None:
+            self.slots.append(slot)
         for h, at in zip(hosts, places, strict=True):
             nbytes = h.numel() * h.element_size()
             staging[at : at + nbytes].view(h.dtype).copy_(h.reshape(-1))
@@ -193,9 +208,14 @@ class DeviceStreams:
             yield up
             return
         with self.api.use_stream(self.copy_stream):
-            yield up
-            up.ready = self.api.new_event(timing=False)
-            up.ready.record(self.copy_stream)
+            try:
+                yield up
+            finally:  # also when preparing failed: a copy may be in flight
+                up.ready = self.api.new_event(timing=False)
+                up.ready.record(self.copy_stream)
+                for slot in up.slots:
+                    assert self.staging is not None
+                    self.staging.release(slot, up.ready)
 
     def wait(self, ready: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
         """The compute (current) stream waits for an upload's copies; without blocking the

@@ -45,6 +45,29 @@ def test_upload_is_one_copy_on_the_copy_stream_and_the_compute_stream_waits() ->
     assert api.log[3:] == [("stream_wait", compute, up.ready.id), ("keep", compute)]
 
 
+def test_a_buffer_still_being_packed_is_never_handed_out() -> None:
+    """Another thread's upload still packing into a buffer (no copy recorded yet): a taker
+    in turn gets a one-off buffer, not that one; a failed upload gives its buffer back
+    after the copy it may have queued."""
+    api = FakeApi()
+    streams = DeviceStreams(CPU, api)
+    ring = streams.staging
+    assert ring is not None
+    first = ring.take(64)
+    ring.take(64)  # the other buffer
+    slot, one_off = ring.take(64)  # first's turn again, while first is still packing
+    assert slot is None and one_off.data_ptr() != first[1].data_ptr()
+    streams = DeviceStreams(CPU, api)
+    try:
+        with streams.upload() as up:
+            up.move([torch.arange(4)])
+            raise RuntimeError("preparing failed")
+    except RuntimeError:
+        pass
+    assert streams.staging is not None and up.slots == [0] and up.ready is not None
+    assert not streams.staging.busy[0] and streams.staging.copied[0] is up.ready
+
+
 def test_staging_buffers_alternate_and_are_packed_again_only_after_their_copy() -> None:
     """Two pinned buffers for every step (pinned once, grown seldom); the third step packs
     the first one's buffer after waiting for that step's copy, and sees no stale bytes."""

@@ -13,6 +13,8 @@ annotations (msgpack, never pickle).
                  once a room's KV has all arrived
     KV_HEADER    a prefill worker -> a decode rank: the header of a kv message (its KV
                  bytes follow in frames of their own)
+    PD_PREFILL   a decode server's engine -> a prefill server: the body of `POST
+                 /pd/prefill` (PrefillRequest)
 
 The data objects inside them (ScheduledBatch, BatchResult, StreamDelta, Event,
 SamplingParams, ...) live with the code that makes them.
@@ -187,6 +189,19 @@ FromEngine = EngineReady | Deltas | Stats | Fatal
 
 
 @dataclass(frozen=True)
+class PrefillRequest:
+    """A decode server's request that a prefill server compute a prompt, sending its KV to
+    `transfer` (checked by the prefill server against its own layout and allowed hosts),
+    and answer with the first token."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool
+    top_logprobs: int
+    transfer: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class OpenRoom:
     """Hold these slots for one request's KV, for at most `ttl_s`."""
 
@@ -246,3 +261,4 @@ KV_ANSWER: Channel[RoomAnswer | RoomDone] = Channel(
     "kv answer", PD_CONTROL_MAX_BYTES, RoomAnswer | RoomDone
 )
 KV_HEADER: Channel[KVHeader] = Channel("kv header", KV_HEADER_MAX_BYTES, KVHeader)
+PD_PREFILL: Channel[PrefillRequest] = Channel("pd prefill", ENGINE_LINK_MAX_BYTES, PrefillRequest)

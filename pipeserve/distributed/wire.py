@@ -100,11 +100,6 @@ class Channel(Generic[T]):
             # a class built from checked fields could still refuse a value: malformed too
             raise WireError(f"{self.name}: {exc}") from None
 
-    def tag(self, msg: Any) -> int:
-        """The place of `msg`'s class in this channel's union (0 for a single class)."""
-        members = _members(self.kind)
-        return members.index(type(msg)) if members else 0
-
 
 def _unpack(data: bytes, limit: int, name: str) -> Any:
     if len(data) > limit:
@@ -129,15 +124,6 @@ def _unpack(data: bytes, limit: int, name: str) -> Any:
 
 def _fail(what: str, value: Any) -> WireError:
     return WireError(f"{what}: unexpected {type(value).__name__} {reprlib.repr(value)}")
-
-
-def _members(kind: Any) -> tuple[type, ...]:
-    """The dataclasses of a union of them (an empty tuple for anything else)."""
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        args = typing.get_args(kind)
-        if all(dataclasses.is_dataclass(a) for a in args):
-            return args
-    return ()
 
 
 @functools.cache
@@ -201,8 +187,10 @@ def _dataclass(cls: type) -> tuple[Encode, Decode]:
     without a call each: the hot path of every step's batch and deltas)."""
     hints = typing.get_type_hints(cls, include_extras=True)
     fields = dataclasses.fields(cls)
-    if any(not f.init for f in fields):
-        raise TypeError(f"{cls.__name__} has fields the constructor does not take")
+    if any(not f.init or f.kw_only for f in fields):
+        raise TypeError(f"{cls.__name__} has fields the constructor does not take in order")
+    if hasattr(cls, "__post_init__"):  # it would run again on every decode
+        raise TypeError(f"{cls.__name__} has a __post_init__: a message holds values only")
     names = tuple(f.name for f in fields)
     codecs = [_codec(hints[n]) for n in names]
     what = cls.__name__
@@ -475,10 +463,9 @@ def _interleaved(code: str, width: int, origin: type) -> tuple[Encode, Decode]:
     def encode(v: Any) -> bytes:
         if type(v) not in (list, tuple):
             raise _fail("expected a list", v)
-        data = _pack_array(itertools.chain.from_iterable(v), code)
-        if len(data) != 8 * width * len(v):
+        if any(len(row) != width for row in v):
             raise _fail(f"expected rows of {width}", v)
-        return data
+        return _pack_array(itertools.chain.from_iterable(v), code)
 
     def decode(v: Any) -> Any:
         if v == b"" and type(v) is bytes:

@@ -209,6 +209,7 @@ class Engine:
             raise ValueError(
                 "stop strings need the tokenizer (--skip-tokenizer-init is on); use stop_token_ids"
             )
+        req.sampling.validate()  # the engine's own line of defence (a NaN would fail a step)
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)

@@ -17,6 +17,7 @@ are waited on for MAX_HELD_TOKENS tokens at most; their text is then taken as it
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -108,7 +109,7 @@ class OutputProcessor:
         self.completion_tokens += len(u.new_token_ids)
         done = u.finish_reason is not None
         if done and self._read < len(self.ids) and self._stream is not None:
-            self._extend(self._take_held())  # a character cut off by the end
+            self._extend(self._take_held(final=True))  # a character cut off by the end
         end = self._end(done, u.matched_stop)
         text = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
@@ -143,18 +144,35 @@ class OutputProcessor:
             return len(self.text)
         return len(self.text) - self.matcher.held
 
-    def _take_held(self) -> str:
-        """The text of the tokens the decoder holds, as they decode now (after the tokens
-        before them, as context); the decoder starts again after them, given that context
-        (whose text it has given already: nothing of it comes out twice)."""
-        assert self.tokenizer is not None
+    def _take_held(self, final: bool = False) -> str:
+        """The text of the tokens the decoder holds, as they decode after the tokens before
+        them (context). Unless `final`, a character still incomplete at the end (its last
+        bytes may be on their way: at most 3 tokens) stays held. The decoder starts again
+        after what was taken, given that context where it decodes whole (nothing of it comes
+        out twice), then the tokens still held."""
+        tok = self.tokenizer
+        assert tok is not None
         start = self._read
         context = self.ids[max(0, start - CONTEXT_TOKENS) : start]
-        before = self.tokenizer.decode(context)
-        after = self.tokenizer.decode(context + self.ids[start:])
-        piece = after[len(before) :] if after.startswith(before) else after
-        self._stream = self.tokenizer.decode_stream()
-        for t in context:
-            self._stream.step(t)
-        self._read = len(self.ids)
+        held = self.ids[start:]
+        before, after = tok.decode(context), tok.decode(context + held)
+        take = len(held)
+        if not final and after.endswith("\ufffd"):
+            take = max(0, len(held) - 3)  # none ends whole: the last 3 may begin a character
+            for keep in range(1, min(3, len(held)) + 1):
+                if not tok.decode(context + held[: len(held) - keep]).endswith("\ufffd"):
+                    take = len(held) - keep
+                    break
+            after = tok.decode(context + held[:take])
+        piece = after[len(os.path.commonprefix([before, after])) :]
+        self._read = start + take
+        self._stream = tok.decode_stream()
+        if not after.endswith("\ufffd"):  # else the new decoder would give it again
+            for t in self.ids[max(0, self._read - CONTEXT_TOKENS) : self._read]:
+                self._stream.step(t)
+        for j in range(take, len(held)):  # the tokens still held go on in the new decoder
+            late = self._stream.step(held[j])
+            if late is not None:
+                piece += late
+                self._read = start + j + 1
         return piece

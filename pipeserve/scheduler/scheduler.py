@@ -282,9 +282,11 @@ class Scheduler:
 
     def _stop_reason(self, req: Req, token: int) -> tuple[str, str | int | None] | None:
         sp = req.sampling
+        # every token goes to the output processor (a stop token's text, if it has any, is
+        # the client's, as the text of all generated tokens is)
+        matched = req.output.add(token) if req.output is not None else None
         if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
             return "stop", token
-        matched = req.output.add(token) if req.output is not None else None
         if matched is not None:
             return "stop", matched
         if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= self.context_len:

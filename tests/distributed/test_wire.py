@@ -203,6 +203,10 @@ CHANNELS: list[tuple[Channel[Any], list[Any]]] = [
     (messages.KV_CONTROL, KV_CONTROL_MESSAGES),
     (messages.KV_ANSWER, KV_ANSWER_MESSAGES),
     (messages.KV_HEADER, KV_HEADER_MESSAGES),
+    (
+        messages.PD_PREFILL,
+        [messages.PrefillRequest([1, 2, 3], SAMPLING, True, 5, DESTINATION.to_json())],
+    ),
 ]
 DECODERS = [channel for channel, _ in CHANNELS]
 EXAMPLES = [(channel, msg) for channel, msgs in CHANNELS for msg in msgs]
@@ -303,24 +307,27 @@ def test_every_message_round_trips(channel: Channel[Any], msg: Any) -> None:
         assert back == msg
 
 
+def tag(channel: Channel[Any], msg: Any) -> int:
+    """The tag a message of `channel` goes with: the first element on the wire."""
+    return int(msgpack.unpackb(channel.encode(msg))[0])
+
+
 @pytest.mark.parametrize("channel,msg", EXAMPLES, ids=EXAMPLE_IDS)
 def test_a_message_is_tagged_with_its_place_in_the_union(channel: Channel[Any], msg: Any) -> None:
     members = get_args(channel.kind)
     value = msgpack.unpackb(channel.encode(msg))
     if members:
-        assert channel.tag(msg) == members.index(type(msg)) == value[0]
-    elif channel is not STATUS:
-        assert channel.tag(msg) == 0 and type(value) is list
-    else:
-        assert channel.tag(msg) == 0
-        body = Channel("status body", wire.STATUS_MAX_BYTES, StatusBody)
-        assert body.tag(msg.body) == BODY_TYPES.index(type(msg.body)) == value[1][0]
+        assert members.index(type(msg)) == value[0]
+    elif channel is STATUS:  # a Status: its body is tagged
+        assert BODY_TYPES.index(type(msg.body)) == value[1][0]
+    else:  # one class: its fields alone
+        assert type(value) is list and len(value) == len(fields(msg))
 
 
 def test_tags_follow_the_order_of_the_unions() -> None:
-    assert [STAGE.tag(m) for m in STAGE_MESSAGES] == [0, 1, 2, 3]
-    assert [TO_ENGINE.tag(m) for m in TO_ENGINE_MESSAGES] == [0, 0, 0, 1, 2]
-    assert [FROM_ENGINE.tag(m) for m in FROM_ENGINE_MESSAGES] == [0, 1, 2, 3]
+    assert [tag(STAGE, m) for m in STAGE_MESSAGES] == [0, 1, 2, 3]
+    assert [tag(TO_ENGINE, m) for m in TO_ENGINE_MESSAGES] == [0, 0, 0, 1, 2]
+    assert [tag(FROM_ENGINE, m) for m in FROM_ENGINE_MESSAGES] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
@@ -459,6 +466,7 @@ def top_of(rows: list[Any]) -> StreamDelta:
         pytest.param(FROM_ENGINE, Deltas([top_of([(0.5, 1)])]), id="float-in-int-column"),
         pytest.param(FROM_ENGINE, Deltas([top_of([1])]), id="int-for-a-row"),
         pytest.param(STAGE, Profile([(0, 1, 2)], []), id="run-of-3"),
+        pytest.param(STAGE, Profile([(0, 1, 2), (3,)], []), id="rows-of-3-and-1"),
         pytest.param(FROM_ENGINE, Deltas([DELTA, "x"]), id="string-for-dataclass"),
         pytest.param(
             FROM_ENGINE, Deltas([StreamDelta("a", matched_stop=True)]), id="bool-for-str|int"
@@ -522,8 +530,32 @@ class WithAComputedField:
     b: int = field(init=False, default=0)
 
 
+@dataclass(frozen=True)
+class WithAPostInit:
+    a: int
+
+    def __post_init__(self) -> None:  # would run again on every decode
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeywordsOnly:
+    a: int
+
+
 @pytest.mark.parametrize(
-    "kind", [dict[int, int], set[int], Unsendable, WithASet, WithAComputedField, bytes, Any | int]
+    "kind",
+    [
+        dict[int, int],
+        set[int],
+        Unsendable,
+        WithASet,
+        WithAComputedField,
+        WithAPostInit,
+        KeywordsOnly,
+        bytes,
+        Any | int,
+    ],
 )
 def test_a_channel_the_codec_cannot_carry_fails_when_it_is_made(kind: Any) -> None:
     with pytest.raises(TypeError):
@@ -694,7 +726,7 @@ def test_a_bad_cache_op_is_a_wire_error(name: str, new: Any) -> None:
         STAGE.decode(msgpack.packb(replaced(value, at, bad)))
 
 
-STATS = FROM_ENGINE.tag(Stats({}))
+STATS = tag(FROM_ENGINE, Stats({}))
 ADD = msgpack.unpackb(TO_ENGINE.encode(TO_ENGINE_MESSAGES[0]))
 
 

@@ -71,11 +71,58 @@ def test_every_character_is_fed_exactly_once() -> None:
 
 
 def test_invalid_bytes_are_taken_after_a_bounded_wait() -> None:
+    """After MAX_HELD_TOKENS tokens without a character, their bytes are taken as they
+    decode, but the last 3 (they may begin one); at the end, all of them."""
     tok = tokenizer()
     p = OutputProcessor("r", tok, ("\ufffd",))
     found = add_all(p, [6] * MAX_HELD_TOKENS)
     assert found[:-1] == [None] * (MAX_HELD_TOKENS - 1) and found[-1] == "\ufffd"
-    assert p.text == "\ufffd" * MAX_HELD_TOKENS
+    assert p.text == "\ufffd" * (MAX_HELD_TOKENS - 3)
+    p.delta(RequestUpdate("r", new_token_ids=[6] * MAX_HELD_TOKENS, finish_reason="length"))
+    assert p.text == "\ufffd" * MAX_HELD_TOKENS == tok.decode([6] * MAX_HELD_TOKENS)
+
+
+# bytes of valid text, one token per byte (multi-byte characters split), and special tokens
+BYTE_PIECES = [bytes([b]) for b in range(256)] + [b"<|s|>"]
+SPECIAL = 256
+
+
+def byte_tokens(text: str) -> list[int]:
+    return list(text.encode())
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_valid_text_comes_out_whole_whatever_runs_of_special_tokens_come_between(
+    seed: int,
+) -> None:
+    """Valid UTF-8 split into byte tokens, with runs of special tokens (skipped) of any
+    length between characters: the text is exactly what decoding it all gives."""
+    rng = random.Random(seed)
+    tok = PieceTokenizer(BYTE_PIECES, specials=(SPECIAL,))
+    chars = "ab \u00e9\u4f60\U0001f600\u2603"
+    ids: list[int] = []
+    for _ in range(60):
+        ids += [SPECIAL] * rng.choice([0, 0, 1, 3, 5, 7, 8, 9, 20])
+        ids += byte_tokens(rng.choice(chars))
+    p = OutputProcessor("r", tok, ("never",))
+    add_all(p, ids)
+    p.delta(RequestUpdate("r", new_token_ids=ids, finish_reason="length"))
+    assert p.text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_invalid_bytes_cost_only_replacement_characters(seed: int) -> None:
+    """Random bytes (much invalid UTF-8): every whole character decoding it all gives comes
+    out once, in order; only the count of replacement characters may differ (bytes taken
+    after the bounded wait)."""
+    rng = random.Random(seed)
+    tok = PieceTokenizer(BYTE_PIECES, specials=(SPECIAL,))
+    pool = [*range(0x80, 0x100), *byte_tokens("a\u4f60\U0001f600"), SPECIAL]
+    ids = [rng.choice(pool) for _ in range(300)]
+    p = OutputProcessor("r", tok, ("never",))
+    add_all(p, ids)
+    p.delta(RequestUpdate("r", new_token_ids=ids, finish_reason="length"))
+    assert p.text.replace("\ufffd", "") == tok.decode(ids).replace("\ufffd", "")
 
 
 def test_special_tokens_keep_the_decoders_work_bounded() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import math
 import select
 import socket
 import threading
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,7 +38,10 @@ from server_helpers import Router, Server, drained, error_message, wait_for
 
 from pipeserve.disaggregation.pd import auth
 from pipeserve.disaggregation.pd.auth import INTERNAL_HEADER, InternalCredential
+from pipeserve.disaggregation.pd.prefill_client import PREFILL_CONTENT_TYPE
 from pipeserve.disaggregation.pd.router import PREFILL_HEADER
+from pipeserve.distributed.messages import PD_PREFILL, PrefillRequest
+from pipeserve.scheduler.request import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -177,7 +182,7 @@ def internal(content: bytes) -> dict[str, str]:
 
 
 def post_prefill(server: Server, content: bytes, headers: dict[str, str]) -> httpx.Response:
-    headers = {"Content-Type": "application/json", **headers}
+    headers = {"Content-Type": PREFILL_CONTENT_TYPE, **headers}
     url = server.base_url + "/pd/prefill"
     return httpx.post(url, content=content, headers=headers, timeout=HTTP_TIMEOUT_S)
 
@@ -199,12 +204,17 @@ def transfer(model: Path, **over: Any) -> dict[str, Any]:
 def prefill_body(model: Path, **over: Any) -> dict[str, Any]:
     return {
         "input_ids": PROMPT,
-        "sampling": {"max_new_tokens": 1, "temperature": 0.0},
+        "sampling": SamplingParams(max_new_tokens=1, temperature=0.0),
         "return_logprob": True,
         "top_logprobs": 0,
         "transfer": transfer(model),
         **over,
     }
+
+
+def encoded(fields: dict[str, Any]) -> bytes:
+    """A /pd/prefill body as a decode server sends it."""
+    return PD_PREFILL.encode(PrefillRequest(**fields))
 
 
 def logs(*servers: Server | Router) -> str:
@@ -220,7 +230,7 @@ def test_the_api_key_serves_end_to_end(cluster: Cluster) -> None:
     # a body that is well formed but sends KV to a host not allowed: 400 shows the
     # credential let it through, and nothing is computed or sent
     outside = transfer(c.model, endpoints=["tcp://10.9.9.9:5"])
-    content = json.dumps(prefill_body(c.model, transfer=outside)).encode()
+    content = encoded(prefill_body(c.model, transfer=outside))
     r = post_prefill(c.prefill, content, CLIENT)
     assert r.status_code == 401, r.text
     r = post_prefill(c.prefill, content, internal(content))
@@ -232,11 +242,11 @@ def test_an_internal_credential_opens_one_call_once(cluster: Cluster) -> None:
     fixed token, it opens nothing (401), and the body is never read further."""
     c = cluster
     outside = transfer(c.model, endpoints=["tcp://10.9.9.9:5"])
-    content = json.dumps(prefill_body(c.model, transfer=outside)).encode()
+    content = encoded(prefill_body(c.model, transfer=outside))
     seen = internal(content)
     assert post_prefill(c.prefill, content, seen).status_code == 400  # let in, then refused
     assert post_prefill(c.prefill, content, seen).status_code == 401  # a replay
-    other = json.dumps(prefill_body(c.model)).encode()
+    other = encoded(prefill_body(c.model))
     assert post_prefill(c.prefill, other, internal(content)).status_code == 401
     stamp = internal(content)[INTERNAL_HEADER].split(".")[0]
     stale = str(int(stamp) - int(2 * auth.WINDOW_S * 1e6))
@@ -335,10 +345,16 @@ def test_a_prefill_server_answering_out_of_range_fails_that_request_only(
 
 def malformed_bodies(model: Path) -> dict[str, bytes]:
     plain = prefill_body(model)
+    fields = msgpack.unpackb(encoded(plain))
+    typed: dict[str, Any] = {
+        "not msgpack": b"{not msgpack",
+        "JSON (the old body)": json.dumps({**plain, "sampling": {}}).encode(),
+        "missing fields": msgpack.packb(fields[:2]),
+        "return_logprob a string": msgpack.packb([*fields[:2], "yes", *fields[3:]]),
+        "input_ids as a list of floats": msgpack.packb([[1.5, 2.5], *fields[1:]]),
+    }
     cases: dict[str, Any] = {
-        "a JSON list": [plain],
-        "missing fields": {"input_ids": PROMPT},
-        "return_logprob a string": {**plain, "return_logprob": "yes"},
+        "NaN temperature": {**plain, "sampling": SamplingParams(temperature=math.nan)},
         "no input_ids": {**plain, "input_ids": []},
         "a token beyond the vocabulary": {**plain, "input_ids": [1, 10**9]},
         "negative top_logprobs": {**plain, "top_logprobs": -1},
@@ -353,7 +369,7 @@ def malformed_bodies(model: Path) -> dict[str, bytes]:
         },
         "a room not hex": {**plain, "transfer": transfer(model, room="../" * 11 + "ab")},
     }
-    return {"invalid JSON": b"{not json", **{k: json.dumps(v).encode() for k, v in cases.items()}}
+    return {**typed, **{k: encoded(v) for k, v in cases.items()}}
 
 
 def test_malformed_pd_prefill_bodies_get_400(cluster: Cluster) -> None:

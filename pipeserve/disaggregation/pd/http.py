@@ -5,7 +5,7 @@ prefill server's `POST /pd/prefill` with the prompt, the sampling parameters and
 send the KV (prefill_client.py); the prefill server computes the prompt (sending KV as it
 goes) and answers with the first token. The client's stream comes from the decode server
 alone. This module: the header's check on the decode server, the route on the prefill
-server.
+server (its body a `PrefillRequest`, msgpack: the prompt's ids as one int64 array).
 
 Neither side trusts the other's input more than a client's. A decode server calls only the
 prefill servers it was started with (`--disaggregation-prefill-url`; the header names one
@@ -20,7 +20,6 @@ aborts the prompt at once, as for any client that disconnects.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,8 @@ from fastapi.responses import Response
 
 from pipeserve.disaggregation.pd.prefill_client import PREFILL_PATH
 from pipeserve.disaggregation.pd.router import PREFILL_HEADER
+from pipeserve.distributed.messages import PD_PREFILL, PrefillRequest
+from pipeserve.distributed.wire import WireError
 from pipeserve.scheduler.output import StreamDelta
 from pipeserve.scheduler.request import MAX_TOP_LOGPROBS, SamplingParams
 from pipeserve.server.errors import ApiError, unavailable
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["PREFILL_HEADER", "add_prefill_route", "prefill_target"]
 
 log = logging.getLogger(__name__)
-
 
 
 async def prefill_target(state: ServerState, request: Request) -> str | None:
@@ -106,46 +106,31 @@ def add_prefill_route(app: FastAPI, state: ServerState) -> None:
                 code="missing_internal_credential",
             )
         try:
-            body = json.loads(raw)
-        except ValueError:
-            raise ApiError(400, "the body must be JSON") from None
-        ids, params, logprob, top, transfer = prefill_request(body, state.vocab_size)
+            body = PD_PREFILL.decode(raw)
+        except WireError as exc:
+            raise ApiError(400, f"the body is not a prefill request: {exc}") from None
+        check_prefill_request(body, state.vocab_size)
         ticket = state.admission.admit(state.metrics)
-        run = _run_prefill(state, ticket, ids, params, logprob, top, transfer)
+        args = (body.input_ids, body.sampling, body.return_logprob, body.top_logprobs)
+        run = _run_prefill(state, ticket, *args, body.transfer)
         return await until_done(request, run)
 
 
-def prefill_request(
-    body: Any, vocab: int
-) -> tuple[list[int], SamplingParams, bool, int, dict[str, Any]]:
-    """The fields of a /pd/prefill body, their types and ranges checked (ApiError 400):
-    the engine checks the destination against its own layout."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    fields = ("input_ids", "sampling", "return_logprob", "top_logprobs", "transfer")
-    missing = [f for f in fields if f not in body]
-    if missing:
-        raise ApiError(400, f"missing field(s): {', '.join(missing)}")
-    ids, sampling, logprob, top, transfer = (body[f] for f in fields)
-    if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+def check_prefill_request(body: PrefillRequest, vocab: int) -> None:
+    """ApiError 400 unless the values of a /pd/prefill body (its types the wire checked)
+    are in range: the engine checks the destination against its own layout."""
+    if not body.input_ids:
         raise ApiError(400, "input_ids must be a non-empty list of integers", param="input_ids")
-    if not all(0 <= t < vocab for t in ids):
+    if not all(0 <= t < vocab for t in body.input_ids):
         raise ApiError(400, f"input_ids must be in [0, {vocab})", param="input_ids")
-    if not isinstance(sampling, dict):
-        raise ApiError(400, "sampling must be an object", param="sampling")
-    if not isinstance(logprob, bool):
-        raise ApiError(400, "return_logprob must be true or false", param="return_logprob")
-    if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
+    if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(
             400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
         )
-    if not isinstance(transfer, dict):
-        raise ApiError(400, "transfer must be an object", param="transfer")
     try:
-        params = SamplingParams.from_dict(sampling)
+        body.sampling.validate()
     except ValueError as exc:
         raise ApiError(400, str(exc), param="sampling") from None
-    return ids, params, logprob, top, transfer
 
 
 async def _run_prefill(

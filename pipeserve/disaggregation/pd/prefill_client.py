@@ -2,9 +2,10 @@
 its engine process: once a request has its pages and room (decode_side.py), the engine
 calls the prefill server the request names (one it was started with:
 `--disaggregation-prefill-url`) at `POST /pd/prefill` with the prompt, the sampling
-parameters, where to send the KV and the internal credential (auth.py); the answer is the
-first token, checked like client input (a token in the vocabulary, finite logprobs, no more
-top logprobs than asked for). The peer's error text is logged, never passed on.
+parameters and where to send the KV (a `PrefillRequest` of messages.py, msgpack), with the
+internal credential (auth.py); the answer is the first token, checked like client input (a
+token in the vocabulary, finite logprobs, no more top logprobs than asked for). The peer's
+error text is logged, never passed on.
 
 The engine loop is not asynchronous: the calls run as tasks of an asyncio loop on a thread
 of their own (`PrefillCalls`); the loop collects the finished ones each turn and cancels
@@ -18,7 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
+import functools
 import logging
 import math
 import threading
@@ -28,12 +29,16 @@ from typing import Any
 import httpx
 
 from pipeserve.disaggregation.pd import auth
+from pipeserve.distributed.messages import PD_PREFILL, PrefillRequest
+from pipeserve.distributed.wire import WireError
 from pipeserve.scheduler.request import SamplingParams
 from pipeserve.server.connection_guard import client_tls
 
 log = logging.getLogger(__name__)
+_tls = functools.cache(client_tls)  # one TLS context per CA file, not one per call
 
 PREFILL_PATH = "/pd/prefill"
+PREFILL_CONTENT_TYPE = "application/vnd.msgpack"  # messages.PD_PREFILL's encoding
 MAX_ANSWER_BYTES = 1 << 20  # a first token with its top logprobs is far smaller
 PEER_TEXT_LOGGED = 300  # characters of a peer's error message kept in the log
 
@@ -84,19 +89,17 @@ class PrefillClient:
         PrefillFailed if anything goes wrong (the peer's words only in the log)."""
         if c.url not in self.urls:  # the HTTP process checked it too
             raise PrefillFailed("not a prefill server this decode server was started with")
-        body = {
-            "input_ids": c.input_ids,
-            "sampling": {**dataclasses.asdict(c.sampling), "max_new_tokens": 1},
-            "return_logprob": c.return_logprob,
-            "top_logprobs": c.top_logprobs,
-            "transfer": destination,
-        }
-        content = json.dumps(body).encode()
+        sampling = dataclasses.replace(c.sampling, max_new_tokens=1)
+        body = PrefillRequest(c.input_ids, sampling, c.return_logprob, c.top_logprobs, destination)
+        try:  # the ids as one int64 array: a long prompt's body is made in milliseconds
+            content = PD_PREFILL.encode(body)
+        except WireError as exc:
+            raise PrefillFailed(f"the prefill request cannot be sent: {exc}") from None
         headers = {
-            "content-type": "application/json",
+            "content-type": PREFILL_CONTENT_TYPE,
             **self.credential.headers("POST", PREFILL_PATH, content),
         }
-        tls = client_tls(self.ca_certs)
+        tls = _tls(self.ca_certs)
         try:
             async with httpx.AsyncClient(
                 timeout=self.timeout_s, trust_env=False, verify=tls
