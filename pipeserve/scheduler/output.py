@@ -79,7 +79,6 @@ class OutputProcessor:
         self.text = ""  # the text of the tokens so far (whole characters)
         self.sent = 0  # characters of it the deltas have carried
         self.completion_tokens = 0
-        self.steps = 0  # decoder steps taken (one per token)
         self._stream = tokenizer.decode_stream() if tokenizer is not None else None
         self._read = 0  # tokens whose text is in self.text
 
@@ -89,7 +88,6 @@ class OutputProcessor:
         self.ids.append(token)
         if self._stream is None:
             return None
-        self.steps += 1
         piece = self._stream.step(token)
         if piece is not None:
             self._read = len(self.ids)
