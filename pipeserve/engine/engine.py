@@ -212,8 +212,9 @@ class Engine:
         req.sampling.validate()  # the engine's own line of defence (a NaN would fail a step)
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        ids = req.input_ids
+        if ids and not 0 <= min(ids) <= max(ids) < vocab:  # C loops (a 1M-token prompt)
+            bad = min(ids) if min(ids) < 0 else max(ids)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         self.backend.scheduler.check_request(len(req.input_ids), req.sampling.max_new_tokens)
 
