@@ -246,7 +246,7 @@ def _dataclass(cls: type) -> tuple[Encode, Decode]:
     # built without the constructor where it only stores the fields (a frozen class's
     # __init__ sets each through object.__setattr__)
     frozen = cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
-    plain = frozen and not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+    plain = frozen and not hasattr(cls, "__slots__")
     stores = "; ".join(f"d[{n!r}] = x{i}" for i, n in enumerate(names))
     build = (
         f"obj = new(cls); d = obj.__dict__; {stores}"
