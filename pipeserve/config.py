@@ -549,6 +549,13 @@ class DisaggregationConfig:
     def pd_auth_key(self) -> str | None:
         return self.disaggregation_auth_key or envs.pd_auth_key()
 
+    @property
+    def prefill_wait_s(self) -> float:
+        """A decode server's longest wait for a request's prompt (prefilled within the
+        prefill timeout, its KV in a transfer timeout after that) and one transfer timeout
+        more: what the router adds to its time limit, and how long a KV room lives."""
+        return self.disaggregation_prefill_timeout + 2 * self.disaggregation_transfer_timeout
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -178,11 +178,7 @@ class Engine:
         pending = {r.rid: _Pending(r) for r in reqs}
         for req in reqs:
             if req.output is None:
-                sp = req.sampling
-                stop, include = sp.stop, sp.include_stop_str_in_output
-                req.output = OutputProcessor(
-                    req.rid, self.tokenizer, stop, len(req.input_ids), include
-                )
+                req.output = OutputProcessor.of(req, self.tokenizer)
             req.arrival_time = time.perf_counter()
             self.backend.submit(req)
         left = len(reqs)
@@ -212,10 +208,11 @@ class Engine:
         req.sampling.validate()  # the engine's own line of defence (a NaN would fail a step)
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        ids = req.input_ids
-        if ids and not 0 <= min(ids) <= max(ids) < vocab:  # C loops (a 1M-token prompt)
-            bad = min(ids) if min(ids) < 0 else max(ids)
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if req.input_ids:  # min and max: C loops (a 1M-token prompt)
+            low, high = min(req.input_ids), max(req.input_ids)
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         self.backend.scheduler.check_request(len(req.input_ids), req.sampling.max_new_tokens)
 
     def _inputs(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:

@@ -12,11 +12,11 @@
 // Arithmetic is float32: x is widened once per call, a bfloat16 weight as it is loaded (a
 // bfloat16 is a float32's top half), so bfloat16 weights with float32 activations read half
 // the bytes of float32 weights for the same products where the checkpoint is bfloat16; on
-// CPUs with AVX512-BF16, bfloat16 x meets bfloat16 weights in vdpbf16ps (`run_pairs`). The output and bias take x's dtype. Each output is one sum in a
-// fixed order (the streamed form: four sums of eight lanes over K; the tiles: eight lane
-// sums; vdpbf16ps: four sums of sixteen; then the lanes added), so a row's result does not
-// depend on the thread count, nor on the other rows of x among calls of up to kStreamRows
-// rows, or among calls of more.
+// CPUs with AVX512-BF16, bfloat16 x meets bfloat16 weights in vdpbf16ps (`run_pairs`). The
+// output and bias take x's dtype. Each output is one sum in a fixed order (the streamed
+// form: four sums of eight lanes over K; the tiles: eight lane sums; vdpbf16ps: four sums of
+// sixteen; then the lanes added), so a row's result does not depend on the thread count, nor
+// on the other rows of x among calls of up to kStreamRows rows, or among calls of more.
 //
 // `skinny_linear_blocks` takes a weight kept in GGUF's blocks of 32 values along K: Q4_1 (20
 // bytes: fp16 d, fp16 m, 16 bytes holding q_j in the low nibble of byte j and q_(j+16) in its

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 from pipeserve.scheduler.stop_matcher import StopMatcher, automaton_for
 
 if TYPE_CHECKING:
+    from pipeserve.scheduler.request import Req
     from pipeserve.scheduler.scheduler import RequestUpdate
 
 MAX_HELD_TOKENS = 8  # tokens without text before their bytes are taken as they decode
@@ -81,6 +82,12 @@ class OutputProcessor:
         self.completion_tokens = 0
         self._stream = tokenizer.decode_stream() if tokenizer is not None else None
         self._read = 0  # tokens whose text is in self.text
+
+    @classmethod
+    def of(cls, req: Req, tokenizer: Detokenizer | None) -> OutputProcessor:
+        """The processor of a request, as its sampling parameters ask."""
+        sp = req.sampling
+        return cls(req.rid, tokenizer, sp.stop, len(req.input_ids), sp.include_stop_str_in_output)
 
     def add(self, token: int) -> str | None:
         """A generated token, in order: its text decoded and matched; the stop string the

@@ -100,10 +100,7 @@ class Scheduler:
         """The request's output processor, unless its caller gave it one: the scheduler
         hands it every token (it detokenizes and matches stop strings)."""
         if req.output is None:
-            sp = req.sampling
-            req.output = OutputProcessor(
-                req.rid, self.tokenizer, sp.stop, len(req.input_ids), sp.include_stop_str_in_output
-            )
+            req.output = OutputProcessor.of(req, self.tokenizer)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:

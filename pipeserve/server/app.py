@@ -147,9 +147,7 @@ def _add_info_routes(
     if d.disaggregation_mode == "decode":
         # the longest a request may wait here for its prompt's prefill on a prefill server
         # and its KV (the router's time limit for an answer adds this to its own)
-        ok["prefill_wait_s"] = (
-            d.disaggregation_prefill_timeout + 2 * d.disaggregation_transfer_timeout
-        )
+        ok["prefill_wait_s"] = d.prefill_wait_s
 
     @app.get("/health")
     async def health() -> Response:

@@ -109,7 +109,7 @@ class EngineLoop:
             engine.backend.kv_controls(),
             # a safety net: every way out of a request closes its room; one left open by a
             # fault still expires, a transfer timeout after the request's own deadline
-            room_ttl_s=sum(timeouts) + d.disaggregation_transfer_timeout,
+            room_ttl_s=d.prefill_wait_s,
         )
         scheduler = engine.backend.schedulers[0]
         calls = PrefillCalls(PrefillClient.from_config(engine.config, engine.arch.vocab_size))
@@ -194,9 +194,7 @@ class EngineLoop:
             top = msg.top_logprobs
             sp = msg.sampling
             req = Req(rid, input_ids, sp, msg.return_logprob or top > 0, top_logprobs=top)
-            req.output = OutputProcessor(
-                rid, self.engine.tokenizer, sp.stop, len(input_ids), sp.include_stop_str_in_output
-            )
+            req.output = OutputProcessor.of(req, self.engine.tokenizer)
             self.engine.validate(req)
             if msg.transfer is not None:
                 req.kv_dest = self._destination(msg.transfer)
