@@ -418,8 +418,17 @@ def native_skinny_linear() -> Callable[..., torch.Tensor] | None:
     return _native_function("skinny_linear")
 
 
+# torch's CPU capabilities whose float32 sums add in the order kernels/rms_norm.cpp copies
+# (8-lane vectors: x86's AVX512 builds run the AVX2 sum kernel); tested at all three
+TORCH_SUM_ORDERS = ("AVX512", "AVX2", "DEFAULT")
+
+
 def native_norm_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The compiled CPU RMSNorm and its residual-add form (kernels/rms_norm.cpp), or None."""
+    """The compiled CPU RMSNorm and its residual-add form (kernels/rms_norm.cpp, bitwise the
+    torch ops), or None: without the kernels, or where torch sums in another order (another
+    CPU capability: ATEN_CPU_CAPABILITY, or another architecture)."""
+    if torch.backends.cpu.get_cpu_capability() not in TORCH_SUM_ORDERS:
+        return None
     rms, add = _native_function("rms_norm"), _native_function("add_rms_norm")
     return None if rms is None or add is None else (rms, add)
 

@@ -108,15 +108,9 @@ WIDEN_WHOLE_MIN_ROWS = 256
 class NativeNorms(NormKernels):
     """RMSNorm and its residual add in one compiled pass per row (kernels/rms_norm.cpp: a
     norm's ~10 torch ops in one call; Zen 4, one thread, 1-8 rows of 576: 2-4 us against
-    17-23), where it takes the tensors: float32 ones (rounding apart from the torch ops).
-
-    bfloat16 runs keep the torch ops. The kernel computes their roundings, but its float32
-    sum of squares in another order moves 1 in ~10^4 normalised values by one bfloat16 step,
-    and 30 layers carry that into another draw of bfloat16's noise: the built-in model's
-    prompt-logprob error on the bfloat16 parity test's three texts (~150 tokens) went from
-    1.07x transformers' to 1.12x, over its 1.1x bound, while on 1,024 README tokens it stayed
-    at 1.05x (1.04x before). Until that test can afford enough tokens to tell the two apart,
-    bfloat16 results stay as they were."""
+    17-23), bitwise the torch ops' results in float32 and bfloat16: the same roundings, and
+    the sum of squares added in the order of torch's own sum (rows of fewer than 32,768
+    values, which torch never splits between threads)."""
 
     def __init__(self, rms_norm: Callable[..., torch.Tensor], add_rms_norm: Callable[..., Any]):
         self.native_rms_norm, self.native_add_rms_norm = rms_norm, add_rms_norm
@@ -134,17 +128,21 @@ class NativeNorms(NormKernels):
         return super().add_rms_norm(x, residual, weight, eps)
 
 
+_SPLIT_ROW = 32768  # at::internal::GRAIN_SIZE: a reduction at least this long may run split
+
+
 def _norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     same = residual is None or (
         residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
     )
     return (
         same
-        and x.dtype == torch.float32
+        and x.dtype in SKINNY_DTYPES
         and weight.dtype == x.dtype
         and x.is_contiguous()
         and weight.is_contiguous()
         and x.shape[-1] == weight.shape[0]
+        and x.shape[-1] < _SPLIT_ROW  # a longer row torch may sum in two threads' halves
     )
 
 
@@ -300,18 +298,21 @@ class NativeBackend(AttentionBackend):
         norms: QKNorms | None,
     ) -> torch.Tensor | None:
         """Rotary and the KV write in one compiled call (kernels/rope_store.cpp, bitwise the
-        torch ops): float32 or bfloat16 layers rotated over the whole head, without q/k
-        norms (Qwen3's keep the torch ops)."""
-        q = qkv[0]
+        torch ops): float32 or bfloat16 layers rotated over the whole head; Qwen3's q/k norms
+        first, by this backend's norms (bitwise the torch ops too)."""
+        q, k, v = qkv
         if (
             self.rope_store is None
-            or norms is not None
             or q.dtype not in SKINNY_DTYPES
             or cache[0].dtype != q.dtype  # the kernel checks the rest, and refuses
             or rope[0].shape[-1] != q.shape[-1]
         ):
             return None
-        return self.rope_store(*qkv, *rope, *cache, slots)
+        if norms is not None:
+            q_weight, k_weight, eps = norms
+            q = self.norms.rms_norm(q.contiguous(), q_weight, eps)
+            k = self.norms.rms_norm(k.contiguous(), k_weight, eps)
+        return self.rope_store(q, k, v, *rope, *cache, slots)
 
     def decode_stack(self, layers: list[StackLayer]) -> DecodeStack | None:
         """The layers as one compiled call per decode step (kernels/decode_stack.cpp), where
@@ -333,10 +334,17 @@ class NativeBackend(AttentionBackend):
                 (layer.down, None),
             )
         )
+        norm_weights = [
+            w
+            for layer in layers
+            for w in (layer.input_norm, layer.post_norm, *(layer.qk_norms or ())[0::2])
+        ]
         if (
             rows == 0
             or self.rope_store is None
-            or any(t.dtype != dtype for layer in layers for t in (layer.post_norm, *layer.cache))
+            or not isinstance(self.norms, NativeNorms)  # the stack's norms are the compiled one
+            or any(t.dtype != dtype for layer in layers for t in layer.cache)
+            or any(w.dtype != dtype or w.shape[0] >= _SPLIT_ROW for w in norm_weights)
         ):
             return None
         stack = build()

@@ -11,16 +11,16 @@
 //   h, residual = add_rms_norm(x, residual)        (rms_norm(x), x on the stage's first layer)
 //   q, k, v     = qkv(h) split by heads
 //   q           = rope_store(q, k, v)              (rotary; k and v written to the pool)
-//                 (Qwen3: q and k normed per head by the torch ops first)
+//                 (Qwen3: q and k normed per head first)
 //   o           = o_proj(paged_decode_attention(q))
 //   h, residual = add_rms_norm(o, residual)
 //   x           = down(silu(gate) * up),  gate | up = gate_up(h)
 //
 // Products: skinny_linear for float32/bfloat16 weights, skinny_linear_blocks (form 0, the
-// best compiled) for weights kept in GGUF blocks. Norms: the compiled norm in float32, the
-// torch ops in bfloat16, as NativeNorms chooses. Which layers, weights and batches qualify
-// is decided in Python (NativeBackend.decode_stack); this file checks only what it indexes.
-#include <ATen/ops/rsqrt.h>
+// best compiled) for weights kept in GGUF blocks. Norms, Qwen3's q/k norms included: the
+// compiled norm (bitwise the torch ops), as NativeNorms and NativeBackend.rope_and_store run
+// it. Which layers, weights and batches qualify is decided in Python
+// (NativeBackend.decode_stack); this file checks only what it indexes.
 #include <ATen/ops/silu.h>
 
 #include "kernels.h"
@@ -32,34 +32,22 @@ at::Tensor product(const StackLinear& l, const at::Tensor& x) {
   return skinny_linear_blocks(x, l.weight, l.format, l.bias, 0);
 }
 
-// NormKernels.rms_norm's torch ops (backends/base.py), for bfloat16
-at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  at::Tensor xf = x.to(at::kFloat);
-  xf = xf.mul(at::rsqrt(xf.pow(2).mean(-1, true).add(eps)));
-  return w.mul(xf.to(x.scalar_type()));
-}
-
-// Qwen3's q/k norms by the torch ops its layers run (RMSNorm's default kernels), then the
-// rotary and the KV write by the same compiled call as the other layers (rope_store: bitwise
-// the torch ops)
+// Qwen3's q/k norms over each head (the compiled norm, as the native backend's rope_and_store
+// runs them), then the rotary and the KV write (rope_store: bitwise the torch ops)
 at::Tensor norm_rope_store(const StackLayer& l, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& slots) {
-  return rope_store(torch_rms_norm(q, l.q_norm, l.q_eps), torch_rms_norm(k, l.k_norm, l.k_eps),
-                    v, cos, sin, l.k_cache, l.v_cache, slots);
+  return rope_store(rms_norm(q.contiguous(), l.q_norm, l.q_eps),
+                    rms_norm(k.contiguous(), l.k_norm, l.k_eps), v, cos, sin, l.k_cache,
+                    l.v_cache, slots);
 }
 
 // (norm(x + residual), x + residual); (norm(x), x) without a residual
 std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x,
                                             const std::optional<at::Tensor>& residual,
                                             const at::Tensor& w, double eps) {
-  if (x.scalar_type() == at::kFloat) {
-    if (!residual) return {rms_norm(x, w, eps), x};
-    return add_rms_norm(x, *residual, w, eps);
-  }
-  if (!residual) return {torch_rms_norm(x, w, eps), x};
-  at::Tensor sum = x.add(*residual);
-  return {torch_rms_norm(sum, w, eps), sum};
+  if (!residual) return {rms_norm(x, w, eps), x};
+  return add_rms_norm(x, *residual, w, eps);
 }
 
 }  // namespace

@@ -340,7 +340,7 @@ struct PairsProblem {
   const c10::BFloat16* x;  // [m, k]
   const c10::BFloat16* w;  // [n, k]
   const float* bias;       // [n] float32, or nullptr
-  float* y;                // [m, n]
+  c10::BFloat16* y;        // [m, n]: each float32 sum rounded once, as torch's cast
   int64_t m, n, k;
 };
 
@@ -391,7 +391,7 @@ inline void pairs_tile(const PairsProblem& p, int64_t r, int64_t i0) {
                                      _mm512_add_ps(acc[i][2], acc[i][3]));
     float s = _mm512_reduce_add_ps(sum);
     if (p.bias != nullptr) s += p.bias[r];
-    p.y[(i0 + i) * p.n + r] = s;
+    p.y[(i0 + i) * p.n + r] = c10::BFloat16(s);
   }
 }
 
@@ -423,10 +423,10 @@ at::Tensor skinny_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> b
 #ifdef PIPESERVE_BF16_PAIRS
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
     const at::Tensor xc = x.contiguous(), b = widened_bias(bias, x.scalar_type(), n);
-    at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+    at::Tensor y = at::empty({m, n}, x.options());
     using B = c10::BFloat16;
-    run_pairs(PairsProblem{xc.data_ptr<B>(), w.data_ptr<B>(), bias_ptr(b), y.data_ptr<float>(), m, n, k});
-    return y.to(at::kBFloat16);
+    run_pairs(PairsProblem{xc.data_ptr<B>(), w.data_ptr<B>(), bias_ptr(b), y.data_ptr<B>(), m, n, k});
+    return y;
   }
 #endif
   const Operands o(x, bias, n);

@@ -63,7 +63,7 @@ def generate(path: Path | str, monkeypatch: pytest.MonkeyPatch, stack: bool, **f
     return [(o["output_ids"], o["output_logprobs"], o["prompt_logprobs"]) for o in out], counts
 
 
-# SmolLM2's widths: a bfloat16 norm's sum of squares in another order than the torch ops' shows
+# SmolLM2's widths: the norms' sums of squares past the first level of torch's cascade
 WIDE = {
     "hidden_size": 576,
     "intermediate_size": 1536,
@@ -77,7 +77,7 @@ WIDE = {
     ("preset", "dtype", "overrides"),
     [
         ("tiny-llama", "float32", {}),  # bfloat16 weights under float32 x, llama3 rope scaling
-        ("tiny-llama", "bfloat16", WIDE),  # bfloat16 norms by the torch ops
+        ("tiny-llama", "bfloat16", WIDE),  # bfloat16 norms compiled, bitwise the torch ops
         ("tiny-qwen2", "float32", {}),  # a qkv bias, one KV head
         ("tiny-qwen3", "float32", {}),  # q/k norms, tied embeddings
         ("tiny-qwen3", "bfloat16", {}),
@@ -97,6 +97,25 @@ def test_the_stack_is_bitwise_the_layers(
     assert stacked.layer_calls < layers.layer_calls
     num_layers = 4
     assert layers.layer_calls - stacked.layer_calls == num_layers * stacked.stack_steps
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides"), [("tiny-llama", WIDE), ("tiny-qwen3", {"head_dim": 128})]
+)
+def test_compiled_norms_leave_every_result_as_the_torch_ops(
+    model_dir, monkeypatch, preset: str, overrides: dict
+) -> None:
+    """bfloat16 with the compiled norms (the stack, the layers, Qwen3's q/k norms before the
+    compiled rotary) against a run whose norms are all the torch ops (no compiled norms, so
+    no stack): the same tokens and logprobs to the last bit."""
+    path = model_dir(preset, **overrides)
+    got, stacked = generate(path, monkeypatch, True, dtype="bfloat16")
+    assert stacked.stack_steps >= 10
+    with monkeypatch.context() as patch:
+        patch.setattr(native_backend, "native_norm_kernels", lambda: None)
+        want, torch_norms = generate(path, monkeypatch, True, dtype="bfloat16")
+    assert torch_norms.stack_steps == 0
+    assert got == want
 
 
 def test_the_built_in_model_s_blocks_take_the_stack(monkeypatch) -> None:
