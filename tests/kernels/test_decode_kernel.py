@@ -82,3 +82,30 @@ def test_kernel_is_invariant_to_where_the_kv_lives_and_to_the_batch(dtype: torch
     for runs in layouts[1:]:
         assert torch.equal(run([runs], q)[0], alone), runs
         assert torch.equal(run([other, runs], torch.cat([q_other, q]))[1], alone), runs
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("d,group", [(64, 3), (20, 5), (128, 1), (3, 2)])
+def test_head_widths_groups_and_lengths_against_a_plain_softmax(
+    dtype: torch.dtype, tol: float, d: int, group: int
+) -> None:
+    """Head widths past, below and not a multiple of the kernel's 8 lanes and its 64
+    registered channels, groups of 1-5 query heads per KV head, and sequences of 1 key, of a
+    part of a block of 32, of whole blocks and past them (one run or several): the output of
+    the kernel against softmax(q k^T) v in float64."""
+    gen = torch.Generator().manual_seed(d + group)
+    hk, n = 2, 1024
+    k_cache = torch.randn(hk, n, d, generator=gen).to(dtype)
+    v_cache = torch.randn(hk, n, d, generator=gen).to(dtype)
+    steps = [[(5, 1)], [(10, 7)], [(40, 64)], [(200, 300), (600, 41)], [(700, 33)]]
+    flat = torch.tensor([r for step in steps for r in step], dtype=torch.long)
+    offsets = torch.tensor([0, *torch.tensor([len(s) for s in steps]).cumsum(0).tolist()])
+    q = torch.randn(len(steps), hk, group, d, generator=gen).to(dtype)
+    kernel = native_decode_kernel()
+    assert kernel is not None
+    out = kernel(q, k_cache, v_cache, flat, offsets, d**-0.5)
+    for i, runs in enumerate(steps):
+        idx = torch.cat([torch.arange(s, s + c) for s, c in runs])
+        k, v = k_cache[:, idx].double(), v_cache[:, idx].double()
+        p = torch.softmax(q[i].double() @ k.transpose(1, 2) * d**-0.5, dim=-1)
+        torch.testing.assert_close(out[i].double(), p @ v, atol=tol, rtol=tol)
