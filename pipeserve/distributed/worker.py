@@ -11,6 +11,7 @@ Loop per micro-batch:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -115,6 +116,7 @@ def worker_main(args: WorkerArgs) -> None:
         else:
             runner = ModelRunner(config, arch, model_path, num_pages, backend)
         receiver = getattr(runner, "kv_receiver", None)
+        gc.freeze()  # the model and the runner live as long as this process: never walked again
         channels.send_status(
             Ready(
                 num_pages,

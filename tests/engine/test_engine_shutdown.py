@@ -1,12 +1,14 @@
 """An engine gives back what it put on its device when it shuts down, though the Engine
 object lives on: the KV pool, the weights, the overlap loop's future-token ring, the runner
-and the backend are all unreachable afterwards (weak references die), shutdown is
+and the backend are all unreachable afterwards (weak references die; what startup froze out
+of the collector's passes is thawed), shutdown is
 idempotent, and using the engine after it raises. On a GPU (`-m cuda`): the device's
 allocated memory returns to where it started and engines with default flags run one after
 another in one process (the second one's KV budget is read from free memory)."""
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -25,6 +27,7 @@ def test_shutdown_drops_everything_the_engine_held(model_dir, loop: str) -> None
     overlap = {"enable_overlap_schedule": True} if loop == "overlap" else {}
     engine = Engine(str(model_dir("tiny-llama")), dtype="float32", **overlap)
     assert engine.backend.loop.name == loop
+    assert gc.get_freeze_count() > 0  # the model and runner: out of the collector's passes
     first = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
     runner = engine.backend.runner
     held = {
@@ -40,6 +43,7 @@ def test_shutdown_drops_everything_the_engine_held(model_dir, loop: str) -> None
     engine.shutdown()
     alive = [what for what, ref in held.items() if ref() is not None]
     assert not alive, f"still referenced after shutdown: {alive}"
+    assert gc.get_freeze_count() == 0
     engine.shutdown()  # a second call does nothing
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
