@@ -492,43 +492,66 @@ int64_t block_bytes_of(int64_t format) {
 
 namespace {
 
-// One block's values v[0..32) as `format`'s block at `out`, if some fp16 scale (the estimate
-// rounded, or one step either side) and integers give every value back bitwise with GGUF's
-// arithmetic (a float32 product, then the sum: `volatile` keeps the two roundings apart).
+// Whether fp16 scale d16 and offset m16 (0 for Q8_0) with integers in [bottom, top] give every
+// value of the block back bitwise with GGUF's arithmetic (a float32 product, then the sum:
+// `volatile` keeps the two roundings apart); the integers in q if so.
+bool rebuilds(const float* v, uint16_t d16, uint16_t m16, float bottom, float top, int* q) {
+  using c10::detail::fp16_ieee_to_fp32_value;
+  const float d = fp16_ieee_to_fp32_value(d16), m = fp16_ieee_to_fp32_value(m16);
+  if (d - d != 0.f || m - m != 0.f) return false;  // NaN or infinite
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float level = d == 0.f ? 0.f : std::nearbyint((v[i] - m) / d);
+    q[i] = static_cast<int>(std::min(top, std::max(bottom, level)));
+    volatile float product = d * static_cast<float>(q[i]);
+    volatile float rebuilt = product + m;
+    if (rebuilt != v[i]) return false;
+  }
+  return true;
+}
+
+// One block's values v[0..32) as `format`'s block at `out`, if some fp16 scale and integers
+// give every value back bitwise (`rebuilds`). Q8_0: the scale amax / 127 rounded, or one step
+// either side. Q4_1: the minimum as m and (max - min) / 15 likewise; then GGUF's Q4_0 values
+// d (q - 8), which are Q4_1's with d as it is (negative where the block's largest magnitude
+// is positive) and m = -8 d (exact in fp16): d from the largest magnitude, at q = 0.
 bool encode_block(const float* v, int64_t format, uint8_t* out) {
   using c10::detail::fp16_ieee_from_fp32_value;
   using c10::detail::fp16_ieee_to_fp32_value;
-  float lo = v[0], hi = v[0], amax = 0.f;
+  float lo = v[0], hi = v[0], amax = 0.f, extreme = 0.f;
   for (int64_t i = 0; i < kBlock; ++i) {
     if (!(v[i] == v[i]) || v[i] - v[i] != 0.f) return false;  // NaN or infinite
     lo = std::min(lo, v[i]);
     hi = std::max(hi, v[i]);
-    amax = std::max(amax, std::abs(v[i]));
+    if (std::abs(v[i]) > amax) amax = std::abs(v[i]), extreme = v[i];
   }
   const bool q41 = format == 1;
-  const uint16_t m16 = fp16_ieee_from_fp32_value(lo);
-  const float m = q41 ? fp16_ieee_to_fp32_value(m16) : 0.f;
-  if (q41 && m != lo) return false;  // the minimum is the block's m, exactly
   const float top = q41 ? 15.f : 127.f, bottom = q41 ? 0.f : -127.f;
-  const uint16_t nearest = fp16_ieee_from_fp32_value(q41 ? (hi - lo) / top : amax / top);
-  const uint16_t candidates[3] = {nearest, static_cast<uint16_t>(nearest + 1),
-                                  static_cast<uint16_t>(nearest > 0 ? nearest - 1 : 0)};
-  for (uint16_t d16 : candidates) {
+  struct Candidate {
+    uint16_t d16, m16;
+  };
+  Candidate candidates[4];
+  int count = 0;
+  const uint16_t m16 = fp16_ieee_from_fp32_value(lo);
+  if (!q41 || fp16_ieee_to_fp32_value(m16) == lo) {  // Q4_1: the minimum is m, exactly
+    const uint16_t nearest = fp16_ieee_from_fp32_value(q41 ? (hi - lo) / top : amax / top);
+    const uint16_t offset = q41 ? m16 : 0;
+    candidates[count++] = {nearest, offset};
+    candidates[count++] = {static_cast<uint16_t>(nearest + 1), offset};
+    if (nearest > 0) candidates[count++] = {static_cast<uint16_t>(nearest - 1), offset};
+  }
+  if (q41) {
+    const uint16_t d16 = fp16_ieee_from_fp32_value(-extreme / 8.f);
     const float d = fp16_ieee_to_fp32_value(d16);
-    if (!(d >= 0.f) || d - d != 0.f) continue;
-    int q[kBlock];
-    bool ok = true;
-    for (int64_t i = 0; i < kBlock && ok; ++i) {
-      const float level = d == 0.f ? 0.f : std::nearbyint((v[i] - m) / d);
-      q[i] = static_cast<int>(std::min(top, std::max(bottom, level)));
-      volatile float product = d * static_cast<float>(q[i]);
-      volatile float rebuilt = product + m;
-      ok = rebuilt == v[i];
-    }
-    if (!ok) continue;
-    std::memcpy(out, &d16, 2);
+    const uint16_t q40_m16 = fp16_ieee_from_fp32_value(-8.f * d);
+    if (fp16_ieee_to_fp32_value(q40_m16) == -8.f * d) candidates[count++] = {d16, q40_m16};
+  }
+  int q[kBlock];
+  for (int c = 0; c < count; ++c) {
+    const Candidate k = candidates[c];
+    if (!rebuilds(v, k.d16, k.m16, bottom, top, q)) continue;
+    std::memcpy(out, &k.d16, 2);
     if (q41) {
-      std::memcpy(out + 2, &m16, 2);
+      std::memcpy(out + 2, &k.m16, 2);
       for (int64_t j = 0; j < 16; ++j) out[4 + j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
     } else {
       for (int64_t j = 0; j < kBlock; ++j) out[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(q[j]));

@@ -1,4 +1,5 @@
-"""Weights kept in GGUF's blocks of 32 values along a row (Q4_1, Q8_0) in float32 runs.
+"""Weights kept in GGUF's blocks of 32 values along a row (Q4_1, Q8_0) in float32 runs; a
+Q4_0 weight's blocks (d (q - 8)) as the Q4_1 blocks of the same values (d, m = -8 d).
 
 A GGUF checkpoint is loaded dequantised (models/gguf: each value computed from its block as
 GGUF's reference does it, in float32). Where a float32 weight's values are exactly such a

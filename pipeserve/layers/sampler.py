@@ -65,7 +65,7 @@ class Sampler:
         vocab = logits.shape[-1]
         probs = torch.softmax(logits / column([p.temperature for p in params]), dim=-1)
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        if all(k == vocab and p.top_p >= 1.0 and p.min_p <= 0.0 for k, p in zip(top_k, params)):
+        if min(top_k) == vocab and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
             return probs
         kept = max(top_k)
         if kept < vocab:

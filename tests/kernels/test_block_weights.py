@@ -1,6 +1,7 @@
 """Weights kept in GGUF blocks (layers/block_quant.py, kernels/skinny_linear.cpp's
 `skinny_linear_blocks`): the blocks of a dequantised Q4_1 or Q8_0 tensor found again bitwise
-(against gguf's own quantiser), anything else refused; the rows grouped in the layout the
+(against gguf's own quantiser), a Q4_0 one's as Q4_1 blocks of the same values, anything
+else refused; the rows grouped in the layout the
 kernel streams and back; the kernel, in each form this CPU compiles, equal to a float64
 product of the weight with x rounded in two 8-bit parts per block; the native
 linears keep such weights in blocks and send larger products to torch's GEMM on the values;
@@ -37,7 +38,8 @@ KERNEL = native_skinny_linear()
 COMPILED = native_block_kernels()
 BLOCKS, DEQUANTIZE, REQUANTIZE = COMPILED or (None, None, None)
 needs_kernel = pytest.mark.skipif(COMPILED is None, reason="the native CPU kernels do not build")
-FORMATS = {"q4_1": (Q.Q4_1, Q4_1), "q8_0": (Q.Q8_0, Q8_0)}
+# GGUF's format -> the format it is kept in: Q4_0's d (q - 8) is Q4_1's d q + m with m = -8 d
+FORMATS = {"q4_1": (Q.Q4_1, Q4_1), "q8_0": (Q.Q8_0, Q8_0), "q4_0": (Q.Q4_0, Q4_1)}
 MODULE = native()
 FORMS = MODULE.int8_product_forms() if MODULE is not None else []  # 1 portable, 2 AVX2, 3 VNNI
 
@@ -69,7 +71,7 @@ def kept(weight: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
 def test_the_blocks_of_a_dequantised_tensor_are_found_again(name: str) -> None:
     """The very bytes GGUF's quantiser stored, and `values` gives the values back."""
     kind, fmt = FORMATS[name]
@@ -80,6 +82,30 @@ def test_the_blocks_of_a_dequantised_tensor_are_found_again(name: str) -> None:
     assert blocks.numpy().tobytes() == raw
     assert torch.equal(gguf_values(blocks, fmt), w)
     assert torch.equal(values(group(blocks, fmt), fmt), w)
+
+
+@needs_kernel
+def test_q4_0_blocks_are_kept_as_the_q4_1_blocks_of_the_same_values() -> None:
+    """GGUF's Q4_0 block (fp16 d, 32 nibbles q; d (q - 8)) found as a Q4_1 block: its d as it
+    is (negative where the block's largest magnitude is positive), m = -8 d and the same
+    nibbles; every value back bitwise."""
+    w, raw = gguf_weight(40, 96, Q.Q4_0)
+    blocks = requantize(w)
+    assert blocks is not None and block_format(blocks) is Q4_1
+    # Q4_1's own form (m the minimum, d >= 0) is tried first and fits some blocks too (a
+    # block of one value; levels 0 to 15 all used, with 7 d exact in fp16); a negative d is
+    # the Q4_0 form's, which must be GGUF's block
+    ours = blocks.view(torch.uint8).reshape(40 * 3, Q4_1.block_bytes)
+    theirs = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(40 * 3, 18)
+    negative = ours[:, :2].contiguous().view(torch.float16)[:, 0] < 0
+    assert negative.sum() > 30  # of 120
+    ours, theirs = ours[negative], theirs[negative]
+    d = theirs[:, :2].contiguous().view(torch.float16)[:, 0]
+    assert torch.equal(ours[:, :2], theirs[:, :2])  # d
+    assert torch.equal(ours[:, 2:4].contiguous().view(torch.float16)[:, 0], -8 * d)  # m
+    assert torch.equal(ours[:, 4:], theirs[:, 2:])  # the nibbles
+    assert torch.equal(gguf_values(blocks, Q4_1), w)
+    assert torch.equal(values(group(blocks, Q4_1), Q4_1), w)
 
 
 def refused(kind: Q) -> list[torch.Tensor]:

@@ -49,6 +49,7 @@ BATCHES = {
     "top-p": [params(top_p=0.95), params()],
     "min-p": [params(min_p=0.1)],
     "some rows top-k, some top-p": [params(top_k=10), params(top_p=0.8)],
+    "some rows top-k, the others no cut": [params(top_k=10), params()],
 }
 
 
@@ -81,6 +82,7 @@ def test_the_cuts_are_the_whole_sort_s(monkeypatch: pytest.MonkeyPatch, batch: s
         "top-p": ["sort"],
         "min-p": ["sort"],
         "some rows top-k, some top-p": ["sort"],
+        "some rows top-k, the others no cut": ["sort"],
     }
     assert calls.names == sorts[batch]
 

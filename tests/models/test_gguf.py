@@ -278,8 +278,10 @@ def test_qwen_ggufs_keep_their_biases_norms_and_row_order(
     assert tokens[0] == tokens[1]
 
 
-def test_a_q4_1_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q4_0], ids=["q4_1", "q4_0"])
+def test_a_q4_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: Path, kind: Q) -> None:
     """The built-in model's kind of file (Q4_1 layers, a Q8_0 embedding tied to the LM head),
+    and one with Q4_0 layers (kept as the Q4_1 blocks of the same values),
     run in float32: the native backend keeps the linears in Q4_1 blocks and the shared
     embedding/LM head in Q8_0 (a quarter and about a quarter of their float32 bytes), and
     gives the torch backend's tokens on the dequantised weights, its logprobs where torch's
@@ -292,8 +294,8 @@ def test_a_q4_1_gguf_run_in_float32_keeps_its_blocks(model_dir: Any, tmp_path: P
     tied = model_dir("tiny-llama", hidden_size=256, intermediate_size=512, head_dim=64,
                      rope_scaling=None, num_hidden_layers=2, tie_word_embeddings=True)
     names = [n for n in load_file(tied / "model.safetensors") if n.endswith("proj.weight")]
-    types = {gguf_name(n): Q.Q4_1 for n in names} | {"token_embd.weight": Q.Q8_0}
-    path = write_gguf(tied, tmp_path / "q4_1.gguf", types)
+    types = {gguf_name(n): kind for n in names} | {"token_embd.weight": Q.Q8_0}
+    path = write_gguf(tied, tmp_path / f"{kind.name}.gguf", types)
     prompts = [[(7 * j) % 500 + 1 for j in range(40)], [(3 * j) % 500 + 2 for j in range(9)]]
     sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     runs, held = {}, {}
