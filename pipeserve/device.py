@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import logging
 import os
+import platform
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -427,7 +428,10 @@ def native_norm_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | Non
     """The compiled CPU RMSNorm and its residual-add form (kernels/rms_norm.cpp, bitwise the
     torch ops), or None: without the kernels, or where torch sums in another order (another
     CPU capability: ATEN_CPU_CAPABILITY, or another architecture)."""
-    if torch.backends.cpu.get_cpu_capability() not in TORCH_SUM_ORDERS:
+    if (
+        platform.machine().lower() not in ("x86_64", "amd64")  # aarch64's vectors: 4 lanes
+        or torch.backends.cpu.get_cpu_capability() not in TORCH_SUM_ORDERS
+    ):
         return None
     rms, add = _native_function("rms_norm"), _native_function("add_rms_norm")
     return None if rms is None or add is None else (rms, add)

@@ -310,6 +310,8 @@ class NativeBackend(AttentionBackend):
             return None
         if norms is not None:
             q_weight, k_weight, eps = norms
+            if q_weight.dtype != q.dtype or k_weight.dtype != q.dtype:
+                return None  # the torch ops promote; the kernel takes one dtype
             q = self.norms.rms_norm(q.contiguous(), q_weight, eps)
             k = self.norms.rms_norm(k.contiguous(), k_weight, eps)
         return self.rope_store(q, k, v, *rope, *cache, slots)

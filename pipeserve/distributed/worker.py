@@ -116,7 +116,8 @@ def worker_main(args: WorkerArgs) -> None:
         else:
             runner = ModelRunner(config, arch, model_path, num_pages, backend)
         receiver = getattr(runner, "kv_receiver", None)
-        gc.freeze()  # the model and the runner live as long as this process: never walked again
+        gc.collect()  # start-up's garbage; then the model and the runner, which live as long
+        gc.freeze()  # as this process, are never walked by the collector again
         channels.send_status(
             Ready(
                 num_pages,

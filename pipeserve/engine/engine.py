@@ -113,11 +113,13 @@ class Engine:
         self.backend: Backend = kind(
             self.config, self.arch, self.model_path, self.tokenizer, self.context_len
         )
+        self._log_kv_cache()
         # What exists now (an in-process model, its runner, the tokenizer) lives until
         # shutdown: the collector's full passes no longer walk it (each took ~90 ms in a
-        # decode of the built-in model, a stall of one token in ~200); shutdown thaws it
+        # decode of the built-in model, a stall of one token in ~200); shutdown thaws it.
+        # Start-up's garbage goes first, not frozen with the rest
+        gc.collect()
         gc.freeze()
-        self._log_kv_cache()
 
     def _log_kv_cache(self) -> None:
         dtype = resolve_dtype(

@@ -18,6 +18,7 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/zeros.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -61,6 +62,14 @@ void gather_rows(const T* head, const int64_t* runs, int64_t& run, int64_t& offs
     offset += take;
     if (offset == count) ++run, offset = 0;
   }
+}
+
+// NaN by its bits: the build's -ffast-math lets the compiler turn comparisons into max/min
+// instructions that drop a NaN
+inline bool is_nan(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
 }
 
 // The horizontal sums of eight vectors, as one vector: lane i = the sum of a[i]'s lanes
@@ -108,6 +117,7 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* run
   }
   std::fill(acc, acc + G * dp, 0.f);
   std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
+  std::vector<uint8_t> nan(G, 0);
   int64_t total = 0;
   for (int64_t r = run_begin; r < run_end; ++r) total += runs[2 * r + 1];
   int64_t k_run = run_begin, k_off = 0, v_run = run_begin, v_off = 0;
@@ -129,7 +139,10 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* run
         vec8::store8(sg + j0, sums8(part));
       }
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sg[j]);
+      for (int64_t j = 0; j < n; ++j) {
+        block_max = std::max(block_max, sg[j]);
+        nan[g] |= is_nan(sg[j]);  // a NaN in q or the keys: this head's output NaN
+      }
       const float new_m = std::max(m[g], block_max);
       const float rescale = std::exp(m[g] - new_m);
       if (rescale != 1.f) {
@@ -172,7 +185,9 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* run
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    const float inv = nan[g] ? std::numeric_limits<float>::quiet_NaN()
+                      : l[g] > 0.f ? 1.f / l[g]
+                                   : 0.f;
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * dp + d] * inv);
   }
 }

@@ -70,7 +70,7 @@ template <>
 inline c10::BFloat16 rounded<c10::BFloat16>(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
-  const uint16_t half = std::isnan(v) ? 0x7FC0 : (bits + ((bits >> 16) & 1) + 0x7FFF) >> 16;
+  const uint16_t half = v != v ? 0x7FC0 : (bits + ((bits >> 16) & 1) + 0x7FFF) >> 16;  // NaN
   c10::BFloat16 r;
   std::memcpy(&r, &half, sizeof(half));
   return r;

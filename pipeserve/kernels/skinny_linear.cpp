@@ -513,7 +513,8 @@ bool rebuilds(const float* v, uint16_t d16, uint16_t m16, float bottom, float to
 // give every value back bitwise (`rebuilds`). Q8_0: the scale amax / 127 rounded, or one step
 // either side. Q4_1: the minimum as m and (max - min) / 15 likewise; then GGUF's Q4_0 values
 // d (q - 8), which are Q4_1's with d as it is (negative where the block's largest magnitude
-// is positive) and m = -8 d (exact in fp16): d from the largest magnitude, at q = 0.
+// is positive) and m = -8 d (exact in fp16): d from the largest magnitude. (Q4_0's d (8 - 8)
+// is -0 where d < 0, rebuilt as +0: equal values, another zero's sign.)
 bool encode_block(const float* v, int64_t format, uint8_t* out) {
   using c10::detail::fp16_ieee_from_fp32_value;
   using c10::detail::fp16_ieee_to_fp32_value;
@@ -529,7 +530,7 @@ bool encode_block(const float* v, int64_t format, uint8_t* out) {
   struct Candidate {
     uint16_t d16, m16;
   };
-  Candidate candidates[4];
+  Candidate candidates[3 + 15];
   int count = 0;
   const uint16_t m16 = fp16_ieee_from_fp32_value(lo);
   if (!q41 || fp16_ieee_to_fp32_value(m16) == lo) {  // Q4_1: the minimum is m, exactly
@@ -539,11 +540,17 @@ bool encode_block(const float* v, int64_t format, uint8_t* out) {
     candidates[count++] = {static_cast<uint16_t>(nearest + 1), offset};
     if (nearest > 0) candidates[count++] = {static_cast<uint16_t>(nearest - 1), offset};
   }
-  if (q41) {
-    const uint16_t d16 = fp16_ieee_from_fp32_value(-extreme / 8.f);
+  // Q4_0: the largest magnitude is d (q - 8) for some q - 8 = j in [-8, 7], j = -8 (q = 0)
+  // where GGUF's quantiser made d from it, another j where the levels came from elsewhere
+  // (an importance matrix's fit)
+  for (int j = -8; q41 && j <= 7; ++j) {
+    const uint16_t d16 = fp16_ieee_from_fp32_value(extreme / static_cast<float>(j));
     const float d = fp16_ieee_to_fp32_value(d16);
     const uint16_t q40_m16 = fp16_ieee_from_fp32_value(-8.f * d);
-    if (fp16_ieee_to_fp32_value(q40_m16) == -8.f * d) candidates[count++] = {d16, q40_m16};
+    if (j != 0 && d * static_cast<float>(j) == extreme &&
+        fp16_ieee_to_fp32_value(q40_m16) == -8.f * d) {
+      candidates[count++] = {d16, q40_m16};
+    }
   }
   int q[kBlock];
   for (int c = 0; c < count; ++c) {

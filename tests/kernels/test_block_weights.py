@@ -108,6 +108,27 @@ def test_q4_0_blocks_are_kept_as_the_q4_1_blocks_of_the_same_values() -> None:
     assert torch.equal(values(group(blocks, Q4_1), Q4_1), w)
 
 
+@needs_kernel
+def test_q4_0_blocks_whose_levels_skip_q_0_are_kept_too() -> None:
+    """Q4_0 blocks made elsewhere than GGUF's reference quantiser (an importance matrix's
+    fit): levels that never reach q = 0, so the largest magnitude is d (q - 8) for another q."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 16, 64
+    d = (0.01 + torch.rand(n * k // 32, generator=gen)) * torch.randn(
+        n * k // 32, generator=gen
+    ).sign()
+    d = d.half()
+    q = torch.randint(2, 14, (n * k // 32, 32), generator=gen, dtype=torch.uint8)  # never 0
+    nibbles = q[:, :16] | (q[:, 16:] << 4)
+    raw = torch.cat([d.view(torch.uint8).view(-1, 2), nibbles], dim=1).numpy().tobytes()
+    w = quants.dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(n, -1), Q.Q4_0)
+    w = torch.from_numpy(w.reshape(n, k).copy())
+    assert REQUANTIZE is not None
+    blocks = REQUANTIZE(w, Q4_1.code)
+    assert blocks is not None
+    assert torch.equal(gguf_values(blocks, Q4_1), w)
+
+
 def refused(kind: Q) -> list[torch.Tensor]:
     """Weights with no blocks of `kind`: float32 and bfloat16 values, and a weight of that
     kind (whose other blocks would be found) with one value off its block's grid, a NaN, an

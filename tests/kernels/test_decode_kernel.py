@@ -109,3 +109,21 @@ def test_head_widths_groups_and_lengths_against_a_plain_softmax(
         k, v = k_cache[:, idx].double(), v_cache[:, idx].double()
         p = torch.softmax(q[i].double() @ k.transpose(1, 2) * d**-0.5, dim=-1)
         torch.testing.assert_close(out[i].double(), p @ v, atol=tol, rtol=tol)
+
+
+def test_a_nan_key_makes_its_request_s_output_nan_and_no_other() -> None:
+    """A NaN in the cache (a bug upstream) shows in the output of the request that reads it,
+    at any place in its blocks, not averaged away; other requests are untouched."""
+    gen = torch.Generator().manual_seed(5)
+    hk, d, group = 2, 32, 2
+    k_cache = torch.randn(hk, 400, d, generator=gen)
+    v_cache = torch.randn(hk, 400, d, generator=gen)
+    k_cache[0, 70, 3] = float("nan")  # the second block of the first request
+    steps = [[(0, 100)], [(200, 100)]]
+    flat = torch.tensor([r for step in steps for r in step], dtype=torch.long)
+    q = torch.randn(2, hk, group, d, generator=gen)
+    kernel = native_decode_kernel()
+    assert kernel is not None
+    out = kernel(q, k_cache, v_cache, flat, torch.tensor([0, 1, 2]), d**-0.5)
+    assert out[0, 0].isnan().all() and not out[0, 1].isnan().any()  # KV head 0 only
+    assert not out[1].isnan().any()

@@ -8,6 +8,7 @@ deterministic run's, not rows torch may sum split, not where torch sums in anoth
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -145,9 +146,17 @@ def test_the_native_backend_norms_with_it_unless_deterministic() -> None:
 
 
 def test_not_used_where_torch_sums_in_another_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
-    assert device.native_norm_kernels() is None
-    assert not isinstance(NativeBackend().norms, NativeNorms)
+    """Another capability (ARM's SVE), or another architecture whatever it is called (aarch64's
+    DEFAULT has vectors of 4 lanes): the torch ops."""
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
+        assert device.native_norm_kernels() is None
+        assert not isinstance(NativeBackend().norms, NativeNorms)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+        patch.setattr(platform, "machine", lambda: "aarch64")
+        assert device.native_norm_kernels() is None
+    assert device.native_norm_kernels() is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
