@@ -4,8 +4,8 @@
 //   add_rms_norm:  s = dtype(x + residual); out = rms_norm(s); returns (out, s)
 // bitwise as the torch ops compute it (backends/base.py NormKernels): float32 arithmetic, the
 // normalised row rounded to the input dtype before the weight's product, which is rounded
-// again, and the sum of squares added in the order of torch's own float32 sum (`torch_sum`
-// below). float32 and bfloat16, x, residual and w of one dtype.
+// again, and the sum of squares added in the order of torch's own float32 sum
+// (`torch_sum_of_squares` below). float32 and bfloat16, x, residual and w of one dtype.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
 
