@@ -93,10 +93,21 @@ inline v8 sums8(const v8* a) {
 // values accumulated per head in registers over the block's keys, 64 channels at a time.
 constexpr int64_t kChains = 8;  // value accumulators a head keeps in registers (FMA latency x 2)
 
+// One task's buffers, reused for each (request, KV head) it takes.
 struct Work {
+  int64_t dp;                               // D rounded up to the lanes
   std::vector<float> q, acc, rows, scores;  // [G, dp], [G, dp], [kBlock, dp], [G, kBlock]
-  Work(int64_t G, int64_t dp)
-      : q(G * dp, 0.f), acc(G * dp), rows(kBlock * dp, 0.f), scores(G * kBlock) {}
+  std::vector<float> m, l;                  // [G]: the online softmax's maximum and sum
+  std::vector<uint8_t> nan;                 // [G]: a NaN score seen
+  Work(int64_t G, int64_t D)
+      : dp((D + kLanes - 1) / kLanes * kLanes),
+        q(G * dp, 0.f),
+        acc(G * dp),
+        rows(kBlock * dp, 0.f),
+        scores(G * kBlock),
+        m(G),
+        l(G),
+        nan(G) {}
 };
 
 // Keys are scored in blocks of kBlock sequence positions counted from position 0, whatever
@@ -106,7 +117,7 @@ template <typename T>
 void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* runs,
                 int64_t run_begin, int64_t run_end, int64_t G, int64_t D, float scale, T* out,
                 Work& w) {
-  const int64_t dp = (D + kLanes - 1) / kLanes * kLanes, chunks = dp / kLanes;
+  const int64_t dp = w.dp, chunks = dp / kLanes;
   float* qf = w.q.data();
   float* acc = w.acc.data();
   float* rows = w.rows.data();
@@ -116,8 +127,12 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* run
     for (int64_t d = 0; d < D; ++d) qf[g * dp + d] *= scale;
   }
   std::fill(acc, acc + G * dp, 0.f);
-  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
-  std::vector<uint8_t> nan(G, 0);
+  std::vector<float>& m = w.m;
+  std::vector<float>& l = w.l;
+  std::vector<uint8_t>& nan = w.nan;
+  std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(l.begin(), l.end(), 0.f);
+  std::fill(nan.begin(), nan.end(), 0);
   int64_t total = 0;
   for (int64_t r = run_begin; r < run_end; ++r) total += runs[2 * r + 1];
   int64_t k_run = run_begin, k_off = 0, v_run = run_begin, v_off = 0;
@@ -215,7 +230,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-      Work work(G, (D + kLanes - 1) / kLanes * kLanes);
+      Work work(G, D);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / Hk, h = i % Hk;
         decode_one<scalar_t>(qp + i * G * D, kp + h * N * D, vp + h * N * D, run_ptr, off[b],
