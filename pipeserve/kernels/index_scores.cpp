@@ -29,6 +29,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "prefill_common.h"
 #include "vec8.h"
 
@@ -253,7 +257,7 @@ void run_scores(const Inputs<typename F::T>& in, float* out) {
 // the topk-th best and the count above it follow; (3) that bin's scores gathered into `copy`
 // and the topk-th best found among them alone (nth_element over a few, not over the row);
 // (4) the positions in order: every score above it, then the earliest of those equal to it.
-// `copy` holds `visible` floats, `tags` each score's bin, `bins` kBins counters.
+// `copy` holds `visible` + 16 floats, `tags` each score's bin, `bins` kBins counters.
 constexpr int64_t kBins = 2048;
 
 void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t* pick,
@@ -320,8 +324,20 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
   int64_t above = 0, b = kBins - 1;
   while (above + bins[b] < topk) above += bins[b--];  // some bin holds the topk-th: visible > topk
   // (3) that bin's scores, and the topk-th best among them
-  int64_t c = 0;
-  for (int64_t j = 0; j < visible; ++j)
+  int64_t c = 0, j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // sixteen at a time: the bin's lanes compressed to the front of a register, stored whole
+  // (copy has 16 floats of room past visible)
+  const __m256i bin_b = _mm256_set1_epi16(static_cast<int16_t>(b));
+  for (; j + 16 <= visible; j += 16) {
+    const __mmask16 m = _mm256_cmpeq_epi16_mask(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tags + j)), bin_b);
+    if (!m) continue;
+    _mm512_storeu_ps(copy + c, _mm512_maskz_compress_ps(m, _mm512_loadu_ps(row + j)));
+    c += __builtin_popcount(m);
+  }
+#endif
+  for (; j < visible; ++j)
     if (tags[j] == b) copy[c++] = row[j];  // the bins counted (fast-math may round twice apart)
   const int64_t need = topk - above;  // in 1 .. bins[b]
   std::nth_element(copy, copy + need - 1, copy + c, std::greater<float>());
@@ -329,7 +345,33 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
   for (int64_t t = 0; t < c; ++t) above += copy[t] > kth;
   // (4) the positions in order, without a branch per score
   int64_t ties = topk - above, taken = 0;
-  for (int64_t j = 0; j < visible && taken < topk; ++j) {
+  j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // sixteen at a time: the lanes above kth and the first `ties` equal to it, their positions
+  // compressed to the front of a register and stored as int64 (masked: pick holds topk)
+  const __m512 kv = _mm512_set1_ps(kth);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j + 16 <= visible && taken < topk; j += 16) {
+    const __m512 x = _mm512_loadu_ps(row + j);
+    __mmask16 m = _mm512_cmp_ps_mask(x, kv, _CMP_GT_OQ);
+    for (__mmask16 eq = ties > 0 ? _mm512_cmp_ps_mask(x, kv, _CMP_EQ_OQ) : 0; eq && ties > 0;
+         --ties) {
+      m |= eq & -eq;  // the earliest equal lane left
+      eq &= eq - 1;
+    }
+    if (!m) continue;
+    const int count = __builtin_popcount(m);
+    const __m512i at = _mm512_maskz_compress_epi32(
+        m, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(j))));
+    _mm512_mask_storeu_epi64(pick + taken, static_cast<__mmask8>((1u << std::min(count, 8)) - 1),
+                             _mm512_cvtepi32_epi64(_mm512_castsi512_si256(at)));
+    if (count > 8)
+      _mm512_mask_storeu_epi64(pick + taken + 8, static_cast<__mmask8>((1u << (count - 8)) - 1),
+                               _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(at, 1)));
+    taken += count;
+  }
+#endif
+  for (; j < visible && taken < topk; ++j) {
     const bool tie = row[j] == kth && ties > 0;
     pick[taken] = j;
     taken += (row[j] > kth) | tie;
@@ -357,8 +399,8 @@ void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
       [&](Scratch& s, int64_t, int64_t q0, int64_t q1) {
         // a decode step's one query: one row, not a whole task's
         s.rows.resize(std::max(s.rows.size(), static_cast<size_t>((q1 - q0) * in.L)));
-        s.copy.resize(static_cast<size_t>(in.L));
-        s.tags.resize(static_cast<size_t>(in.L));
+        s.copy.resize(std::max(s.copy.size(), static_cast<size_t>(in.L + 16)));  // + whole vectors
+        s.tags.resize(std::max(s.tags.size(), static_cast<size_t>(in.L)));
         task_rows<F>(in, Rows{s.rows.data(), q0, in.L}, q0, q1, s.acc.rows);
         for (int64_t i = q0; i < q1; ++i)
           select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),

@@ -9,9 +9,10 @@
 // head shares; no rope: whole per-head keys) and S_i = {pos[i, t] : pos[i, t] >= 0}. Per
 // (query, position, head) this is dk + dr + dv multiply-adds, against 2 * kv_lora_rank + dr in
 // latent space (3.4x fewer at DeepSeek-V3's widths), but each reads a value of its own: per-head
-// keys are not shared by the heads as a latent row is, so the kernel is bound by reading them
-// from L2 (about 2.5x the time per multiply-add of the latent kernel on Zen 3), not by
-// arithmetic.
+// keys are not shared by the heads as a latent row is, and each dot product ends in a
+// reduction across lanes, so a multiply-add costs more than in the latent kernel (2-2.5x its
+// time in float32 on Zen 3; 1.75x at 8 heads of 96/64 and 2.2x at 16 of 192/128 in the
+// vdpbf16ps forms on Zen 4).
 //
 // The chosen positions are scattered over the request's expanded keys (tens of MB), so the
 // work is blocked by position: a task's queries (up to kMaxTask) sweep the positions in spans
@@ -90,9 +91,10 @@ struct Scratch {
   std::vector<int64_t> next, end;           // per query: the next of its positions to read, its last
   std::vector<float> q;                     // [queries, H, dk + dr], scaled, float32
   std::vector<float> acc;                   // [queries, H, dv] (the Bf16Form's: 32 a chunk)
-  std::vector<float> top, sums;             // [queries, H]
+  std::vector<float> top, sums;             // [queries, H rounded up to kLanes]
   std::vector<float> w;                     // a run's scores, then weights (padded to lanes)
-  std::vector<c10::BFloat16> wb;            // the Bf16Form's weights in bfloat16
+  std::vector<c10::BFloat16> qb;            // the Bf16Form's queries in zero-padded chunks
+  std::vector<uint32_t> pairs;              // the Bf16Form's weights as bfloat16 pairs
   int64_t read = 0;
 };
 
@@ -215,162 +217,284 @@ void head_run(const Inputs<T>& in, const float* qh, const int64_t* p, int64_t c,
 }
 
 #ifdef PIPESERVE_BF16_PAIRS
-// bfloat16 storage on CPUs with AVX512-BF16 (the `Bf16Form`): each head of a query over a run
-// as head_run does, with vdpbf16ps (pairs of bfloat16 multiplied exactly, float32 sums).
-//  - Scores: the query's head, its key part then its rope part in chunks of 32 values (the
-//    last of each masked), stays in registers over the run; each position's dot product is
-//    one vdpbf16ps per chunk of its key, eight positions' 16-lane sums reduced together
-//    (score8's reduction); the scale multiplies the sums.
-//  - Values: two positions at a time, their weights rounded to bfloat16 as a pair and their
-//    value rows interleaved (bf16_pairs::interleave), so one vdpbf16ps adds both into 16
-//    channels; the head's accumulator (32 channels a chunk, in two vectors) stays in
-//    registers over the run. The interleave leaves the channels permuted within each chunk
-//    (bf16_pairs::lane_of); the accumulator is kept so and put in order when the query's
-//    output is written.
-// Widths beyond kMaxQueryChunks / kMaxValueChunks take head_run (bfloat16 widened).
+// bfloat16 storage on CPUs with AVX512-BF16 (the `Bf16Form`): a query over a run as head_run
+// does, with vdpbf16ps (pairs of bfloat16 multiplied exactly, float32 sums), for a group of
+// eight heads at once (the lanes of a vector of scores), so that what a position costs once
+// (its row's address, its rope chunks, the reduction of dot products, the softmax's
+// arithmetic) is shared by the group's heads instead of paid by each:
+//  - Scores: each head's dot product with a position's key is one vdpbf16ps per chunk of 32
+//    values (the key's last chunk masked; the query's chunks zero-padded copies), the rope
+//    chunks loaded once per position. Register tiles of TH heads (their query chunks held in
+//    registers over the run) by 8 / TH positions: the tile's eight 16-lane sums are reduced
+//    together into one vector (score8's reduction). The scale multiplies the sums.
+//  - Weights: the online softmax in lanes of heads, one vector per position; then one pass
+//    turns the run's weights into bfloat16 pairs of positions for all eight heads.
+//  - Values: HV heads at a time (neighbours in a position's row), two positions at a time:
+//    their value rows interleaved (bf16_pairs::interleave), so one vdpbf16ps adds both
+//    positions into 16 channels with their pair of weights; the heads' accumulators (32
+//    channels a chunk, in two vectors) stay in registers over the run. The interleave leaves
+//    the channels permuted within each chunk (bf16_pairs::lane_of); the accumulator is kept
+//    so and put in order when the query's output is written.
+// A group of fewer than eight heads (the last, when H is not a multiple of 8) repeats its
+// last head in the spare lanes and drops them. On Zen 4 this runs 1.5x the speed of one head
+// at a time (benchmarks/v32_kernels.py, 8 heads of 96/64: 55 against 36 GMAC/s). Widths
+// beyond kMaxKeyChunks / kMaxRopeChunks / kMaxValueChunks take head_run (bfloat16 widened).
 using bf16 = c10::BFloat16;
 using bf16_pairs::chunk_mask;
 using bf16_pairs::chunks;
 using bf16_pairs::lane_of;
-constexpr int64_t kMaxQueryChunks = 8, kMaxValueChunks = 4;
+constexpr int64_t kMaxKeyChunks = 6, kMaxRopeChunks = 2, kMaxValueChunks = 4;
 
 inline bool bf16_form(const Inputs<bf16>& in) {
-  return chunks(in.dk) + chunks(in.dr) <= kMaxQueryChunks && chunks(in.dv) <= kMaxValueChunks;
+  return in.dk > 0 && chunks(in.dk) <= kMaxKeyChunks && chunks(in.dr) <= kMaxRopeChunks &&
+         chunks(in.dv) <= kMaxValueChunks;
 }
 
-// w[0 .. c) (room for c rounded up to kLanes): head h's scaled scores over positions p[0 .. c).
-template <int NQ>
-void scores_bf16(const Inputs<bf16>& in, const bf16* qh, const int64_t* p, int64_t c, int64_t h,
-                 float* w) {
-  const int64_t nk = chunks(in.dk);
-  __m512i qv[NQ];
-  __mmask32 mask[NQ];
-  int64_t offset[NQ];  // into the key row, or the rope row past nk
-  for (int j = 0; j < NQ; ++j) {
-    const bool rope = j >= nk;
-    mask[j] = rope ? chunk_mask(in.dr, j - nk) : chunk_mask(in.dk, j);
-    offset[j] = 32 * (rope ? j - nk : j);
-    qv[j] = _mm512_maskz_loadu_epi16(mask[j], qh + (rope ? in.dk : 0) + offset[j]);
+// What a group of heads' run reads and writes besides the inputs.
+struct GroupRun {
+  const bf16* q;     // the group's heads, NQ chunks of 32 each, zero past the widths
+  int64_t h0, heads;  // the group's first head and how many it has (1 .. kLanes)
+  float* w;          // kLanes floats per position (room for one more)
+  uint32_t* pairs;   // kLanes per two positions
+  float* top;        // kLanes: each head's running maximum
+  float* sum;        // kLanes: each head's sum of weights
+  float* acc;        // the heads' accumulators, 32 NV floats each
+};
+
+// g.w[r * kLanes + l] = head h0 + l's scaled score at position p[r], r < c: NK chunks of the
+// key part, NR of the rope part. A group of kLanes heads goes in register tiles of TH heads
+// (their query chunks held in registers over the run) by 8 / TH positions, whose eight dot
+// products are reduced together; a group of fewer heads position by position, its spare
+// lanes repeating its last head.
+template <int NK, int NR>
+void group_scores(const Inputs<bf16>& in, const GroupRun& g, const int64_t* p, int64_t c) {
+  constexpr int NQ = NK + NR;
+  constexpr int TH = NQ <= 3 ? 4 : 2, TP = kLanes / TH;
+  __mmask32 kmask[NK], rmask[NR > 0 ? NR : 1];
+  for (int j = 0; j < NK; ++j) kmask[j] = chunk_mask(in.dk, j);
+  for (int j = 0; j < NR; ++j) rmask[j] = chunk_mask(in.dr, j);
+  const int64_t stride = in.sk1;
+  const auto dot = [&](const bf16* kh, const __m512i* rope, const __m512i* qv) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int j = 0; j < NK; ++j)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(kmask[j], kh + 32 * j),
+                             (__m512bh)qv[j]);
+    for (int j = 0; j < NR; ++j)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)rope[j], (__m512bh)qv[NK + j]);
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    v8 out;
+    std::memcpy(&out, &half, sizeof(v8));
+    return out;
+  };
+  const auto load_rope = [&](int64_t pos, __m512i* rope) {
+    const bf16* rp = in.rope + pos * in.sr0;
+    for (int j = 0; j < NR; ++j) rope[j] = _mm512_maskz_loadu_epi16(rmask[j], rp + 32 * j);
+  };
+  constexpr int NRV = NR > 0 ? NR : 1;
+  if (g.heads == kLanes) {
+    for (int64_t hb = 0; hb < kLanes; hb += TH) {
+      __m512i qv[TH][NQ];
+      for (int i = 0; i < TH; ++i)
+        for (int j = 0; j < NQ; ++j)
+          qv[i][j] = _mm512_loadu_si512(g.q + (hb + i) * NQ * 32 + 32 * j);
+      const bf16* k0 = in.k + (g.h0 + hb) * stride;
+      for (int64_t r = 0; r < c; r += TP) {
+        v8 folded[kLanes];
+        for (int t = 0; t < TP; ++t) {
+          const int64_t pos = p[std::min(r + t, c - 1)];  // past c: the last again, dropped
+          __m512i rope[NRV];
+          load_rope(pos, rope);
+          const bf16* kp = k0 + pos * in.sk0;
+          for (int i = 0; i < TH; ++i) folded[t * TH + i] = dot(kp + i * stride, rope, qv[i]);
+        }
+        const v8 sums = lane_sums(folded) * splat(in.scale);
+        for (int t = 0; t < TP && r + t < c; ++t)
+          std::memcpy(g.w + (r + t) * kLanes + hb, reinterpret_cast<const float*>(&sums) + t * TH,
+                      TH * sizeof(float));
+      }
+    }
+    return;
   }
-  for (int64_t r = 0; r < c; r += kLanes) {
+  const bf16* k0 = in.k + g.h0 * stride;
+  for (int64_t r = 0; r < c; ++r) {
+    __m512i rope[NRV];
+    load_rope(p[r], rope);
+    const bf16* kp = k0 + p[r] * in.sk0;
     v8 folded[kLanes];
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const int64_t pos = p[std::min(r + t, c - 1)];  // past c: its score dropped by weigh
-      const bf16* kp = in.k + pos * in.sk0 + h * in.sk1;
-      const bf16* rp = in.rope + pos * in.sr0;
-      __m512 acc = _mm512_setzero_ps();
-      for (int j = 0; j < NQ; ++j)
-        acc = _mm512_dpbf16_ps(
-            acc, (__m512bh)qv[j],
-            (__m512bh)_mm512_maskz_loadu_epi16(mask[j], (j >= nk ? rp : kp) + offset[j]));
-      const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-      std::memcpy(&folded[t], &half, sizeof(v8));
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t h = std::min<int64_t>(l, g.heads - 1);
+      __m512i qv[NQ];
+      for (int j = 0; j < NQ; ++j) qv[j] = _mm512_loadu_si512(g.q + h * NQ * 32 + 32 * j);
+      folded[l] = dot(kp + h * stride, rope, qv);
     }
-    store8(w + r, lane_sums(folded) * splat(in.scale));
+    store8(g.w + r * kLanes, lane_sums(folded) * splat(in.scale));
   }
 }
 
-// acc (2 NV vectors, permuted) += sum_t w[t] v[p[t], h] over the run; wb: room for c + 16.
-template <int NV>
-void values_bf16(const Inputs<bf16>& in, const int64_t* p, int64_t c, int64_t h, const float* w,
-                 bf16* wb, float* acc) {
-  for (int64_t t = 0; t < c; t += 16)  // the weights in bfloat16, rounded to nearest even
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + t),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w + t)));
-  wb[c] = bf16(0.f);  // an odd run's last pair: its second weight
-  __m512 a[2 * NV];
+// The run's scores into weights e^(score - top) lane by lane (head by head), against each
+// head's running maximum (what was summed shrinks when it grows: its sum and accumulator, len
+// floats); their sums added to g.sum. Then the weights as bfloat16 pairs of positions: g.pairs
+// [r / 2 * kLanes + l] holds head l's weights at r (low half) and r + 1 (zero past c).
+void group_weigh(const GroupRun& g, int64_t c, int64_t len) {
+  v8 most = load8(g.top);
+  for (int64_t r = 0; r < c; ++r) {
+    const v8 x = load8(g.w + r * kLanes);
+    most = x > most ? x : most;
+  }
+  for (int64_t l = 0; l < kLanes; ++l)  // spare lanes too: they follow the last head
+    if (most[l] > g.top[l]) {
+      const float shrink = std::exp(g.top[l] - most[l]);  // 0 on the first run
+      g.sum[l] *= shrink;
+      if (l < g.heads)
+        for (float *acc = g.acc + l * len, *end = acc + len; acc < end; ++acc) *acc *= shrink;
+      g.top[l] = most[l];
+    }
+  const v8 top = load8(g.top);
+  v8 total = splat(0.f);
+  for (int64_t r = 0; r < c; ++r) {
+    const v8 e = exp8(load8(g.w + r * kLanes) - top);
+    store8(g.w + r * kLanes, e);
+    total += e;
+  }
+  store8(g.sum, load8(g.sum) + total);
+  for (int64_t r = 0; r < c; r += 2) {  // rounded to nearest even, two positions at once
+    const __mmask16 m = r + 1 < c ? 0xffff : 0x00ff;
+    const __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, g.w + r * kLanes));
+    const __m128i at = _mm256_castsi256_si128(both), next = _mm256_extracti128_si256(both, 1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(g.pairs + r / 2 * kLanes),
+                     _mm_unpacklo_epi16(at, next));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(g.pairs + r / 2 * kLanes + 4),
+                     _mm_unpackhi_epi16(at, next));
+  }
+}
+
+// HV heads' accumulators (2 NV vectors each, permuted) += sum_r w[r] v[p[r], h] over the run,
+// for heads h = h0 + i, i < HV: acc + i * 32 NV, pairs[r / 2 * kLanes + i] its weights at r and
+// r + 1. The heads of a position are neighbours in its row, so HV of them read together share
+// its address and fill 2 NV HV independent chains of multiply-adds.
+template <int NV, int HV>
+void head_values(const Inputs<bf16>& in, const int64_t* p, int64_t c, int64_t h0,
+                 const uint32_t* pairs, float* acc) {
+  __m512 a[HV][2 * NV];
   __mmask32 mask[NV];
-  for (int j = 0; j < NV; ++j) {
-    mask[j] = chunk_mask(in.dv, j);
-    a[2 * j] = _mm512_loadu_ps(acc + 32 * j);
-    a[2 * j + 1] = _mm512_loadu_ps(acc + 32 * j + 16);
-  }
+  for (int j = 0; j < NV; ++j) mask[j] = chunk_mask(in.dv, j);
+  for (int i = 0; i < HV; ++i)
+    for (int j = 0; j < 2 * NV; ++j) a[i][j] = _mm512_loadu_ps(acc + i * 32 * NV + 16 * j);
+  const bf16* v = in.v + h0 * in.sv1;
   for (int64_t r = 0; r < c; r += 2) {
-    int32_t pair;  // weights r, r + 1 in the low and high halves
-    std::memcpy(&pair, wb + r, sizeof(pair));
-    const __m512bh wp = (__m512bh)_mm512_set1_epi32(pair);
-    const bf16* v0 = in.v + p[r] * in.sv0 + h * in.sv1;
-    const bf16* v1 = r + 1 < c ? in.v + p[r + 1] * in.sv0 + h * in.sv1 : nullptr;
-    for (int j = 0; j < NV; ++j) {
-      __m512i lo, hi;
-      bf16_pairs::interleave(v0, v1, j, mask[j], lo, hi);
-      a[2 * j] = _mm512_dpbf16_ps(a[2 * j], (__m512bh)lo, wp);
-      a[2 * j + 1] = _mm512_dpbf16_ps(a[2 * j + 1], (__m512bh)hi, wp);
+    const bf16* v0 = v + p[r] * in.sv0;
+    const bf16* v1 = r + 1 < c ? v + p[r + 1] * in.sv0 : nullptr;
+    for (int i = 0; i < HV; ++i) {
+      const __m512bh wp =
+          (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pairs[r / 2 * kLanes + i]));
+      for (int j = 0; j < NV; ++j) {
+        __m512i lo, hi;
+        bf16_pairs::interleave(v0 + i * in.sv1, v1 ? v1 + i * in.sv1 : nullptr, j, mask[j], lo,
+                               hi);
+        a[i][2 * j] = _mm512_dpbf16_ps(a[i][2 * j], (__m512bh)lo, wp);
+        a[i][2 * j + 1] = _mm512_dpbf16_ps(a[i][2 * j + 1], (__m512bh)hi, wp);
+      }
     }
   }
-  for (int j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+  for (int i = 0; i < HV; ++i)
+    for (int j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(acc + i * 32 * NV + 16 * j, a[i][j]);
 }
 
-// head_run in the Bf16Form: qh the query's head in its own bfloat16, acc 32 NV floats.
-template <int NQ, int NV>
-void head_run_bf16(const Inputs<bf16>& in, const bf16* qh, const int64_t* p, int64_t c,
-                   int64_t h, float* w, bf16* wb, float& top, float& sum, float* acc) {
-  scores_bf16<NQ>(in, qh, p, c, h, w);
-  weigh(w, c, 32 * NV, top, sum, acc);
-  values_bf16<NV>(in, p, c, h, w, wb, acc);
+// A group of heads of one query over a run of c positions p[0 .. c).
+template <int NK, int NR, int NV>
+void group_run(const Inputs<bf16>& in, const GroupRun& g, const int64_t* p, int64_t c) {
+  group_scores<NK, NR>(in, g, p, c);
+  group_weigh(g, c, 32 * NV);
+  constexpr int HV = NV == 1 ? 4 : NV == 2 ? 2 : 1;  // 8 accumulators at most
+  int64_t l = 0;
+  for (; l + HV <= g.heads; l += HV)
+    head_values<NV, HV>(in, p, c, g.h0 + l, g.pairs + l, g.acc + l * 32 * NV);
+  for (; l < g.heads; ++l)
+    head_values<NV, 1>(in, p, c, g.h0 + l, g.pairs + l, g.acc + l * 32 * NV);
 }
 
-using HeadRun = void (*)(const Inputs<bf16>&, const bf16*, const int64_t*, int64_t, int64_t,
-                         float*, bf16*, float&, float&, float*);
+using GroupRunFn = void (*)(const Inputs<bf16>&, const GroupRun&, const int64_t*, int64_t);
 
-template <int NQ, int... NV>
-constexpr std::array<HeadRun, sizeof...(NV)> runs_of(std::integer_sequence<int, NV...>) {
-  return {&head_run_bf16<NQ, NV + 1>...};
+template <int NK, int NR, int... NV>
+constexpr std::array<GroupRunFn, sizeof...(NV)> runs_of(std::integer_sequence<int, NV...>) {
+  return {&group_run<NK, NR, NV + 1>...};
 }
 
-template <int... NQ>
-constexpr std::array<std::array<HeadRun, kMaxValueChunks>, sizeof...(NQ)> run_table(
-    std::integer_sequence<int, NQ...>) {
-  return {runs_of<NQ + 1>(std::make_integer_sequence<int, kMaxValueChunks>{})...};
+template <int NK, int... NR>
+constexpr std::array<std::array<GroupRunFn, kMaxValueChunks>, sizeof...(NR)> runs_by_rope(
+    std::integer_sequence<int, NR...>) {
+  return {runs_of<NK, NR>(std::make_integer_sequence<int, kMaxValueChunks>{})...};
+}
+
+template <int... NK>
+constexpr auto run_table(std::integer_sequence<int, NK...>) {
+  return std::array{
+      runs_by_rope<NK + 1>(std::make_integer_sequence<int, kMaxRopeChunks + 1>{})...};
 }
 
 // The instantiation for the inputs' widths (bf16_form(in) must hold).
-inline HeadRun head_run_for(const Inputs<bf16>& in) {
-  static constexpr auto table = run_table(std::make_integer_sequence<int, kMaxQueryChunks>{});
-  return table[chunks(in.dk) + chunks(in.dr) - 1][chunks(in.dv) - 1];
+inline GroupRunFn group_run_for(const Inputs<bf16>& in) {
+  static constexpr auto table = run_table(std::make_integer_sequence<int, kMaxKeyChunks>{});
+  return table[chunks(in.dk) - 1][chunks(in.dr)][chunks(in.dv) - 1];
 }
 #else
-using HeadRun = void*;  // no Bf16Form in this build
+using GroupRunFn = void*;  // no Bf16Form in this build
 #endif
 
 // Queries q0 .. q1 - 1, every head, sweeping the positions block by block.
 template <typename T>
 void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   const int64_t m = q1 - q0, H = in.H, dq = in.dk + in.dr, dv = in.dv;
-  s.pos.clear();
   s.next.assign(m, 0);
   s.end.assign(m, 0);
   int64_t last = -1;
+  s.pos.resize(std::max(s.pos.size(), static_cast<size_t>(m * in.topk)));
+  int64_t kept = 0;
   for (int64_t t = 0; t < m; ++t) {
-    s.next[t] = static_cast<int64_t>(s.pos.size());
-    for (int64_t j = 0; j < in.topk; ++j) {
-      const int64_t p = in.pos[(q0 + t) * in.topk + j];
-      if (p >= 0) s.pos.push_back(p);
+    s.next[t] = kept;
+    const int64_t* chosen = in.pos + (q0 + t) * in.topk;
+    for (int64_t j = 0; j < in.topk; ++j) {  // the chosen positions, the -1s dropped
+      s.pos[kept] = chosen[j];
+      kept += chosen[j] >= 0;
     }
-    s.end[t] = static_cast<int64_t>(s.pos.size());
+    s.end[t] = kept;
     const auto first = s.pos.begin() + s.next[t], stop = s.pos.begin() + s.end[t];
     if (!std::is_sorted(first, stop)) std::sort(first, stop);
     if (first != stop) last = std::max(last, *(stop - 1));
   }
-  s.read += static_cast<int64_t>(s.pos.size());
+  s.read += kept;
   // the Bf16Form's instantiation for these widths (its accumulators 32 channels a chunk), or
   // none: head_run on float32 (bfloat16 widened) with the query scaled in float32
-  HeadRun fast = nullptr;
+  GroupRunFn fast = nullptr;
 #ifdef PIPESERVE_BF16_PAIRS
   if constexpr (std::is_same_v<T, bf16>)
-    if (bf16_form(in)) fast = head_run_for(in);
+    if (bf16_form(in)) fast = group_run_for(in);
 #endif
   const int64_t acc_len = fast ? 32 * ((dv + 31) / 32) : dv;
+  const int64_t hp = (H + kLanes - 1) / kLanes * kLanes;  // a query's heads in whole groups
   if (!fast) {
     s.q.resize(m * H * dq);
     for (int64_t j = 0; j < m * H * dq; ++j)
       s.q[j] = static_cast<float>(in.q[q0 * H * dq + j]) * in.scale;
   }
+#ifdef PIPESERVE_BF16_PAIRS
+  // the Bf16Form's queries: each head's key part, then its rope part, in zero-padded chunks
+  const int64_t nk = chunks(in.dk), qw = 32 * (nk + chunks(in.dr));
+  if constexpr (std::is_same_v<T, bf16>) if (fast) {
+    s.qb.assign(m * H * qw, bf16(0.f));
+    for (int64_t th = 0; th < m * H; ++th) {
+      const bf16* src = in.q + (q0 * H + th) * dq;
+      std::copy(src, src + in.dk, s.qb.begin() + th * qw);
+      std::copy(src + in.dk, src + dq, s.qb.begin() + th * qw + 32 * nk);
+    }
+    s.pairs.resize((in.topk / 2 + 1) * kLanes);
+  }
+#endif
   s.acc.assign(m * H * acc_len, 0.f);
-  s.sums.assign(m * H, 0.f);
-  s.top.assign(m * H, -std::numeric_limits<float>::infinity());
-  s.w.resize(in.topk + 16);  // a run: at most a query's choice (a repeated position)
-  s.wb.resize(in.topk + 16);
+  s.sums.assign(m * hp, 0.f);
+  s.top.assign(m * hp, -std::numeric_limits<float>::infinity());
+  // a run: at most a query's choice (a repeated position); the Bf16Form's a vector a position
+  s.w.resize(fast ? (in.topk + 2) * kLanes : in.topk + 16);
   // positions in spans that stay in L3 (each read from memory once per task), within a span
   // tiles of queries whose state stays in L2 while they sweep its blocks
   const int64_t per_position = (H * (in.dk + dv) + in.dr) * static_cast<int64_t>(sizeof(T));
@@ -384,23 +508,28 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
       for (int64_t b0 = s0; b0 < s1; b0 += block) {
         const int64_t b1 = b0 + block;
         for (int64_t t = t0; t < t1; ++t) {
-          const int64_t c0 = s.next[t];
-          int64_t c1 = c0;
-          while (c1 < s.end[t] && s.pos[c1] < b1) ++c1;
+          const int64_t c0 = s.next[t];  // the run: its positions before b1
+          const int64_t c1 =
+              std::lower_bound(s.pos.begin() + c0, s.pos.begin() + s.end[t], b1) - s.pos.begin();
           if (c1 == c0) continue;
           s.next[t] = c1;
+#ifdef PIPESERVE_BF16_PAIRS
+          if constexpr (std::is_same_v<T, bf16>)
+            if (fast) {
+              for (int64_t h0 = 0; h0 < H; h0 += kLanes) {
+                const int64_t th = t * H + h0;
+                const GroupRun g{s.qb.data() + th * qw, h0, std::min<int64_t>(kLanes, H - h0),
+                                 s.w.data(), s.pairs.data(), s.top.data() + t * hp + h0,
+                                 s.sums.data() + t * hp + h0, s.acc.data() + th * acc_len};
+                fast(in, g, s.pos.data() + c0, c1 - c0);
+              }
+              continue;
+            }
+#endif
           for (int64_t h = 0; h < H; ++h) {
             const int64_t th = t * H + h;
-#ifdef PIPESERVE_BF16_PAIRS
-            if constexpr (std::is_same_v<T, bf16>)
-              if (fast) {
-                fast(in, in.q + (q0 * H + th) * dq, s.pos.data() + c0, c1 - c0, h, s.w.data(),
-                     s.wb.data(), s.top[th], s.sums[th], s.acc.data() + th * acc_len);
-                continue;
-              }
-#endif
             head_run(in, s.q.data() + th * dq, s.pos.data() + c0, c1 - c0, h, s.w.data(),
-                     s.top[th], s.sums[th], s.acc.data() + th * dv);
+                     s.top[t * hp + h], s.sums[t * hp + h], s.acc.data() + th * dv);
           }
         }
       }
@@ -409,7 +538,8 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   for (int64_t th = 0; th < m * H; ++th) {
     T* out = in.out + (q0 * H + th) * dv;
     const float* acc = s.acc.data() + th * acc_len;
-    const float inv = s.sums[th] > 0.f ? 1.f / s.sums[th] : 0.f;  // nothing chosen: zeros
+    const float sum = s.sums[th / H * hp + th % H];
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // nothing chosen: zeros
 #ifdef PIPESERVE_BF16_PAIRS
     if (fast) {
       for (int64_t j = 0; j < dv; ++j) out[j] = static_cast<T>(acc[lane_of(j)] * inv);

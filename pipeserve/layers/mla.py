@@ -69,8 +69,10 @@ SPARSE_GATHER_BYTES = 2**27
 # V3.2's two forms on the compiled CPU kernels, in multiply-adds of the latent kernel
 # (sparse_attention.cpp): one of the expanded kernel (sparse_expanded.cpp) costs about this many
 # (each reads a key or value of its own where a latent row serves every head; benchmarks/
-# v32_kernels.py: 2-2.5 in float32 on Zen 3, 2.3-2.55 in the two kernels' bfloat16 vdpbf16ps
-# forms on Zen 4), one of the up-projection (a matrix product) this many (0.4 and 0.45)
+# v32_kernels.py: 2-2.5 in float32 on Zen 3, 1.75 at 8 heads of 96/64 and 2.2 at 16 of 192/128
+# in the two kernels' bfloat16 vdpbf16ps forms on Zen 4; one weight serves both, as neither
+# benchmark config's choice changes between 1.8 and 2.5), one of the up-projection (a matrix
+# product) this many (0.4 and 0.45)
 SPARSE_EXPANDED_MAC = 2.5
 UP_PROJECTION_MAC = 0.4
 Mode = Literal["auto", "expanded", "absorbed"]  # auto: the cheaper (MLAttention.absorbs)

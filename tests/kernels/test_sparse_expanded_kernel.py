@@ -70,6 +70,8 @@ def test_attends_to_the_chosen_positions_only(dtype: torch.dtype) -> None:
     ("heads", "dk", "dr", "dv", "threads"),
     [
         (8, 64, 32, 64, 2),  # benchmarks/v32_sparse.py's widths
+        (12, 64, 32, 64, 1),  # a group of eight heads and one of four
+        (16, 128, 64, 128, 2),  # the released widths, two groups of eight heads
         (4, 128, 64, 128, 1),  # the released model's
         (3, 40, 0, 72, 2),  # no rope part; chunks of 32 with tails
         (2, 300, 16, 24, 1),  # wider than the vdpbf16ps form's eight query chunks
