@@ -360,7 +360,8 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
       eq &= eq - 1;
     }
     if (!m) continue;
-    const int count = __builtin_popcount(m);
+    // no more than topk in all (so by the counts above; the bound keeps pick's end safe)
+    const int count = static_cast<int>(std::min<int64_t>(__builtin_popcount(m), topk - taken));
     const __m512i at = _mm512_maskz_compress_epi32(
         m, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(j))));
     _mm512_mask_storeu_epi64(pick + taken, static_cast<__mmask8>((1u << std::min(count, 8)) - 1),

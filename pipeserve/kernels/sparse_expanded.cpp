@@ -237,7 +237,8 @@ void head_run(const Inputs<T>& in, const float* qh, const int64_t* p, int64_t c,
 //    so and put in order when the query's output is written.
 // A group of fewer than eight heads (the last, when H is not a multiple of 8) repeats its
 // last head in the spare lanes and drops them. On Zen 4 this runs 1.5x the speed of one head
-// at a time (benchmarks/v32_kernels.py, 8 heads of 96/64: 55 against 36 GMAC/s). Widths
+// at a time (benchmarks/v32_kernels.py, 8 heads of 96/64: 55 against 36 GMAC/s; 16 of
+// 192/128: 43 against 38). Widths
 // beyond kMaxKeyChunks / kMaxRopeChunks / kMaxValueChunks take head_run (bfloat16 widened).
 using bf16 = c10::BFloat16;
 using bf16_pairs::chunk_mask;
@@ -246,8 +247,8 @@ using bf16_pairs::lane_of;
 constexpr int64_t kMaxKeyChunks = 6, kMaxRopeChunks = 2, kMaxValueChunks = 4;
 
 inline bool bf16_form(const Inputs<bf16>& in) {
-  return in.dk > 0 && chunks(in.dk) <= kMaxKeyChunks && chunks(in.dr) <= kMaxRopeChunks &&
-         chunks(in.dv) <= kMaxValueChunks;
+  return in.dk > 0 && in.dv > 0 && chunks(in.dk) <= kMaxKeyChunks &&
+         chunks(in.dr) <= kMaxRopeChunks && chunks(in.dv) <= kMaxValueChunks;
 }
 
 // What a group of heads' run reads and writes besides the inputs.
@@ -265,7 +266,7 @@ struct GroupRun {
 // key part, NR of the rope part. A group of kLanes heads goes in register tiles of TH heads
 // (their query chunks held in registers over the run) by 8 / TH positions, whose eight dot
 // products are reduced together; a group of fewer heads position by position, its spare
-// lanes repeating its last head.
+// lanes copying its last head's sums (no work of their own).
 template <int NK, int NR>
 void group_scores(const Inputs<bf16>& in, const GroupRun& g, const int64_t* p, int64_t c) {
   constexpr int NQ = NK + NR;
@@ -322,10 +323,13 @@ void group_scores(const Inputs<bf16>& in, const GroupRun& g, const int64_t* p, i
     const bf16* kp = k0 + p[r] * in.sk0;
     v8 folded[kLanes];
     for (int l = 0; l < kLanes; ++l) {
-      const int64_t h = std::min<int64_t>(l, g.heads - 1);
+      if (l >= g.heads) {  // a spare lane: its last head's score again, no dot product
+        folded[l] = folded[g.heads - 1];
+        continue;
+      }
       __m512i qv[NQ];
-      for (int j = 0; j < NQ; ++j) qv[j] = _mm512_loadu_si512(g.q + h * NQ * 32 + 32 * j);
-      folded[l] = dot(kp + h * stride, rope, qv);
+      for (int j = 0; j < NQ; ++j) qv[j] = _mm512_loadu_si512(g.q + l * NQ * 32 + 32 * j);
+      folded[l] = dot(kp + l * stride, rope, qv);
     }
     store8(g.w + r * kLanes, lane_sums(folded) * splat(in.scale));
   }

@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p; a private generator per seeded
 request, so its tokens do not depend on what else is in the batch; and the logprobs asked for
 (the sampled tokens', the most likely ones', the prompt's). Nothing here reads a device value
-on the host (the forward's stream runs on)."""
+on the host (the forward's stream runs on) where work queues on streams (CUDA); on a CPU the
+top-p and min-p cuts read their candidates (`cut_candidates`), which costs no wait there."""
 
 from __future__ import annotations
 
@@ -105,17 +106,21 @@ def cut_candidates(
     uncut: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens sorted by probability as far as some row's cut needs them (a row
-    without a top-k asks for top-p or min-p): the CUT_CANDIDATES most likely (`topk`)
-    where every row's cut falls among them, i.e. its top-k is within them, or they hold
-    more than its top-p, or the last of them is below its min-p threshold (then every
+    without a top-k asks for top-p or min-p): the CUT_CANDIDATES most likely (`topk`, and
+    the next) where every row's cut falls among them, i.e. its top-k is within them, or
+    they hold more than its top-p, or the next is below its min-p threshold (then every
     token past them is dropped, as the whole sort would drop it); else the whole
     vocabulary sorted, as it is at once where some row has no cut (`uncut`). Deciding
     reads the candidates on the host, so only where that costs no wait (a CPU): a device
     sorts its vocabulary in microseconds anyway."""
     if not uncut and probs.shape[-1] > CUT_CANDIDATES and not queues_on_streams(probs.device):
-        sorted_p, order = probs.topk(CUT_CANDIDATES, dim=-1)
-        within = (top_k <= CUT_CANDIDATES) | (sorted_p.sum(dim=-1, keepdim=True) > top_p)
-        if bool((within | (sorted_p[:, -1:] < sorted_p[:, :1] * min_p)).all()):
+        # one more than the candidates: the first past them must be dropped, by the very sums
+        # and comparisons the cuts then make (the sort's scan sums the same prefix alike)
+        sorted_p, order = probs.topk(CUT_CANDIDATES + 1, dim=-1)
+        first_out = sorted_p[:, -1:]
+        before = sorted_p.cumsum(dim=-1)[:, -1:] - first_out
+        dropped = (top_k <= CUT_CANDIDATES) | (before > top_p)
+        if bool((dropped | (first_out < sorted_p[:, :1] * min_p)).all()):
             return sorted_p, order
     return probs.sort(dim=-1, descending=True)
 
@@ -143,7 +148,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     # the block: the first whose sum passes the target (u < 1 keeps u * total below the
     # total in float64, so there is one, and it has mass)
     b = torch.searchsorted(outer, target, right=True)
-    within = (target - (outer.gather(1, b) - mass.gather(1, b))).float()
+    # rounding may put the mass before the block a hair above the block's start: not below 0
+    within = (target - (outer.gather(1, b) - mass.gather(1, b))).clamp_min(0.0).float()
     row = inner.gather(1, b[..., None].expand(-1, -1, DRAW_BLOCK)).squeeze(1)
     # the target's rounding to float32 may carry it to the block's sum: then the block's last
     # token with mass

@@ -74,7 +74,7 @@ def test_attends_to_the_chosen_positions_only(dtype: torch.dtype) -> None:
         (16, 128, 64, 128, 2),  # the released widths, two groups of eight heads
         (4, 128, 64, 128, 1),  # the released model's
         (3, 40, 0, 72, 2),  # no rope part; chunks of 32 with tails
-        (2, 300, 16, 24, 1),  # wider than the vdpbf16ps form's eight query chunks
+        (2, 300, 16, 24, 1),  # wider than the vdpbf16ps form's six key chunks
     ],
 )
 def test_bfloat16_at_model_widths(heads: int, dk: int, dr: int, dv: int, threads: int) -> None:
@@ -91,6 +91,7 @@ def test_bfloat16_at_model_widths(heads: int, dk: int, dr: int, dv: int, threads
     rope = torch.randn(length, dr, generator=gen).bfloat16()
     positions = torch.stack([torch.randperm(length, generator=gen)[:topk] for _ in range(n)])
     positions[4, ::3] = -1
+    positions[5, 1:] = -1  # one position: runs of one
     positions[6] = torch.arange(length - topk, length)  # one run across a block's edge
     k, v = up[..., :dk], up[..., dk:]
     scale = (dk + dr) ** -0.5
