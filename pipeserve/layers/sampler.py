@@ -146,8 +146,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
     target = u * total
     # the block: the first whose sum passes the target (u < 1 keeps u * total below the
-    # total in float64, so there is one, and it has mass)
-    b = torch.searchsorted(outer, target, right=True)
+    # total in float64, so there is one, and it has mass; bounded all the same, as is the
+    # token, so that a row of NaN gives some token, as its argmax would, not one past the row)
+    b = torch.searchsorted(outer, target, right=True).clamp_(max=outer.shape[1] - 1)
     # rounding may put the mass before the block a hair above the block's start: not below 0
     within = (target - (outer.gather(1, b) - mass.gather(1, b))).clamp_min(0.0).float()
     row = inner.gather(1, b[..., None].expand(-1, -1, DRAW_BLOCK)).squeeze(1)
@@ -155,7 +156,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     # token with mass
     last = torch.searchsorted(row, row[:, -1:].contiguous())
     i = torch.minimum(torch.searchsorted(row, within, right=True), last)
-    return (b * DRAW_BLOCK + i).squeeze(1)
+    return (b * DRAW_BLOCK + i).squeeze(1).clamp_(max=vocab - 1)  # a NaN row: in the row
 
 
 LOGPROB_ROWS_PER_PASS = 1024  # prompt logprobs: LM head rows per pass (bounds memory)

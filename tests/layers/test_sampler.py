@@ -164,3 +164,11 @@ def test_a_uniform_number_next_to_1_draws_the_last_token_with_mass(
 
 def _dtype(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in ("dtype", "device")}
+
+
+def test_a_row_of_nan_still_gives_a_token_of_the_vocabulary() -> None:
+    """Broken logits (NaN) draw some token of the row, as greedy's argmax picks one, never an
+    index past the vocabulary."""
+    probs = torch.full((2, 3 * DRAW_BLOCK - 5), float("nan"))
+    picked = draw(probs, torch.Generator().manual_seed(0))
+    assert ((picked >= 0) & (picked < probs.shape[1])).all()
