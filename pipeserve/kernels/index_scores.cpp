@@ -29,7 +29,9 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+// select_row's sixteen-lane passes (compress, 16-bit compares) where the target has them
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PIPESERVE_SELECT_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -325,7 +327,7 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
   while (above + bins[b] < topk) above += bins[b--];  // some bin holds the topk-th: visible > topk
   // (3) that bin's scores, and the topk-th best among them
   int64_t c = 0, j = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef PIPESERVE_SELECT_AVX512
   // sixteen at a time: the bin's lanes compressed to the front of a register, stored whole
   // (copy has 16 floats of room past visible)
   const __m256i bin_b = _mm256_set1_epi16(static_cast<int16_t>(b));
@@ -346,7 +348,7 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
   // (4) the positions in order, without a branch per score
   int64_t ties = topk - above, taken = 0;
   j = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef PIPESERVE_SELECT_AVX512
   // sixteen at a time: the lanes above kth and the first `ties` equal to it, their positions
   // compressed to the front of a register and stored as int64 (masked: pick holds topk)
   const __m512 kv = _mm512_set1_ps(kth);

@@ -72,6 +72,7 @@ class Sampler:
         # top-p 1 cuts nothing (a cumulative sum may round past 1 in the tail)
         top_p = column([p.top_p if p.top_p < 1.0 else float("inf") for p in params])
         min_p = column([p.min_p for p in params])
+        k_col = column([float(k) for k in top_k])
         kept = max(top_k)
         if kept < vocab:
             sorted_p, order = probs.topk(kept, dim=-1)
@@ -81,11 +82,10 @@ class Sampler:
                 k == vocab and p.top_p >= 1.0 and p.min_p <= 0.0
                 for k, p in zip(top_k, params, strict=True)
             )
-            cuts = (column([float(k) for k in top_k]), top_p, min_p)
-            sorted_p, order = cut_candidates(probs, *cuts, uncut)
+            sorted_p, order = cut_candidates(probs, k_col, top_p, min_p, uncut)
             kept = sorted_p.shape[-1]
         rank = torch.arange(kept, device=logits.device)[None, :]
-        drop = rank >= column([float(k) for k in top_k])
+        drop = rank >= k_col
         drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p
         drop |= sorted_p < sorted_p[:, :1] * min_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
