@@ -63,18 +63,26 @@ struct Rows {
   float* row(int64_t i) const { return base + (i - row0) * L; }
 };
 
+// pack_key(j) for every key j of whole blocks of `keys` covering L (j >= L: the last block's
+// padding, zeros), blocks split over the threads.
+template <typename PackKey>
+void pack_blocks(int64_t L, int64_t keys, PackKey&& pack_key) {
+  at::parallel_for(0, (L + keys - 1) / keys, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t j = b0 * keys; j < b1 * keys; ++j) pack_key(j);
+  });
+}
+
 // float32 keys in blocks of two 8-lane vectors, packed [blocks][d][kKeys].
 struct F32Keys {
   using T = float;
   static constexpr int64_t kKeys = 2 * vec8::kLanes;
   static constexpr int64_t kPair = 6;  // queries per register tile
 
-  static void pack(const float* k, int64_t L, int64_t d, std::vector<float>& packed) {
-    packed.assign(static_cast<size_t>((L + kKeys - 1) / kKeys * d * kKeys), 0.f);
-    for (int64_t j = 0; j < L; ++j) {
-      float* dst = packed.data() + (j / kKeys) * d * kKeys + j % kKeys;
-      for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = k[j * d + t];
-    }
+  static void pack(const float* k, int64_t L, int64_t d, float* packed) {
+    pack_blocks(L, kKeys, [&](int64_t j) {
+      float* dst = packed + (j / kKeys) * d * kKeys + j % kKeys;
+      for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = j < L ? k[j * d + t] : 0.f;
+    });
   }
 
   // Queries i .. i + P - 1 against one key block: acc[p] = sum_h w_ph * max(0, q_ph . k_block),
@@ -128,15 +136,14 @@ struct Bf16Keys {
   // on Zen 4, 16 heads of 64)
   static constexpr int64_t kPair = 4;
 
-  static void pack(const T* k, int64_t L, int64_t d, std::vector<T>& packed) {
-    packed.assign(static_cast<size_t>((L + kKeys - 1) / kKeys * d * kKeys), T(0.f));
-    for (int64_t j = 0; j < L; ++j) {
-      T* dst = packed.data() + (j / kKeys) * d * kKeys + (j % kKeys) * 2;
+  static void pack(const T* k, int64_t L, int64_t d, T* packed) {
+    pack_blocks(L, kKeys, [&](int64_t j) {
+      T* dst = packed + (j / kKeys) * d * kKeys + (j % kKeys) * 2;
       for (int64_t t = 0; t < d; t += 2) {
-        dst[t * kKeys] = k[j * d + t];
-        dst[t * kKeys + 1] = k[j * d + t + 1];
+        dst[t * kKeys] = j < L ? k[j * d + t] : T(0.f);
+        dst[t * kKeys + 1] = j < L ? k[j * d + t + 1] : T(0.f);
       }
-    }
+    });
   }
 
   // As F32Keys::block, the dot products by vdpbf16ps over pairs of dimensions: a query's
@@ -397,14 +404,23 @@ void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
     std::vector<int32_t> bins = std::vector<int32_t>(kBins);
     std::vector<uint16_t> tags;
   };
+  // each thread's scratch kept between calls (at most 16 MiB of rows, 24 MiB at a million
+  // keys): allocated afresh, its pages may be faulted in and zeroed again on every prompt
+  // chunk and layer
   prefill::run_tasks(
-      in.n, 1, per, [] { return Scratch{}; },
+      in.n, 1, per,
+      []() -> Scratch& {
+        thread_local Scratch kept;
+        return kept;
+      },
       [&](Scratch& s, int64_t, int64_t q0, int64_t q1) {
         // a decode step's one query: one row, not a whole task's
         s.rows.resize(std::max(s.rows.size(), static_cast<size_t>((q1 - q0) * in.L)));
         s.copy.resize(std::max(s.copy.size(), static_cast<size_t>(in.L + 16)));  // + whole vectors
         s.tags.resize(std::max(s.tags.size(), static_cast<size_t>(in.L)));
-        task_rows<F>(in, Rows{s.rows.data(), q0, in.L}, q0, q1, s.acc.rows);
+        // rows that see no more than topk keys keep them all: their scores are not read
+        const int64_t scored = std::clamp<int64_t>(topk - in.prefix, q0, q1);
+        task_rows<F>(in, Rows{s.rows.data(), q0, in.L}, scored, q1, s.acc.rows);
         for (int64_t i = q0; i < q1; ++i)
           select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),
                      pick + i * topk, s.bins.data(), s.tags.data());
@@ -434,19 +450,21 @@ void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, doubl
     using T = c10::BFloat16;
     q = q.contiguous();
     k = k.contiguous();
-    std::vector<T> packed;
-    Bf16Keys::pack(k.data_ptr<T>(), L, d, packed);
-    run(Bf16Keys{}, Inputs<T>{q.data_ptr<T>(), w.data_ptr<float>(), packed.data(), n, H, d, L,
-                              prefix, s});
+    at::Tensor packed = at::empty({(L + Bf16Keys::kKeys - 1) / Bf16Keys::kKeys * d *
+                                   Bf16Keys::kKeys}, k.options());
+    Bf16Keys::pack(k.data_ptr<T>(), L, d, packed.data_ptr<T>());
+    run(Bf16Keys{}, Inputs<T>{q.data_ptr<T>(), w.data_ptr<float>(), packed.data_ptr<T>(), n, H,
+                              d, L, prefix, s});
     return;
   }
 #endif
   q = q.to(at::kFloat).contiguous();
   k = k.to(at::kFloat).contiguous();
-  std::vector<float> packed;
-  F32Keys::pack(k.data_ptr<float>(), L, d, packed);
-  run(F32Keys{}, Inputs<float>{q.data_ptr<float>(), w.data_ptr<float>(), packed.data(), n, H, d,
-                               L, prefix, s});
+  at::Tensor packed =
+      at::empty({(L + F32Keys::kKeys - 1) / F32Keys::kKeys * d * F32Keys::kKeys}, k.options());
+  F32Keys::pack(k.data_ptr<float>(), L, d, packed.data_ptr<float>());
+  run(F32Keys{}, Inputs<float>{q.data_ptr<float>(), w.data_ptr<float>(), packed.data_ptr<float>(),
+                               n, H, d, L, prefix, s});
 }
 
 }  // namespace

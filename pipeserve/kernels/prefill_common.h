@@ -76,7 +76,7 @@ void run_tasks(int64_t n, int64_t Hk, int64_t per_task, MakeScratch make_scratch
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
-      auto scratch = make_scratch();
+      auto&& scratch = make_scratch();  // a thread's own, or one it keeps between calls
       for (int64_t i = next++; i < tasks; i = next++) {
         const int64_t head = i / qblocks, qb = qblocks - 1 - i % qblocks;
         const int64_t t0 = qb * per_task;

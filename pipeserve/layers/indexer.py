@@ -103,20 +103,31 @@ class Indexer(nn.Module):
         (its compiled selection where it has one)."""
         topk = self.config.topk
         self.write_keys(x, rope, cache, segments, new_slots)
-        out = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
         q = w = None
-        for seg in segments:
+        parts = []  # each segment's choice, in the order of its rows
+        ordered = sorted(segments, key=lambda seg: seg.q_start)
+        for seg in ordered:
             if seg.length > topk:
                 if q is None or w is None:
                     q, w = self.queries(q_latent, rope), self.head_weights(x)
                 k = seg.read(cache)
-                out[seg.rows] = causal_top_positions(
-                    q[seg.rows], w[seg.rows], k, seg.prefix_len, self.scale, topk, kernels
+                parts.append(
+                    causal_top_positions(
+                        q[seg.rows], w[seg.rows], k, seg.prefix_len, self.scale, topk, kernels
+                    )
                 )
             else:  # a request no longer than topk keeps every visible position: no scores
                 every = torch.arange(topk, device=x.device)[None]
                 last = seg.prefix_len + torch.arange(seg.q_len, device=x.device)[:, None]
-                out[seg.rows] = torch.where(every <= last, every, -1)
+                parts.append(torch.where(every <= last, every, -1))
+        # a prompt chunk's [n, topk] is tens of MB: where the segments tile the tokens (always,
+        # but for padded batches) one request's choice is returned as made, no fill and copy
+        ends = [seg.q_start + seg.q_len for seg in ordered]
+        if [seg.q_start for seg in ordered] == [0, *ends[:-1]] and ends[-1:] == [x.shape[0]]:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
+        for seg, part in zip(ordered, parts, strict=True):
+            out[seg.rows] = part
         return out
 
     def write_keys(

@@ -441,6 +441,35 @@ def test_selection_mask_of_two_segments_in_one_batch(setup: Setup) -> None:
     assert torch.equal(picked[PROMPT:], alone[1])
 
 
+def test_segments_out_of_order_or_not_covering_the_batch(setup: Setup) -> None:
+    """The choice is laid out by the segments' rows whatever their order in the list; a row of
+    no segment (a padded batch's) chooses nothing (-1s) rather than another request's keys."""
+    layer, (x, q_latent) = setup.layer(), inputs()
+    alone = [run_chunks(layer, setup, x[:n], q_latent[:n], [n])[1] for n in (PROMPT, 25)]
+    slots = scattered_slots(PROMPT + 25, seed=5)
+    positions = torch.cat(
+        [torch.arange(PROMPT), torch.arange(25), torch.zeros(3, dtype=torch.long)]
+    )
+    xb = torch.cat([x, x[:25], x[:3]])
+    qb = torch.cat([q_latent, q_latent[:25], q_latent[:3]])
+    rope = setup.rotary.cos_sin(positions, torch.float32)
+    long_seg = LatentSegment(0, PROMPT, slots[:PROMPT])
+    short_seg = LatentSegment(PROMPT, 25, slots[PROMPT:])
+    with torch.no_grad():
+        reversed_order = layer(
+            xb[:-3],
+            qb[:-3],
+            (rope[0][:-3], rope[1][:-3]),
+            torch.zeros(NUM_SLOTS, INDEX_DIM),
+            [short_seg, long_seg],
+        )
+        padded = layer(xb, qb, rope, torch.zeros(NUM_SLOTS, INDEX_DIM), [long_seg, short_seg])
+    for picked in (reversed_order, padded):
+        assert torch.equal(picked[:PROMPT], alone[0])
+        assert torch.equal(picked[PROMPT : PROMPT + 25], alone[1])
+    assert padded.shape == (PROMPT + 28, TOPK) and (padded[PROMPT + 25 :] == -1).all()
+
+
 def test_index_scores_in_query_blocks_equal_one_block(
     setup: Setup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
