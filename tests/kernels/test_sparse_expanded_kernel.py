@@ -145,11 +145,23 @@ def test_a_position_chosen_many_times_is_read_each_time() -> None:
     assert read.item() == int((positions >= 0).sum())
 
 
-def test_a_position_outside_the_keys_is_refused() -> None:
-    q, k, v, rope, positions = problem(torch.float32)
-    positions[9, 4] = L
-    with pytest.raises(RuntimeError, match="outside the keys"):
-        attend(q, k, v, rope, positions, 0.2)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [L, -2])
+def test_a_position_outside_the_keys_is_refused(bad: int, dtype: torch.dtype, threads: int) -> None:
+    """Checked by the task that reads the row (on whichever thread), before it reads any:
+    the call fails with the message, on the last query as on the first."""
+    q, k, v, rope, positions = problem(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for row in (0, positions.shape[0] - 1):
+            wrong = positions.clone()
+            wrong[row, 4] = bad
+            with pytest.raises(RuntimeError, match="outside the keys"):
+                attend(q, k, v, rope, wrong, 0.2)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_no_queries_give_an_empty_answer() -> None:
