@@ -103,6 +103,8 @@ def main() -> None:
     )
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     torch.set_num_threads(args.threads)
     dtype = best_dtype(torch.device("cpu"))
     peak = matmul_peak_flops(DTYPES[dtype], torch.device("cpu"))

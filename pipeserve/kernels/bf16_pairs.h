@@ -2,10 +2,13 @@
 // pairs of bfloat16 multiplied exactly, both products added into a float32 lane): widths in
 // chunks of 32 values, the last one masked, and the channel order that interleaving two rows
 // of values (vpunpck{l,h}wd, to add both by one vdpbf16ps) leaves in an accumulator.
-// PIPESERVE_BF16_PAIRS is defined where the compiler targets AVX512F and AVX512-BF16.
+// PIPESERVE_BF16_PAIRS is defined where the compiler targets AVX512-BF16 with the AVX512 parts
+// these forms use besides F (BW's 16-bit masked loads and unpacks, DQ's 256-bit extracts; every
+// CPU with AVX512-BF16 has them).
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__)
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 

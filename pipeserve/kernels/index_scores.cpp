@@ -404,9 +404,8 @@ void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
     std::vector<int32_t> bins = std::vector<int32_t>(kBins);
     std::vector<uint16_t> tags;
   };
-  // each thread's scratch kept between calls (at most 16 MiB of rows, 24 MiB at a million
-  // keys): allocated afresh, its pages may be faulted in and zeroed again on every prompt
-  // chunk and layer
+  // each thread's scratch kept between calls (up to prefill::kKeptScratchBytes): allocated
+  // afresh, its pages may be faulted in and zeroed again on every prompt chunk and layer
   prefill::run_tasks(
       in.n, 1, per,
       []() -> Scratch& {
@@ -424,6 +423,7 @@ void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
         for (int64_t i = q0; i < q1; ++i)
           select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),
                      pick + i * topk, s.bins.data(), s.tags.data());
+        prefill::trim_scratch(s.rows, s.copy, s.tags);
       });
 }
 

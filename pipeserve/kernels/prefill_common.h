@@ -65,6 +65,18 @@ inline int64_t queries_per_task(int64_t n, int64_t Hk, int64_t G, int64_t thread
   return std::max<int64_t>(1, std::min(per, n));
 }
 
+// Scratch kept per thread between calls (a thread_local returned to run_tasks by reference)
+// is released at the end of a task once its vectors hold more than kKeptScratchBytes: long
+// contexts then allocate per task as before, and no thread keeps more than this for good.
+constexpr int64_t kKeptScratchBytes = int64_t{32} << 20;
+
+template <typename... V>
+void trim_scratch(V&... vectors) {
+  const int64_t held = (0 + ... + static_cast<int64_t>(vectors.capacity() *
+                                                       sizeof(typename V::value_type)));
+  if (held > kKeptScratchBytes) (V().swap(vectors), ...);
+}
+
 // Runs task(head, first query, end query) for every (KV head, block of queries) on all
 // threads: threads take tasks from a shared counter, longest first (a block's queries see
 // more keys the later it is). `make_scratch()` gives each thread its own state.

@@ -70,13 +70,14 @@ inline int64_t l2_bytes() {
 }
 constexpr int64_t kMaxTask = 512;  // queries per task at most
 constexpr int64_t kRows = 4;       // positions per register tile
-// Queries sweeping a span's blocks together: as many as keep their accumulators within a
-// quarter of a 1 MiB L2 (the rest holds the block), 32 to 128 (Zen 4, 2048 queries over 2048
-// of 16K positions: 128 against 32 took 3% less time at 8 heads of 96/64 in both dtypes;
-// 32 against 128 took 7% less at 16 of 192/128).
+// Queries sweeping a span's blocks together: as many as have 256 KiB of accumulators, 32 to
+// 128. A rule measured, not derived (the blocks fill L2 as it is): on Zen 4 (1 MiB L2), 2048
+// queries over 2048 of 16K positions took 3% less time with 128 than with 32 at 8 heads of
+// 96/64 in both dtypes, and 7% more at 16 of 192/128.
 constexpr int64_t kTileStateBytes = int64_t{256} << 10;
 inline int64_t tile_queries(int64_t H, int64_t dv) {
-  return std::clamp<int64_t>(kTileStateBytes / (H * dv * int64_t{sizeof(float)}), 32, 128);
+  const int64_t per_query = std::max<int64_t>(1, H * dv * int64_t{sizeof(float)});
+  return std::clamp<int64_t>(kTileStateBytes / per_query, 32, 128);
 }
 constexpr int64_t kSpanBytes = int64_t{4} << 20;  // keys and values of a span of positions
 
@@ -606,9 +607,9 @@ int64_t run(const Inputs<T>& in) {
   const int64_t rounds = (in.n + kMaxTask * threads - 1) / (kMaxTask * threads);
   const int64_t per = std::max<int64_t>(1, (in.n + rounds * threads - 1) / (rounds * threads));
   std::atomic<int64_t> read{0};
-  // each thread's scratch kept between calls, so its pages are not faulted in again on every
-  // call: what one task needs (12 MiB at kMaxTask queries of 2048 positions and 16 heads of
-  // 128 values; it grows with the heads), held while the process lives
+  // each thread's scratch kept between calls (up to prefill::kKeptScratchBytes: ~15 MiB at
+  // kMaxTask queries of 2048 positions and 16 heads of 192/128), so its pages are not faulted
+  // in again on every call
   prefill::run_tasks(
       in.n, 1, per,
       []() -> Scratch& {
@@ -619,6 +620,8 @@ int64_t run(const Inputs<T>& in) {
         task(in, s, q0, q1);
         read += s.read;
         s.read = 0;
+        prefill::trim_scratch(s.pos, s.next, s.end, s.q, s.acc, s.top, s.sums, s.w, s.qb,
+                              s.pairs);
       });
   return read.load();
 }

@@ -133,6 +133,34 @@ def test_threads_and_order_of_a_choice_change_nothing(threads: int) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_queries_in_several_tiles_tasks_and_rounds(dtype: torch.dtype) -> None:
+    """1100 queries on 2 threads: several tiles of queries per task (128 at most), tasks in
+    two rounds per thread (512 queries at most), each query still reading its own choice."""
+    gen = torch.Generator().manual_seed(9)
+    n, keys, topk = 1100, 160, 24
+    q = torch.randn(n, H, DK + DR, generator=gen).to(dtype)
+    up = torch.randn(keys, H, DK + DV, generator=gen).to(dtype)
+    rope = torch.randn(keys, DR, generator=gen).to(dtype)
+    positions = torch.stack([torch.randperm(keys, generator=gen)[:topk] for _ in range(n)])
+    positions[::7, ::3] = -1
+    k, v = up[..., :DK], up[..., DK:]
+    before = torch.get_num_threads()
+    read = torch.zeros(1, dtype=torch.long)
+    try:
+        torch.set_num_threads(2)
+        out = attend(q, k, v, rope, positions, 0.2, read)
+    finally:
+        torch.set_num_threads(before)
+    keys_h = torch.cat([k, rope[:, None].expand(-1, H, -1)], dim=-1)
+    want = masked_attention(q, keys_h, v, selection_mask(positions, keys), 0.2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=0)
+    else:
+        torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2**-8)
+    assert read.item() == int((positions >= 0).sum())
+
+
 def test_a_position_chosen_many_times_is_read_each_time() -> None:
     """A choice that repeats one position more often than a block holds positions (what no
     indexer gives, but a caller may): one run longer than a block, every copy weighed alike,
@@ -149,8 +177,8 @@ def test_a_position_chosen_many_times_is_read_each_time() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bad", [L, -2])
 def test_a_position_outside_the_keys_is_refused(bad: int, dtype: torch.dtype, threads: int) -> None:
-    """Checked by the task that reads the row (on whichever thread), before it reads any:
-    the call fails with the message, on the last query as on the first."""
+    """Checked by the task that reads the rows (on whichever thread): the call fails with
+    the message, whether the bad position is the first query's or the last one's."""
     q, k, v, rope, positions = problem(dtype)
     before = torch.get_num_threads()
     try:
