@@ -278,10 +278,13 @@ template <typename T>
 void one_query(const Inputs<T>& in, int64_t i, int64_t hb, int64_t he, Scratch& s) {
   const int64_t H = in.H, W = in.W, rank = in.rank, len = acc_len<T>(rank);
   s.keys.clear();
+  bool outside = false;  // checked here, on every thread, before any row is read
   for (int64_t t = 0; t < in.topk; ++t) {
     const int64_t slot = in.slots[i * in.topk + t];
     if (slot >= 0) s.keys.push_back(slot);
+    outside |= slot >= in.N;
   }
+  TORCH_CHECK(!outside, "a chosen slot is outside the cache");
   const int64_t c = static_cast<int64_t>(s.keys.size());
   s.read += c;
   T* out = in.out + i * H * rank;
@@ -417,8 +420,7 @@ at::Tensor sparse_latent_attention(at::Tensor q, at::Tensor rows, at::Tensor slo
   q = q.contiguous();
   slots = slots.contiguous();
   const int64_t topk = slots.size(1);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n * topk; ++j) TORCH_CHECK(sp[j] < N, "a chosen slot is outside the cache");
+  const int64_t* sp = slots.data_ptr<int64_t>();  // each query's task checks its own
   at::Tensor out = at::empty({n, H, rank}, q.options());
   const float sc = static_cast<float>(scale);
   int64_t read = 0;

@@ -127,11 +127,27 @@ def test_rows_read_per_query_are_min_of_visible_and_topk(native: bool) -> None:
 
 
 @needs_kernel
-def test_a_slot_outside_the_rows_is_refused() -> None:
-    q, rows, slots = problem(torch.float32)
-    slots[9, 4] = ROWS
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        sparse_latent_attention(q, rows, slots, RANK, 0.2, KERNEL)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slot_outside_the_rows_is_refused(dtype: torch.dtype, threads: int) -> None:
+    """Checked by the task that reads the rows (on whichever thread): the call fails with
+    the message for the first query's slot, the last one's, and a lone query's (a decode
+    step, its heads split over the threads)."""
+    q, rows, slots = problem(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for row in (0, slots.shape[0] - 1):
+            wrong = slots.clone()
+            wrong[row, 4] = ROWS
+            with pytest.raises(RuntimeError, match="outside the cache"):
+                sparse_latent_attention(q, rows, wrong, RANK, 0.2, KERNEL)
+        wrong = slots[:1].clone()
+        wrong[0, 4] = ROWS
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            sparse_latent_attention(q[:1], rows, wrong, RANK, 0.2, KERNEL)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel
