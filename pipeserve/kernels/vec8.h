@@ -48,19 +48,23 @@ inline float lanes_sum(v8 a) {
 
 // e^x for x <= 0 (a score minus its maximum), as 2^n * 2^f with f in [-0.5, 0.5] and 2^f the
 // prefill kernels' polynomial (relative error ~2e-7); below 2^-126 it stays near 2^-126,
-// which no sum holding an e^0 notices.
-inline v8 exp8(v8 x) {
-  v8 t = x * splat(prefill::kLog2e);
-  t = t > splat(-126.f) ? t : splat(-126.f);
-  const v8i n = __builtin_convertvector(t - splat(0.5f), v8i);  // t <= 0: round half down
-  const v8 f = t - __builtin_convertvector(n, v8);
-  v8 p = splat(prefill::kExp2Poly[0]);
-  for (int i = 1; i < 6; ++i) p = p * f + splat(prefill::kExp2Poly[i]);
-  const v8i bits = (n + 127) << 23;
-  v8 scale;
+// which no sum holding an e^0 notices. V: a vector of floats in GCC's extension (eight lanes
+// here, sixteen in the AVX512 forms), VI its lanes as int32.
+template <typename V, typename VI>
+inline V exp_lanes(V x) {
+  V t = x * prefill::kLog2e;
+  t = t > -126.f ? t : V{} - 126.f;
+  const VI n = __builtin_convertvector(t - 0.5f, VI);  // t <= 0: round half down
+  const V f = t - __builtin_convertvector(n, V);
+  V p = V{} + prefill::kExp2Poly[0];
+  for (int i = 1; i < 6; ++i) p = p * f + prefill::kExp2Poly[i];
+  const VI bits = (n + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+inline v8 exp8(v8 x) { return exp_lanes<v8, v8i>(x); }
 
 inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);

@@ -120,14 +120,20 @@ def test_keys_without_a_shared_rope_part() -> None:
 def test_threads_and_order_of_a_choice_change_nothing(threads: int) -> None:
     q, k, v, rope, positions = problem(torch.float32, seed=2)
     ordered = positions.sort(dim=-1).values  # -1s first, then increasing
+    # as the indexer writes them: increasing, then the -1s (read in place, not copied), and
+    # such rows beside shuffled ones in one call
+    tail = torch.where(positions < 0, L, positions).sort(dim=-1).values
+    tail[tail == L] = -1
+    mixed = torch.where(torch.arange(N)[:, None] % 2 == 0, tail, positions)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         shuffled = attend(q, k, v, rope, positions, 0.2)
-        sorted_out = attend(q, k, v, rope, ordered, 0.2)
+        outs = [attend(q, k, v, rope, order, 0.2) for order in (ordered, tail, mixed)]
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(shuffled, sorted_out, atol=2e-6, rtol=0)
+    for out in outs:
+        torch.testing.assert_close(shuffled, out, atol=2e-6, rtol=0)
     torch.testing.assert_close(
         shuffled.double(), oracle(q, k, v, rope, positions, 0.2), atol=2e-6, rtol=0
     )
