@@ -484,10 +484,27 @@ at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix
   return out;
 }
 
+// [n, topk] positions, in the memory of an earlier call's answer where nothing refers to it any
+// more (no tensor, no view: its storage held by `kept` alone). A prompt chunk's choice is tens
+// of MB (32 MiB at 2048 queries x 2048), which glibc maps afresh on every call (its mmap
+// threshold stops at 32 MiB) and the kernel's first writes then fault in page by page: 2% of
+// the kernel's time on Zen 4. Up to kKeptPickBytes are kept, per thread.
+constexpr int64_t kKeptPickBytes = int64_t{64} << 20;
+
+at::Tensor new_pick(int64_t n, int64_t topk, const at::TensorOptions& options) {
+  thread_local at::Tensor kept;  // flat int64
+  const int64_t count = n * topk;
+  if (count * static_cast<int64_t>(sizeof(int64_t)) > kKeptPickBytes)
+    return at::empty({n, topk}, options);
+  if (!kept.defined() || kept.storage().use_count() > 1 || kept.numel() < count)
+    kept = at::empty({std::max<int64_t>(count, kept.defined() ? kept.numel() : 0)}, options);
+  return kept.narrow(0, 0, count).view({n, topk});
+}
+
 at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
                       int64_t topk) {
   TORCH_CHECK(topk > 0, "topk must be positive");
-  at::Tensor pick = at::empty({q.size(0), topk}, w.options().dtype(at::kLong));
+  at::Tensor pick = new_pick(q.size(0), topk, w.options().dtype(at::kLong));
   with_inputs(q, w, k, prefix, scale, [&](auto form, const auto& in) {
     run_topk<decltype(form)>(in, topk, pick.data_ptr<int64_t>());
   });

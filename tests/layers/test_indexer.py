@@ -373,6 +373,43 @@ def test_nan_scores_still_give_topk_distinct_visible_positions() -> None:
 
 
 @pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
+def test_a_held_choice_is_never_overwritten_and_a_dropped_one_s_memory_is_reused() -> None:
+    """The kernel answers in the memory of an earlier answer that nothing refers to (so a
+    prompt chunk's tens of MB are not mapped and faulted in afresh each layer): an answer
+    still held, or a view of it, keeps its values through later calls; once dropped, its
+    memory serves the next call."""
+    kernel = native_index_topk()
+    assert kernel is not None
+    q, w, k = rand(40, 4, 16, seed=13), rand(40, 4, seed=14), rand(240, 16, seed=15)
+    q2 = rand(40, 4, 16, seed=16)
+    with torch.inference_mode():  # as the engine runs: views keep no base tensor alive
+        check_reuse(kernel, q, q2, w, k)
+
+
+def check_reuse(kernel: Any, q: torch.Tensor, q2: torch.Tensor, w: torch.Tensor, k: torch.Tensor):
+    first = kernel(q, w, k, 200, 0.25, 64)
+    kept = first.clone()
+    other = kernel(q2, w, k, 200, 0.25, 64)  # `first` held: new memory
+    assert first.data_ptr() != other.data_ptr() and torch.equal(first, kept)
+    kept2 = other.clone()
+    assert not torch.equal(kept, kept2)
+
+    view = other[5:]  # a view alone holds the memory too
+    del first, other
+    again = kernel(q, w, k, 200, 0.25, 64)
+    assert torch.equal(view, kept2[5:]) and torch.equal(again, kept)
+    address = again.data_ptr()
+
+    del view, again  # nothing refers to it: the next answer reuses it, and a smaller one too
+    reused = kernel(q2, w, k, 200, 0.25, 64)
+    assert reused.data_ptr() == address and torch.equal(reused, kept2)
+    del reused
+    smaller = kernel(q[:10], w[:10], k[:210], 200, 0.25, 64)
+    assert smaller.data_ptr() == address
+    assert torch.equal(smaller, kernel(q[:10].clone(), w[:10], k[:210], 200, 0.25, 64))
+
+
+@pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
 def test_without_the_kernel_the_selection_is_the_same() -> None:
     q, w, k = rand(40, 4, 16, seed=7), rand(40, 4, seed=8), rand(240, 16, seed=9)
     q, k, w = (q * 2).round(), (k * 2).round(), w.round()
