@@ -23,7 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("index_topk", &index_topk,
         "DeepSeek-V3.2 indexer: each query's topk best positions, the scores never leaving "
-        "the kernel (CPU; q and k float32, or bfloat16 on AVX512-BF16)",
+        "the kernel (CPU; q and k float32, or bfloat16 on AVX512-BF16); a prompt chunk's "
+        "answer may be a view of memory an earlier answer had, once nothing refers to that",
         py::call_guard<py::gil_scoped_release>());
   m.def("sparse_latent_attention", &sparse_latent_attention,
         "DeepSeek-V3.2 sparse attention in latent space: each query's heads over its chosen "

@@ -20,6 +20,7 @@
 // Blocks of a query's future are skipped, the rest of its row is masked. Work is split over
 // blocks of queries as the prefill kernels split theirs (prefill::run_tasks).
 #include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -218,8 +219,9 @@ void rest(const Inputs<typename F::T>& in, const Rows& out, int64_t i, int64_t c
 }
 
 // Rows q0 .. q1 - 1 up to each query's own position: key block by key block (a block stays
-// in L1 while every tile of the task's queries uses it), tiles whose queries all precede the
-// block skipped. Nothing past a query's position is written.
+// in L1 while every tile of the rows uses it: all of a task's in run_scores, one tile in
+// run_topk), tiles whose queries all precede the block skipped. Nothing past a query's position
+// is written.
 template <class F>
 void task_rows(const Inputs<typename F::T>& in, const Rows& out, int64_t q0, int64_t q1,
                float (*acc)[F::kKeys]) {
@@ -420,7 +422,8 @@ void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
         // rows that see no more than topk keys keep them all: their scores are not read. A
         // tile of rows at a time, over every key block, then selected while its rows are in
         // L2 (the task's rows, 1.5 MiB at 16K keys, are not): 1.3% less time on Zen 4, 16
-        // heads of 64, 2048 queries over 16K keys, than all the task's rows block by block
+        // heads of 64, 2048 queries over 16K keys (three alternating runs each), than all the
+        // task's rows block by block
         const int64_t scored = std::clamp<int64_t>(topk - in.prefix, q0, q1);
         for (int64_t r0 = q0; r0 < q1; r0 += F::kPair) {
           const int64_t r1 = std::min(q1, r0 + F::kPair);
@@ -485,19 +488,27 @@ at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix
 }
 
 // [n, topk] positions, in the memory of an earlier call's answer where nothing refers to it any
-// more (no tensor, no view: its storage held by `kept` alone). A prompt chunk's choice is tens
-// of MB (32 MiB at 2048 queries x 2048), which glibc maps afresh on every call (its mmap
-// threshold stops at 32 MiB) and the kernel's first writes then fault in page by page: 2% of
-// the kernel's time on Zen 4. Up to kKeptPickBytes are kept, per thread.
-constexpr int64_t kKeptPickBytes = int64_t{64} << 20;
+// more (no tensor, no view: its storage held by `kept` alone), made in the same inference mode.
+// A prompt chunk's choice is tens of MB (32 MiB at 2048 queries x 2048), which glibc maps
+// afresh on every call (its mmap threshold stops at 32 MiB), and the kernel's first writes then
+// fault it in page by page: 2048 queries over 16K keys took 7% longer so (0.177 against 0.165 s
+// on Zen 4, 16 heads of 64). Answers of kKeptPickMinBytes to kKeptPickBytes are kept, the
+// latest one per thread; smaller ones come from the heap as any tensor (a decode step's, even
+// while a prompt chunk's is held). The answer is a view: a raw pointer to it held past its
+// last reference would see later answers.
+constexpr int64_t kKeptPickMinBytes = int64_t{1} << 20, kKeptPickBytes = int64_t{64} << 20;
 
 at::Tensor new_pick(int64_t n, int64_t topk, const at::TensorOptions& options) {
   thread_local at::Tensor kept;  // flat int64
-  const int64_t count = n * topk;
-  if (count * static_cast<int64_t>(sizeof(int64_t)) > kKeptPickBytes)
-    return at::empty({n, topk}, options);
-  if (!kept.defined() || kept.storage().use_count() > 1 || kept.numel() < count)
-    kept = at::empty({std::max<int64_t>(count, kept.defined() ? kept.numel() : 0)}, options);
+  thread_local bool kept_inference = false;  // the mode it was made in
+  const int64_t count = n * topk, bytes = count * static_cast<int64_t>(sizeof(int64_t));
+  if (bytes < kKeptPickMinBytes || bytes > kKeptPickBytes) return at::empty({n, topk}, options);
+  const bool inference = c10::InferenceMode::is_enabled();
+  if (!kept.defined() || kept.storage().use_count() > 1 || kept.numel() < count ||
+      kept_inference != inference) {
+    kept = at::empty({count}, options);  // the one held (if any) is its holder's alone now
+    kept_inference = inference;
+  }
   return kept.narrow(0, 0, count).view({n, topk});
 }
 

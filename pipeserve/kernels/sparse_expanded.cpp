@@ -19,11 +19,12 @@
 // that stay in L3 (kSpanBytes: each span read from memory once per task), a tile of
 // tile_queries() queries at a time (their running state stays in L2) over the span's blocks of
 // kBlock positions. Within a block a query's chosen positions are a run of its ascending list
-// (sorted here when the caller's is not); each head's scores over the run are eight dot
-// products side by side (eight independent chains of multiply-adds, reduced into one vector),
-// its weights by 2^x polynomial against a running maximum (an online softmax across blocks),
-// then its values in register tiles of kRows positions (each output vector loaded and stored
-// once per kRows). Plain C++ with GCC's 8-lane vector extension, compiled for the machine;
+// (read in place when the caller's is ascending with any -1s at its end, as the indexer's
+// are; else copied without the -1s and sorted here); each head's scores over the run are eight
+// dot products side by side (eight independent chains of multiply-adds, reduced into one
+// vector), its weights by 2^x polynomial against a running maximum (an online softmax across
+// blocks), then its values in register tiles of kRows positions (each output vector loaded and
+// stored once per kRows). Plain C++ with GCC's 8-lane vector extension, compiled for the machine;
 // float32 or bfloat16 storage (widened on load), float32 arithmetic. bfloat16 storage on CPUs
 // with AVX512-BF16 takes the Bf16Form instead (below: vdpbf16ps for the scores and the
 // values, blocks that fill L2). The (query, position) pairs read are counted, so
@@ -237,8 +238,9 @@ void head_run(const Inputs<T>& in, const float* qh, const int64_t* p, int64_t c,
 //    chunks loaded once per position. Register tiles of TH heads (their query chunks held in
 //    registers over the run) by 8 / TH positions: the tile's eight 16-lane sums are reduced
 //    together into one vector (sums_of_eight). The scale multiplies the sums.
-//  - Weights: the online softmax in lanes of heads, one vector per position; then one pass
-//    turns the run's weights into bfloat16 pairs of positions for all eight heads.
+//  - Weights: the online softmax in lanes of heads, one vector per position, two positions a
+//    16-lane vector, each pair made into bfloat16 pairs of weights for all eight heads as it is
+//    weighed.
 //  - Values: HV heads at a time (neighbours in a position's row), two positions at a time:
 //    their value rows interleaved (bf16_pairs::interleave), so one vdpbf16ps adds both
 //    positions into 16 channels with their pair of weights; the heads' accumulators (32
@@ -265,7 +267,7 @@ inline bool bf16_form(const Inputs<bf16>& in) {
 struct GroupRun {
   const bf16* q;     // the group's heads, NQ chunks of 32 each, zero past the widths
   int64_t h0, heads;  // the group's first head and how many it has (1 .. kLanes)
-  float* w;          // kLanes floats per position (room for one more)
+  float* w;          // kLanes floats per position
   uint32_t* pairs;   // kLanes per two positions
   float* top;        // kLanes: each head's running maximum
   float* sum;        // kLanes: each head's sum of weights
@@ -295,12 +297,12 @@ inline v8 sums_of_eight(const __m512 (&a)[kLanes]) {
   return out;
 }
 
-// Positions ahead whose key lines a run's scores prefetch, for narrow heads (a key part of at
-// most three chunks, four heads a pass): the hardware cannot foresee a gathered row. On Zen 4,
-// 2048 queries over 2048 of 16K positions took 4-5% less time at 4 than without at 8 heads of
-// 96/64 (more at 2, 6 or 12), but not at 16 heads of 192/128 (0.42-0.52 s against 0.38-0.49
-// s over four alternating runs; their runs a sixth as long, eight lines a position a pass),
-// where it is off.
+// Positions ahead whose key lines a run's scores prefetch, for narrow heads (key and rope parts
+// of at most three chunks together, four heads a pass): the hardware cannot foresee a gathered
+// row. On Zen 4, 2048 queries over 2048 of 16K positions took 4-5% less time at 4 than without
+// at 8 heads of 96/64 (more at 2, 6 or 12), but not at 16 heads of 192/128 (with it 0.42-0.52
+// s, without 0.38-0.49 s over four alternating runs; their runs a sixth as long, eight lines a
+// position a pass), where it is off.
 constexpr int64_t kAhead = 4;
 
 // g.w[r * kLanes + l] = head h0 + l's scaled score at position p[r], r < c: NK chunks of the
@@ -422,7 +424,8 @@ void group_weigh(const GroupRun& g, int64_t c, int64_t len) {
   __m512 total = _mm512_setzero_ps();
   for (int64_t r = 0; r < c; r += 2) {  // rounded to nearest even
     const __mmask16 m = r + 1 < c ? 0xffff : 0x00ff;
-    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, g.w + r * kLanes), top);
+    // past c: x = 0 (a score equal to the maximum; e^x is masked away below)
+    const __m512 x = _mm512_sub_ps(_mm512_mask_loadu_ps(top, m, g.w + r * kLanes), top);
     v16 xv;
     std::memcpy(&xv, &x, sizeof(xv));
     const v16 ev = vec8::exp_lanes<v16, v16i>(xv);
@@ -434,7 +437,8 @@ void group_weigh(const GroupRun& g, int64_t c, int64_t len) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.pairs + r / 2 * kLanes),
                         _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairing, both)));
   }
-  const __m256 sums = _mm256_add_ps(_mm512_castps512_ps256(total), _mm512_extractf32x8_ps(total, 1));
+  const __m256 sums =
+      _mm256_add_ps(_mm512_castps512_ps256(total), _mm512_extractf32x8_ps(total, 1));
   _mm256_storeu_ps(g.sum, _mm256_add_ps(_mm256_loadu_ps(g.sum), sums));
 }
 
@@ -600,9 +604,10 @@ void task(const Inputs<T>& in, Scratch& s, int64_t q0, int64_t q1) {
   for (int64_t s0 = 0; s0 <= last; s0 += span) {
     const int64_t s1 = std::min(s0 + span, last + 1), blocks = (s1 - s0 + block - 1) / block;
     // where each query's run in each of the span's blocks ends: ends[t * blocks + b] is one
-    // past its last position before s0 + (b + 1) * block, in one walk along its list (a search
-    // per run, its first probes misses in a list of megabytes, took 4% of the kernel's time on
-    // a 16K prompt on Zen 4)
+    // past its last position before s0 + (b + 1) * block, in one walk along its list (a
+    // galloping search per run, from a list the task's other queries had pushed out of cache,
+    // was 46% of the samples outside the runs themselves on a 16K prompt on Zen 4; the walk
+    // took 1-3% off the kernel's time)
     s.ends.resize(std::max(s.ends.size(), static_cast<size_t>(m * blocks)));
     for (int64_t t = 0; t < m; ++t) {
       const int64_t *j = s.next[t], *end = s.end[t];
@@ -666,9 +671,9 @@ int64_t run(const Inputs<T>& in) {
   const int64_t rounds = (in.n + kMaxTask * threads - 1) / (kMaxTask * threads);
   const int64_t per = std::max<int64_t>(1, (in.n + rounds * threads - 1) / (rounds * threads));
   std::atomic<int64_t> read{0};
-  // each thread's scratch kept between calls (up to prefill::kKeptScratchBytes: ~15 MiB at
-  // kMaxTask queries of 2048 positions and 16 heads of 192/128), so its pages are not faulted
-  // in again on every call
+  // each thread's scratch kept between calls (up to prefill::kKeptScratchBytes: ~8 MiB at
+  // kMaxTask queries of 16 heads of 192/128 when the positions are read in place, ~16 MiB when
+  // every query's are copied), so its pages are not faulted in again on every call
   prefill::run_tasks(
       in.n, 1, per,
       []() -> Scratch& {
@@ -679,8 +684,8 @@ int64_t run(const Inputs<T>& in) {
         task(in, s, q0, q1);
         read += s.read;
         s.read = 0;
-        prefill::trim_scratch(s.pos, s.copied, s.next, s.end, s.ends, s.q, s.acc, s.top, s.sums, s.w, s.qb,
-                              s.pairs);
+        prefill::trim_scratch(s.pos, s.copied, s.next, s.end, s.ends, s.q, s.acc, s.top,
+                              s.sums, s.w, s.qb, s.pairs);
       });
   return read.load();
 }

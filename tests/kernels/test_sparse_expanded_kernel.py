@@ -6,6 +6,8 @@ choice between this form and the latent one."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from selection_oracle import masked_attention, selection_mask
@@ -116,27 +118,46 @@ def test_keys_without_a_shared_rope_part() -> None:
     torch.testing.assert_close(joined, split, atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_threads_and_order_of_a_choice_change_nothing(threads: int) -> None:
-    q, k, v, rope, positions = problem(torch.float32, seed=2)
-    ordered = positions.sort(dim=-1).values  # -1s first, then increasing
-    # as the indexer writes them: increasing, then the -1s (read in place, not copied), and
-    # such rows beside shuffled ones in one call
+def as_the_indexer_writes(positions: torch.Tensor) -> torch.Tensor:
+    """Each row increasing, then its -1s (the kernel reads such rows in place, not copied)."""
     tail = torch.where(positions < 0, L, positions).sort(dim=-1).values
     tail[tail == L] = -1
+    return tail
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_and_order_of_a_choice_change_nothing(threads: int, dtype: torch.dtype) -> None:
+    """Shuffled rows, rows with their -1s first, rows as the indexer writes them, and the
+    last beside shuffled ones in one call (pointers into a scratch copy that grows as rows
+    are copied, beside rows read in place; once on a fresh thread, whose scratch starts
+    empty): the same outputs and the same count of pairs read."""
+    q, k, v, rope, positions = problem(dtype, seed=2)
+    ordered = positions.sort(dim=-1).values  # -1s first, then increasing
+    tail = as_the_indexer_writes(positions)
     mixed = torch.where(torch.arange(N)[:, None] % 2 == 0, tail, positions)
+    orders = (ordered, tail, mixed)
     before = torch.get_num_threads()
+    reads = [torch.zeros(1, dtype=torch.long) for _ in range(len(orders) + 1)]
     try:
         torch.set_num_threads(threads)
-        shuffled = attend(q, k, v, rope, positions, 0.2)
-        outs = [attend(q, k, v, rope, order, 0.2) for order in (ordered, tail, mixed)]
+        shuffled = attend(q, k, v, rope, positions, 0.2, reads[0])
+        outs = [attend(q, k, v, rope, o, 0.2, r) for o, r in zip(orders, reads[1:], strict=True)]
+        fresh: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: fresh.append(attend(q, k, v, rope, mixed, 0.2)))
+        worker.start()
+        worker.join(timeout=60)
     finally:
         torch.set_num_threads(before)
-    for out in outs:
-        torch.testing.assert_close(shuffled, out, atol=2e-6, rtol=0)
-    torch.testing.assert_close(
-        shuffled.double(), oracle(q, k, v, rope, positions, 0.2), atol=2e-6, rtol=0
-    )
+    tolerance = 2e-6 if dtype == torch.float32 else 0.0  # the same sums in the same order
+    for out in [*outs, *fresh]:
+        torch.testing.assert_close(shuffled, out, atol=tolerance, rtol=0)
+    assert len(fresh) == 1
+    assert [r.item() for r in reads] == [int((positions >= 0).sum())] * len(reads)
+    if dtype == torch.float32:
+        torch.testing.assert_close(
+            shuffled.double(), oracle(q, k, v, rope, positions, 0.2), atol=2e-6, rtol=0
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -192,6 +213,11 @@ def test_a_position_outside_the_keys_is_refused(bad: int, dtype: torch.dtype, th
         for row in (0, positions.shape[0] - 1):
             wrong = positions.clone()
             wrong[row, 4] = bad
+            with pytest.raises(RuntimeError, match="outside the keys"):
+                attend(q, k, v, rope, wrong, 0.2)
+            # in a row read in place (increasing, the -1s at its end): its last position
+            wrong = as_the_indexer_writes(positions)
+            wrong[row, int((wrong[row] >= 0).sum()) - 1] = bad
             with pytest.raises(RuntimeError, match="outside the keys"):
                 attend(q, k, v, rope, wrong, 0.2)
     finally:
