@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch_threads import torch_threads
 
 from pipeserve.backends.native_backend import NativeBackend, RunChunk
 from pipeserve.backends.split import PrefillDecodeSplit
@@ -176,14 +177,10 @@ def test_kernel_is_the_same_with_one_or_two_threads(kernel) -> None:
     v_cache = torch.randn(2, 3000, 64, generator=gen).to(dtype)
     q = torch.randn(400, 6, 64, generator=gen).to(dtype)
     runs = torch.tensor([(0, 900), (1000, 500)])
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+    outs = []
+    for threads in (1, 2):
+        with torch_threads(threads):
             outs.append(fn(q, k_cache, v_cache, runs, 1000, 0.125))
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])  # each task's arithmetic does not depend on threads
 
 

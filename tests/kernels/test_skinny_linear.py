@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch_threads import torch_threads
 
 from pipeserve.backends import native_backend
 from pipeserve.backends.native_backend import (
@@ -64,17 +65,13 @@ def test_a_row_does_not_depend_on_the_others_or_the_threads(x_dtype: torch.dtype
     rows (the weight rows streamed) or among 5 to 16 (the register tiles, or vdpbf16ps), on
     one thread or two, comes out bitwise the same within each form."""
     x, w, b = data(16, 777, 1000, x_dtype, BF16, seed=3)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         alone = torch.cat([KERNEL(x[i : i + 1], w, b) for i in range(16)])
         fours = torch.cat([KERNEL(x[i : i + 4], w, b) for i in range(0, 16, 4)])
         tiled = torch.cat([KERNEL(x[:5], w, b), KERNEL(x[5:], w, b)])
-        torch.set_num_threads(2)
+    with torch_threads(2):
         streamed = torch.cat([KERNEL(x[i : i + 3], w, b) for i in range(0, 15, 3)])
         together = KERNEL(x, w, b)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(alone, fours) and torch.equal(alone[:15], streamed)
     assert torch.equal(tiled, together)
     if x_dtype == BF16 and native().bf16_pairs_supported():

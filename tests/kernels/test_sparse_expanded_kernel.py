@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 from selection_oracle import masked_attention, selection_mask
+from torch_threads import torch_threads
 
 from pipeserve.backends.base import TORCH_KERNELS
 from pipeserve.backends.native_backend import NativeBackend
@@ -97,12 +98,8 @@ def test_bfloat16_at_model_widths(heads: int, dk: int, dr: int, dv: int, threads
     positions[6] = torch.arange(length - topk, length)  # one run across a block's edge
     k, v = up[..., :dk], up[..., dk:]
     scale = (dk + dr) ** -0.5
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         out = attend(q, k, v, rope if dr else torch.empty(0), positions, scale)
-    finally:
-        torch.set_num_threads(before)
     keys = torch.cat([k, rope[:, None].expand(-1, heads, -1)], dim=-1)
     expected = masked_attention(q, keys, v, selection_mask(positions, length), scale)
     torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2**-8)
@@ -137,18 +134,14 @@ def test_threads_and_order_of_a_choice_change_nothing(threads: int, dtype: torch
     tail = as_the_indexer_writes(positions)
     mixed = torch.where(torch.arange(N)[:, None] % 2 == 0, tail, positions)
     orders = (ordered, tail, mixed)
-    before = torch.get_num_threads()
     reads = [torch.zeros(1, dtype=torch.long) for _ in range(len(orders) + 1)]
-    try:
-        torch.set_num_threads(threads)
+    fresh: list[torch.Tensor] = []
+    with torch_threads(threads):
         shuffled = attend(q, k, v, rope, positions, 0.2, reads[0])
         outs = [attend(q, k, v, rope, o, 0.2, r) for o, r in zip(orders, reads[1:], strict=True)]
-        fresh: list[torch.Tensor] = []
         worker = threading.Thread(target=lambda: fresh.append(attend(q, k, v, rope, mixed, 0.2)))
         worker.start()
         worker.join(timeout=60)
-    finally:
-        torch.set_num_threads(before)
     tolerance = 2e-6 if dtype == torch.float32 else 0.0  # the same sums in the same order
     for out in [*outs, *fresh]:
         torch.testing.assert_close(shuffled, out, atol=tolerance, rtol=0)
@@ -172,13 +165,9 @@ def test_many_queries_in_several_tiles_tasks_and_rounds(dtype: torch.dtype) -> N
     positions = torch.stack([torch.randperm(keys, generator=gen)[:topk] for _ in range(n)])
     positions[::7, ::3] = -1
     k, v = up[..., :DK], up[..., DK:]
-    before = torch.get_num_threads()
     read = torch.zeros(1, dtype=torch.long)
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         out = attend(q, k, v, rope, positions, 0.2, read)
-    finally:
-        torch.set_num_threads(before)
     keys_h = torch.cat([k, rope[:, None].expand(-1, H, -1)], dim=-1)
     want = masked_attention(q, keys_h, v, selection_mask(positions, keys), 0.2)
     if dtype == torch.float32:
@@ -207,9 +196,7 @@ def test_a_position_outside_the_keys_is_refused(bad: int, dtype: torch.dtype, th
     """Checked by the task that reads the rows (on whichever thread): the call fails with
     the message, whether the bad position is the first query's or the last one's."""
     q, k, v, rope, positions = problem(dtype)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         for row in (0, positions.shape[0] - 1):
             wrong = positions.clone()
             wrong[row, 4] = bad
@@ -220,8 +207,6 @@ def test_a_position_outside_the_keys_is_refused(bad: int, dtype: torch.dtype, th
             wrong[row, int((wrong[row] >= 0).sum()) - 1] = bad
             with pytest.raises(RuntimeError, match="outside the keys"):
                 attend(q, k, v, rope, wrong, 0.2)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_no_queries_give_an_empty_answer() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from selection_oracle import masked_attention, selection_mask
+from torch_threads import torch_threads
 
 from pipeserve.device import native_sparse_kernel
 from pipeserve.layers import mla as mla_mod
@@ -83,12 +84,8 @@ def test_bfloat16_at_model_widths(heads: int, width: int, rank: int, threads: in
     rows = torch.randn(length, width, generator=gen).bfloat16()
     slots = torch.stack([torch.randperm(length, generator=gen)[:topk] for _ in range(n)])
     slots[2, ::4] = -1
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         out = KERNEL(q, rows, slots, rank, width**-0.5, torch.zeros(1, dtype=torch.long))
-    finally:
-        torch.set_num_threads(before)
     k = rows[:, None].expand(-1, heads, -1)
     keep = selection_mask(slots, length)
     expected = masked_attention(q, k, k[..., :rank], keep, width**-0.5)
@@ -134,9 +131,7 @@ def test_a_slot_outside_the_rows_is_refused(dtype: torch.dtype, threads: int) ->
     the message for the first query's slot, the last one's, and a lone query's (a decode
     step, its heads split over the threads)."""
     q, rows, slots = problem(dtype)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         for row in (0, slots.shape[0] - 1):
             wrong = slots.clone()
             wrong[row, 4] = ROWS
@@ -146,8 +141,6 @@ def test_a_slot_outside_the_rows_is_refused(dtype: torch.dtype, threads: int) ->
         wrong[0, 4] = ROWS
         with pytest.raises(RuntimeError, match="outside the cache"):
             sparse_latent_attention(q[:1], rows, wrong, RANK, 0.2, KERNEL)
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs_kernel
@@ -160,12 +153,8 @@ def test_few_queries_split_their_heads_over_threads(n: int, dtype: torch.dtype) 
     q, rows, slots = problem(dtype, seed=6)
     q, slots = q[:n], slots[:n]
     read = torch.zeros(1, dtype=torch.long)
-    with_threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         out = sparse_latent_attention(q, rows, slots, RANK, 0.2, KERNEL, read)
-    finally:
-        torch.set_num_threads(with_threads)
     tolerance = (
         {"atol": 2e-6, "rtol": 0} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2**-8}
     )
