@@ -14,6 +14,11 @@ The pinned buffers (`StagingRing`) alternate, two of them, so that the next batc
 while the last one's copy may still be in flight; a buffer is packed again only after its
 last copy's `ready` (an earlier batch's: done by then, as a rule).
 
+A decode step that replays a CUDA graph (runner/cuda_graph.py) is packed the same way, but
+when its forward starts, on the compute stream itself (`upload(here=True)`), and into the
+graph's persistent input buffer rather than a new one: the previous step, queued before it,
+may still be reading that buffer.
+
 On a CPU every op has finished when it returns: no copy stream, no events, and the same
 calls cost nothing. CUDA is reached through `CudaApi`, six one-line methods, so that tests
 can drive the same protocol with a fake that checks the order of events.
@@ -120,27 +125,50 @@ class Upload:
         self.tensors: list[torch.Tensor] = []
         self.slots: list[int] = []  # the staging buffers it packed
 
-    def move(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors on the device: views of one buffer filled by one copy."""
-        if self.api is None or self.ring is None:
-            return [h.to(self.device) for h in hosts]
-        places, end = [], 0
-        for h in hosts:
-            places.append(end)
-            end += -(-h.numel() * h.element_size() // ALIGN) * ALIGN
-        slot, staging = self.ring.take(end)
-        if slot is not None:
-            self.slots.append(slot)
-        for h, at in zip(hosts, places, strict=True):
+    def move(
+        self, hosts: Sequence[torch.Tensor], into: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """The tensors on the device: views of one buffer filled by one copy. `into`: that
+        buffer (uint8, persistent: a CUDA graph's inputs), else a new one; the tensors lie
+        in it in order at `places`, so a tensor lies where any list of the same sizes before
+        it put it."""
+        at, end = places(hosts)
+        if into is not None and into.numel() < end:
+            raise ValueError(f"{end} bytes of inputs do not fit a buffer of {into.numel()}")
+        if self.api is None or self.ring is None:  # a CPU: no copy to make
+            if into is None:
+                return [h.to(self.device) for h in hosts]
+            staging = dest = into
+        else:
+            slot, staging = self.ring.take(end)
+            if slot is not None:
+                self.slots.append(slot)
+            dest = (
+                into
+                if into is not None
+                else torch.empty(end, dtype=torch.uint8, device=self.device)
+            )
+        for h, start in zip(hosts, at, strict=True):
             nbytes = h.numel() * h.element_size()
-            staging[at : at + nbytes].view(h.dtype).copy_(h.reshape(-1))
-        on_device = torch.empty(end, dtype=torch.uint8, device=self.device)
-        self.api.upload(on_device, staging[:end])
-        self.tensors.append(on_device)
+            staging[start : start + nbytes].view(h.dtype).copy_(h.reshape(-1))
+        if self.api is not None:
+            self.api.upload(dest[:end], staging[:end])
+            if into is None:
+                self.tensors.append(dest)
         return [
-            on_device[at : at + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
-            for h, at in zip(hosts, places, strict=True)
+            dest[start : start + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+            for h, start in zip(hosts, at, strict=True)
         ]
+
+
+def places(hosts: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Where `Upload.move` puts each tensor in its buffer (byte offsets, each at an ALIGN
+    boundary), and the bytes they take in all."""
+    at, end = [], 0
+    for h in hosts:
+        at.append(end)
+        end += -(-h.numel() * h.element_size() // ALIGN) * ALIGN
+    return at, end
 
 
 class HostCopy:
@@ -200,19 +228,23 @@ class DeviceStreams:
         self.staging = StagingRing(api) if api is not None else None
 
     @contextmanager
-    def upload(self) -> Iterator[Upload]:
+    def upload(self, here: bool = False) -> Iterator[Upload]:
         """Build a batch's inputs inside: copies (and any device op) go to the copy stream,
-        whose `ready` event is recorded on the way out."""
+        whose `ready` event is recorded on the way out. `here`: on the current stream
+        instead, ordered after what was queued there (what a CUDA graph's persistent
+        buffers need: the last step may still read them); nothing then has to wait for
+        `ready`, which only frees the staging buffer."""
         up = Upload(self.device, self.api, self.staging)
         if self.api is None:
             yield up
             return
-        with self.api.use_stream(self.copy_stream):
+        stream = self.api.current_stream(self.device) if here else self.copy_stream
+        with self.api.use_stream(stream):
             try:
                 yield up
             finally:  # also when preparing failed: a copy may be in flight
                 up.ready = self.api.new_event(timing=False)
-                up.ready.record(self.copy_stream)
+                up.ready.record(stream)
                 for slot in up.slots:
                     assert self.staging is not None
                     self.staging.release(slot, up.ready)

@@ -4,6 +4,7 @@ results copied back without blocking and waited on only when read, no device-wid
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fake_cuda import FakeApi
 
@@ -110,3 +111,31 @@ def test_timer_reads_its_events_once_the_host_waits() -> None:
     assert not any(e[0] == "host_wait" for e in api.log)
     assert timer.seconds() >= 0
     assert [e[0] for e in api.log] == ["record", "record", "host_wait"]
+
+
+def test_an_upload_into_a_persistent_buffer_on_the_current_stream() -> None:
+    """What a CUDA graph's step does: one copy on the current (compute) stream into the
+    graph's own buffer, no new device buffer to keep alive and nothing to wait for; a
+    tensor lies where any list of the same sizes before it put it; a buffer too small is
+    refused before anything is packed or copied."""
+    api = FakeApi()
+    streams = DeviceStreams(CPU, api)
+    buffer = torch.zeros(256, dtype=torch.uint8)
+    heads = [torch.arange(3), torch.tensor([7, 8], dtype=torch.int32)]
+    with streams.upload(here=True) as up:
+        moved = up.move([*heads, torch.arange(5)], into=buffer)
+    with streams.upload(here=True) as again:
+        other = again.move([torch.arange(3) + 10, torch.tensor([1, 2], dtype=torch.int32)], buffer)
+    compute = api.current_stream(CPU).name
+    assert [e for e in api.log if e[0] == "upload"] == [
+        ("upload", 96, compute),
+        ("upload", 48, compute),
+    ]
+    assert up.tensors == [] and again.tensors == []
+    assert [m.data_ptr() for m in moved[:2]] == [o.data_ptr() for o in other]
+    assert all(m.untyped_storage().data_ptr() == buffer.data_ptr() for m in moved)
+    assert moved[0].tolist() == [10, 11, 12] and moved[2].tolist() == [0, 1, 2, 3, 4]
+    pins = len(api.log)
+    with pytest.raises(ValueError, match="do not fit"), streams.upload(here=True) as up:
+        up.move([torch.zeros(80)], into=buffer)  # 320 bytes
+    assert not any(e[0] in ("upload", "pin") for e in api.log[pins:])

@@ -164,18 +164,24 @@ class DecodeStack(Protocol):
 
 
 class GraphBuffers(Protocol):
-    """A capturable backend's persistent decode metadata: what a captured step reads."""
+    """A capturable backend's persistent decode metadata: what a captured step reads. A
+    step's plan reaches it moved into the graphs' input buffer (`staged`, not expanded):
+    the plan's tensors whose size the row count fixes lie at the same place for every step
+    of that many rows, so a graph may read them there; what varies is expanded or copied
+    into buffers the backend owns (`load`)."""
 
-    def meta(self, rows: int) -> Any:
-        """The metadata of a step of `rows` rows over the buffers (a bucket's, at capture)."""
+    def meta(self, rows: int, staged: Any) -> Any:
+        """The metadata a captured step of `rows` rows reads, `staged` being such a step's
+        plan in the input buffer (a bucket's padding step, at capture)."""
         ...
 
     def holds(self, keys: int, rows: int) -> bool:
         """Whether a step of `rows` rows reading `keys` keys in all fits the buffers."""
         ...
 
-    def load(self, meta: Any, rows: int) -> None:
-        """Copy a prepared step's metadata into the buffers (device to device, no sync)."""
+    def load(self, staged: Any, rows: int) -> None:
+        """Make a step's plan, as copied into the input buffer, what `meta(rows, ...)` reads
+        (on the current stream, no host sync)."""
         ...
 
 

@@ -190,29 +190,41 @@ class TritonBackend(AttentionBackend):
 
 
 class TableBuffers:
-    """The decode steps' persistent page table. A row alone reads its one slot: what a
-    padded row reads in every bucket. The table holds twice the pool's slots (requests
-    sharing a cached prefix list it each); a step with more stays eager (`holds`)."""
+    """The decode steps' persistent page table. A step's rows and `kv_indptr` are read where
+    its copy put them (their size is the bucket's); its slot runs are expanded into one
+    persistent `kv_indices`, which holds twice the pool's slots (requests sharing a cached
+    prefix list it each; a step with more stays eager: `holds`). A row alone reads its one
+    slot: what a padded row reads in every bucket."""
 
     def __init__(self, pool_slots: int, rows: int, device: torch.device) -> None:
-        self.rows = torch.arange(rows, device=device)
-        self.kv_indptr = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.kv_indices = torch.full((2 * pool_slots,), PAD_SLOT, dtype=torch.int32, device=device)
+        self.captured: dict[int, TableSteps] = {}
 
-    def meta(self, rows: int) -> TritonMeta:
-        steps = TableSteps(
-            self.rows[:rows], kv_indptr=self.kv_indptr[: rows + 1], kv_indices=self.kv_indices
-        )
-        return TritonMeta(None, steps)
+    def meta(self, rows: int, staged: TritonMeta) -> TritonMeta:
+        steps, runs = _staged(staged, rows)
+        captured = TableSteps(steps.rows, kv_indptr=runs.indptr, kv_indices=self.kv_indices)
+        self.captured[rows] = captured
+        return TritonMeta(None, captured)
 
     def holds(self, keys: int, rows: int) -> bool:
         return keys <= self.kv_indices.shape[0]
 
-    def load(self, meta: Any, rows: int) -> None:
-        p = meta.decode
-        assert p is not None and p.kv_indptr is not None and p.kv_indices is not None
-        self.kv_indptr[: rows + 1].copy_(p.kv_indptr, non_blocking=True)
-        self.kv_indices[: p.kv_indices.shape[0]].copy_(p.kv_indices, non_blocking=True)
+    def load(self, staged: TritonMeta, rows: int) -> None:
+        steps, runs = _staged(staged, rows)
+        captured = self.captured[rows]
+        assert captured.kv_indptr is not None
+        read = ((steps.rows, captured.rows), (runs.indptr, captured.kv_indptr))
+        if any(a.data_ptr() != b.data_ptr() for a, b in read):
+            raise AssertionError("a step's page table was not copied where its graph reads it")
+        runs.expand_into(self.kv_indices)
+
+
+def _staged(staged: TritonMeta, rows: int) -> tuple[TableSteps, SlotRuns]:
+    """A graph's step: `rows` decode steps and nothing else, with its slot runs."""
+    steps = staged.decode
+    assert staged.extend is None and steps is not None and steps.slot_runs is not None
+    assert steps.rows.shape[0] == rows
+    return steps, steps.slot_runs
 
 
 def _table_steps(steps: list[tuple[int, list[Run]]], device: torch.device) -> TableSteps:

@@ -46,9 +46,11 @@ class FutureMap(SlotRing):
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
         synchronize(device)  # zeroed before the compute stream (another stream) reads it
 
-    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
-        """Replace every -slot by the token stored in that slot."""
-        return torch.where(ids < 0, self.tokens[(-ids).clamp(min=0)], ids)
+    def resolve(self, ids: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """Replace every -slot by the token stored in that slot (`in_place`: in `ids`, a
+        CUDA graph's input buffer)."""
+        stored = self.tokens[(-ids).clamp(min=0)]
+        return torch.where(ids < 0, stored, ids, out=ids if in_place else None)
 
     def store(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         self.tokens[slots] = tokens

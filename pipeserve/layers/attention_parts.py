@@ -19,11 +19,14 @@ class SlotRuns:
     """The batched kernels' page table of one slot per page (`kv_indptr` [n + 1], `kv_indices`
     [total], int32) as the runs of consecutive slots it is made of: built and copied in
     O(runs + sequences) however many positions they cover; `expand()` makes the table where
-    `packed` is (on the device, after the runner's copy) without reading any value back."""
+    the runs are (on the device, after the runner's copy) without reading any value back.
+    `indptr` is already the table's `kv_indptr` (a CUDA graph reads it where it was copied
+    to); `expand_into` writes `kv_indices` into a buffer of the caller's."""
 
-    # [n + 1 + 2 * runs] int64: kv_indptr, then each run's first slot less the position (over
-    # all sequences) it starts at, then each run's length
-    packed: torch.Tensor
+    indptr: torch.Tensor  # [n + 1] int32: where each sequence's slots start in kv_indices
+    # [2 * runs] int64: each run's first slot less the position (over all sequences) it
+    # starts at, then each run's length
+    runs_table: torch.Tensor
     sequences: int  # n
     runs: int
     total: int  # positions of all sequences: the table's size, known on the host
@@ -34,22 +37,31 @@ class SlotRuns:
         runs = [run for seq in per_seq for run in seq]
         firsts = list(accumulate((n for _, n in runs), initial=0))  # where each starts; the total
         bounds = accumulate((len(seq) for seq in per_seq), initial=0)  # each sequence's first
-        indptr = [firsts[b] for b in bounds]
+        indptr = torch.tensor([firsts[b] for b in bounds], dtype=torch.int32, device=device)
         shifts = [start - first for (start, _), first in zip(runs, firsts, strict=False)]
-        packed = indptr + shifts + [n for _, n in runs]
-        t = torch.tensor(packed, dtype=torch.long, device=device)
-        return cls(t, len(per_seq), len(runs), firsts[-1])
+        table = torch.tensor(shifts + [n for _, n in runs], dtype=torch.long, device=device)
+        return cls(indptr, table, len(per_seq), len(runs), firsts[-1])
 
     def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kv_indptr, kv_indices) on `packed`'s device."""
-        return self.packed[: self.sequences + 1].to(torch.int32), self.slots().to(torch.int32)
+        """(kv_indptr, kv_indices) on the runs' device."""
+        return self.indptr, self.slots().to(torch.int32)
+
+    def expand_into(self, indices: torch.Tensor) -> None:
+        """kv_indices written into indices[:total] (an int32 buffer at least that long)."""
+        torch.add(self._shifts(), self._positions(), out=indices[: self.total])
 
     def slots(self) -> torch.Tensor:
-        """Every position's slot, all sequences in order ([total] int64, on `packed`'s
+        """Every position's slot, all sequences in order ([total] int64, on the runs'
         device)."""
-        shifts, lengths = self.packed[self.sequences + 1 :].split([self.runs, self.runs])
-        slots = torch.repeat_interleave(shifts, lengths, output_size=self.total)
-        return slots.add_(torch.arange(self.total, device=slots.device))
+        return self._shifts().add_(self._positions())
+
+    def _shifts(self) -> torch.Tensor:
+        """Each position's run's shift (its slot less its position)."""
+        shifts, lengths = self.runs_table.split([self.runs, self.runs])
+        return torch.repeat_interleave(shifts, lengths, output_size=self.total)
+
+    def _positions(self) -> torch.Tensor:
+        return torch.arange(self.total, device=self.runs_table.device)
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -1,15 +1,22 @@
 """CUDA graphs for decode steps: a step's hundreds of kernel launches replayed as one.
 
 A decode step of a batch is captured once per bucket of batch sizes (`graph_buckets`), at
-start-up, over persistent buffers (`DecodeGraphs`): the token ids, positions and KV write
-slots, and the attention backend's own (`AttentionBackend.graph_buffers`: the Triton
-backend's page table). A step of n requests is padded to the smallest
-bucket b >= n (`ForwardBatch.prepare(pad_to=b)`): each padded row reads and writes one slot
-of page 0, which the page allocator never hands out (`PAD_SLOT`), so a padded row never
-touches a page a request owns; its output row is never sampled. The step's tensors are
-copied into the buffers (device to device, no host sync) and the bucket's graph replays the
-model's layers up to the last hidden states; the LM head and sampling run after it, eagerly
-(per-request sampling parameters change from step to step).
+start-up, over persistent buffers (`DecodeGraphs`). A step of n requests is padded to the
+smallest bucket b >= n (`ForwardBatch.build(pad_to=b)`): each padded row reads and writes
+one slot of page 0, which the page allocator never hands out (`PAD_SLOT`), so a padded row
+never touches a page a request owns; its output row is never sampled.
+
+A step's inputs are built on the host and reach its graph in one host-to-device copy, made
+when the step runs, on the compute stream (the step before, queued there first, may still
+read the buffers), into one persistent input buffer (`DecodeGraphs.inputs`). A padded step's
+tensors are packed in a fixed order (`ForwardBatch.tensors`: ids, positions, write slots,
+then the attention plan's), so those whose size the bucket fixes lie at the same place for
+every step of that bucket, and its graph reads them there. The attention backend owns the
+rest (`AttentionBackend.graph_buffers`): Triton's reads the rows and `kv_indptr` in place
+and expands the step's slot runs into its persistent `kv_indices`. No copy from device to
+device; no host sync. Then the bucket's graph replays the model's layers up to the last
+hidden states; the LM head and sampling run after it, eagerly (per-request sampling
+parameters change from step to step).
 
 What is captured is a backend that says it can be (`capturable`: the Triton backend, chosen by
 `--attention-backend triton` and by auto on CUDA where triton imports: its decode launch
@@ -19,14 +26,16 @@ pipeline, tensor, context or expert parallelism, no prefill/decode transfer hook
 DeepSeek-V3.2's indexer (its per-request segments are host objects). A MoE layer is
 captured where its experts run without host syncs (the grouped GEMM path); where the
 capture fails, the step stays eager with a warning. Everything else runs as before, and
-the reason is logged once (`graph_blocker`). Without a GPU the same buffers can be run
-eagerly (`capture=False`): what the CPU tests check of the padding and the bookkeeping.
+the reason is logged once (`graph_blocker`). Without a GPU the same buffers are run
+eagerly (nothing captured): what the CPU tests check of the padding, the copy and the
+bookkeeping.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,10 +43,11 @@ import torch
 from pipeserve.backends.base import AttentionBackend, AttentionPlan
 from pipeserve.config import EngineConfig
 from pipeserve.device import cuda_graphs_unavailable
-from pipeserve.mem_cache.kv_pool import PAD_SLOT, KVPool
+from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.scheduler.batch import ScheduledBatch
+from pipeserve.streams import ALIGN, DeviceStreams, Upload, places
 
 log = logging.getLogger(__name__)
 WARMUP_RUNS = 2  # eager runs of a bucket before its capture (Triton compiles on the first)
@@ -93,6 +103,11 @@ def graphable(batch: ScheduledBatch, largest: int) -> bool:
     return all(s.num_tokens == 1 and s.sample and not s.logprob_targets for s in batch.slices)
 
 
+# Bytes per KV slot the graphs' buffers may hold: a capturable backend's persistent page
+# table (Triton's: two int32 a slot) and the input buffer's room for slot runs (4).
+GRAPH_SLOT_BYTES = 12
+
+
 def graph_reserve_bytes(
     config: EngineConfig,
     arch: ArchConfig,
@@ -120,28 +135,43 @@ class DecodeGraphs:
         backend: AttentionBackend,
         buckets: Sequence[int],
         device: torch.device,
+        page_size: int = 1,
     ) -> None:
         """`forward(fb)`: the model's layers on a ForwardBatch, returning the last hidden
         states (one row per token); `backend`: a capturable one, whose buffers it owns."""
         self.forward, self.buckets, self.device = forward, tuple(buckets), device
         backend = backend.for_batch([])  # what a decode step runs on (a split hands it over)
         largest = max(self.buckets)
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.out_slots = torch.full((largest,), PAD_SLOT, dtype=torch.long, device=device)
         self.attention = backend.graph_buffers(pool.num_slots, largest, device)
-        empty = torch.empty(0, dtype=torch.long, device=device)
+        # a bucket's padding step, built on the host as prepare() builds a step
+        self.padding = {
+            b: ForwardBatch.build(ScheduledBatch(0, []), pool, device, backend, None, True, b)
+            for b in self.buckets
+        }
+        # the input buffer: the largest padding step, and room for a real step's slot runs
+        # (16 bytes a run: 4 a slot at most; a run covers a page but at a row's ends, and
+        # `holds` bounds the keys a step reads by twice the pool), sampled rows and ring
+        # slots (8 bytes each). A step with more runs (a fragmented pool) stays eager.
+        max_runs = min(2 * pool.num_slots // page_size, pool.num_slots // 4) + 2 * largest
+        _, padding_bytes = places(self.padding[largest].tensors())
+        size = padding_bytes + 16 * max_runs + 16 * largest + 4 * ALIGN
+        self.inputs = torch.zeros(size, dtype=torch.uint8, device=device)
         self.batches: dict[int, ForwardBatch] = {}
-        for b in self.buckets:
-            attn = AttentionPlan(backend, self.attention.meta(b))
-            ids, positions, slots = self.input_ids[:b], self.positions[:b], self.out_slots[:b]
-            self.batches[b] = ForwardBatch(
-                ids, positions, slots, attn, pool, empty, empty, empty, empty
-            )
+        for b, step in self.padding.items():
+            staged = step.moved(self._views)
+            attn = AttentionPlan(backend, self.attention.meta(b, staged.attn.meta))
+            self.batches[b] = replace(staged, attn=attn)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps run as a graph (the eager runs over the buffers not counted)
         self._pool_handle: Any = None
+
+    def _views(self, hosts: list[torch.Tensor]) -> list[torch.Tensor]:
+        at, _ = places(hosts)
+        return [
+            self.inputs[a : a + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+            for h, a in zip(hosts, at, strict=True)
+        ]
 
     def holds(self, batch: ScheduledBatch, bucket: int) -> bool:
         """Whether the step, padded to `bucket` (a padded row reads one key), fits the
@@ -149,15 +179,39 @@ class DecodeGraphs:
         keys = sum(s.prefix_len + s.num_tokens for s in batch.slices)
         return self.attention.holds(keys + bucket - len(batch.slices), bucket)
 
+    def fits(self, fb: ForwardBatch) -> bool:
+        """Whether a step built on the host (`ForwardBatch.build`) fits the input buffer."""
+        return places(fb.tensors())[1] <= self.inputs.numel()
+
+    def load(self, fb: ForwardBatch, streams: DeviceStreams | None = None) -> ForwardBatch:
+        """A padded step built on the host (and `fits`) as its graph reads it: its tensors
+        copied into the input buffer in one copy on the current stream (after the last
+        step, which may still read the buffer), the attention backend's buffers loaded from
+        there; no copy from device to device. Without `streams`: packed straight into the
+        buffer (at capture)."""
+        b = fb.num_tokens
+        if streams is None:
+            staged = fb.moved(lambda hosts: Upload(self.device, None).move(hosts, self.inputs))
+        else:
+            with streams.upload(here=True) as up:
+                staged = fb.moved(lambda hosts: up.move(hosts, self.inputs))
+        self.attention.load(staged.attn.meta, b)
+        batch = self.batches[b]
+        read = ("input_ids", "positions", "out_slots")
+        if any(getattr(staged, n).data_ptr() != getattr(batch, n).data_ptr() for n in read):
+            raise AssertionError("a step's inputs were not copied where its graph reads them")
+        return replace(staged, attn=batch.attn)
+
     def capture(self) -> None:
         """A graph per bucket, largest first (they share one memory pool), each after
-        WARMUP_RUNS eager runs; the buffers hold padding rows only meanwhile, so the captures
-        write nothing but PAD_SLOT."""
+        WARMUP_RUNS eager runs over its padding step, so that the captures write nothing
+        but PAD_SLOT."""
         self._pool_handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for b in sorted(self.buckets, reverse=True):
+                self.load(self.padding[b])
                 for _ in range(WARMUP_RUNS):
                     self.forward(self.batches[b])
                 graph = torch.cuda.CUDAGraph()
@@ -168,16 +222,12 @@ class DecodeGraphs:
         torch.cuda.empty_cache()  # the warm-up runs' blocks, cached for the capture stream
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """The last hidden states of a padded decode step (fb.num_tokens is a bucket): its
-        tensors copied into the buffers, then the bucket's graph replayed (or, uncaptured,
-        the layers run eagerly over the same buffers). The result is the graph's output
-        buffer: valid until the next step."""
+        """The last hidden states of a loaded step (`load`: fb.num_tokens is a bucket): the
+        bucket's graph replayed (or, uncaptured, the layers run eagerly over the same
+        buffers). The result is the graph's output buffer: valid until the next step."""
         b = fb.num_tokens
-        assert b in self.batches
-        self.input_ids[:b].copy_(fb.input_ids, non_blocking=True)
-        self.positions[:b].copy_(fb.positions, non_blocking=True)
-        self.out_slots[:b].copy_(fb.out_slots, non_blocking=True)
-        self.attention.load(fb.attn.meta, b)
+        if fb.input_ids.data_ptr() != self.batches[b].input_ids.data_ptr():
+            raise AssertionError("run() a step that load() gave")
         graph = self.graphs.get(b)
         if graph is None:
             return self.forward(self.batches[b])

@@ -94,17 +94,33 @@ class ForwardBatch:
         move: Mover | None = None,
         pad_to: int | None = None,
     ) -> ForwardBatch:
-        """With `move` (the model runner's on a device: the tensors packed into a pinned
-        buffer, one non-blocking copy on the copy stream) every tensor is built on the host,
-        with host-side index arithmetic, and then moved, all at once (a backend's page
-        tables as their slot runs, expanded on the device after the copy); without, built on
-        `device` directly. (A context-parallel plan is
-        built on `device` in both cases.) `backend`: the run's (the torch backend where None),
-        which hands the batch to the backend that plans it. `pad_to`: a decode step padded
-        with rows that read and write PAD_SLOT alone (token 0 at position 0, never sampled)
-        to that many rows."""
+        """The batch's tensors on `device`. With `move` (the model runner's on a device: the
+        tensors packed into a pinned buffer, one non-blocking copy on the copy stream) every
+        tensor is built on the host (`build`) and then moved, all at once, and a backend's
+        page tables are expanded on the device after the copy; without, built on `device`
+        directly."""
+        fb = cls.build(batch, pool, device, backend, cp, move is not None, pad_to)
+        return (fb if move is None else fb.moved(move)).expanded()
+
+    @classmethod
+    def build(
+        cls,
+        batch: ScheduledBatch,
+        pool: KVPool,
+        device: torch.device,
+        backend: AttentionBackend | None = None,
+        cp: CpContext | None = None,
+        on_host: bool = False,
+        pad_to: int | None = None,
+    ) -> ForwardBatch:
+        """The batch's tensors built on the host (`on_host`: with host-side index
+        arithmetic, to be moved) or on `device`, a backend's page tables as their slot runs
+        (`expanded` makes them). (A context-parallel plan is built on `device` in both
+        cases.) `backend`: the run's (the torch backend where None), which hands the batch to
+        the backend that plans it. `pad_to`: a decode step padded with rows that read and
+        write PAD_SLOT alone (token 0 at position 0, never sampled) to that many rows."""
         lists = HostLists.of(batch, cp is None, pad_to)
-        host = torch.device("cpu") if move is not None else device
+        host = torch.device("cpu") if on_host else device
 
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=host)
@@ -118,11 +134,11 @@ class ForwardBatch:
         if pool.latents:  # MLA reads the cache through latent segments (and a batched plan)
             attn = AttentionPlan(chosen, chosen.latent_plan(segments, host))
             if pad_to is None:  # a graph's step reads the graph's buffers, not segments
-                latent = LatentSlots.build(segments, host, table=move is not None)
+                latent = LatentSlots.build(segments, host, table=on_host)
         else:
             prompts = frozenset(i for i, s in enumerate(batch.slices) if not s.is_decode)
             attn = plan_attention(segments, host, pool.dtype, chosen, prompts, expanded=False)
-        fb = cls(
+        return cls(
             tensor(ids),
             tensor(positions),
             tensor(lists.slots),
@@ -136,35 +152,44 @@ class ForwardBatch:
             cp_plan,
             graphed=pad_to is not None,
         )
-        fb = fb if move is None else fb.moved(move)
-        # batched page tables and the latent segments' slots: made on the device
-        return replace(fb, attn=fb.attn.expanded(), latent=fb.latent.expanded())
+
+    def expanded(self) -> ForwardBatch:
+        """Batched page tables and the latent segments' slots made where the tensors are."""
+        return replace(self, attn=self.attn.expanded(), latent=self.latent.expanded())
 
     def moved(self, move: Mover) -> ForwardBatch:
         """This batch with its tensors (not the pool's, not a CP plan's) moved by one call
-        of `move` (all of them in one list)."""
-        names = (
-            "input_ids",
-            "positions",
-            "out_slots",
-            "attn",
-            "sample_rows",
-            "logprob_rows",
-            "logprob_targets",
-            "future_slots",
-            "latent",
-        )
-        parts = tuple(getattr(self, n) for n in names)
-        hosts: list[torch.Tensor] = []
+        of `move` (all of them in one list, `tensors()`)."""
+        parts = tuple(getattr(self, n) for n in _MOVED)
+        on_device = iter(move(self.tensors()))
+        moved = map_tensors(parts, lambda _: next(on_device))
+        return replace(self, **dict(zip(_MOVED, moved, strict=True)))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What `moved` moves, in this order: the rows' ids, positions and write slots, the
+        attention plan's, then the rest. A CUDA graph reads tensors at the head of that list
+        where a step's copy put them (runner/cuda_graph.py)."""
+        out: list[torch.Tensor] = []
 
         def collect(t: torch.Tensor) -> torch.Tensor:
-            hosts.append(t)
+            out.append(t)
             return t
 
-        map_tensors(parts, collect)
-        on_device = iter(move(hosts))
-        moved = map_tensors(parts, lambda _: next(on_device))
-        return replace(self, **dict(zip(names, moved, strict=True)))
+        map_tensors(tuple(getattr(self, n) for n in _MOVED), collect)
+        return out
+
+
+_MOVED = (
+    "input_ids",
+    "positions",
+    "out_slots",
+    "attn",
+    "sample_rows",
+    "logprob_rows",
+    "logprob_targets",
+    "future_slots",
+    "latent",
+)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pipeserve.device import memory_budget, resolve_device, resolve_dtype
 from pipeserve.distributed.partition import resolve_partition
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.models.arch import ArchConfig, param_count, routed_expert_params
-from pipeserve.runner.cuda_graph import graph_reserve_bytes
+from pipeserve.runner.cuda_graph import GRAPH_SLOT_BYTES, graph_reserve_bytes
 
 
 def kv_heads_per_rank(arch: ArchConfig, tp_size: int) -> int:
@@ -90,6 +90,7 @@ def kv_pool_pages(
     per_token = stage_kv_bytes_per_token(config, arch, partition)
     backend = backend or run_backend(config, arch)
     graphs = graph_reserve_bytes(config, arch, device, dtype, backend)
+    per_token += GRAPH_SLOT_BYTES if graphs else 0
     tokens = int((budget - weights - graphs) // per_token)
     if tokens < 4 * page:
         raise ValueError(

@@ -142,6 +142,7 @@ class ModelRunner:
             self.backend,
             graph_buckets(self.config.model.cuda_graph_max_bs),
             self.device,
+            self.config.cache.page_size,
         )
         try:
             with torch.inference_mode(), self.modes():
@@ -163,17 +164,20 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, whole: bool = True) -> ForwardBatch:
         """The batch's tensors, built on the host and copied on the copy stream (a device);
         `execute` makes the compute stream wait for them. A whole step that replays a CUDA
-        graph is padded to its bucket (`whole`=False: a part of a step, never padded)."""
-        pad_to = None
-        if whole and self.graphs is not None and graphable(batch, self.graphs.buckets[-1]):
-            pad_to = bucket_for(len(batch.slices), self.graphs.buckets)
-            if pad_to is not None and not self.graphs.holds(batch, pad_to):
-                pad_to = None  # a page table past the persistent one's size: eager
+        graph is padded to its bucket and left on the host: `execute` copies it into the
+        graph's buffers (`whole`=False: a part of a step, never padded)."""
+        graphs = self.graphs
+        if whole and graphs is not None and graphable(batch, graphs.buckets[-1]):
+            pad_to = bucket_for(len(batch.slices), graphs.buckets)
+            if pad_to is not None and graphs.holds(batch, pad_to):  # else past its page table
+                fb = ForwardBatch.build(
+                    batch, self.kv_pool, self.device, self.backend, None, True, pad_to
+                )
+                if graphs.fits(fb):
+                    return fb  # on the host: `execute` copies it into the graph's buffers
         with self.streams.upload() as up:
             move = up.move if self.streams.api is not None else None
-            fb = ForwardBatch.prepare(
-                batch, self.kv_pool, self.device, self.backend, self.cp, move, pad_to
-            )
+            fb = ForwardBatch.prepare(batch, self.kv_pool, self.device, self.backend, self.cp, move)
         fb.ready, fb.uploaded = up.ready, up.tensors
         return fb
 
@@ -212,12 +216,15 @@ class ModelRunner:
     ) -> StageOutput:
         self.streams.wait(fb.ready, fb.uploaded)  # the compute stream, after the inputs' copy
         timer = self.streams.timer()
+        if fb.graphed:  # its copy: here, into the buffers the last step's graph has read
+            assert self.graphs is not None
+            fb = self.graphs.load(fb, self.streams)
         if batch.cache_ops:
             if self.tiers is None:
                 raise ValueError("a batch carries cache-tier copies but HiCache is off here")
             self.tiers.run(batch.cache_ops)
         if future is not None and self.state.is_first_stage:
-            fb.input_ids = future.resolve(fb.input_ids)
+            fb.input_ids = future.resolve(fb.input_ids, in_place=fb.graphed)
         if self.kv_sender is not None:
             self.kv_sender.begin(batch)  # what the layer hook sends of this batch
         keep = [fb]

@@ -142,24 +142,26 @@ class ReferenceBackend(AttentionBackend):
 
 
 class Buffers:
-    """Every step's slots padded to the pool's size: a padded row reads PAD_SLOT alone."""
+    """Every step's slots padded to the pool's size: a padded row reads PAD_SLOT alone. A
+    step's table is as wide as its longest context, so it is copied into these buffers
+    (nothing of it is read where the step's copy put it)."""
 
     def __init__(self, pool_slots: int, rows: int, device: torch.device) -> None:
         self.rows = torch.arange(rows, device=device)
         self.table = torch.full((rows, pool_slots), PAD_SLOT, dtype=torch.long, device=device)
         self.lengths = torch.ones(rows, dtype=torch.long, device=device)
 
-    def meta(self, rows: int) -> Meta:
+    def meta(self, rows: int, staged: Meta) -> Meta:
         return Meta([], Steps(self.rows[:rows], self.table[:rows], self.lengths[:rows]))
 
     def holds(self, keys: int, rows: int) -> bool:
         return True  # no request reads more than the pool's slots
 
-    def load(self, meta: Meta, rows: int) -> None:
-        assert meta.steps is not None and not meta.chunks
-        width = meta.steps.table.shape[1]
-        self.table[:rows, :width].copy_(meta.steps.table)
-        self.lengths[:rows].copy_(meta.steps.lengths)
+    def load(self, staged: Meta, rows: int) -> None:
+        assert staged.steps is not None and not staged.chunks
+        width = staged.steps.table.shape[1]
+        self.table[:rows, :width].copy_(staged.steps.table)
+        self.lengths[:rows].copy_(staged.steps.lengths)
 
 
 @pytest.fixture

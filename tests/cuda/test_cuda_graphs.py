@@ -1,8 +1,9 @@
 """Decode steps replayed as CUDA graphs (`make test-gpu`; skipped without a GPU): for every
-bucket a replay equals the eager forward of the same padded step bitwise, and the unpadded
-eager forward within bfloat16's bound; a replayed step (inputs copied in, graph, sampling)
-makes no host sync (CUDA's own sync detector); the engine's greedy tokens and logprobs with
-graphs match those without; the graphs' memory is given back at shutdown."""
+bucket a replay equals the eager forward of the same padded step over the same buffers
+bitwise, and the unpadded eager forward within bfloat16's bound; a replayed step (its inputs
+copied from the host into the graph's buffers, the graph, sampling) makes no host sync
+(CUDA's own sync detector); the engine's greedy tokens and logprobs with graphs match those
+without; the graphs' memory is given back at shutdown."""
 
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ def test_a_replay_equals_the_eager_forward_of_its_padded_step(model_dir, dtype: 
         page = engine.config.cache.page_size
         for n in (1, 3, 8, 13, 16):
             batch = decode_step(n, page)
-            fb = runner.prepare(batch)
-            assert fb.graphed and fb.num_tokens in graphs.graphs
-            torch.cuda.synchronize()
+            staged = runner.prepare(batch)  # on the host until loaded into the buffers
+            assert staged.graphed and staged.num_tokens in graphs.graphs
             with torch.inference_mode():
+                fb = graphs.load(staged, runner.streams)
+                torch.cuda.synchronize()
                 eager = runner.model(fb)[0].clone()
                 replays = graphs.replays
                 replayed = graphs.run(fb).clone()

@@ -118,6 +118,30 @@ def test_a_page_table_past_the_persistent_one_stays_eager() -> None:
     assert graphs.holds(fits, 2) and not graphs.holds(past, 4)
 
 
+def test_a_step_of_more_slot_runs_than_the_input_buffer_holds_does_not_fit() -> None:
+    """The graphs' input buffer keeps room for a quarter of a slot run per pool slot: a step
+    whose requests' KV lies in more runs than that (a fragmented pool) does not fit it
+    (`ModelRunner.prepare` then prepares it as an ordinary step). What the buffers hold per
+    slot is what the KV budget counts (GRAPH_SLOT_BYTES), beside a fixed part for the
+    largest bucket."""
+    from pipeserve.runner.cuda_graph import GRAPH_SLOT_BYTES, DecodeGraphs
+
+    slots, cpu = 512, torch.device("cpu")
+    pool = KVPool(slots, range(1), 1, 8, torch.float32, cpu, 1)
+    graphs = DecodeGraphs(lambda fb: fb.input_ids, pool, TRITON, (1, 2, 4, 8), cpu)
+    held = graphs.inputs.nbytes + graphs.attention.kv_indices.nbytes
+    assert held <= GRAPH_SLOT_BYTES * slots + 128 * 8
+    room = slots // 4 + 2 * 8  # runs (and the largest padding step's few bytes beside)
+
+    def step(runs: int) -> ForwardBatch:
+        scattered = [(2 * i + 1, 1) for i in range(runs)]  # one slot each, none adjacent
+        batch = ScheduledBatch(0, [decode_slice("a", runs, scattered)])
+        assert graphs.holds(batch, 1)  # its keys fit the page table
+        return ForwardBatch.build(batch, pool, cpu, TRITON, None, True, 1)
+
+    assert graphs.fits(step(room)) and not graphs.fits(step(room + 64))
+
+
 def test_the_buffers_steps_run_on_the_backend_a_decode_step_gets() -> None:
     """Auto on CUDA is a split (long prompt chunks elsewhere): the graphs' steps run on the
     backend it hands decode steps to, whose norms and fused rotary they use."""

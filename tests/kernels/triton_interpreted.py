@@ -465,3 +465,92 @@ def test_decode_steps_over_the_graph_buffers_serve_the_same_tokens(
             )
     assert {n for _, n in steps} == {1, 2, 3} and (4, 3) in steps and (2, 2) in steps
     same_outputs(outs[8], outs[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_graph_step_on_a_device_is_one_copy_into_the_graph_s_buffers(
+    model_dir, monkeypatch, overlap: bool
+) -> None:
+    """On a (fake) device, a decode step that replays a graph reaches it in one host-to-device
+    copy, queued on the compute stream (the last step may still read the buffers), straight
+    into the graph's input buffer: its ids, positions, write slots, rows and kv_indptr are
+    read there, and its slot runs are expanded into the backend's persistent kv_indices.
+    Nothing is copied from device to device into the graph's buffers, nothing is cast, and
+    the tokens are those of the run without graphs; other steps keep their one copy on the
+    copy stream. Under overlap a step's ids are placeholders until the compute stream
+    resolves them, in the graph's buffer."""
+    from fake_cuda import FakeApi
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pipeserve import Engine
+    from pipeserve.runner import cuda_graph, model_runner
+    from pipeserve.streams import DeviceStreams
+
+    real_blocker = model_runner.graph_blocker
+
+    def blocker(config, arch, device, backend):  # as if the CPU were a CUDA device
+        return real_blocker(config, arch, torch.device("cuda"), backend)
+
+    monkeypatch.setattr(model_runner, "graph_blocker", blocker)
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "capture", lambda self: None)
+
+    class Writes(TorchDispatchMode):
+        """Copies and casts, by the storage they write into."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.into: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if name in ("copy_", "_to_copy", "index_put_", "index_copy_", "scatter_"):
+                dst = args[0] if name != "_to_copy" else None
+                self.into.append((name, dst.untyped_storage().data_ptr() if dst is not None else 0))
+            return func(*args, **kwargs)
+
+    loads: list[tuple[int, list[tuple[str, int]], list[tuple]]] = []  # (bucket, writes, log)
+    real_load = cuda_graph.DecodeGraphs.load
+
+    def load(self, fb, streams=None):
+        api = streams.api if streams is not None else None
+        start = len(api.log) if api is not None else 0
+        with Writes() as writes:
+            out = real_load(self, fb, streams)
+        loads.append((fb.num_tokens, writes.into, api.log[start:] if api is not None else []))
+        graph = {self.inputs.untyped_storage().data_ptr()}
+        graph.add(self.attention.kv_indices.untyped_storage().data_ptr())
+        assert out.input_ids.untyped_storage().data_ptr() in graph
+        return out
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "load", load)
+    model = str(model_dir("tiny-qwen2", num_hidden_layers=2))
+    prompts = [[(7 * j) % 300 + 1 for j in range(n)] for n in (12, 5, 9)]
+    params = [{"max_new_tokens": n, "temperature": 0} for n in (6, 2, 4)]
+    flags = {"dtype": "float32", "chunked_prefill_size": 16, "attention_backend": "triton"}
+    flags["enable_overlap_schedule" if overlap else "disable_overlap_schedule"] = True
+    outs, api = {}, FakeApi()
+    for max_bs in (0, 8):
+        with Engine(model, **flags, cuda_graph_max_bs=max_bs) as engine:
+            runner = engine.backend.runner
+            runner.streams = DeviceStreams(torch.device("cpu"), api)
+            outs[max_bs] = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=True
+            )
+            graphs = runner.graphs
+    same_outputs(outs[8], outs[0], atol=1e-5)
+    assert graphs is not None and {b for b, _, _ in loads} == {1, 2, 4}
+    graph = {graphs.inputs.untyped_storage().data_ptr()}
+    graph.add(graphs.attention.kv_indices.untyped_storage().data_ptr())
+    for bucket, writes, log in loads:
+        uploads = [e for e in log if e[0] == "upload"]
+        assert len(uploads) == 1 and uploads[0][2].startswith("default"), (bucket, log)
+        assert not any(e[0] == "stream_wait" for e in log)  # same stream: nothing to wait for
+        into_graph = [name for name, dst in writes if dst in graph]
+        assert into_graph == ["copy_"], (bucket, writes)  # the upload alone
+        assert not any(name == "_to_copy" for name, _ in writes)
+    # the other steps (prompt chunks) still go through the copy stream, one copy each
+    copy_stream = [e for e in api.log if e[0] == "upload" and e[2] == "copy"]
+    assert copy_stream and len(copy_stream) + len(loads) == len(
+        [e for e in api.log if e[0] == "upload"]
+    )

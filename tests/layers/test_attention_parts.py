@@ -39,11 +39,16 @@ def test_expanded_runs_are_every_positions_slot(case: str) -> None:
     per_seq = RAGGED[case]
     runs = SlotRuns.build(per_seq, CPU)
     num_runs = sum(len(r) for r in per_seq)
-    assert runs.packed.numel() == len(per_seq) + 1 + 2 * num_runs  # what is copied: O(runs)
+    # what is copied: O(runs)
+    assert runs.indptr.numel() == len(per_seq) + 1 and runs.runs_table.numel() == 2 * num_runs
     indptr, indices = runs.expand()
     assert indptr.dtype == indices.dtype == torch.int32
     assert (indptr.tolist(), indices.tolist()) == positions_table(per_seq)
     assert indices.numel() == runs.total
+    # into a buffer of the caller's (a CUDA graph's): its head written, the rest untouched
+    into = torch.full((runs.total + 3,), -7, dtype=torch.int32)
+    runs.expand_into(into)
+    assert into.tolist() == positions_table(per_seq)[1] + [-7] * 3
 
 
 def test_runs_expand_on_the_device_they_were_moved_to() -> None:
@@ -51,7 +56,8 @@ def test_runs_expand_on_the_device_they_were_moved_to() -> None:
     (meta: shapes only), with no host tensor of that size made."""
     per_seq = RAGGED["pages of 16"]
     runs = SlotRuns.build(per_seq, CPU)
-    moved = SlotRuns(runs.packed.to("meta"), runs.sequences, runs.runs, runs.total)
+    meta = runs.indptr.to("meta"), runs.runs_table.to("meta")
+    moved = SlotRuns(*meta, runs.sequences, runs.runs, runs.total)
     indptr, indices = moved.expand()
     assert indptr.device.type == indices.device.type == "meta"
     assert indptr.shape == (len(per_seq) + 1,) and indices.shape == (runs.total,)
