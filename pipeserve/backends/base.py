@@ -261,6 +261,12 @@ class AttentionBackend(ABC):
         """The token rows of the decode steps in a `latent_plan` (None: it has none)."""
         raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
 
+    def latent_table(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode steps' page table in a `latent_plan`, (kv_indptr [b + 1], kv_indices)
+        int32, in the order of `latent_rows`: what V3.2's indexer selects all steps over at
+        once (None: it has none, and the indexer takes a step at a time)."""
+        return None
+
     def decode_stack(self, layers: list[StackLayer]) -> DecodeStack | None:
         """These layers as one kernel for the decode steps it takes, or None (none here)."""
         return None

@@ -162,6 +162,13 @@ class TritonBackend(AttentionBackend):
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         return None if meta.decode is None else meta.decode.rows
 
+    def latent_table(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        p = meta.decode
+        if p is None:
+            return None
+        assert p.kv_indptr is not None and p.kv_indices is not None, UNEXPANDED
+        return p.kv_indptr, p.kv_indices
+
     def latent_decode(
         self,
         q: torch.Tensor,

@@ -22,6 +22,13 @@ the earlier position wins; -0.0 counts as 0.0. transformers' topk leaves this or
 
 Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), as a
 set in no particular order, -1 for none where a query sees fewer than index_topk tokens.
+
+Segments are selected one at a time (a prompt chunk's queries together), on the run backend's
+compiled kernels where it has them. A backend whose plan has a page table of the batch's decode
+steps (Triton's: `AttentionBackend.latent_table`) has them selected all at once instead
+(`decode_top_positions`): the keys gathered through the table a block of positions at a time,
+and the tie rule kept by one topk over int64 keys of score and position, with no host sync and
+the same launches for any number of steps.
 The attention then reads only those rows (mla.py: `MLAttention.sparse`, in latent space or on
 up-projected keys); no [q_len, keys] mask is built. A request no longer than
 index_topk keeps every visible position, and its scores are not computed.
@@ -31,6 +38,9 @@ the same keys and selects the same tokens.
 """
 
 from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,6 +55,21 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_d
 
 K_NORM_EPS = 1e-6  # transformers' and DeepSeek's k_norm, whatever the config's eps
 LOGIT_BLOCK_ELEMENTS = 2**26  # index scores: per-head float32 logits of one query block
+# -inf's float32 bits (0xFF800000) in the order-preserving int32 of `keyed_top_positions`
+UNSEEN_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFFFFF
+
+
+@dataclass
+class StepTable:
+    """A batch's decode steps as a batched backend's page table reads them (the Triton
+    backend's, `AttentionBackend.latent_steps`): step i is row rows[i], and its positions
+    0..len-1 (its query at the last) are cached at slots indices[indptr[i]:indptr[i + 1]];
+    `width`: the longest step's length (a host int)."""
+
+    rows: torch.Tensor  # [b] long
+    indptr: torch.Tensor  # [b + 1] int32
+    indices: torch.Tensor  # int32
+    width: int
 
 
 class LayerNorm(nn.Module):
@@ -95,15 +120,62 @@ class Indexer(nn.Module):
         segments: list[LatentSegment],
         new_slots: torch.Tensor | None = None,
         kernels: DirectKernels = TORCH_KERNELS,
+        steps: StepTable | None = None,
     ) -> torch.Tensor:
         """x [tokens, hidden]; q_latent [tokens, q_lora_rank], MLA's q_a_layernorm output; cache
         [slots, index_head_dim] of this layer, written at each segment's new slots (at
         `new_slots`, every token's, in one op where given) -> [tokens, index_topk] long:
         selected positions of each token's request, -1 for none. kernels: the run backend's
-        (its compiled selection where it has one)."""
-        topk = self.config.topk
+        (its compiled selection where it has one). steps: the batch's decode steps as a page
+        table, all of them selected at once (`decode_top_positions`: no host sync, as many
+        ops for one step as for a hundred) instead of one segment at a time."""
         self.write_keys(x, rope, cache, segments, new_slots)
-        q = w = None
+        if steps is not None:
+            return self._with_steps(x, q_latent, rope, cache, segments, kernels, steps)
+        return self._select(x, q_latent, rope, cache, segments, kernels)
+
+    def _with_steps(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        rope: Rope,
+        cache: torch.Tensor,
+        segments: list[LatentSegment],
+        kernels: DirectKernels,
+        steps: StepTable,
+    ) -> torch.Tensor:
+        """The decode steps selected at once, the other segments one at a time."""
+        q, w = self.queries(q_latent, rope), self.head_weights(x)
+        rows = steps.rows
+        chosen = decode_top_positions(
+            q[rows],
+            w[rows],
+            cache,
+            steps.indptr,
+            steps.indices,
+            steps.width,
+            self.scale,
+            self.config.topk,
+        )
+        others = [seg for seg in segments if seg.q_len != 1]
+        out = self._select(x, q_latent, rope, cache, others, kernels, (q, w))
+        out[rows] = chosen
+        return out
+
+    def _select(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        rope: Rope,
+        cache: torch.Tensor,
+        segments: list[LatentSegment],
+        kernels: DirectKernels,
+        qw: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Each segment's choice, one segment at a time (its rows; -1 elsewhere); `qw`: the
+        tokens' queries and head weights where made already."""
+        topk = self.config.topk
+        q, w = qw if qw is not None else (None, None)
         parts = []  # each segment's choice, in the order of its rows
         ordered = sorted(segments, key=lambda seg: seg.q_start)
         for seg in ordered:
@@ -272,6 +344,76 @@ def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     else:
         picked = torch.arange(length, device=scores.device).expand(n, length)
     picked = picked.masked_fill(scores.gather(1, picked) == float("-inf"), -1)
+    if k < topk:
+        picked = nn.functional.pad(picked, (0, topk - k), value=-1)
+    return picked
+
+
+def decode_top_positions(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    cache: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    width: int,
+    scale: float,
+    topk: int,
+) -> torch.Tensor:
+    """b decode steps at once: q [b, heads, d], w [b, heads]; step i's keys are the cache rows
+    at slots indices[indptr[i]:indptr[i + 1]] (positions 0..len-1, its query at the last, so
+    it sees them all); `width`: the longest len -> [b, topk] long, what `top_positions` picks
+    from each step's `causal_index_scores`: `keyed_top_positions` of `decode_index_scores`.
+    No host sync, and the ops launched do not grow with b."""
+    if width <= topk:  # every step keeps every position it sees
+        every = torch.arange(topk, device=q.device)[None]
+        lengths = (indptr[1:] - indptr[:-1]).long()[:, None]
+        return torch.where(every < lengths, every, -1)
+    return keyed_top_positions(
+        decode_index_scores(q, w, cache, indptr, indices, width, scale), topk
+    )
+
+
+def decode_index_scores(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    cache: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    width: int,
+    scale: float,
+) -> torch.Tensor:
+    """`decode_top_positions`' scores: [b, width] float32, step i's row its scores of positions
+    0..len-1 and -inf past them. The keys are gathered and scored a block of positions at a
+    time, at most LOGIT_BLOCK_ELEMENTS per-head logits."""
+    b, heads = q.shape[:2]
+    block = max(1, LOGIT_BLOCK_ELEMENTS // max(1, b * heads))
+    qf, wf = q.float(), w.float()
+    starts, last = indptr[:-1].long()[:, None], max(0, indices.numel() - 1)
+    scores = torch.empty(b, width, dtype=torch.float32, device=q.device)
+    for first in range(0, width, block):
+        span = torch.arange(first, min(width, first + block), device=q.device)[None]  # [1, c]
+        keys = cache[indices[(starts + span).clamp_max(last)].long()].float()  # [b, c, d]
+        relu = torch.relu(torch.einsum("bhd,bcd->bhc", qf, keys) * scale)
+        scores[:, first : first + span.shape[1]] = torch.einsum("bh,bhc->bc", wf, relu)
+    lengths = (indptr[1:] - indptr[:-1]).long()[:, None]
+    past = torch.arange(width, device=q.device)[None] >= lengths
+    return scores.masked_fill_(past, float("-inf"))
+
+
+def keyed_top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """`top_positions` without a host sync: each score and its position made one int64 key
+    (the score's bits in an order-preserving int32 above, the position reversed below), so
+    that keys never tie and the earlier position wins among equal scores, and one topk over
+    the keys. Twice the scores' memory: for decode steps, not long prompt chunks."""
+    n, length = scores.shape
+    k = min(topk, length)
+    bits = (scores + 0.0).view(torch.int32)  # -0.0 + 0.0 is 0.0: one key for both zeros
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # signed int order = float order
+    reversed_positions = length - 1 - torch.arange(length, device=scores.device)
+    keys = (ordered << 32) | reversed_positions
+    top = torch.topk(keys, k, dim=-1, sorted=False).values
+    picked = length - 1 - (top & 0xFFFFFFFF)
+    picked = picked.masked_fill((top >> 32) == UNSEEN_KEY, -1)
     if k < topk:
         picked = nn.functional.pad(picked, (0, topk - k), value=-1)
     return picked

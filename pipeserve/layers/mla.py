@@ -43,7 +43,7 @@ from pipeserve.backends.torch_ops import attention_with_lse
 from pipeserve.device import queues_on_streams
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention_parts import merge_partials
-from pipeserve.layers.indexer import Indexer, causal_top_positions
+from pipeserve.layers.indexer import Indexer, StepTable, causal_top_positions
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.layernorm import RMSNorm
 from pipeserve.layers.linear import (
@@ -161,12 +161,13 @@ class MLAttention(nn.Module):
         else:
             for seg in segments:
                 cache[seg.new_slots] = new[seg.rows]
+        steps = None if batched is None else batched.backend.latent_rows(batched.meta)
+        table = self.step_table(batched, steps, segments)
         positions = self.index_positions(
-            x, q_latent, rope, index_cache, segments, new_slots, kernels
+            x, q_latent, rope, index_cache, segments, new_slots, kernels, table
         )
         selected = self.selections(positions, segments)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
-        steps = None if batched is None else batched.backend.latent_rows(batched.meta)
         if batched is not None and steps is not None:
             chosen = None if positions is None else positions[steps]
             out[steps] = self.absorbed_batch(q[steps], cache, batched, chosen)
@@ -302,15 +303,33 @@ class MLAttention(nn.Module):
         segments: list[LatentSegment],
         new_slots: torch.Tensor | None = None,
         kernels: DirectKernels = TORCH_KERNELS,
+        table: StepTable | None = None,
     ) -> torch.Tensor | None:
         """With an indexer, the positions [tokens, topk] each query may read (its choice, -1
-        for none; writes the segments' index keys, at `new_slots` where given); None without
-        one."""
+        for none; writes the segments' index keys, at `new_slots` where given; the decode
+        steps of `table` selected at once); None without one."""
         if self.indexer is None:
             return None
         if index_cache is None or q_latent is None:
             raise ValueError("an MLA layer with an indexer needs its index key cache")
-        return self.indexer(x, q_latent, rope, index_cache, segments, new_slots, kernels)
+        return self.indexer(x, q_latent, rope, index_cache, segments, new_slots, kernels, table)
+
+    def step_table(
+        self,
+        batched: AttentionPlan | None,
+        steps: torch.Tensor | None,
+        segments: list[LatentSegment],
+    ) -> StepTable | None:
+        """With an indexer and a batched plan of decode steps (`steps`: their rows) that
+        has a page table, the steps as the indexer selects them at once; else None. Their
+        longest length comes from the segments (host ints)."""
+        if self.indexer is None or batched is None or steps is None:
+            return None
+        table = batched.backend.latent_table(batched.meta)
+        lengths = [seg.length for seg in segments if seg.q_len == 1]
+        if table is None or len(lengths) != steps.shape[0]:
+            return None
+        return StepTable(steps, table[0], table[1], max(lengths))
 
     def selections(
         self, positions: torch.Tensor | None, segments: list[LatentSegment]

@@ -223,16 +223,26 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
 ) -> None:
     """The whole engine with --attention-backend triton (its plans, int32 slot tables, one
     launch per layer for the decode steps and one for the prompt chunks; for DeepSeek's MLA
-    one absorbed launch for the decode steps, V3.2's over the indexer's chosen rows; the fused
+    one absorbed launch for the decode steps, V3.2's over the indexer's chosen rows, chosen for
+    all steps at once over the page table; the fused
     norms, and for GQA layers the fused q/k norm (Qwen3), rotary and KV write) against the
     torch kernels: prompts of several chunks decoded together, one sharing a cached prefix."""
     from pipeserve import Engine
     from pipeserve.kernels import triton_norm, triton_rope
+    from pipeserve.layers import indexer
 
     fused = [(triton_norm, "_rms_norm_kernel"), (triton_rope, "_norm_rope_store_kernel")]
     counted = [Counted(getattr(module, name)) for module, name in fused]
     for (module, name), c in zip(fused, counted, strict=True):
         monkeypatch.setattr(module, name, c)
+    at_once: list[int] = []  # V3.2: decode steps selected at once over Triton's page table
+    real_decode_top = indexer.decode_top_positions
+
+    def decode_top(q, *args):
+        at_once.append(q.shape[0])
+        return real_decode_top(q, *args)
+
+    monkeypatch.setattr(indexer, "decode_top_positions", decode_top)
     model = str(model_dir(preset, num_hidden_layers=2))  # fewer interpreted launches
     # V3.2: longer than its index_topk (64), so decode steps read only the indexer's choice
     base = [(7 * j) % 300 + 1 for j in range(90 if preset.endswith("v32") else 40)]
@@ -248,7 +258,10 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
                 input_ids=prompts, sampling_params=params, return_logprob=True
             )
         launches[backend] = [c.launches > b for c, b in zip(counted, before, strict=True)]
-    assert launches == {"torch": [False, False], "triton": [True, "deepseek" not in preset]}
+        launches[backend].append(max(at_once, default=0))
+        at_once.clear()
+    v32 = 3 if preset.endswith("v32") else 0  # all three requests' steps in one selection
+    assert launches == {"torch": [False, False, 0], "triton": [True, "deepseek" not in preset, v32]}
     same_outputs(outs["triton"], outs["torch"], atol=1e-4)
 
 

@@ -5,6 +5,7 @@ tie-break (earlier position wins) on constructed ties."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -533,3 +534,96 @@ def test_index_scores_in_query_blocks_equal_one_block(
     assert max(rows) == 3
     torch.testing.assert_close(blocked, whole, atol=1e-6, rtol=0)
     assert torch.equal(blocked_picked, picked)
+
+
+def test_the_keyed_selection_is_the_sort_s_on_ties_signed_zeros_and_short_rows() -> None:
+    """The selection without a host sync (one topk over int64 keys of score and position)
+    picks what the rule picks, on rows full of ties (0.0 and -0.0 above all), with -inf
+    tails and rows shorter than topk."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        n, length, topk = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (12, 160, 70))
+        scores = torch.randn(n, length, generator=gen).round(decimals=1)
+        scores[torch.rand(n, length, generator=gen) < 0.3] = 0.0
+        scores[torch.rand(n, length, generator=gen) < 0.2] = -0.0
+        scores[torch.rand(n, length, generator=gen) < 0.1] = float("-inf")
+        want = reference_positions(scores, topk)
+        assert torch.equal(canonical(indexer_mod.keyed_top_positions(scores, topk)), want)
+
+
+def decode_batch(
+    lengths: list[int], seed: int, dim: int = INDEX_DIM
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """A cache of NUM_SLOTS * 4 rows and decode steps of `lengths` on scattered slots:
+    (cache, indptr, indices, each step's slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(NUM_SLOTS * 4, dim, generator=gen)
+    order = 1 + torch.randperm(NUM_SLOTS * 4 - 1, generator=gen)
+    per_step, first = [], 0
+    for n in lengths:
+        per_step.append(order[first : first + n])
+        first += n
+    indptr = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return cache, indptr, torch.cat(per_step).to(torch.int32), per_step
+
+
+@pytest.mark.parametrize("block", [None, 4 * 5])  # one block of positions, or blocks of five
+def test_decode_steps_at_once_score_and_pick_what_each_step_does_alone(monkeypatch, block) -> None:
+    """Decode steps of ragged lengths (some no longer than topk) over scattered slots: their
+    scores, made at once, are each step's `causal_index_scores` (a block of positions at a
+    time or all of them), -inf past its length; with small integer inputs, whose sums are
+    exact in any order, the choice is each step's own to the position, ties included."""
+    if block is not None:
+        monkeypatch.setattr(indexer_mod, "LOGIT_BLOCK_ELEMENTS", block * 3)  # b * heads = 12
+    lengths, heads, topk = [40, 7, 93, 16], 3, 16
+    cache, indptr, indices, per_step = decode_batch(lengths, seed=7)
+    b = len(lengths)
+    q, w = rand(b, heads, INDEX_DIM, seed=8), rand(b, heads, seed=9)
+    width = max(lengths)
+    scores = indexer_mod.decode_index_scores(q, w, cache, indptr, indices, width, 0.3)
+    assert scores.shape == (b, width)
+    for i, (n, slots) in enumerate(zip(lengths, per_step, strict=True)):
+        alone = indexer_mod.causal_index_scores(
+            q[i : i + 1], w[i : i + 1], cache[slots], n - 1, 0.3
+        )
+        torch.testing.assert_close(scores[i, :n], alone[0], rtol=1e-5, atol=1e-5)
+        assert torch.isinf(scores[i, n:]).all() and (scores[i, n:] < 0).all()
+    qi, wi, ci = (q * 2).round(), w.round(), (cache * 2).round()  # exact sums: many ties
+    picked = indexer_mod.decode_top_positions(qi, wi, ci, indptr, indices, width, 0.25, topk)
+    for i, (n, slots) in enumerate(zip(lengths, per_step, strict=True)):
+        alone = indexer_mod.causal_top_positions(
+            qi[i : i + 1], wi[i : i + 1], ci[slots], n - 1, 0.25, topk
+        )
+        assert torch.equal(canonical(picked[i : i + 1]), canonical(alone)), i
+
+
+def test_decode_steps_at_once_read_nothing_on_the_host_and_launch_as_much_for_any_count() -> None:
+    """What makes the batched selection a GPU's: no value read on the host (no sync), no
+    `nonzero` (sized from the data), and the same ops for 2 steps as for 7; steps all no
+    longer than topk keep every position without scores."""
+    from host_sync import no_host_sync
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for lengths in ([50, 30], [50, 30, 90, 12, 64, 33, 71]):
+        cache, indptr, indices, _ = decode_batch(lengths, seed=3)
+        b = len(lengths)
+        q, w = rand(b, 4, INDEX_DIM, seed=1), rand(b, 4, seed=2)
+        with no_host_sync(), Ops() as ops:
+            indexer_mod.decode_top_positions(q, w, cache, indptr, indices, 96, 0.3, 16)
+        assert "nonzero" not in ops.names
+        counts.append(len(ops.names))
+    assert counts[0] == counts[1]
+    cache, indptr, indices, _ = decode_batch([9, 3, 16], seed=4)
+    with no_host_sync():
+        every = indexer_mod.decode_top_positions(q[:3], w[:3], cache, indptr, indices, 16, 0.3, 16)
+    assert every.tolist() == [[*range(n), *([-1] * (16 - n))] for n in (9, 3, 16)]
