@@ -261,10 +261,10 @@ class AttentionBackend(ABC):
         """The token rows of the decode steps in a `latent_plan` (None: it has none)."""
         raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
 
-    def latent_table(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decode steps' page table in a `latent_plan`, (kv_indptr [b + 1], kv_indices)
-        int32, in the order of `latent_rows`: what V3.2's indexer selects all steps over at
-        once (None: it has none, and the indexer takes a step at a time)."""
+    def latent_table(self, meta: Any) -> StepTable | None:
+        """The decode steps of a `latent_plan` as a page table grouped by length: what
+        V3.2's indexer selects all steps over at once (None: it has none, and the indexer
+        takes a step at a time)."""
         return None
 
     def decode_stack(self, layers: list[StackLayer]) -> DecodeStack | None:
@@ -275,6 +275,38 @@ class AttentionBackend(ABC):
         """Persistent decode metadata for CUDA graphs of up to `rows` rows over a pool of
         `pool_slots` slots (a `capturable` backend's)."""
         raise NotImplementedError(f"the {self.name} backend's steps cannot be captured")
+
+
+@dataclass
+class StepTable:
+    """A batch's decode steps as a batched backend's page table reads them: step i (token row
+    rows[i]) has its positions 0..len-1, its query at the last, cached at slots
+    indices[indptr[i]:indptr[i + 1]]. `order` [b] lists the steps longest first and `groups`
+    cuts it into ranges (first, end, width) of steps of similar length (`length_groups`), so
+    that work padded to a group's longest step stays within twice the steps' own."""
+
+    rows: torch.Tensor  # [b] long
+    indptr: torch.Tensor  # [b + 1] int32
+    indices: torch.Tensor  # int32
+    order: torch.Tensor  # [b] long
+    groups: tuple[tuple[int, int, int], ...]
+
+
+def length_groups(lengths: list[int]) -> tuple[list[int], tuple[tuple[int, int, int], ...]]:
+    """(the indices of `lengths` longest first, that order cut into ranges (first, end,
+    width): each range as long as its steps padded to its first (its width) cost at most
+    twice their own lengths)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, first = [], 0
+    while first < len(order):
+        width = lengths[order[first]]
+        end, total = first + 1, width
+        while end < len(order) and (end + 1 - first) * width <= 2 * (total + lengths[order[end]]):
+            total += lengths[order[end]]
+            end += 1
+        groups.append((first, end, width))
+        first = end
+    return order, tuple(groups)
 
 
 @dataclass

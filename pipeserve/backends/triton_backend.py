@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from pipeserve.backends.base import AttentionBackend, NormKernels, QKNorms, Rope, Segment
+from pipeserve.backends.base import (
+    AttentionBackend,
+    NormKernels,
+    QKNorms,
+    Rope,
+    Segment,
+    StepTable,
+    length_groups,
+)
 from pipeserve.layers.attention_parts import SlotRuns
 from pipeserve.mem_cache.kv_pool import PAD_SLOT
 from pipeserve.scheduler.batch import Run, runs_prefix
@@ -39,6 +47,9 @@ class TableSteps:
     slot_runs: SlotRuns | None = None
     kv_indptr: torch.Tensor | None = None  # [b + 1] int32
     kv_indices: torch.Tensor | None = None  # int32: the slot of every position of each step
+    # MLA's steps: longest first, cut by length (`length_groups`; V3.2's indexer reads them)
+    order: torch.Tensor | None = None
+    groups: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -157,17 +168,22 @@ class TritonBackend(AttentionBackend):
         steps = [
             (row, runs_prefix(runs, prefix + 1)) for row, n, prefix, runs in segments if n == 1
         ]
-        return TritonMeta(None, _table_steps(steps, device) if steps else None)
+        if not steps:
+            return TritonMeta(None, None)
+        order, groups = length_groups([prefix + 1 for _, n, prefix, _ in segments if n == 1])
+        table = _table_steps(steps, device)
+        table.order, table.groups = torch.tensor(order, dtype=torch.long, device=device), groups
+        return TritonMeta(None, table)
 
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         return None if meta.decode is None else meta.decode.rows
 
-    def latent_table(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def latent_table(self, meta: Any) -> StepTable | None:
         p = meta.decode
-        if p is None:
+        if p is None or p.order is None:  # none, or a graph's buffers (no groups)
             return None
         assert p.kv_indptr is not None and p.kv_indices is not None, UNEXPANDED
-        return p.kv_indptr, p.kv_indices
+        return StepTable(p.rows, p.kv_indptr, p.kv_indices, p.order, p.groups)
 
     def latent_decode(
         self,

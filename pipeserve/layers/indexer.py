@@ -22,16 +22,16 @@ the earlier position wins; -0.0 counts as 0.0. transformers' topk leaves this or
 
 Output: [tokens, index_topk] positions into each request's sequence (0 is its first token), as a
 set in no particular order, -1 for none where a query sees fewer than index_topk tokens.
+The attention then reads only those rows (mla.py: `MLAttention.sparse`, in latent space or on
+up-projected keys); no [q_len, keys] mask is built. A request no longer than
+index_topk keeps every visible position, and its scores are not computed.
 
 Segments are selected one at a time (a prompt chunk's queries together), on the run backend's
 compiled kernels where it has them. A backend whose plan has a page table of the batch's decode
 steps (Triton's: `AttentionBackend.latent_table`) has them selected all at once instead
-(`decode_top_positions`): the keys gathered through the table a block of positions at a time,
-and the tie rule kept by one topk over int64 keys of score and position, with no host sync and
-the same launches for any number of steps.
-The attention then reads only those rows (mla.py: `MLAttention.sparse`, in latent space or on
-up-projected keys); no [q_len, keys] mask is built. A request no longer than
-index_topk keeps every visible position, and its scores are not computed.
+(`decode_top_positions`): steps of similar length together, their keys gathered through the
+table a block of positions at a time, and the tie rule kept by one topk over int64 keys of
+score and position; no host sync, and launches per group of lengths, not per step.
 
 Tensor parallelism: every projection is replicated (the indexer is small), so every rank caches
 the same keys and selects the same tokens.
@@ -40,12 +40,11 @@ the same keys and selects the same tokens.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pipeserve.backends.base import TORCH_KERNELS, DirectKernels, Kernel
+from pipeserve.backends.base import TORCH_KERNELS, DirectKernels, Kernel, StepTable
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.linear import ReplicatedLinear
 from pipeserve.layers.rotary import apply_rotary_part
@@ -57,19 +56,6 @@ K_NORM_EPS = 1e-6  # transformers' and DeepSeek's k_norm, whatever the config's 
 LOGIT_BLOCK_ELEMENTS = 2**26  # index scores: per-head float32 logits of one query block
 # -inf's float32 bits (0xFF800000) in the order-preserving int32 of `keyed_top_positions`
 UNSEEN_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFFFFF
-
-
-@dataclass
-class StepTable:
-    """A batch's decode steps as a batched backend's page table reads them (the Triton
-    backend's, `AttentionBackend.latent_steps`): step i is row rows[i], and its positions
-    0..len-1 (its query at the last) are cached at slots indices[indptr[i]:indptr[i + 1]];
-    `width`: the longest step's length (a host int)."""
-
-    rows: torch.Tensor  # [b] long
-    indptr: torch.Tensor  # [b + 1] int32
-    indices: torch.Tensor  # int32
-    width: int
 
 
 class LayerNorm(nn.Module):
@@ -147,16 +133,7 @@ class Indexer(nn.Module):
         """The decode steps selected at once, the other segments one at a time."""
         q, w = self.queries(q_latent, rope), self.head_weights(x)
         rows = steps.rows
-        chosen = decode_top_positions(
-            q[rows],
-            w[rows],
-            cache,
-            steps.indptr,
-            steps.indices,
-            steps.width,
-            self.scale,
-            self.config.topk,
-        )
+        chosen = decode_top_positions(q[rows], w[rows], cache, steps, self.scale, self.config.topk)
         others = [seg for seg in segments if seg.q_len != 1]
         out = self._select(x, q_latent, rope, cache, others, kernels, (q, w))
         out[rows] = chosen
@@ -353,50 +330,60 @@ def decode_top_positions(
     q: torch.Tensor,
     w: torch.Tensor,
     cache: torch.Tensor,
-    indptr: torch.Tensor,
-    indices: torch.Tensor,
-    width: int,
+    table: StepTable,
     scale: float,
     topk: int,
 ) -> torch.Tensor:
-    """b decode steps at once: q [b, heads, d], w [b, heads]; step i's keys are the cache rows
-    at slots indices[indptr[i]:indptr[i + 1]] (positions 0..len-1, its query at the last, so
-    it sees them all); `width`: the longest len -> [b, topk] long, what `top_positions` picks
-    from each step's `causal_index_scores`: `keyed_top_positions` of `decode_index_scores`.
-    No host sync, and the ops launched do not grow with b."""
-    if width <= topk:  # every step keeps every position it sees
-        every = torch.arange(topk, device=q.device)[None]
-        lengths = (indptr[1:] - indptr[:-1]).long()[:, None]
-        return torch.where(every < lengths, every, -1)
-    return keyed_top_positions(
-        decode_index_scores(q, w, cache, indptr, indices, width, scale), topk
-    )
+    """A batch's decode steps at once: q [b, heads, d], w [b, heads] of the table's steps
+    (its order) -> [b, topk] long, what `top_positions` picks from each step's
+    `causal_index_scores`. A group of steps of similar length at a time (`table.groups`):
+    a group no longer than topk keeps every position, without scores; any other is scored
+    padded to its longest step (`decode_index_scores`) and selected by
+    `keyed_top_positions`. No host sync; the ops launched grow with the groups and the
+    blocks of positions, not with the steps."""
+    every = torch.arange(topk, device=q.device)[None]
+    starts = table.indptr[:-1].long()
+    lengths = table.indptr[1:].long() - starts
+    out = torch.empty(q.shape[0], topk, dtype=torch.long, device=q.device)
+    for first, end, width in table.groups:
+        steps = table.order[first:end]
+        seen = lengths[steps]
+        if width <= topk:  # every step of the group keeps every position it sees
+            out[steps] = torch.where(every < seen[:, None], every, -1)
+            continue
+        scores = decode_index_scores(
+            q[steps], w[steps], cache, starts[steps], seen, table.indices, width, scale
+        )
+        out[steps] = keyed_top_positions(scores, topk)
+    return out
 
 
 def decode_index_scores(
     q: torch.Tensor,
     w: torch.Tensor,
     cache: torch.Tensor,
-    indptr: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
     indices: torch.Tensor,
     width: int,
     scale: float,
 ) -> torch.Tensor:
-    """`decode_top_positions`' scores: [b, width] float32, step i's row its scores of positions
-    0..len-1 and -inf past them. The keys are gathered and scored a block of positions at a
-    time, at most LOGIT_BLOCK_ELEMENTS per-head logits."""
-    b, heads = q.shape[:2]
-    block = max(1, LOGIT_BLOCK_ELEMENTS // max(1, b * heads))
+    """Decode steps' index scores: step i's keys are the cache rows at slots
+    indices[starts[i]:starts[i] + lengths[i]] (positions 0..len-1, its query at the last, so it
+    sees them all); `width`: the longest len -> [b, width] float32, -inf past each step's
+    length. The keys are gathered and scored a block of positions at a time, at most
+    LOGIT_BLOCK_ELEMENTS floats of logits or of gathered keys."""
+    b, heads, d = q.shape
+    block = max(1, LOGIT_BLOCK_ELEMENTS // max(1, b * max(heads, d)))
     qf, wf = q.float(), w.float()
-    starts, last = indptr[:-1].long()[:, None], max(0, indices.numel() - 1)
+    last = max(0, indices.numel() - 1)
     scores = torch.empty(b, width, dtype=torch.float32, device=q.device)
     for first in range(0, width, block):
         span = torch.arange(first, min(width, first + block), device=q.device)[None]  # [1, c]
-        keys = cache[indices[(starts + span).clamp_max(last)].long()].float()  # [b, c, d]
-        relu = torch.relu(torch.einsum("bhd,bcd->bhc", qf, keys) * scale)
+        keys = cache[indices[(starts[:, None] + span).clamp_max(last)].long()].float()  # [b, c, d]
+        relu = torch.einsum("bhd,bcd->bhc", qf, keys).mul_(scale).relu_()
         scores[:, first : first + span.shape[1]] = torch.einsum("bh,bhc->bc", wf, relu)
-    lengths = (indptr[1:] - indptr[:-1]).long()[:, None]
-    past = torch.arange(width, device=q.device)[None] >= lengths
+    past = torch.arange(width, device=q.device)[None] >= lengths[:, None]
     return scores.masked_fill_(past, float("-inf"))
 
 
@@ -404,10 +391,14 @@ def keyed_top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """`top_positions` without a host sync: each score and its position made one int64 key
     (the score's bits in an order-preserving int32 above, the position reversed below), so
     that keys never tie and the earlier position wins among equal scores, and one topk over
-    the keys. Twice the scores' memory: for decode steps, not long prompt chunks."""
+    the keys. Its temporaries take about nine times the scores' memory: for decode steps,
+    not long prompt chunks."""
     n, length = scores.shape
     k = min(topk, length)
-    bits = (scores + 0.0).view(torch.int32)  # -0.0 + 0.0 is 0.0: one key for both zeros
+    # NaN ranks as +inf (as torch.topk ranks it first, whatever its sign bit); -0.0 + 0.0 is
+    # 0.0: one key for both zeros
+    inf = float("inf")
+    bits = (torch.nan_to_num(scores, nan=inf, posinf=inf, neginf=-inf) + 0.0).view(torch.int32)
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # signed int order = float order
     reversed_positions = length - 1 - torch.arange(length, device=scores.device)
     keys = (ordered << 32) | reversed_positions

@@ -38,12 +38,12 @@ import torch
 from torch import nn
 
 from pipeserve import envs
-from pipeserve.backends.base import TORCH_KERNELS, AttentionPlan, DirectKernels, Kernel
+from pipeserve.backends.base import TORCH_KERNELS, AttentionPlan, DirectKernels, Kernel, StepTable
 from pipeserve.backends.torch_ops import attention_with_lse
 from pipeserve.device import queues_on_streams
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention_parts import merge_partials
-from pipeserve.layers.indexer import Indexer, StepTable, causal_top_positions
+from pipeserve.layers.indexer import Indexer, causal_top_positions
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.layernorm import RMSNorm
 from pipeserve.layers.linear import (
@@ -162,7 +162,7 @@ class MLAttention(nn.Module):
             for seg in segments:
                 cache[seg.new_slots] = new[seg.rows]
         steps = None if batched is None else batched.backend.latent_rows(batched.meta)
-        table = self.step_table(batched, steps, segments)
+        table = self.step_table(batched, steps)
         positions = self.index_positions(
             x, q_latent, rope, index_cache, segments, new_slots, kernels, table
         )
@@ -315,21 +315,14 @@ class MLAttention(nn.Module):
         return self.indexer(x, q_latent, rope, index_cache, segments, new_slots, kernels, table)
 
     def step_table(
-        self,
-        batched: AttentionPlan | None,
-        steps: torch.Tensor | None,
-        segments: list[LatentSegment],
+        self, batched: AttentionPlan | None, steps: torch.Tensor | None
     ) -> StepTable | None:
-        """With an indexer and a batched plan of decode steps (`steps`: their rows) that
-        has a page table, the steps as the indexer selects them at once; else None. Their
-        longest length comes from the segments (host ints)."""
+        """With an indexer and a batched plan of decode steps (`steps`: their rows) that has
+        a page table of them, that table (the indexer selects them all at once); else
+        None."""
         if self.indexer is None or batched is None or steps is None:
             return None
-        table = batched.backend.latent_table(batched.meta)
-        lengths = [seg.length for seg in segments if seg.q_len == 1]
-        if table is None or len(lengths) != steps.shape[0]:
-            return None
-        return StepTable(steps, table[0], table[1], max(lengths))
+        return batched.backend.latent_table(batched.meta)
 
     def selections(
         self, positions: torch.Tensor | None, segments: list[LatentSegment]

@@ -150,11 +150,12 @@ class DecodeGraphs:
         }
         # the input buffer: the largest padding step, and room for a real step's slot runs
         # (16 bytes a run: 4 a slot at most; a run covers a page but at a row's ends, and
-        # `holds` bounds the keys a step reads by twice the pool), sampled rows and ring
-        # slots (8 bytes each). A step with more runs (a fragmented pool) stays eager.
+        # `holds` bounds the keys a step reads by twice the pool) and three more per-row
+        # tensors (sampled rows, ring slots, MLA's length order: 8 bytes a row each). A step
+        # with more runs (a fragmented pool) stays eager.
         max_runs = min(2 * pool.num_slots // page_size, pool.num_slots // 4) + 2 * largest
         _, padding_bytes = places(self.padding[largest].tensors())
-        size = padding_bytes + 16 * max_runs + 16 * largest + 4 * ALIGN
+        size = padding_bytes + 16 * max_runs + 24 * largest + 8 * ALIGN
         self.inputs = torch.zeros(size, dtype=torch.uint8, device=device)
         self.batches: dict[int, ForwardBatch] = {}
         for b, step in self.padding.items():
@@ -164,6 +165,7 @@ class DecodeGraphs:
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps run as a graph (the eager runs over the buffers not counted)
+        self.overflows = 0  # decode steps of a bucket's size run eagerly: past the buffers
         self._pool_handle: Any = None
 
     def _views(self, hosts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -178,6 +180,17 @@ class DecodeGraphs:
         backend's buffers."""
         keys = sum(s.prefix_len + s.num_tokens for s in batch.slices)
         return self.attention.holds(keys + bucket - len(batch.slices), bucket)
+
+    def overflowed(self, requests: int) -> None:
+        """A decode step that a bucket takes ran eagerly: it reads more keys or runs than
+        the buffers hold. Counted, and said the first time."""
+        self.overflows += 1
+        if self.overflows == 1:
+            log.info(
+                "a decode step of %d requests reads more than the CUDA graphs' buffers hold "
+                "and runs eagerly (said once; DecodeGraphs.overflows counts them)",
+                requests,
+            )
 
     def fits(self, fb: ForwardBatch) -> bool:
         """Whether a step built on the host (`ForwardBatch.build`) fits the input buffer."""

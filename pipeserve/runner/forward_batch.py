@@ -92,14 +92,14 @@ class ForwardBatch:
         backend: AttentionBackend | None = None,
         cp: CpContext | None = None,
         move: Mover | None = None,
-        pad_to: int | None = None,
     ) -> ForwardBatch:
         """The batch's tensors on `device`. With `move` (the model runner's on a device: the
         tensors packed into a pinned buffer, one non-blocking copy on the copy stream) every
         tensor is built on the host (`build`) and then moved, all at once, and a backend's
         page tables are expanded on the device after the copy; without, built on `device`
-        directly."""
-        fb = cls.build(batch, pool, device, backend, cp, move is not None, pad_to)
+        directly. (A CUDA graph's step is built on the host alone: `build(pad_to=...)`,
+        copied by `DecodeGraphs.load`.)"""
+        fb = cls.build(batch, pool, device, backend, cp, move is not None)
         return (fb if move is None else fb.moved(move)).expanded()
 
     @classmethod

@@ -169,12 +169,14 @@ class ModelRunner:
         graphs = self.graphs
         if whole and graphs is not None and graphable(batch, graphs.buckets[-1]):
             pad_to = bucket_for(len(batch.slices), graphs.buckets)
-            if pad_to is not None and graphs.holds(batch, pad_to):  # else past its page table
-                fb = ForwardBatch.build(
-                    batch, self.kv_pool, self.device, self.backend, None, True, pad_to
-                )
-                if graphs.fits(fb):
-                    return fb  # on the host: `execute` copies it into the graph's buffers
+            if pad_to is not None:
+                if graphs.holds(batch, pad_to):  # else past its page table
+                    fb = ForwardBatch.build(
+                        batch, self.kv_pool, self.device, self.backend, None, True, pad_to
+                    )
+                    if graphs.fits(fb):
+                        return fb  # on the host: `execute` copies it into the graph's buffers
+                graphs.overflowed(len(batch.slices))
         with self.streams.upload() as up:
             move = up.move if self.streams.api is not None else None
             fb = ForwardBatch.prepare(batch, self.kv_pool, self.device, self.backend, self.cp, move)

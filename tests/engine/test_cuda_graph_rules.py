@@ -142,6 +142,62 @@ def test_a_step_of_more_slot_runs_than_the_input_buffer_holds_does_not_fit() -> 
     assert graphs.fits(step(room)) and not graphs.fits(step(room + 64))
 
 
+def test_each_bucket_is_captured_over_its_own_padding_step(monkeypatch) -> None:
+    """The buckets share one input buffer, where a step leaves its own values: capture()
+    loads each bucket's padding step before that bucket's warm-up runs and its capture, so
+    every captured forward reads padding alone (ids and positions 0, write slots PAD_SLOT,
+    one key each: kv_indptr 0..b over PAD_SLOT). torch.cuda's graph calls are stand-ins
+    here: what is checked is what the forwards read."""
+    import contextlib
+
+    from pipeserve.runner.cuda_graph import DecodeGraphs
+
+    class Stand:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+        def replay(self) -> None:
+            pass
+
+    for name, value in {
+        "graph_pool_handle": lambda: object(),
+        "Stream": Stand,
+        "current_stream": lambda device=None: Stand(),
+        "stream": lambda s: contextlib.nullcontext(),
+        "CUDAGraph": Stand,
+        "graph": lambda *args, **kwargs: contextlib.nullcontext(),
+        "empty_cache": lambda: None,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    seen: list[tuple[int, list, list, list, list, list]] = []
+
+    def forward(fb: ForwardBatch) -> torch.Tensor:
+        steps = fb.attn.meta.decode
+        b = fb.num_tokens
+        indptr = steps.kv_indptr.tolist()
+        keys = steps.kv_indices[: indptr[-1]].tolist()
+        ids, positions, slots = fb.input_ids.tolist(), fb.positions.tolist(), fb.out_slots.tolist()
+        seen.append((b, ids, positions, slots, indptr, keys))
+        return fb.input_ids
+
+    cpu = torch.device("cpu")
+    pool = KVPool(256, range(1), 1, 8, torch.float32, cpu, 4)
+    graphs = DecodeGraphs(forward, pool, TRITON, (1, 2, 4, 8), cpu)
+    step = ScheduledBatch(
+        0, [decode_slice(f"r{i}", 9 + i, [(16 + 16 * i, 9 + i)]) for i in range(5)]
+    )
+    graphs.load(ForwardBatch.build(step, pool, cpu, TRITON, None, True, 8))  # a real step's
+    assert graphs.batches[8].out_slots.tolist()[:5] != [PAD_SLOT] * 5
+    graphs.capture()
+    assert sorted({b for b, *_ in seen}) == [1, 2, 4, 8] and len(seen) == 4 * 3  # 2 warm-ups
+    for b, ids, positions, slots, indptr, keys in seen:
+        assert ids == positions == [0] * b and slots == [PAD_SLOT] * b, b
+        assert indptr == list(range(b + 1)) and keys == [PAD_SLOT] * b, b
+
+
 def test_the_buffers_steps_run_on_the_backend_a_decode_step_gets() -> None:
     """Auto on CUDA is a split (long prompt chunks elsewhere): the graphs' steps run on the
     backend it hands decode steps to, whose norms and fused rotary they use."""
@@ -174,7 +230,7 @@ def test_a_padded_row_never_touches_a_page_a_request_owns() -> None:
     pool = KVPool(64 * page, range(1), 1, 8, torch.float32, torch.device("cpu"), page)
     cpu = torch.device("cpu")
     plain = ForwardBatch.prepare(batch, pool, cpu, TRITON)
-    padded = ForwardBatch.prepare(batch, pool, cpu, TRITON, pad_to=8)
+    padded = ForwardBatch.build(batch, pool, cpu, TRITON, pad_to=8).expanded()
     assert padded.graphed and not plain.graphed and padded.num_tokens == 8
     assert PAD_SLOT // page == 0 and PAD_SLOT not in owned
     assert torch.equal(padded.out_slots[:5], plain.out_slots)

@@ -16,6 +16,7 @@ from selection_oracle import selection_mask
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
+from pipeserve.backends.base import StepTable, length_groups
 from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.device import native_index_scores, native_index_topk
 from pipeserve.layers import indexer as indexer_mod
@@ -539,49 +540,80 @@ def test_index_scores_in_query_blocks_equal_one_block(
 def test_the_keyed_selection_is_the_sort_s_on_ties_signed_zeros_and_short_rows() -> None:
     """The selection without a host sync (one topk over int64 keys of score and position)
     picks what the rule picks, on rows full of ties (0.0 and -0.0 above all), with -inf
-    tails and rows shorter than topk."""
+    tails, rows shorter than topk, and NaNs of either sign, which rank as +inf (torch.topk
+    ranks a NaN first)."""
     gen = torch.Generator().manual_seed(1)
-    for _ in range(300):
+    for case in range(300):
         n, length, topk = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (12, 160, 70))
         scores = torch.randn(n, length, generator=gen).round(decimals=1)
         scores[torch.rand(n, length, generator=gen) < 0.3] = 0.0
         scores[torch.rand(n, length, generator=gen) < 0.2] = -0.0
         scores[torch.rand(n, length, generator=gen) < 0.1] = float("-inf")
-        want = reference_positions(scores, topk)
+        if case % 3 == 0:
+            nan = torch.rand(n, length, generator=gen) < 0.05
+            signed = torch.tensor([0x7FC00000, -0x00400000], dtype=torch.int32).view(torch.float32)
+            scores[nan] = signed[torch.randint(0, 2, (n, length), generator=gen)][
+                nan
+            ]  # + and - NaN
+        want = reference_positions(
+            scores.nan_to_num(float("inf"), float("inf"), -float("inf")), topk
+        )
         assert torch.equal(canonical(indexer_mod.keyed_top_positions(scores, topk)), want)
 
 
-def decode_batch(
-    lengths: list[int], seed: int, dim: int = INDEX_DIM
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """A cache of NUM_SLOTS * 4 rows and decode steps of `lengths` on scattered slots:
-    (cache, indptr, indices, each step's slots)."""
+def decode_table(lengths: list[int], seed: int, dim: int = INDEX_DIM) -> tuple[Any, ...]:
+    """A cache of NUM_SLOTS * 8 rows and decode steps of `lengths` on scattered slots:
+    (cache, their StepTable, each step's slots)."""
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(NUM_SLOTS * 4, dim, generator=gen)
-    order = 1 + torch.randperm(NUM_SLOTS * 4 - 1, generator=gen)
+    cache = torch.randn(NUM_SLOTS * 8, dim, generator=gen)
+    order = 1 + torch.randperm(NUM_SLOTS * 8 - 1, generator=gen)
     per_step, first = [], 0
     for n in lengths:
         per_step.append(order[first : first + n])
         first += n
     indptr = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    return cache, indptr, torch.cat(per_step).to(torch.int32), per_step
+    by_length, groups = length_groups(lengths)
+    rows = torch.arange(len(lengths))
+    indices = torch.cat(per_step).to(torch.int32)
+    return cache, StepTable(rows, indptr, indices, torch.tensor(by_length), groups), per_step
+
+
+def test_length_groups_bound_the_padded_work() -> None:
+    """Steps longest first, cut so that each group padded to its first step costs at most
+    twice its steps' lengths; a skewed batch (one long step among short ones) is not padded
+    to the long one."""
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(200):
+        b = int(torch.randint(1, 40, (1,), generator=gen))
+        lengths = torch.randint(1, 5000, (b,), generator=gen).tolist()
+        order, groups = length_groups(lengths)
+        assert sorted(order) == list(range(b))
+        assert [lengths[i] for i in order] == sorted(lengths, reverse=True)
+        assert groups[0][0] == 0 and groups[-1][1] == b
+        assert all(a[1] == b_[0] for a, b_ in zip(groups, groups[1:], strict=False))
+        for first, end, width in groups:
+            own = [lengths[i] for i in order[first:end]]
+            assert width == own[0] and (end - first) * width <= 2 * sum(own)
+    _, groups = length_groups([131072, *([2048] * 63)])
+    assert sum((end - first) * width for first, end, width in groups) < 2 * (131072 + 63 * 2048)
 
 
 @pytest.mark.parametrize("block", [None, 4 * 5])  # one block of positions, or blocks of five
 def test_decode_steps_at_once_score_and_pick_what_each_step_does_alone(monkeypatch, block) -> None:
-    """Decode steps of ragged lengths (some no longer than topk) over scattered slots: their
-    scores, made at once, are each step's `causal_index_scores` (a block of positions at a
-    time or all of them), -inf past its length; with small integer inputs, whose sums are
-    exact in any order, the choice is each step's own to the position, ties included."""
+    """Decode steps of ragged lengths (some no longer than topk, one far longer) over
+    scattered slots: their scores, made a group at a time, are each step's
+    `causal_index_scores` (a block of positions at a time or all of them), -inf past its
+    length; with small integer inputs, whose sums are exact in any order, the choice is each
+    step's own to the position, ties included."""
     if block is not None:
-        monkeypatch.setattr(indexer_mod, "LOGIT_BLOCK_ELEMENTS", block * 3)  # b * heads = 12
-    lengths, heads, topk = [40, 7, 93, 16], 3, 16
-    cache, indptr, indices, per_step = decode_batch(lengths, seed=7)
+        monkeypatch.setattr(indexer_mod, "LOGIT_BLOCK_ELEMENTS", block * INDEX_DIM)
+    lengths, heads, topk = [40, 7, 93, 16, 700, 5, 60], 3, 16
+    cache, table, per_step = decode_table(lengths, seed=7)
+    assert len(table.groups) >= 3  # 700 alone; the short ones without scores
     b = len(lengths)
     q, w = rand(b, heads, INDEX_DIM, seed=8), rand(b, heads, seed=9)
-    width = max(lengths)
-    scores = indexer_mod.decode_index_scores(q, w, cache, indptr, indices, width, 0.3)
-    assert scores.shape == (b, width)
+    starts, seen = table.indptr[:-1].long(), torch.tensor(lengths)
+    scores = indexer_mod.decode_index_scores(q, w, cache, starts, seen, table.indices, 700, 0.3)
     for i, (n, slots) in enumerate(zip(lengths, per_step, strict=True)):
         alone = indexer_mod.causal_index_scores(
             q[i : i + 1], w[i : i + 1], cache[slots], n - 1, 0.3
@@ -589,7 +621,7 @@ def test_decode_steps_at_once_score_and_pick_what_each_step_does_alone(monkeypat
         torch.testing.assert_close(scores[i, :n], alone[0], rtol=1e-5, atol=1e-5)
         assert torch.isinf(scores[i, n:]).all() and (scores[i, n:] < 0).all()
     qi, wi, ci = (q * 2).round(), w.round(), (cache * 2).round()  # exact sums: many ties
-    picked = indexer_mod.decode_top_positions(qi, wi, ci, indptr, indices, width, 0.25, topk)
+    picked = indexer_mod.decode_top_positions(qi, wi, ci, table, 0.25, topk)
     for i, (n, slots) in enumerate(zip(lengths, per_step, strict=True)):
         alone = indexer_mod.causal_top_positions(
             qi[i : i + 1], wi[i : i + 1], ci[slots], n - 1, 0.25, topk
@@ -599,8 +631,8 @@ def test_decode_steps_at_once_score_and_pick_what_each_step_does_alone(monkeypat
 
 def test_decode_steps_at_once_read_nothing_on_the_host_and_launch_as_much_for_any_count() -> None:
     """What makes the batched selection a GPU's: no value read on the host (no sync), no
-    `nonzero` (sized from the data), and the same ops for 2 steps as for 7; steps all no
-    longer than topk keep every position without scores."""
+    `nonzero` (sized from the data), and the same ops for 2 steps as for 7 of like lengths
+    (one group, one block); steps all no longer than topk keep every position."""
     from host_sync import no_host_sync
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -614,16 +646,52 @@ def test_decode_steps_at_once_read_nothing_on_the_host_and_launch_as_much_for_an
             return func(*args, **(kwargs or {}))
 
     counts = []
-    for lengths in ([50, 30], [50, 30, 90, 12, 64, 33, 71]):
-        cache, indptr, indices, _ = decode_batch(lengths, seed=3)
+    for lengths in ([90, 70], [90, 70, 88, 60, 64, 83, 71]):
+        cache, table, _ = decode_table(lengths, seed=3)
+        assert len(table.groups) == 1
         b = len(lengths)
         q, w = rand(b, 4, INDEX_DIM, seed=1), rand(b, 4, seed=2)
         with no_host_sync(), Ops() as ops:
-            indexer_mod.decode_top_positions(q, w, cache, indptr, indices, 96, 0.3, 16)
+            indexer_mod.decode_top_positions(q, w, cache, table, 0.3, 16)
         assert "nonzero" not in ops.names
         counts.append(len(ops.names))
     assert counts[0] == counts[1]
-    cache, indptr, indices, _ = decode_batch([9, 3, 16], seed=4)
+    cache, table, _ = decode_table([9, 3, 16], seed=4)
     with no_host_sync():
-        every = indexer_mod.decode_top_positions(q[:3], w[:3], cache, indptr, indices, 16, 0.3, 16)
+        every = indexer_mod.decode_top_positions(q[:3], w[:3], cache, table, 0.3, 16)
     assert every.tolist() == [[*range(n), *([-1] * (16 - n))] for n in (9, 3, 16)]
+
+
+def test_a_batch_of_steps_and_a_prompt_chunk_selects_as_segment_by_segment(setup: Setup) -> None:
+    """The layer given the batch's decode steps as a table selects them at once and the
+    prompt chunk beside them as before: the same choice as segment by segment (rows whose
+    top-k boundary is narrower than GAP aside: the sums' order differs)."""
+    layer = setup.layer()
+    gen = torch.Generator().manual_seed(11)
+    cache = torch.randn(NUM_SLOTS, INDEX_DIM, generator=gen)
+    slots = 1 + torch.randperm(NUM_SLOTS - 1, generator=gen)
+    # rows 0-1: decode steps of 30 and 12 positions; rows 2-11: a chunk of 10 after 20
+    chunk = LatentSegment(2, 10, slots[:30])
+    steps = [LatentSegment(0, 1, slots[30:60]), LatentSegment(1, 1, slots[60:72])]
+    x, q_latent = rand(12, HIDDEN, seed=12), rand(12, Q_RANK, seed=13)
+    positions = torch.tensor([29, 11, *range(20, 30)])
+    rope = setup.rotary.cos_sin(positions, x.dtype)
+    lengths = [30, 12]
+    by_length, groups = length_groups(lengths)
+    indptr = torch.tensor([0, 30, 42], dtype=torch.int32)
+    indices = torch.cat([s.slots for s in steps]).to(torch.int32)
+    table = StepTable(torch.tensor([0, 1]), indptr, indices, torch.tensor(by_length), groups)
+    segments = [steps[0], chunk, steps[1]]
+    with torch.no_grad():
+        alone = layer(x, q_latent, rope, cache.clone(), segments)
+        at_once = layer(x, q_latent, rope, cache.clone(), segments, steps=table)
+        scores = layer.scores(x, q_latent, rope, cache.clone(), segments)
+
+    def gaps_of(sc: torch.Tensor) -> torch.Tensor:  # a row of topk or fewer keeps them all
+        return boundary_gaps(sc, TOPK) if sc.shape[1] > TOPK else torch.full_like(sc[:, 0], 1.0)
+
+    gaps = torch.cat([gaps_of(sc) for sc in (scores[0], scores[2], scores[1])])  # row order
+    wide = gaps > GAP
+    assert wide.sum() >= 8
+    assert torch.equal(canonical(at_once)[wide], canonical(alone)[wide])
+    assert not torch.equal(at_once[:2], torch.full_like(at_once[:2], -1))

@@ -202,7 +202,8 @@ def test_a_graphed_mla_step_carries_no_latent_segments() -> None:
     """A decode step padded to a CUDA graph's bucket replays the graph, which reads its own
     buffers: nothing of the per-request segments is built or copied for it, its page table
     is. The same step unpadded has them."""
-    padded = ForwardBatch.prepare(decode_batch(1024), LATENT_POOL, META, TRITON, None, to_meta, 8)
+    built = ForwardBatch.build(decode_batch(1024), LATENT_POOL, META, TRITON, None, True, 8)
+    padded = built.moved(to_meta).expanded()
     assert padded.latent_segments == [] and padded.latent.table is None
     decode = padded.attn.meta.decode
     assert decode is not None and decode.kv_indices is not None
