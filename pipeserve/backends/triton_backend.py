@@ -180,8 +180,10 @@ class TritonBackend(AttentionBackend):
 
     def latent_table(self, meta: Any) -> StepTable | None:
         p = meta.decode
-        if p is None or p.order is None:  # none, or a graph's buffers (no groups)
+        if p is None:
             return None
+        if p.order is None:  # graph_blocker keeps V3.2 off graphs; an indexer must not get here
+            raise ValueError("a CUDA graph's decode steps carry no length order for an indexer")
         assert p.kv_indptr is not None and p.kv_indices is not None, UNEXPANDED
         return StepTable(p.rows, p.kv_indptr, p.kv_indices, p.order, p.groups)
 

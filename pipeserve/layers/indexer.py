@@ -345,16 +345,18 @@ def decode_top_positions(
     starts = table.indptr[:-1].long()
     lengths = table.indptr[1:].long() - starts
     out = torch.empty(q.shape[0], topk, dtype=torch.long, device=q.device)
+    short = next((first for first, _, width in table.groups if width <= topk), None)
     for first, end, width in table.groups:
+        if short is not None and first >= short:
+            break
         steps = table.order[first:end]
-        seen = lengths[steps]
-        if width <= topk:  # every step of the group keeps every position it sees
-            out[steps] = torch.where(every < seen[:, None], every, -1)
-            continue
         scores = decode_index_scores(
-            q[steps], w[steps], cache, starts[steps], seen, table.indices, width, scale
+            q[steps], w[steps], cache, starts[steps], lengths[steps], table.indices, width, scale
         )
         out[steps] = keyed_top_positions(scores, topk)
+    if short is not None:  # the shortest groups, longest first: each step keeps all it sees
+        steps = table.order[short:]
+        out[steps] = torch.where(every < lengths[steps][:, None], every, -1)
     return out
 
 
