@@ -155,10 +155,16 @@ class Upload:
             self.api.upload(dest[:end], staging[:end])
             if into is None:
                 self.tensors.append(dest)
-        return [
-            dest[start : start + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
-            for h, start in zip(hosts, at, strict=True)
-        ]
+        return views(dest, hosts)
+
+
+def views(buffer: torch.Tensor, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors shaped as `hosts` over uint8 `buffer`, each at its `places` offset."""
+    at, _ = places(hosts)
+    return [
+        buffer[a : a + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+        for h, a in zip(hosts, at, strict=True)
+    ]
 
 
 def places(hosts: Sequence[torch.Tensor]) -> tuple[list[int], int]:

@@ -113,24 +113,11 @@ class Indexer(nn.Module):
         `new_slots`, every token's, in one op where given) -> [tokens, index_topk] long:
         selected positions of each token's request, -1 for none. kernels: the run backend's
         (its compiled selection where it has one). steps: the batch's decode steps as a page
-        table, all of them selected at once (`decode_top_positions`: no host sync, as many
-        ops for one step as for a hundred) instead of one segment at a time."""
+        table, all of them selected at once (`decode_top_positions`: no host sync, launches
+        per group of similar lengths, not per step); the other segments one at a time."""
         self.write_keys(x, rope, cache, segments, new_slots)
-        if steps is not None:
-            return self._with_steps(x, q_latent, rope, cache, segments, kernels, steps)
-        return self._select(x, q_latent, rope, cache, segments, kernels)
-
-    def _with_steps(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        rope: Rope,
-        cache: torch.Tensor,
-        segments: list[LatentSegment],
-        kernels: DirectKernels,
-        steps: StepTable,
-    ) -> torch.Tensor:
-        """The decode steps selected at once, the other segments one at a time."""
+        if steps is None:
+            return self._select(x, q_latent, rope, cache, segments, kernels)
         q, w = self.queries(q_latent, rope), self.head_weights(x)
         rows = steps.rows
         chosen = decode_top_positions(q[rows], w[rows], cache, steps, self.scale, self.config.topk)

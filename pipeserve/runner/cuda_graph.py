@@ -47,7 +47,7 @@ from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.models.arch import ArchConfig
 from pipeserve.runner.forward_batch import ForwardBatch
 from pipeserve.scheduler.batch import ScheduledBatch
-from pipeserve.streams import ALIGN, DeviceStreams, Upload, places
+from pipeserve.streams import ALIGN, DeviceStreams, Upload, places, views
 
 log = logging.getLogger(__name__)
 WARMUP_RUNS = 2  # eager runs of a bucket before its capture (Triton compiles on the first)
@@ -159,7 +159,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros(size, dtype=torch.uint8, device=device)
         self.batches: dict[int, ForwardBatch] = {}
         for b, step in self.padding.items():
-            staged = step.moved(self._views)
+            staged = step.moved(lambda hosts: views(self.inputs, hosts))
             attn = AttentionPlan(backend, self.attention.meta(b, staged.attn.meta))
             self.batches[b] = replace(staged, attn=attn)
         self.graphs: dict[int, Any] = {}
@@ -167,13 +167,6 @@ class DecodeGraphs:
         self.replays = 0  # steps run as a graph (the eager runs over the buffers not counted)
         self.overflows = 0  # decode steps of a bucket's size run eagerly: past the buffers
         self._pool_handle: Any = None
-
-    def _views(self, hosts: list[torch.Tensor]) -> list[torch.Tensor]:
-        at, _ = places(hosts)
-        return [
-            self.inputs[a : a + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
-            for h, a in zip(hosts, at, strict=True)
-        ]
 
     def holds(self, batch: ScheduledBatch, bucket: int) -> bool:
         """Whether the step, padded to `bucket` (a padded row reads one key), fits the
