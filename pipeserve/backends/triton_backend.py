@@ -21,6 +21,7 @@ import torch
 
 from pipeserve.backends.base import (
     AttentionBackend,
+    DirectKernels,
     NormKernels,
     QKNorms,
     Rope,
@@ -94,9 +95,17 @@ class TritonNorms(NormKernels):
         return super().add_rms_norm(x, residual, weight, eps)
 
 
+def _sparse_latent(*args: Any) -> torch.Tensor:
+    from pipeserve.kernels.triton_attention import sparse_latent
+
+    return sparse_latent(*args)
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
     norms = TritonNorms()
+    # V3.2's prompt chunks over their chosen rows (its decode steps: `latent_decode`)
+    kernels = DirectKernels(sparse_latent=_sparse_latent)
     capturable = True
 
     def plan(

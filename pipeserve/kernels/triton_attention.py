@@ -304,6 +304,42 @@ def paged_decode(
     return (o_part * weights[..., None]).sum(dim=3).to(q.dtype)
 
 
+SPARSE_PARTIAL_BYTES = 2**28  # sparse_latent: the launch's float32 partial outputs at most
+
+
+def sparse_latent(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    rank: int,
+    scale: float,
+    counter: torch.Tensor,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's sparse attention in latent space, each query over its own chosen rows
+    (the signature of layers/mla.py's `sparse_latent_attention` kernels): q [n, heads, W]
+    absorbed queries; rows [N, W] the latent cache (values: their first `rank` columns);
+    slots [n, topk] the rows each query reads, -1 for none -> [n, heads, rank]. Each query is
+    one decode step whose page table is its choice (`paged_decode`, one program per query):
+    n * topk rows read, whatever the context; queries go a block at a time so the float32
+    partials stay under SPARSE_PARTIAL_BYTES. counter [1] int64 on q's device gains the
+    (query, row) pairs read (no host sync)."""
+    n, heads, width = q.shape
+    topk = slots.shape[1]
+    out = q.new_empty(n, heads, rank)
+    per = max(1, SPARSE_PARTIAL_BYTES // (heads * rank * 4))  # a launch this long: 1 split
+    table = rows[None]  # one key head: [latent | rope] rows, values their latent part
+    for first in range(0, n, per):
+        chosen = slots[first : first + per]
+        b = chosen.shape[0]
+        indptr = torch.arange(b + 1, dtype=torch.int32, device=q.device) * topk
+        indices = chosen.to(torch.int32).flatten()
+        qb = q[first : first + per, None]
+        o = paged_decode(qb, table, table, indptr, indices, scale, rope=width - rank)
+        out[first : first + per] = o[:, 0]
+    counter += (slots >= 0).sum()
+    return out
+
+
 def extend_blocks(q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The extend launch's programs along axis 0: (chunk index, first query row) of each
     block of EXTEND_BLOCK_M rows of each chunk (int32, on the host)."""

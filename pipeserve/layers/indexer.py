@@ -54,6 +54,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_d
 
 K_NORM_EPS = 1e-6  # transformers' and DeepSeek's k_norm, whatever the config's eps
 LOGIT_BLOCK_ELEMENTS = 2**26  # index scores: per-head float32 logits of one query block
+SCORE_BLOCK_ELEMENTS = 2**24  # torch selection: a block of queries' float32 scores at most
 # -inf's float32 bits (0xFF800000) in the order-preserving int32 of `keyed_top_positions`
 UNSEEN_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFFFFF
 
@@ -258,15 +259,25 @@ def causal_top_positions(
     kernels: DirectKernels = TORCH_KERNELS,
 ) -> torch.Tensor:
     """`top_positions` of `causal_index_scores`: q [n, heads, d], w [n, heads], k [L, d]
-    -> [n, topk] long, each query's chosen positions (-1 for none). With the kernels' fused
-    selection (the native backend's, index_scores.cpp: `index_topk`) a block of queries is
-    scored into its thread's scratch rows and selected there, so no [n, L] tensor of scores
-    exists; else the scores are formed and selected as the two functions do."""
+    -> [n, topk] long, each query's chosen positions (-1 for none). No [n, L] tensor exists:
+    with the kernels' fused selection (the native backend's, index_scores.cpp: `index_topk`)
+    a tile of queries is scored into its thread's scratch rows and selected there; else a
+    block of queries at a time (at most SCORE_BLOCK_ELEMENTS scores) is scored over the keys
+    up to its last query's position and selected as the two functions do."""
     if (kernel := kernels.index_topk) is not None:
         q, k = _kernel_inputs(q, k)
         return kernel(q, w.float(), k, prefix_len, scale, topk)
-    scores = causal_index_scores(q, w, k, prefix_len, scale, kernels.index_scores)
-    return top_positions(scores, topk)
+    n = q.shape[0]
+    block = max(1, SCORE_BLOCK_ELEMENTS // max(1, k.shape[0]))
+    parts = []
+    for first in range(0, n, block):  # a block's scores over the keys it sees, then its choice
+        seen = prefix_len + min(n, first + block)
+        rows = slice(first, first + block)
+        scores = causal_index_scores(
+            q[rows], w[rows], k[:seen], prefix_len + first, scale, kernels.index_scores
+        )
+        parts.append(top_positions(scores, topk))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _kernel_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

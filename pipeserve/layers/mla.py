@@ -592,12 +592,15 @@ def sparse_latent_attention(
     view whose rows are contiguous: keys are whole rows, values their first `rank` values);
     slots [n, topk] (the rows each query reads, -1 for none) -> [n, h, rank]. The work is
     O(n * topk) whatever the context is, and no [n, L] mask exists: a compiled `kernel` where
-    given (the native backend's, pipeserve/kernels/sparse_attention.cpp) reads the rows in
-    place; else the chosen rows are gathered for a block of queries at a time
-    (SPARSE_GATHER_BYTES). keys_read: an int64 counter [1] the (query, row) pairs read are
+    given (the native backend's, pipeserve/kernels/sparse_attention.cpp; the Triton
+    backend's, kernels/triton_attention.py: `sparse_latent`) reads the rows in place; else
+    the chosen rows are gathered for a block of queries at a time (SPARSE_GATHER_BYTES).
+    keys_read: an int64 counter [1] the (query, row) pairs read are
     added to."""
     if kernel is not None and q.dtype in (torch.float32, torch.bfloat16) and rows.dtype == q.dtype:
-        counter = torch.zeros(1, dtype=torch.long) if keys_read is None else keys_read
+        counter = (
+            torch.zeros(1, dtype=torch.long, device=q.device) if keys_read is None else keys_read
+        )
         return kernel(q, rows, slots, rank, scale, counter)
     n, h, w = q.shape
     out = q.new_empty(n, h, rank)

@@ -184,6 +184,46 @@ def gpu_bf16_rounding(monkeypatch) -> None:
 BF16 = torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [F32, F16])  # bfloat16: the interpreter's tl.dot is wrong
+def test_v32_sparse_prompt_queries_read_their_chosen_rows_only(dtype, monkeypatch) -> None:
+    """DeepSeek-V3.2's prompt chunk on the Triton backend: each query over its own chosen
+    latent rows (-1: none; a query with one row, one with all topk), as torch's gathered
+    path computes it, in launches of at most a few queries (the partials' budget); the
+    pairs read are the chosen ones, counted without a host read."""
+    from pipeserve.backends.triton_backend import TritonBackend
+    from pipeserve.kernels import triton_attention
+    from pipeserve.layers.mla import sparse_latent_attention
+
+    latent, rope, heads, n, topk = 32, 16, 5, 7, 24
+    g = torch.Generator().manual_seed(9)
+    cache = torch.randn(SLOTS, latent + rope, generator=g).to(dtype)
+    q = torch.randn(n, heads, latent + rope, generator=g).to(dtype)
+    slots = torch.stack([torch.randperm(SLOTS, generator=g)[:topk] for _ in range(n)])
+    slots[1, 1:] = -1
+    slots[2, ::3] = -1
+    slots[4, 5:] = -1
+    launches: list[int] = []
+    real = triton_attention.paged_decode
+
+    def counted(qb, *args, **kwargs):
+        launches.append(qb.shape[0])
+        return real(qb, *args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "paged_decode", counted)
+    monkeypatch.setattr(triton_attention, "SPARSE_PARTIAL_BYTES", heads * latent * 4 * 3)
+    kernel = TritonBackend.kernels.sparse_latent
+    assert kernel is not None
+    read = torch.zeros(1, dtype=torch.long)
+    if dtype == F32:  # the layer's call (float16 takes its torch path: the kernel alone)
+        got = sparse_latent_attention(q, cache, slots, latent, 0.3, kernel, read)
+    else:
+        got = kernel(q, cache, slots, latent, 0.3, read)
+    want = sparse_latent_attention(q.double(), cache.double(), slots, latent, 0.3)
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert launches == [3, 3, 1]
+    assert int(read) == int((slots >= 0).sum()) == n * topk - (topk - 1) - 8 - (topk - 5)
+
+
 @pytest.mark.usefixtures("gpu_bf16_rounding")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("hidden", [576, 1000])
@@ -224,11 +264,12 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
     """The whole engine with --attention-backend triton (its plans, int32 slot tables, one
     launch per layer for the decode steps and one for the prompt chunks; for DeepSeek's MLA
     one absorbed launch for the decode steps, V3.2's over the indexer's chosen rows, chosen for
-    all steps at once over the page table; the fused
+    all steps at once over the page table, and its prompt chunks past index_topk over their
+    chosen rows on the Triton kernel too; the fused
     norms, and for GQA layers the fused q/k norm (Qwen3), rotary and KV write) against the
     torch kernels: prompts of several chunks decoded together, one sharing a cached prefix."""
     from pipeserve import Engine
-    from pipeserve.kernels import triton_norm, triton_rope
+    from pipeserve.kernels import triton_attention, triton_norm, triton_rope
     from pipeserve.layers import indexer
 
     fused = [(triton_norm, "_rms_norm_kernel"), (triton_rope, "_norm_rope_store_kernel")]
@@ -243,6 +284,14 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
         return real_decode_top(q, *args)
 
     monkeypatch.setattr(indexer, "decode_top_positions", decode_top)
+    sparse_chunks: list[int] = []  # V3.2's prompt chunks over their chosen rows, on Triton
+    real_sparse = triton_attention.sparse_latent
+
+    def sparse(q, *args):
+        sparse_chunks.append(q.shape[0])
+        return real_sparse(q, *args)
+
+    monkeypatch.setattr(triton_attention, "sparse_latent", sparse)
     model = str(model_dir(preset, num_hidden_layers=2))  # fewer interpreted launches
     # V3.2: longer than its index_topk (64), so decode steps read only the indexer's choice
     base = [(7 * j) % 300 + 1 for j in range(90 if preset.endswith("v32") else 40)]
@@ -258,10 +307,16 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
                 input_ids=prompts, sampling_params=params, return_logprob=True
             )
         launches[backend] = [c.launches > b for c, b in zip(counted, before, strict=True)]
-        launches[backend].append(max(at_once, default=0))
+        launches[backend] += [max(at_once, default=0), len(sparse_chunks)]
         at_once.clear()
+        sparse_chunks.clear()
     v32 = 3 if preset.endswith("v32") else 0  # all three requests' steps in one selection
-    assert launches == {"torch": [False, False, 0], "triton": [True, "deepseek" not in preset, v32]}
+    # V3.2: the 90-token prompt's chunks past topk (64-80, 80-90) on 2 layers
+    chunks = 4 if preset.endswith("v32") else 0
+    assert launches == {
+        "torch": [False, False, 0, 0],
+        "triton": [True, "deepseek" not in preset, v32, chunks],
+    }
     same_outputs(outs["triton"], outs["torch"], atol=1e-4)
 
 

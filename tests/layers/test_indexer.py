@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from selection_oracle import selection_mask
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
@@ -426,6 +427,50 @@ def test_without_the_kernel_the_selection_is_the_same() -> None:
     got = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64, NativeBackend().kernels)
     want = indexer_mod.causal_top_positions(q, w, k, 200, 0.25, 64)
     assert torch.equal(canonical(got), canonical(want))
+
+
+class Sizes(TorchDispatchMode):
+    """The element count and dtype of every tensor an op makes inside (not a view of its
+    inputs' memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[int, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {
+            a.untyped_storage().data_ptr()
+            for a in [*args, *(kwargs or {}).values()]
+            if isinstance(a, torch.Tensor)
+        }
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.made.append((t.numel(), t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_torch_selection_forms_no_queries_by_keys_tensor(
+    monkeypatch: pytest.MonkeyPatch, ties: bool
+) -> None:
+    """The path a GPU (and --attention-backend torch) takes: a block of queries at a time,
+    each scored over the keys up to its last query, so no [n, L] tensor exists, of scores or
+    of booleans (a causal mask, the tie rule's), and the choice is the rule's on the whole
+    scores. 64 queries after 536 cached positions, blocks of 8 queries."""
+    n, prefix, topk = 64, 536, 48
+    q, w, k = rand(n, 4, 16, seed=21), rand(n, 4, seed=22), rand(prefix + n, 16, seed=23)
+    if ties:  # exact sums, many of them 0: the boundary resolved by position
+        q, k, w = (q * 2).round(), (k * 2).round(), w.round()
+    whole = indexer_mod.causal_index_scores(q, w, k, prefix, 0.25)
+    monkeypatch.setattr(indexer_mod, "SCORE_BLOCK_ELEMENTS", 8 * (prefix + n))
+    with Sizes() as sizes:
+        picked = indexer_mod.causal_top_positions(q, w, k, prefix, 0.25, topk)
+    assert torch.equal(canonical(picked), reference_positions(whole, topk))
+    # the largest: a block's per-head logits [4 heads, 8, L], half of [n, L] (which the
+    # one-block path makes, and [heads, n, L] beside it)
+    assert max(numel for numel, _ in sizes.made) <= 4 * 8 * (prefix + n) < n * (prefix + n)
+    assert max(numel for numel, dtype in sizes.made if dtype == torch.bool) <= 8 * (prefix + n)
 
 
 class Sorts(torch.overrides.TorchFunctionMode):

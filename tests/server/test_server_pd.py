@@ -2,8 +2,8 @@
 prefill|decode` processes behind `pipeserve router`.
 
 - The tokens (greedy) of prompts spanning many chunks are those of co-located serving, for
-  prefill PP2 -> decode PP1, prefill PP1 -> decode TP2 and sharded CP2 -> decode PP1 (DeepSeek;
-  there also transformers', in float32).
+  prefill PP2 -> decode PP1, prefill PP1 -> decode TP2 and sharded CP2 -> decode PP1
+  (DeepSeek-V3 and V3.2; there also transformers', in float32).
 - Faults: a client that leaves mid-prefill, the prefill server killed (-9) mid-transfer,
   the decode server killed mid-decode: the request ends with an error or an abort (never
   hangs), every page reserved for it on both sides is free again (read from /metrics),
@@ -223,16 +223,21 @@ def decode_killed_mid_decode(prefill: Server, decode: Server, router: Router) ->
     assert prefill.post("/v1/completions", body(prompts()[1])).status_code == 200
 
 
-def test_prefill_sharded_cp2_mla_to_decode_pp1_as_transformers(model_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-deepseek-v32"])
+def test_prefill_sharded_cp2_mla_to_decode_pp1_as_transformers(
+    model_dir, tmp_path: Path, preset: str
+) -> None:
     """DeepSeek's latent cache, computed by two context-parallel ranks that each hold a
     stripe of the pages and, under shard linear, only every other layer's o_proj (its layer
     hooks broadcast them; the KV sender's hooks run beside them), to one decode rank that
-    holds them all: float32 greedy tokens equal transformers' on the same weights."""
+    holds them all: float32 greedy tokens equal transformers' on the same weights. V3.2: its
+    indexer keys go with the latent rows, and prompts of 150-390 tokens past its index_topk
+    (64) attend sparsely on both sides."""
     from transformers import AutoModelForCausalLM
 
     from pipeserve.tokenizer import Tokenizer
 
-    model = model_dir("tiny-deepseek-v3")
+    model = model_dir(preset)
     f32 = ["--dtype", "float32"]
     sharded = ["--cp-size", "2", "--shard-linear-layers", "kv_b_proj,o_proj", *f32]
     with servers(model, tmp_path, sharded, f32) as (prefill, decode, router):
