@@ -36,7 +36,8 @@ class Event:
     # "forward", "recv_wait", "send" (posted), "send_wait"; communication spans (record_comm):
     # "dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait", "tp_all_reduce";
     # context parallelism: "cp_kv_launch", "cp_kv_wait", "cp_kv_exchange" (launch to the end
-    # of its wait), "cp_merge" (query gather, partials all-to-all), "cp_hidden_gather";
+    # of its wait), "cp_merge" (query gather, partials all-to-all), "cp_rows_fetch" (V3.2's
+    # chosen prefix rows asked of their holders), "cp_hidden_gather";
     # shard linear: "shard_linear_launch", "shard_linear_wait"; "weights" (after each
     # forward: nbytes = the most weight bytes the rank held so far, nbytes_recv = shard
     # linear's expected peak)
@@ -239,6 +240,7 @@ COMM_BYTES = {
     "ep_combine": "combine_launch",
     "cp_kv": "cp_kv_launch",
     "cp_merge": "cp_merge",
+    "cp_fetch": "cp_rows_fetch",
     "cp_hidden": "cp_hidden_gather",
     "shard_linear": "shard_linear_launch",
 }
@@ -249,6 +251,7 @@ COMM_WAITS = {
     "ep_combine": ("combine_wait",),
     "cp_kv": ("cp_kv_wait",),
     "cp_merge": ("cp_merge",),
+    "cp_fetch": ("cp_rows_fetch",),
     "cp_hidden": ("cp_hidden_gather",),
     "shard_linear": ("shard_linear_wait",),
 }

@@ -88,6 +88,7 @@ def test_bytes_per_forward_take_the_busiest_rank_per_kind() -> None:
         + [ev("combine_launch", 0, 0, nbytes=10), ev("combine_wait", 0, 0, nbytes=999)]
         + [ev("cp_kv_launch", 1, 0, nbytes=80), ev("cp_kv_wait", 1, 0, nbytes=999)]
         + [ev("cp_merge", 0, 1, nbytes=n) for n in (6, 6)]
+        + [ev("cp_rows_fetch", 0, 0, nbytes=12), ev("cp_rows_fetch", 0, 1, nbytes=30)]
         + [ev("cp_hidden_gather", 0, 0, nbytes=4), ev("shard_linear_launch", 0, 1, nbytes=8)]
     )
     assert comm_bytes_per_forward(events) == {
@@ -97,6 +98,7 @@ def test_bytes_per_forward_take_the_busiest_rank_per_kind() -> None:
         "ep_combine": 5.0,
         "cp_kv": 20.0,
         "cp_merge": 6.0,
+        "cp_fetch": 15.0,
         "cp_hidden": 2.0,
         "shard_linear": 4.0,
     }
@@ -127,13 +129,15 @@ def test_exposed_time_counts_waits_and_the_blocking_launch() -> None:
             ev("cp_kv_exchange", 0, 0, 0.5),  # the whole span: partly hidden
             ev("cp_kv_wait", 0, 0, 0.1),
             ev("cp_merge", 1, 0, 0.2),
+            ev("cp_rows_fetch", 0, 0, 0.08),  # blocking: all of it
             ev("cp_hidden_gather", 1, 0, 0.04),
             ev("shard_linear_launch", 0, 0, 0.3),
             ev("shard_linear_wait", 1, 0, 0.06),
         ]
     )
     want = {"tp_all_reduce": 0.2, "pp_boundary": 0.3, "ep_dispatch": 0.15, "ep_combine": 0.2,
-            "cp_kv": 0.05, "cp_merge": 0.1, "cp_hidden": 0.02, "shard_linear": 0.03}
+            "cp_kv": 0.05, "cp_merge": 0.1, "cp_fetch": 0.04, "cp_hidden": 0.02,
+            "shard_linear": 0.03}
     assert exposed_comm_s(events) == pytest.approx(want)
     assert exposed_comm_share(events) == pytest.approx({k: v / 2.0 for k, v in want.items()})
     assert exposed_comm_share([]) == dict.fromkeys(timeline.COMM_WAITS, 0.0)

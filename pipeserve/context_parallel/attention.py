@@ -25,6 +25,9 @@ The KV pages are striped over the ranks (pipeserve/context_parallel/layout). Per
    partials need log-sum-exp, which only the torch kernels return (bench preset, CP2, a 32K
    prompt in 8K chunks: 115 s merged against 58 s re-gathered). Decode steps: 8K context,
    11.6 tokens/s merged against 5.2 re-gathered.
+   MLA (`layers/mla.py`) always re-gathers, its latent rows being small; DeepSeek-V3.2
+   exchanges every position's indexer key and the chunks' latent rows (`launch_chunk`), and
+   of a prefix only the latent rows its queries chose, asked of their holders (`fetch`).
 3. On the last pipeline stage the ranks' hidden rows are all-gathered back into batch order
    (`gather_hidden`), so sampling and prompt logprobs run as without CP, on every rank.
 
@@ -141,6 +144,9 @@ class Segment:
     # prompt: every rank's blocks of the chunk and where they start in its block of A
     peer_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
     peer_offsets: list[int] = field(default_factory=list)
+    kv_runs: list[Any] = field(default_factory=list)  # the request's KV runs (global slots)
+    chunk_only_index: torch.Tensor | None = None  # prompt: [length] rows of `launch_chunk`
+    prefix_slots: torch.Tensor | None = None  # `fetch`: global slots of the prefix, once made
 
     def query_blocks(self) -> list[tuple[int, int, torch.Tensor]]:
         """(first position, end position, this rank's rows) of each non-empty block of its
@@ -170,6 +176,8 @@ class CpPlan:
         self.ctx, self.device = ctx, device
         self.segments: list[Segment] = []
         self.a_rows = 0  # rows per rank in exchange A
+        self.a_chunk_max = 0  # rows per rank in `launch_chunk` (exchange A's chunk rows alone)
+        self.write_src_chunk = torch.empty(0, dtype=torch.long)  # write_src in launch_chunk's
         self.a_chunk_rows = torch.empty(0, dtype=torch.long)  # local rows sent in A
         self.a_prefix_slots = torch.empty(0, dtype=torch.long)  # local slots sent in A
         self.write_src = torch.empty(0, dtype=torch.long)  # rows of A written to the pool
@@ -225,6 +233,7 @@ class CpPlan:
                 torch.arange(*span[me], device=device),
                 blocks_per[me] if not s.is_decode else [(0, 1)],
                 merge,
+                kv_runs=s.kv_runs,
             )
             if not s.is_decode:
                 seg.peer_blocks, seg.peer_offsets = blocks_per, list(a_chunk)
@@ -245,7 +254,10 @@ class CpPlan:
                 seg.prefix_index, mine_slots = plan._prefix_rows(s, written, a_used)
                 prefix_slots.append(mine_slots)
         plan.a_rows = max(a_used) if a_used else 0
+        plan.a_chunk_max = max(a_chunk) if a_chunk else 0
         for seg in plan.segments:  # rows of rank r start at r * a_rows
+            if seg.chunk_index is not None:  # chunk rows come first in each rank's block
+                seg.chunk_only_index = _rebase(seg.chunk_index, plan.a_chunk_max)
             for name in ("chunk_index", "prefix_index"):
                 index = getattr(seg, name)
                 if index is not None:
@@ -346,6 +358,7 @@ class CpPlan:
         if w_slots.numel():
             held = striping.owners(w_slots) == me
             self.write_src = _rebase(w_pairs[held].to(self.device), self.a_rows)
+            self.write_src_chunk = _rebase(w_pairs[held].to(self.device), self.a_chunk_max)
             self.write_slots = striping.local_slots(w_slots[held]).to(self.device)
         rows, slots = [], []
         for s, seg in zip(batch.slices, self.segments, strict=True):
@@ -445,6 +458,90 @@ class CpPlan:
             write(self.write_slots, exchange.out[self.write_src])
         if self.decode_write_slots.numel():
             write(self.decode_write_slots, exchange.fresh[self.decode_write_rows])
+
+    def launch_chunk(self, layer_id: int, fresh: torch.Tensor) -> Exchange:
+        """Exchange A's chunk rows alone, without any prefix: every rank's rows of the
+        batch's prompt chunks all-gathered ([N * a_chunk_max, ...]; `finish_chunk` writes the
+        positions of the pages this rank holds). DeepSeek-V3.2's latent rows go this way; the
+        rows of a prefix its queries chose are asked of their holders (`fetch`)."""
+        if self.a_chunk_max == 0:
+            return Exchange(None, fresh.new_empty(0, *fresh.shape[1:]), fresh)
+        start = now()
+        buffers, dtype, device = self.ctx.buffers, fresh.dtype, fresh.device
+        send = buffers.get("chunk_send", (self.a_chunk_max, *fresh.shape[1:]), dtype, device)
+        send[: self.a_chunk_rows.numel()] = fresh[self.a_chunk_rows]
+        shape = (self.ctx.size * self.a_chunk_max, *send.shape[1:])
+        out = buffers.get("chunk_out", shape, dtype, device)
+        work = dist.all_gather_single(out, send, group=self.ctx.group, async_op=True)
+        peers = send.nbytes * (self.ctx.size - 1)
+        record_comm("cp_kv_launch", start, layer_id, peers, peers)
+        exchange = Exchange(work, out, fresh, start)
+        if not self.ctx.overlap:
+            self._wait(exchange, layer_id)
+        return exchange
+
+    def finish_chunk(
+        self,
+        exchange: Exchange,
+        layer_id: int,
+        write: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        """`finish` for a `launch_chunk` exchange."""
+        self._wait(exchange, layer_id)
+        if self.write_slots.numel():
+            write(self.write_slots, exchange.out[self.write_src_chunk])
+        if self.decode_write_slots.numel():
+            write(self.decode_write_slots, exchange.fresh[self.decode_write_rows])
+
+    def chunk_rows(self, seg: Segment, exchange: Exchange) -> torch.Tensor:
+        """A segment's rows of its new positions [length, ...] from a `launch_chunk` exchange
+        (a decode step's own row from this rank)."""
+        if seg.decode:
+            return exchange.fresh[seg.rows]
+        assert seg.chunk_only_index is not None
+        return exchange.out[seg.chunk_only_index]
+
+    def fetch(
+        self,
+        layer_id: int,
+        wanted: list[torch.Tensor],
+        read: Callable[[torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """The cached rows of the prefix positions `wanted[i]` (ascending, each < its
+        prefix) of segment i, asked of the ranks holding their pages: one all-to-all of
+        the counts, one of the slots asked (local to their holders), one of the rows
+        (`read(local slots)` on the holder) -> per segment its rows, in the order asked.
+        Every rank calls it once per layer (the collectives match), asking or not."""
+        striping, size, device = self.ctx.striping, self.ctx.size, self.device
+        slots = []
+        for seg, want in zip(self.segments, wanted, strict=True):
+            if not want.numel():
+                slots.append(want)
+                continue
+            if seg.prefix_slots is None:  # made once per forward, for every layer
+                seg.prefix_slots = striping.slots_of(seg.kv_runs, seg.prefix, device)
+            slots.append(seg.prefix_slots[want])
+        every = torch.cat(slots) if slots else _empty(device)
+        owners = striping.owners(every)
+        order = torch.argsort(owners, stable=True)  # grouped by holder
+        counts = torch.bincount(owners, minlength=size)
+        asked = striping.local_slots(every[order])
+        start = now()
+        counts_in = torch.empty_like(counts)
+        dist.all_to_all_single(counts_in, counts, group=self.ctx.group)
+        sizes_out, sizes_in = counts.tolist(), counts_in.tolist()
+        requests = asked.new_empty(sum(sizes_in))
+        dist.all_to_all_single(requests, asked, sizes_in, sizes_out, group=self.ctx.group)
+        answer = read(requests)
+        rows = answer.new_empty(every.numel(), *answer.shape[1:])
+        dist.all_to_all_single(rows, answer, sizes_out, sizes_in, group=self.ctx.group)
+        me, row_bytes = self.ctx.rank, answer[:1].nbytes
+        sent = (sum(sizes_in) - sizes_in[me]) * row_bytes
+        received = (every.numel() - sizes_out[me]) * row_bytes
+        record_comm("cp_rows_fetch", start, layer_id, sent, received)
+        back = torch.empty_like(rows)
+        back[order] = rows  # in the order asked
+        return list(back.split([len(w) for w in wanted]))
 
     def segment_rows(self, seg: Segment, exchange: Exchange) -> torch.Tensor:
         """A regather segment's rows of every position [prefix + length, ...], in order: the

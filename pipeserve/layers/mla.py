@@ -195,67 +195,128 @@ class MLAttention(nn.Module):
         kernels: DirectKernels = TORCH_KERNELS,
     ) -> torch.Tensor:
         """`forward` of this rank's tokens under context parallelism (x: its rows). The
-        latent rows (and indexer keys) go first, so their exchange with the other CP ranks
-        runs while the queries are projected; then every request's rows of all its positions
-        are here (a cache row is small: MLA re-gathers its prefix rather than merging partial
-        results), and each of this rank's blocks of queries attends to the positions before
-        it. The indexer runs for this rank's queries only, over every position's key: its
-        top-k is the global one."""
-        new = self.latent(x, rope)
-        width = new.shape[1]
+        latent rows go first, so their exchange with the other CP ranks runs while the
+        queries are projected; then every request's rows of all its positions are here (a
+        cache row is small: MLA re-gathers its prefix rather than merging partial results),
+        and each of this rank's blocks of queries attends to the positions before it. With
+        V3.2's indexer only the rows its queries chose travel (`_sparse_context_parallel`)."""
         if self.indexer is not None:
             assert index_cache is not None
-            new = torch.cat([new, self.indexer.keys(x, rope)], dim=-1)
-
-        def cached(slots: torch.Tensor) -> torch.Tensor:
-            rows = cache[slots]
-            return rows if index_cache is None else torch.cat([rows, index_cache[slots]], -1)
+            return self._sparse_context_parallel(
+                x, rope, plan, layer_id, cache, index_cache, kernels
+            )
 
         def write(slots: torch.Tensor, rows: torch.Tensor) -> None:
-            cache[slots] = rows[:, :width]
-            if index_cache is not None:
-                index_cache[slots] = rows[:, width:]
+            cache[slots] = rows
 
         with region("cp.launch"):
-            exchange = plan.launch_rows(layer_id, new, cached)
+            exchange = plan.launch_rows(layer_id, self.latent(x, rope), lambda s: cache[s])
         with region("mla.query"):
-            q_latent = self.query_latent(x)
-            q = self.query(x, rope, q_latent)
-        index_q = index_w = None
-        if self.indexer is not None:
-            assert q_latent is not None
-            index_q, index_w = self.indexer.queries(q_latent, rope), self.indexer.head_weights(x)
+            q = self.query(x, rope, self.query_latent(x))
         with region("cp.finish"):
             plan.finish(exchange, layer_id, write)
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
-        prefill = kernels.prefill(x.dtype)
         for seg in plan.segments:
-            rows_all = plan.segment_rows(seg, exchange)  # [prefix + length, width (+ index)]
-            latents = rows_all[:, :width]
-            expanded: ExpandedKeys | None = None  # up-projected once per request
+            latents = plan.segment_rows(seg, exchange)  # [prefix + length, width]
+            self._attend_blocks(q, out, latents, seg.query_blocks(), kernels)
+        return self.o_proj(out.flatten(1))
+
+    def _sparse_context_parallel(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        plan: CpPlan,
+        layer_id: int,
+        cache: torch.Tensor,
+        index_cache: torch.Tensor,
+        kernels: DirectKernels,
+    ) -> torch.Tensor:
+        """V3.2 under context parallelism: every position's index key is exchanged (each
+        query scores them all, so its top-k is the global one), so are the chunks' latent
+        rows (every rank writes those of the pages it holds), and of each prefix only the
+        latent rows this rank's queries chose (a decode step's topk, a block of queries'
+        union), asked of the ranks holding them (`CpPlan.fetch`): no rank gathers a prefix's
+        latent rows whole."""
+        assert self.indexer is not None
+        indexer, topk = self.indexer, self.indexer.config.topk
+
+        def write_keys(slots: torch.Tensor, rows: torch.Tensor) -> None:
+            index_cache[slots] = rows
+
+        def write_rows(slots: torch.Tensor, rows: torch.Tensor) -> None:
+            cache[slots] = rows
+
+        with region("cp.launch"):
+            keys = plan.launch_rows(layer_id, indexer.keys(x, rope), lambda s: index_cache[s])
+            chunks = plan.launch_chunk(layer_id, self.latent(x, rope))
+        with region("mla.query"):
+            q_latent = self.query_latent(x)
+            q = self.query(x, rope, q_latent)
+            assert q_latent is not None
+            index_q, index_w = indexer.queries(q_latent, rope), indexer.head_weights(x)
+        with region("cp.finish"):
+            plan.finish(keys, layer_id, write_keys)
+            plan.finish_chunk(chunks, layer_id, write_rows)
+        blocks, wanted = [], []
+        for seg in plan.segments:
+            index_keys = plan.segment_rows(seg, keys)  # [prefix + length, index_head_dim]
+            chosen: list[torch.Tensor | None] = []
+            need = [torch.empty(0, dtype=torch.long, device=x.device)]
             for first, end, rows in seg.query_blocks():
-                seg_view = LatentSegment(0, end - first, runs=((0, end),), device=x.device)
-                chosen = None
-                if self.indexer is not None and end > self.indexer.config.topk:
-                    assert index_q is not None and index_w is not None
-                    chosen = causal_top_positions(
+                picked = None  # a block that sees no more than topk reads all it sees
+                if end > topk:
+                    picked = causal_top_positions(
                         index_q[rows],
                         index_w[rows],
-                        rows_all[:end, width:],
+                        index_keys[:end],
                         first,
-                        self.indexer.scale,
-                        self.indexer.config.topk,
+                        indexer.scale,
+                        topk,
                         kernels,
                     )
-                if chosen is not None:
-                    out[rows] = self.sparse(q[rows], seg_view, latents, chosen, kernels)
-                elif self.absorbs("auto", seg_view, prefill):
-                    out[rows] = self.absorbed(q[rows], seg_view, latents)
+                    need.append(picked[(picked >= 0) & (picked < seg.prefix)])
                 else:
-                    if expanded is None:
-                        expanded = ExpandedKeys(*self.expand(latents), prefill)
-                    out[rows] = expanded.attend(q[rows], first, end, self.scale)
+                    need.append(torch.arange(min(end, seg.prefix), device=x.device))
+                chosen.append(picked)
+            blocks.append(chosen)
+            wanted.append(torch.cat(need).unique())
+        with region("cp.fetch"):
+            fetched = plan.fetch(layer_id, wanted, lambda s: cache[s])
+        out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
+        for seg, chosen, want, rows in zip(plan.segments, blocks, wanted, fetched, strict=True):
+            # the rows no query here chose stay unset: the attention reads none of them
+            latents = cache.new_empty(seg.prefix + seg.length, cache.shape[1])
+            latents[want] = rows
+            latents[seg.prefix :] = plan.chunk_rows(seg, chunks)
+            self._attend_blocks(q, out, latents, seg.query_blocks(), kernels, chosen)
         return self.o_proj(out.flatten(1))
+
+    def _attend_blocks(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        latents: torch.Tensor,
+        blocks: list[tuple[int, int, torch.Tensor]],
+        kernels: DirectKernels,
+        chosen: list[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Context parallelism's blocks of one request's queries (first position, end
+        position, their rows), each over `latents` [0, end) (the request's rows by
+        position), into out[rows]: over its chosen positions where `chosen` gives them, else
+        absorbed or on keys up-projected once for all the blocks."""
+        prefill = kernels.prefill(q.dtype)
+        expanded: ExpandedKeys | None = None
+        for i, (first, end, rows) in enumerate(blocks):
+            seg_view = LatentSegment(0, end - first, runs=((0, end),), device=q.device)
+            picked = None if chosen is None else chosen[i]
+            if picked is not None:
+                out[rows] = self.sparse(q[rows], seg_view, latents, picked, kernels)
+            elif self.absorbs("auto", seg_view, prefill):
+                out[rows] = self.absorbed(q[rows], seg_view, latents)
+            else:
+                if expanded is None:
+                    expanded = ExpandedKeys(*self.expand(latents), prefill)
+                out[rows] = expanded.attend(q[rows], first, end, self.scale)
 
     def absorbs(self, mode: Mode, seg: LatentSegment, prefill: Kernel | None = None) -> bool:
         """Whether a segment without an indexer's choice attends in latent space: "auto" takes

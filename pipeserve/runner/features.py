@@ -38,6 +38,11 @@ def context_parallel(
             "partial attention results, which the batch-invariant kernels do not cover"
         )
     p = config.parallel
+    if arch.mla is not None and (p.cp_kv_exchange == "ring" or p.cp_prefix_mode == "merge"):
+        raise ValueError(
+            "--cp-kv-exchange ring and --cp-prefix-mode merge are for GQA models: an MLA "
+            "model (DeepSeek) re-gathers its latent rows under --cp-size"
+        )
     return CpContext(
         state.cp_size,
         state.cp_rank,
@@ -51,7 +56,7 @@ def context_parallel(
         prefill=backend.kernels.prefill(dtype),
         overlap=not p.disable_cp_kv_overlap,
         latent=arch.mla is not None,
-        ring=p.cp_kv_exchange == "ring" and arch.mla is None,
+        ring=p.cp_kv_exchange == "ring",
         ranks=state.cp_ranks,
     )
 

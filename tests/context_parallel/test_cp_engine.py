@@ -13,7 +13,7 @@ that computes it. A killed CP rank fails the engine without hanging it. Sharded 
 (Qwen3-MoE): the routed experts are spread over the CP ranks and each rank's tokens
 dispatched to them, also with single-batch overlap, with PP2 and shard linear. DeepSeek-V3
 and V3.2 (MLA, V3.2's indexer choosing 64 of up to 320 positions): CP2 and sharded CP2 with
-shard linear."""
+shard linear; V3.2's ranks fetch of a prefix only the latent rows their queries chose."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ CASES = [
                    "single_batch_overlap_min_tokens": 0}),
     ("qwen3-moe", {"cp_size": 2, "pp_size": 2, "enable_sharded_cp": True,
                    "shard_linear_layers": "qkv_proj,o_proj", "cp_prefix_mode": "regather"}),
-    # MLA: latent rows exchanged, every prefix re-gathered; V3.2's indexer over all keys
+    # MLA: latent rows exchanged, every prefix re-gathered; V3.2: its indexer over all keys,
+    # of a prefix only the chosen latent rows fetched
     ("deepseek-v3", {"cp_size": 2}),
     ("deepseek-v32", {"cp_size": 2}),
     ("deepseek-v3", {"cp_size": 2, "enable_sharded_cp": True,
@@ -133,6 +134,50 @@ def test_cp_radix_hits(models, shared_reference, mode: str) -> None:
         hits = engine.backend.stats()["prefix_hit_tokens"]
     assert got == shared_reference
     assert hits >= 192 + 144 + 176  # every later request read cached pages
+
+
+def test_v32_cp_ranks_fetch_only_the_latent_rows_their_queries_chose(models) -> None:
+    """DeepSeek-V3.2 under CP2, a 300-token prompt then decode steps: every position's index
+    key is exchanged, but of the prefix's latent rows a rank receives only those its queries
+    chose. In each decode step, per layer: the rows fetched from the other rank are at most
+    index_topk (64) of the ~150 it holds, and exchange A carries no more than every prefix
+    position's index key (a re-gather of the latent rows would carry ~150 rows of latent
+    and index key, which is more)."""
+    with Engine(str(models["deepseek-v32"]), **FLAGS, cp_size=2) as engine:
+        prompt = [(7 * j) % 300 + 1 for j in range(300)]
+        sp = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+        engine.generate(input_ids=[prompt], sampling_params=sp)
+        events = engine.backend.timeline()
+        arch = engine.arch
+    assert arch.mla is not None and arch.indexer is not None
+    latent_bytes = 4 * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim)
+    index_bytes = 4 * arch.indexer.head_dim
+    steps = [e for e in events if e.kind == "forward" and e.chunks == [-1]]
+    ranks = {(e.stage, e.tp_rank) for e in steps}
+    assert len(ranks) == 2 and len(steps) >= 2 * 3
+    for step in steps:
+        inside = [
+            e
+            for e in events
+            if (e.stage, e.tp_rank) == (step.stage, step.tp_rank)
+            and step.start <= e.start <= step.end
+        ]
+        fetched = [e.nbytes_recv for e in inside if e.kind == "cp_rows_fetch"]
+        assert len(fetched) == arch.num_layers
+        assert 0 < max(fetched) <= arch.indexer.topk * latent_bytes
+        for layer in range(arch.num_layers):
+            sent = sum(e.nbytes for e in inside if e.kind == "cp_kv_launch" and e.layer == layer)
+            assert 0 < sent <= (step.prefix[0] + 1) * index_bytes
+
+
+@pytest.mark.parametrize("flag", [{"cp_prefix_mode": "merge"}, {"cp_kv_exchange": "ring"}])
+def test_mla_under_cp_refuses_the_gqa_exchanges(models, flag: dict[str, str]) -> None:
+    """An MLA model re-gathers (V3.2: fetches its chosen rows); the exchanges that merge
+    partial results are refused in one line, not ignored."""
+    from pipeserve.config import SettingsError
+
+    with pytest.raises(SettingsError, match="are for GQA models"):
+        Engine(str(models["deepseek-v3"]), **FLAGS, cp_size=2, **flag)
 
 
 def test_cp_kv_capacity_grows(models) -> None:
