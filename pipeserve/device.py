@@ -391,6 +391,14 @@ def native_index_topk(device: torch.device | None = None) -> Callable[..., torch
     return _native_function("index_topk", device)
 
 
+def native_index_topk_segments(
+    device: torch.device | None = None,
+) -> Callable[..., torch.Tensor] | None:
+    """`native_index_topk` of a batch's segments in one call (each over its own rows of the
+    keys), or None (also off the CPU)."""
+    return _native_function("index_topk_segments", device)
+
+
 def native_sparse_kernel(device: torch.device | None = None) -> Callable[..., torch.Tensor] | None:
     """The compiled CPU kernel of DeepSeek-V3.2's sparse attention in latent space (each query
     over its chosen cache rows only, read in place; float32 or bfloat16), or None (also off

@@ -59,13 +59,15 @@ class DirectKernels:
     - sparse_latent / sparse_expanded: DeepSeek-V3.2's sparse attention in latent space, or
       on up-projected keys (layers/mla.py);
     - index_scores / index_topk: V3.2's indexer scores, and its selection fused with them
-      (layers/indexer.py)."""
+      (layers/indexer.py); index_topk_segments: the selection of a batch's segments in one
+      call."""
 
     prefill: Callable[[torch.dtype], Kernel | None] = _no_prefill
     sparse_latent: Kernel | None = None
     sparse_expanded: Kernel | None = None
     index_scores: Kernel | None = None
     index_topk: Kernel | None = None
+    index_topk_segments: Kernel | None = None
 
 
 TORCH_KERNELS = DirectKernels()

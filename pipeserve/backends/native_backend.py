@@ -33,6 +33,7 @@ from pipeserve.device import (
     native_decode_stack,
     native_index_scores,
     native_index_topk,
+    native_index_topk_segments,
     native_norm_kernels,
     native_prefill_kernel,
     native_rope_store,
@@ -276,6 +277,7 @@ class NativeBackend(AttentionBackend):
             native_sparse_expanded_kernel(),
             native_index_scores(),
             native_index_topk(),
+            native_index_topk_segments(),
         )
         if not deterministic and (norms := native_norm_kernels()) is not None:
             self.norms = NativeNorms(*norms)  # deterministic runs: every batch's norms alike

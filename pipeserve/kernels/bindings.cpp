@@ -26,6 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the kernel (CPU; q and k float32, or bfloat16 on AVX512-BF16); a prompt chunk's "
         "answer may be a view of memory an earlier answer had, once nothing refers to that",
         py::call_guard<py::gil_scoped_release>());
+  m.def("index_topk_segments", &index_topk_segments,
+        "DeepSeek-V3.2 indexer: index_topk of a batch's segments in one call, each over its "
+        "own keys (rows of k), the tasks of all of them on every thread",
+        py::call_guard<py::gil_scoped_release>());
   m.def("sparse_latent_attention", &sparse_latent_attention,
         "DeepSeek-V3.2 sparse attention in latent space: each query's heads over its chosen "
         "cache rows only, read in place; adds the rows read to keys_read (CPU, float32 or "

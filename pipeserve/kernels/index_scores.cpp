@@ -24,6 +24,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -51,9 +52,11 @@ template <typename T>
 struct Inputs {
   const T* q;        // [n, H, d]
   const float* w;    // [n, H]
-  const T* packed;   // the keys as the form packs them, zero past L
+  const T* packed;   // the keys as the form packs them, zero past L (null: not packed yet)
   int64_t n, H, d, L, prefix;
   float scale;
+  const T* keys = nullptr;         // where key j is: row slot[j] of keys (row j without slot)
+  const int64_t* slot = nullptr;
 };
 
 // Where a task's score rows go: row i at base + (i - row0) * L (the output tensor, or a
@@ -79,10 +82,12 @@ struct F32Keys {
   static constexpr int64_t kKeys = 2 * vec8::kLanes;
   static constexpr int64_t kPair = 6;  // queries per register tile
 
-  static void pack(const float* k, int64_t L, int64_t d, float* packed) {
+  // key j: row slot[j] of k (row j without slot)
+  static void pack(const float* k, const int64_t* slot, int64_t L, int64_t d, float* packed) {
     pack_blocks(L, kKeys, [&](int64_t j) {
       float* dst = packed + (j / kKeys) * d * kKeys + j % kKeys;
-      for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = j < L ? k[j * d + t] : 0.f;
+      const float* src = j < L ? k + (slot ? slot[j] : j) * d : nullptr;
+      for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = src ? src[t] : 0.f;
     });
   }
 
@@ -137,12 +142,13 @@ struct Bf16Keys {
   // on Zen 4, 16 heads of 64)
   static constexpr int64_t kPair = 4;
 
-  static void pack(const T* k, int64_t L, int64_t d, T* packed) {
+  static void pack(const T* k, const int64_t* slot, int64_t L, int64_t d, T* packed) {
     pack_blocks(L, kKeys, [&](int64_t j) {
       T* dst = packed + (j / kKeys) * d * kKeys + (j % kKeys) * 2;
+      const T* src = j < L ? k + (slot ? slot[j] : j) * d : nullptr;
       for (int64_t t = 0; t < d; t += 2) {
-        dst[t * kKeys] = j < L ? k[j * d + t] : T(0.f);
-        dst[t * kKeys + 1] = j < L ? k[j * d + t + 1] : T(0.f);
+        dst[t * kKeys] = src ? src[t] : T(0.f);
+        dst[t * kKeys + 1] = src ? src[t + 1] : T(0.f);
       }
     });
   }
@@ -391,39 +397,67 @@ void select_row(float* row, int64_t visible, int64_t topk, float* copy, int64_t*
   }
 }
 
-// Each row's top-k positions into pick [n, topk]; the scores of a task's rows live only in
-// its thread's scratch (a task's rows x L floats: 16 MiB at most, fewer rows per task when L
-// is long, and at least one tile of kPair rows, 24 MiB at a million keys).
+// Each row's top-k positions into its segment's pick [n, topk] (picks[s] for ins[s]); the scores
+// of a task's rows live only in its thread's scratch (a task's rows x L floats: 16 MiB at most,
+// fewer rows per task when L is long, and at least one tile of kPair rows, 24 MiB at a million
+// keys). The tasks of every segment go on all threads at once, those that see the most keys
+// first.
 template <class F>
-void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
-  if (in.n == 0) return;
+void run_topk(const std::vector<Inputs<typename F::T>>& ins, const std::vector<int64_t*>& picks,
+              int64_t topk) {
   constexpr int64_t kScratchFloats = int64_t{1} << 22;  // 16 MiB of score rows per thread
-  const int64_t per = std::max<int64_t>(
-      F::kPair, std::min<int64_t>(kQueries, kScratchFloats / in.L / F::kPair * F::kPair));
+  struct Task {
+    int64_t seg, q0, q1;
+  };
+  std::vector<Task> tasks;
+  for (int64_t g = 0; g < static_cast<int64_t>(ins.size()); ++g) {
+    const Inputs<typename F::T>& in = ins[g];
+    if (in.n == 0) continue;
+    const int64_t per = std::max<int64_t>(
+        F::kPair, std::min<int64_t>(kQueries, kScratchFloats / in.L / F::kPair * F::kPair));
+    for (int64_t q0 = 0; q0 < in.n; q0 += per) tasks.push_back({g, q0, std::min(in.n, q0 + per)});
+  }
+  if (tasks.empty()) return;
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return ins[a.seg].prefix + a.q1 > ins[b.seg].prefix + b.q1;
+  });
   struct Scratch {
     Acc<F> acc;
     std::vector<float> rows, copy;
     std::vector<int32_t> bins = std::vector<int32_t>(kBins);
     std::vector<uint16_t> tags;
+    std::vector<typename F::T> keys;  // a one-task segment's keys, packed in its task
   };
-  // each thread's scratch kept between calls (up to prefill::kKeptScratchBytes): allocated
-  // afresh, its pages may be faulted in and zeroed again on every prompt chunk and layer
-  prefill::run_tasks(
-      in.n, 1, per,
-      []() -> Scratch& {
-        thread_local Scratch kept;
-        return kept;
-      },
-      [&](Scratch& s, int64_t, int64_t q0, int64_t q1) {
+  std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      // each thread's scratch kept between calls (up to prefill::kKeptScratchBytes):
+      // allocated afresh, its pages may be faulted in and zeroed again on every prompt chunk
+      // and layer
+      thread_local Scratch s;
+      for (int64_t t = next++; t < count; t = next++) {
+        Inputs<typename F::T> in = ins[tasks[t].seg];
+        int64_t* pick = picks[tasks[t].seg];
+        if (in.packed == nullptr && in.keys != nullptr && in.prefix + in.n > topk) {
+          // a decode step's keys: packed here, on this thread, into its scratch (inline: no
+          // parallel region inside this one), read by this task alone
+          s.keys.resize(std::max(s.keys.size(), static_cast<size_t>(
+                                                    (in.L + F::kKeys - 1) / F::kKeys * in.d * F::kKeys)));
+          F::pack(in.keys, in.slot, in.L, in.d, s.keys.data());
+          in.packed = s.keys.data();
+        }
+        const int64_t q0 = tasks[t].q0, q1 = tasks[t].q1;
         // a decode step's one query: one row, not a whole task's
         s.rows.resize(std::max(s.rows.size(), static_cast<size_t>((q1 - q0) * in.L)));
         s.copy.resize(std::max(s.copy.size(), static_cast<size_t>(in.L + 16)));  // + whole vectors
         s.tags.resize(std::max(s.tags.size(), static_cast<size_t>(in.L)));
-        // rows that see no more than topk keys keep them all: their scores are not read. A
-        // tile of rows at a time, over every key block, then selected while its rows are in
-        // L2 (the task's rows, 1.5 MiB at 16K keys, are not): 1.3% less time on Zen 4, 16
-        // heads of 64, 2048 queries over 16K keys (three alternating runs each), than all the
-        // task's rows block by block
+        // rows that see no more than topk keys keep them all: their scores are not read (nor
+        // are keys packed for a segment whose every row does). A tile of rows at a time, over
+        // every key block, then selected while its rows are in L2 (the task's rows, 1.5 MiB at
+        // 16K keys, are not): 1.3% less time on Zen 4, 16 heads of 64, 2048 queries over 16K
+        // keys (three alternating runs each), than all the task's rows block by block
         const int64_t scored = std::clamp<int64_t>(topk - in.prefix, q0, q1);
         for (int64_t r0 = q0; r0 < q1; r0 += F::kPair) {
           const int64_t r1 = std::min(q1, r0 + F::kPair);
@@ -433,56 +467,100 @@ void run_topk(const Inputs<typename F::T>& in, int64_t topk, int64_t* pick) {
             select_row(s.rows.data() + (i - q0) * in.L, in.prefix + i + 1, topk, s.copy.data(),
                        pick + i * topk, s.bins.data(), s.tags.data());
         }
-        prefill::trim_scratch(s.rows, s.copy, s.tags);
-      });
+        prefill::trim_scratch(s.rows, s.copy, s.tags, s.keys);
+      }
+    }
+  });
 }
 
-// Checks the inputs, packs the keys in the form the dtype and this CPU take, and calls
-// run(form, inputs): bfloat16 q and k (d even) in the AVX512-BF16 form where built, anything
-// else as float32.
+// A call's segments: segment g's queries are rows [q_start, q_start + q_len) of q and w, at
+// positions prefix .. prefix + q_len - 1 of its keys; key j is row slot[j] of k (slot: null for
+// row j, else one per position) or, with no keys (keys false), the segment sees no more than
+// topk positions and keeps them all.
+struct Segment {
+  int64_t q_start, q_len, prefix;
+  bool keys;
+  const int64_t* slot;
+};
+
+// Checks the inputs, packs each segment's keys in the form the dtype and this CPU take (a
+// segment of one query, when `in_tasks`, is packed later in its own task: see run_topk), and
+// calls run(form, inputs of every segment): bfloat16 q and k (d even) in the AVX512-BF16 form
+// where built, anything else as float32.
 template <typename Run>
-void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
-                 Run&& run) {
+void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, const std::vector<Segment>& segs,
+                 double scale, bool in_tasks, Run&& run) {
   TORCH_CHECK(q.dim() == 3 && w.dim() == 2 && k.dim() == 2, "q [n,H,d], w [n,H], k [L,d] expected");
   const bool bf16 = q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || (q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat),
               "the indexer kernels take q and k both float32 or both bfloat16");
   TORCH_CHECK(w.scalar_type() == at::kFloat, "the indexer kernels take float32 head weights");
-  const int64_t n = q.size(0), H = q.size(1), d = q.size(2), L = k.size(0);
+  const int64_t n = q.size(0), H = q.size(1), d = q.size(2);
   TORCH_CHECK(w.size(0) == n && w.size(1) == H, "w must be [n, H]");
   TORCH_CHECK(k.size(1) == d, "q and k disagree on the head dim");
-  TORCH_CHECK(prefix >= 0 && prefix + n == L, "k must hold the prefix and the queries' own keys");
   TORCH_CHECK(scale > 0, "the score scale must be positive");
+  for (const Segment& g : segs)
+    TORCH_CHECK(g.q_start >= 0 && g.q_len >= 0 && g.q_start + g.q_len <= n && g.prefix >= 0,
+                "a segment's queries lie outside q");
   w = w.contiguous();
   const float s = static_cast<float>(scale);
+  auto up_front = [&](const Segment& g) { return g.keys && !(in_tasks && g.q_len == 1); };
+  auto packed_inputs = [&](auto form, auto* qp, auto* kp, const at::TensorOptions& options) {
+    using F = decltype(form);
+    using T = typename F::T;
+    auto blocks = [&](const Segment& g) {
+      return (g.prefix + g.q_len + F::kKeys - 1) / F::kKeys * d * F::kKeys;
+    };
+    int64_t total = 0;
+    for (const Segment& g : segs) total += up_front(g) ? blocks(g) : 0;
+    at::Tensor packed = at::empty({total}, options);
+    T* dst = static_cast<T*>(packed.data_ptr());
+    std::vector<Inputs<T>> ins;
+    for (const Segment& g : segs) {
+      const int64_t L = g.prefix + g.q_len;
+      Inputs<T> in{qp + g.q_start * H * d, w.data_ptr<float>() + g.q_start * H, nullptr,
+                   g.q_len, H, d, L, g.prefix, s};
+      if (g.keys) {
+        in.keys = kp;
+        in.slot = g.slot;
+      }
+      if (up_front(g)) {
+        F::pack(kp, g.slot, L, d, dst);
+        in.packed = dst;
+        dst += blocks(g);
+      }
+      ins.push_back(in);
+    }
+    run(form, ins);
+  };
 #ifdef PIPESERVE_BF16_PAIRS
   if (bf16 && d % 2 == 0) {
     using T = c10::BFloat16;
     q = q.contiguous();
     k = k.contiguous();
-    at::Tensor packed = at::empty({(L + Bf16Keys::kKeys - 1) / Bf16Keys::kKeys * d *
-                                   Bf16Keys::kKeys}, k.options());
-    Bf16Keys::pack(k.data_ptr<T>(), L, d, packed.data_ptr<T>());
-    run(Bf16Keys{}, Inputs<T>{q.data_ptr<T>(), w.data_ptr<float>(), packed.data_ptr<T>(), n, H,
-                              d, L, prefix, s});
+    packed_inputs(Bf16Keys{}, q.data_ptr<T>(), k.data_ptr<T>(), k.options());
     return;
   }
 #endif
   q = q.to(at::kFloat).contiguous();
   k = k.to(at::kFloat).contiguous();
-  at::Tensor packed =
-      at::empty({(L + F32Keys::kKeys - 1) / F32Keys::kKeys * d * F32Keys::kKeys}, k.options());
-  F32Keys::pack(k.data_ptr<float>(), L, d, packed.data_ptr<float>());
-  run(F32Keys{}, Inputs<float>{q.data_ptr<float>(), w.data_ptr<float>(), packed.data_ptr<float>(),
-                               n, H, d, L, prefix, s});
+  packed_inputs(F32Keys{}, q.data_ptr<float>(), k.data_ptr<float>(), k.options());
+}
+
+// One segment: q's queries at the last positions of k, its rows in order.
+std::vector<Segment> whole(const at::Tensor& q, const at::Tensor& k, int64_t prefix) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 2, "q [n,H,d], k [L,d] expected");
+  TORCH_CHECK(prefix >= 0 && prefix + q.size(0) == k.size(0),
+              "k must hold the prefix and the queries' own keys");
+  return {Segment{0, q.size(0), prefix, true, nullptr}};
 }
 
 }  // namespace
 
 at::Tensor index_scores(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale) {
   at::Tensor out = at::empty({q.size(0), k.size(0)}, w.options());
-  with_inputs(q, w, k, prefix, scale, [&](auto form, const auto& in) {
-    run_scores<decltype(form)>(in, out.data_ptr<float>());
+  with_inputs(q, w, k, whole(q, k, prefix), scale, false, [&](auto form, const auto& ins) {
+    run_scores<decltype(form)>(ins[0], out.data_ptr<float>());
   });
   return out;
 }
@@ -516,8 +594,63 @@ at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, 
                       int64_t topk) {
   TORCH_CHECK(topk > 0, "topk must be positive");
   at::Tensor pick = new_pick(q.size(0), topk, w.options().dtype(at::kLong));
-  with_inputs(q, w, k, prefix, scale, [&](auto form, const auto& in) {
-    run_topk<decltype(form)>(in, topk, pick.data_ptr<int64_t>());
+  // one segment: its keys packed by every thread, before its tasks
+  with_inputs(q, w, k, whole(q, k, prefix), scale, false, [&](auto form, const auto& ins) {
+    run_topk<decltype(form)>(ins, {pick.data_ptr<int64_t>()}, topk);
+  });
+  return pick;
+}
+
+at::Tensor index_topk_segments(at::Tensor q, at::Tensor w, at::Tensor cache, at::Tensor runs,
+                               at::Tensor segments, double scale, int64_t topk) {
+  TORCH_CHECK(topk > 0, "topk must be positive");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 5 &&
+                  segments.scalar_type() == at::kLong,
+              "segments: [S, 5] int64 rows of (q_start, q_len, prefix, first run, runs)");
+  TORCH_CHECK(runs.dim() == 2 && runs.size(1) == 2 && runs.scalar_type() == at::kLong,
+              "runs: [R, 2] int64 rows of (first slot, slots)");
+  TORCH_CHECK(cache.dim() == 2, "cache: [slots, d]");
+  segments = segments.contiguous();
+  runs = runs.contiguous();
+  const int64_t* rows = segments.data_ptr<int64_t>();
+  const int64_t* run = runs.data_ptr<int64_t>();
+  const int64_t slots = cache.size(0), R = runs.size(0);
+  // each segment's slot per position, expanded from its runs
+  std::vector<std::vector<int64_t>> slot_of(segments.size(0));
+  std::vector<Segment> segs;
+  for (int64_t g = 0; g < segments.size(0); ++g) {
+    const int64_t* r = rows + 5 * g;
+    const int64_t L = r[2] + r[1];
+    TORCH_CHECK(r[4] >= 0 && r[3] >= 0 && r[3] + r[4] <= R, "a segment's runs lie outside runs");
+    if (r[4] == 0) {
+      TORCH_CHECK(L <= topk, "a segment without keys must see no more than topk positions");
+      segs.push_back(Segment{r[0], r[1], r[2], false, nullptr});
+      continue;
+    }
+    std::vector<int64_t>& at = slot_of[g];
+    at.reserve(L);
+    for (int64_t i = r[3]; i < r[3] + r[4] && static_cast<int64_t>(at.size()) < L; ++i) {
+      const int64_t first = run[2 * i], count = run[2 * i + 1];
+      TORCH_CHECK(first >= 0 && count >= 0 && first + count <= slots, "a run lies outside cache");
+      for (int64_t j = 0; j < count && static_cast<int64_t>(at.size()) < L; ++j)
+        at.push_back(first + j);
+    }
+    TORCH_CHECK(static_cast<int64_t>(at.size()) == L, "a segment's runs cover fewer positions");
+    segs.push_back(Segment{r[0], r[1], r[2], true, at.data()});
+  }
+  const int64_t n = q.size(0);
+  at::Tensor pick = new_pick(n, topk, w.options().dtype(at::kLong));
+  std::vector<char> covered(n, 0);
+  for (const Segment& g : segs)
+    if (g.q_start >= 0 && g.q_len >= 0 && g.q_start + g.q_len <= n)
+      for (int64_t i = g.q_start; i < g.q_start + g.q_len; ++i) covered[i] = 1;
+  int64_t* out = pick.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)  // a row no segment holds chooses nothing
+    if (!covered[i]) std::fill(out + i * topk, out + (i + 1) * topk, int64_t{-1});
+  with_inputs(q, w, cache, segs, scale, true, [&](auto form, const auto& ins) {
+    std::vector<int64_t*> picks;
+    for (const Segment& g : segs) picks.push_back(out + g.q_start * topk);
+    run_topk<decltype(form)>(ins, picks, topk);
   });
   return pick;
 }

@@ -44,6 +44,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
                                                 double eps);
 at::Tensor index_topk(at::Tensor q, at::Tensor w, at::Tensor k, int64_t prefix, double scale,
                       int64_t topk);
+// index_topk of a batch's segments in one call, each over its own slots of the key cache:
+// segments [S, 5] int64 rows of (q_start, q_len, prefix, first run, runs), the segment's keys
+// at the slots of runs [R, 2] (first slot, slots) in order (no runs: it sees no more than topk
+// positions and keeps them all) -> [n, topk], -1 in rows no segment holds
+at::Tensor index_topk_segments(at::Tensor q, at::Tensor w, at::Tensor cache, at::Tensor runs,
+                               at::Tensor segments, double scale, int64_t topk);
 bool bf16_pairs_supported();  // index_scores.cpp: the V3.2 kernels' vdpbf16ps forms
 
 // One decode step through a stage's Llama-family layers in one call (decode_stack.cpp): the

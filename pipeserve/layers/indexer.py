@@ -26,9 +26,11 @@ The attention then reads only those rows (mla.py: `MLAttention.sparse`, in laten
 up-projected keys); no [q_len, keys] mask is built. A request no longer than
 index_topk keeps every visible position, and its scores are not computed.
 
-Segments are selected one at a time (a prompt chunk's queries together), on the run backend's
-compiled kernels where it has them. A backend whose plan has a page table of the batch's decode
-steps (Triton's: `AttentionBackend.latent_table`) has them selected all at once instead
+On the native backend every segment of a batch is selected in one kernel call
+(`select_segments`: the tasks of all of them share the threads); elsewhere segments are
+selected one at a time (a prompt chunk's queries together, a block of them at a time). A
+backend whose plan has a page table of the batch's decode steps (Triton's:
+`AttentionBackend.latent_table`) has them selected all at once instead
 (`decode_top_positions`): steps of similar length together, their keys gathered through the
 table a block of positions at a time, and the tie rule kept by one topk over int64 keys of
 score and position; no host sync, and launches per group of lengths, not per step.
@@ -137,9 +139,13 @@ class Indexer(nn.Module):
         kernels: DirectKernels,
         qw: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Each segment's choice, one segment at a time (its rows; -1 elsewhere); `qw`: the
-        tokens' queries and head weights where made already."""
+        """Each segment's choice (its rows; -1 elsewhere): all segments in one call of the
+        kernels' `index_topk_segments` where they have it (the native backend's), else one
+        segment at a time; `qw`: the tokens' queries and head weights where made already."""
         topk = self.config.topk
+        if kernels.index_topk_segments is not None and any(s.length > topk for s in segments):
+            made = qw if qw is not None else (self.queries(q_latent, rope), self.head_weights(x))
+            return select_segments(*made, cache, segments, self.scale, topk, kernels)
         q, w = qw if qw is not None else (None, None)
         parts = []  # each segment's choice, in the order of its rows
         ordered = sorted(segments, key=lambda seg: seg.q_start)
@@ -278,6 +284,46 @@ def causal_top_positions(
         )
         parts.append(top_positions(scores, topk))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def select_segments(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    cache: torch.Tensor,
+    segments: list[LatentSegment],
+    scale: float,
+    topk: int,
+    kernels: DirectKernels,
+) -> torch.Tensor:
+    """Every segment's `causal_top_positions` in one call of `kernels.index_topk_segments`:
+    q [tokens, heads, d], w [tokens, heads] of the batch, cache [slots, d] (the layer's keys,
+    in q's dtype) -> [tokens, topk], -1 in rows no segment holds. The kernel reads each
+    segment longer than topk at its slots, given as runs (nothing is gathered here: a
+    decode step's keys are packed by the task that scores them); the others keep every
+    position they see, without keys or scores. The tasks of all the segments share the
+    threads (a decode batch's steps are one call, not one per step)."""
+    kernel = kernels.index_topk_segments
+    assert kernel is not None
+    if q.dtype != cache.dtype or not cache.is_contiguous():
+        raise ValueError("the indexer's one-call selection reads a contiguous cache in q's dtype")
+    table: list[tuple[int, int, int, int, int]] = []
+    runs: list[torch.Tensor] = []
+    first = 0  # the segment's first row of `runs`
+    for seg in segments:
+        if seg.length <= topk:
+            table.append((seg.q_start, seg.q_len, seg.prefix_len, first, 0))
+        elif seg.runs:
+            runs.append(torch.tensor(seg.runs, dtype=torch.long).view(-1, 2))
+            table.append((seg.q_start, seg.q_len, seg.prefix_len, first, len(seg.runs)))
+        else:  # its slots alone: a run of one per position
+            runs.append(torch.stack([seg.slots, torch.ones_like(seg.slots)], 1))
+            table.append((seg.q_start, seg.q_len, seg.prefix_len, first, seg.length))
+        first += table[-1][4]
+    every = torch.cat(runs) if runs else torch.empty(0, 2, dtype=torch.long)
+    rows = torch.tensor(table, dtype=torch.long).view(-1, 5)
+    if q.dtype != torch.bfloat16:
+        q, cache = q.float(), cache.float()
+    return kernel(q, w.float(), cache, every, rows, scale, topk)
 
 
 def _kernel_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -338,6 +339,57 @@ def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
 
 
 @pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_batch_s_segments_in_one_call_pick_what_each_does_alone(
+    dtype: torch.dtype, threads: int
+) -> None:
+    """The native backend's one call for all of a batch's segments (a prompt chunk after a
+    cached prefix, decode steps of several lengths, a request shorter than topk, a padded row
+    no segment holds), each over its own slots of the key cache in scattered runs: per
+    segment the choice the kernel makes for it alone, and -1 in the padded row. Ties at the
+    boundary: integer queries and keys."""
+    from torch_threads import torch_threads
+
+    topk, heads, dim = 48, 4, INDEX_DIM
+    gen = torch.Generator().manual_seed(31)
+    cache = (torch.randn(4096, dim, generator=gen) * 2).round().to(dtype)
+    order = torch.randperm(4096, generator=gen)
+    # (q_start, q_len, length): the chunk's 20 queries after 180, steps of 300, 49 and 120
+    # positions, a request of 30 (<= topk), row 25 padding
+    shapes = [(0, 20, 200), (20, 1, 300), (21, 1, 49), (22, 1, 120), (23, 2, 30)]
+    segments, used = [], 0
+    for q_start, q_len, length in shapes:
+        slots = order[used : used + length]
+        used += length
+        segments.append(LatentSegment(q_start, q_len, slots))
+    # the step of 300 as a batch builds it: runs of slots (two, then a lone slot)
+    segments[1] = LatentSegment(20, 1, runs=((3000, 200), (3500, 99), (17, 1)))
+    tokens = 26
+    q = (torch.randn(tokens, heads, dim, generator=gen) * 2).round().to(dtype)
+    w = torch.randn(tokens, heads, generator=gen).round()
+    native = NativeBackend().kernels
+    calls = []
+
+    def counted(*args):
+        calls.append(args[4].shape[0])
+        return native.index_topk_segments(*args)
+
+    once = replace(native, index_topk_segments=counted)
+    with torch_threads(threads):
+        got = indexer_mod.select_segments(q, w, cache, segments, 0.25, topk, once)
+        for seg in segments:
+            alone = indexer_mod.causal_top_positions(
+                q[seg.rows], w[seg.rows], cache[seg.slots], seg.prefix_len, 0.25, topk, native
+            )
+            assert torch.equal(canonical(got[seg.rows]), canonical(alone)), seg
+    assert calls == [len(segments)]
+    assert (got[25] == -1).all()
+    every = torch.arange(topk)
+    assert torch.equal(got[23], torch.where(every < 29, every, -1))  # keeps all it sees
+
+
+@pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
 @pytest.mark.parametrize("spread", ["tiny", "denormal", "infinite", "one-value"])
 def test_the_selection_holds_on_every_spread_of_scores(spread: str) -> None:
     """The kernel's histogram over each row's range of finite scores: a range a few ulps wide,
@@ -531,6 +583,42 @@ def test_selection_mask_of_two_segments_in_one_batch(setup: Setup) -> None:
         )
     assert torch.equal(picked[:PROMPT], alone[0])
     assert torch.equal(picked[PROMPT:], alone[1])
+
+
+@pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
+def test_the_layer_selects_a_batch_in_one_native_call(setup: Setup) -> None:
+    """On the native backend the layer selects every segment of a batch (a prompt chunk, a
+    request no longer than topk, decode steps) in one kernel call, as segment by segment."""
+    layer, (x, q_latent) = setup.layer(), inputs()
+    slots = scattered_slots(PROMPT + 30, seed=8)
+    # rows 0-39: a prompt; 40-44: a request of 5; 45, 46: steps of 30 and 20 positions
+    segs = [
+        LatentSegment(0, PROMPT, slots[:PROMPT]),
+        LatentSegment(PROMPT, 5, slots[PROMPT : PROMPT + 5]),
+        LatentSegment(PROMPT + 5, 1, slots[50:80]),
+        LatentSegment(PROMPT + 6, 1, slots[:20]),
+    ]
+    xb, qb = torch.cat([x, x[:7]]), torch.cat([q_latent, q_latent[:7]])
+    positions = torch.cat([torch.arange(PROMPT), torch.arange(5), torch.tensor([29, 19])])
+    rope = setup.rotary.cos_sin(positions, torch.float32)
+    native = NativeBackend().kernels
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(args[4].shape[0])
+        return native.index_topk_segments(*args)
+
+    picks = []
+    for kernels in (
+        replace(native, index_topk_segments=counted),
+        replace(native, index_topk_segments=None),
+    ):
+        cache = torch.zeros(NUM_SLOTS, INDEX_DIM)
+        cache[slots[PROMPT:]] = rand(30, INDEX_DIM, seed=9)  # the steps' cached positions
+        with torch.no_grad():
+            picks.append(layer(xb, qb, rope, cache, segs, kernels=kernels))
+    assert calls == [4]
+    assert torch.equal(canonical(picks[0]), canonical(picks[1]))
 
 
 def test_segments_out_of_order_or_not_covering_the_batch(setup: Setup) -> None:

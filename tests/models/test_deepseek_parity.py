@@ -88,21 +88,31 @@ class BoundaryGaps:
         self.smallest = float("inf")
         self.rows = 0
         select = indexer_mod.causal_top_positions
+        at_once = indexer_mod.select_segments
 
         def spy(q, w, k, prefix_len: int, scale: float, topk: int, kernels) -> torch.Tensor:  # type: ignore[no-untyped-def]
-            scores = indexer_mod.causal_index_scores(
-                q, w, k, prefix_len, scale, kernels.index_scores
-            )
-            values = scores.sort(dim=-1, descending=True).values
-            over = torch.isfinite(values).sum(-1) > topk  # rows that drop some key
-            if over.any():
-                v = values[over]
-                gap = (v[:, topk - 1] - v[:, topk]) / v[:, 0].abs().clamp_min(1e-30)
-                self.smallest = min(self.smallest, gap.min().item())
-                self.rows += int(over.sum())
+            self.record(q, w, k, prefix_len, scale, topk, kernels)
             return select(q, w, k, prefix_len, scale, topk, kernels)
 
+        def spy_at_once(q, w, cache, segments, scale, topk, kernels) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            for seg in segments:  # the native backend's: every segment in one call
+                if seg.length > topk:
+                    k = seg.read(cache)
+                    self.record(q[seg.rows], w[seg.rows], k, seg.prefix_len, scale, topk, kernels)
+            return at_once(q, w, cache, segments, scale, topk, kernels)
+
         mp.setattr(indexer_mod, "causal_top_positions", spy)
+        mp.setattr(indexer_mod, "select_segments", spy_at_once)
+
+    def record(self, q, w, k, prefix_len: int, scale: float, topk: int, kernels) -> None:  # type: ignore[no-untyped-def]
+        scores = indexer_mod.causal_index_scores(q, w, k, prefix_len, scale, kernels.index_scores)
+        values = scores.sort(dim=-1, descending=True).values
+        over = torch.isfinite(values).sum(-1) > topk  # rows that drop some key
+        if over.any():
+            v = values[over]
+            gap = (v[:, topk - 1] - v[:, topk]) / v[:, 0].abs().clamp_min(1e-30)
+            self.smallest = min(self.smallest, gap.min().item())
+            self.rows += int(over.sum())
 
 
 class SparseReads:
