@@ -16,9 +16,11 @@
 //    bfloat16 values exactly and adds both products into a float32 lane, so a 16-key vector
 //    advances two dimensions of every key at once (32 multiply-adds per instruction, twice
 //    float32's); blocks of 32 keys packed [d / 2][32][2]. A bfloat16 call on a CPU without
-//    it, or at an odd d, widens its inputs to float32 first.
+//    it, or at an odd d, widens the queries, and each key as it is packed, to float32.
 // Blocks of a query's future are skipped, the rest of its row is masked. Work is split over
-// blocks of queries as the prefill kernels split theirs (prefill::run_tasks).
+// blocks of queries as the prefill kernels split theirs (prefill::run_tasks); the selection's
+// tasks of every segment of a call (index_topk_segments: a batch's requests, each over its
+// own rows of the key cache) share the threads, those that see the most keys first.
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
@@ -46,6 +48,27 @@ namespace {
 
 constexpr int64_t kQueries = 24;  // queries per task (a multiple of each form's kPair)
 
+// Where a segment's keys are: key j is row j of `keys`, or with `runs` ([count][2]: first row,
+// rows) the row its run puts it at (`starts`: the position each run starts at). The rows are
+// float32 or bfloat16 (`bf16`).
+struct KeyRows {
+  const void* keys = nullptr;
+  bool bf16 = false;
+  const int64_t* runs = nullptr;
+  const int64_t* starts = nullptr;
+  int64_t count = 0;
+
+  int64_t row(int64_t j) const {
+    if (runs == nullptr) return j;
+    const int64_t r = std::upper_bound(starts, starts + count, j) - starts - 1;
+    return runs[2 * r] + (j - starts[r]);
+  }
+  float value(int64_t row, int64_t t, int64_t d) const {
+    return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(keys)[row * d + t])
+                : static_cast<const float*>(keys)[row * d + t];
+  }
+};
+
 // What the tiles read: T is the storage of queries and keys (float, or c10::BFloat16 in the
 // AVX512-BF16 form).
 template <typename T>
@@ -55,8 +78,7 @@ struct Inputs {
   const T* packed;   // the keys as the form packs them, zero past L (null: not packed yet)
   int64_t n, H, d, L, prefix;
   float scale;
-  const T* keys = nullptr;         // where key j is: row slot[j] of keys (row j without slot)
-  const int64_t* slot = nullptr;
+  KeyRows src;  // where the keys are, to pack them in a task when `packed` is null
 };
 
 // Where a task's score rows go: row i at base + (i - row0) * L (the output tensor, or a
@@ -82,12 +104,17 @@ struct F32Keys {
   static constexpr int64_t kKeys = 2 * vec8::kLanes;
   static constexpr int64_t kPair = 6;  // queries per register tile
 
-  // key j: row slot[j] of k (row j without slot)
-  static void pack(const float* k, const int64_t* slot, int64_t L, int64_t d, float* packed) {
+  // bfloat16 rows widened here (a CPU without AVX512-BF16): only the keys read, never a
+  // whole cache
+  static void pack(const KeyRows& src, int64_t L, int64_t d, float* packed) {
     pack_blocks(L, kKeys, [&](int64_t j) {
       float* dst = packed + (j / kKeys) * d * kKeys + j % kKeys;
-      const float* src = j < L ? k + (slot ? slot[j] : j) * d : nullptr;
-      for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = src ? src[t] : 0.f;
+      if (j >= L) {
+        for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = 0.f;
+        return;
+      }
+      const int64_t row = src.row(j);
+      for (int64_t t = 0; t < d; ++t) dst[t * kKeys] = src.value(row, t, d);
     });
   }
 
@@ -142,13 +169,13 @@ struct Bf16Keys {
   // on Zen 4, 16 heads of 64)
   static constexpr int64_t kPair = 4;
 
-  static void pack(const T* k, const int64_t* slot, int64_t L, int64_t d, T* packed) {
+  static void pack(const KeyRows& src, int64_t L, int64_t d, T* packed) {
     pack_blocks(L, kKeys, [&](int64_t j) {
       T* dst = packed + (j / kKeys) * d * kKeys + (j % kKeys) * 2;
-      const T* src = j < L ? k + (slot ? slot[j] : j) * d : nullptr;
+      const T* row = j < L ? static_cast<const T*>(src.keys) + src.row(j) * d : nullptr;
       for (int64_t t = 0; t < d; t += 2) {
-        dst[t * kKeys] = src ? src[t] : T(0.f);
-        dst[t * kKeys + 1] = src ? src[t + 1] : T(0.f);
+        dst[t * kKeys] = row ? row[t] : T(0.f);
+        dst[t * kKeys + 1] = row ? row[t + 1] : T(0.f);
       }
     });
   }
@@ -440,12 +467,12 @@ void run_topk(const std::vector<Inputs<typename F::T>>& ins, const std::vector<i
       for (int64_t t = next++; t < count; t = next++) {
         Inputs<typename F::T> in = ins[tasks[t].seg];
         int64_t* pick = picks[tasks[t].seg];
-        if (in.packed == nullptr && in.keys != nullptr && in.prefix + in.n > topk) {
+        if (in.packed == nullptr && in.src.keys != nullptr && in.prefix + in.n > topk) {
           // a decode step's keys: packed here, on this thread, into its scratch (inline: no
           // parallel region inside this one), read by this task alone
-          s.keys.resize(std::max(s.keys.size(), static_cast<size_t>(
-                                                    (in.L + F::kKeys - 1) / F::kKeys * in.d * F::kKeys)));
-          F::pack(in.keys, in.slot, in.L, in.d, s.keys.data());
+          const int64_t size = (in.L + F::kKeys - 1) / F::kKeys * in.d * F::kKeys;
+          s.keys.resize(std::max(s.keys.size(), static_cast<size_t>(size)));
+          F::pack(in.src, in.L, in.d, s.keys.data());
           in.packed = s.keys.data();
         }
         const int64_t q0 = tasks[t].q0, q1 = tasks[t].q1;
@@ -474,19 +501,21 @@ void run_topk(const std::vector<Inputs<typename F::T>>& ins, const std::vector<i
 }
 
 // A call's segments: segment g's queries are rows [q_start, q_start + q_len) of q and w, at
-// positions prefix .. prefix + q_len - 1 of its keys; key j is row slot[j] of k (slot: null for
-// row j, else one per position) or, with no keys (keys false), the segment sees no more than
-// topk positions and keeps them all.
+// positions prefix .. prefix + q_len - 1 of its keys, which are rows of k: row j, or along
+// `runs` (KeyRows); with no keys (keys false) the segment sees no more than topk positions and
+// keeps them all.
 struct Segment {
   int64_t q_start, q_len, prefix;
   bool keys;
-  const int64_t* slot;
+  const int64_t* runs = nullptr;
+  const int64_t* starts = nullptr;
+  int64_t count = 0;
 };
 
 // Checks the inputs, packs each segment's keys in the form the dtype and this CPU take (a
 // segment of one query, when `in_tasks`, is packed later in its own task: see run_topk), and
 // calls run(form, inputs of every segment): bfloat16 q and k (d even) in the AVX512-BF16 form
-// where built, anything else as float32.
+// where built, anything else as float32 (bfloat16 keys widened as they are packed).
 template <typename Run>
 void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, const std::vector<Segment>& segs,
                  double scale, bool in_tasks, Run&& run) {
@@ -503,9 +532,10 @@ void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, const std::vector<Seg
     TORCH_CHECK(g.q_start >= 0 && g.q_len >= 0 && g.q_start + g.q_len <= n && g.prefix >= 0,
                 "a segment's queries lie outside q");
   w = w.contiguous();
+  k = k.contiguous();
   const float s = static_cast<float>(scale);
   auto up_front = [&](const Segment& g) { return g.keys && !(in_tasks && g.q_len == 1); };
-  auto packed_inputs = [&](auto form, auto* qp, auto* kp, const at::TensorOptions& options) {
+  auto packed_inputs = [&](auto form, auto* qp, const at::TensorOptions& options) {
     using F = decltype(form);
     using T = typename F::T;
     auto blocks = [&](const Segment& g) {
@@ -520,12 +550,9 @@ void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, const std::vector<Seg
       const int64_t L = g.prefix + g.q_len;
       Inputs<T> in{qp + g.q_start * H * d, w.data_ptr<float>() + g.q_start * H, nullptr,
                    g.q_len, H, d, L, g.prefix, s};
-      if (g.keys) {
-        in.keys = kp;
-        in.slot = g.slot;
-      }
+      if (g.keys) in.src = KeyRows{k.data_ptr(), bf16, g.runs, g.starts, g.count};
       if (up_front(g)) {
-        F::pack(kp, g.slot, L, d, dst);
+        F::pack(in.src, L, d, dst);
         in.packed = dst;
         dst += blocks(g);
       }
@@ -535,16 +562,13 @@ void with_inputs(at::Tensor q, at::Tensor w, at::Tensor k, const std::vector<Seg
   };
 #ifdef PIPESERVE_BF16_PAIRS
   if (bf16 && d % 2 == 0) {
-    using T = c10::BFloat16;
     q = q.contiguous();
-    k = k.contiguous();
-    packed_inputs(Bf16Keys{}, q.data_ptr<T>(), k.data_ptr<T>(), k.options());
+    packed_inputs(Bf16Keys{}, q.data_ptr<c10::BFloat16>(), k.options());
     return;
   }
 #endif
   q = q.to(at::kFloat).contiguous();
-  k = k.to(at::kFloat).contiguous();
-  packed_inputs(F32Keys{}, q.data_ptr<float>(), k.data_ptr<float>(), k.options());
+  packed_inputs(F32Keys{}, q.data_ptr<float>(), k.options().dtype(at::kFloat));
 }
 
 // One segment: q's queries at the last positions of k, its rows in order.
@@ -552,7 +576,7 @@ std::vector<Segment> whole(const at::Tensor& q, const at::Tensor& k, int64_t pre
   TORCH_CHECK(q.dim() == 3 && k.dim() == 2, "q [n,H,d], k [L,d] expected");
   TORCH_CHECK(prefix >= 0 && prefix + q.size(0) == k.size(0),
               "k must hold the prefix and the queries' own keys");
-  return {Segment{0, q.size(0), prefix, true, nullptr}};
+  return {Segment{0, q.size(0), prefix, true}};
 }
 
 }  // namespace
@@ -615,8 +639,8 @@ at::Tensor index_topk_segments(at::Tensor q, at::Tensor w, at::Tensor cache, at:
   const int64_t* rows = segments.data_ptr<int64_t>();
   const int64_t* run = runs.data_ptr<int64_t>();
   const int64_t slots = cache.size(0), R = runs.size(0);
-  // each segment's slot per position, expanded from its runs
-  std::vector<std::vector<int64_t>> slot_of(segments.size(0));
+  // where each run starts among its segment's positions: O(runs), not O(positions)
+  std::vector<std::vector<int64_t>> starts(segments.size(0));
   std::vector<Segment> segs;
   for (int64_t g = 0; g < segments.size(0); ++g) {
     const int64_t* r = rows + 5 * g;
@@ -624,19 +648,19 @@ at::Tensor index_topk_segments(at::Tensor q, at::Tensor w, at::Tensor cache, at:
     TORCH_CHECK(r[4] >= 0 && r[3] >= 0 && r[3] + r[4] <= R, "a segment's runs lie outside runs");
     if (r[4] == 0) {
       TORCH_CHECK(L <= topk, "a segment without keys must see no more than topk positions");
-      segs.push_back(Segment{r[0], r[1], r[2], false, nullptr});
+      segs.push_back(Segment{r[0], r[1], r[2], false});
       continue;
     }
-    std::vector<int64_t>& at = slot_of[g];
-    at.reserve(L);
-    for (int64_t i = r[3]; i < r[3] + r[4] && static_cast<int64_t>(at.size()) < L; ++i) {
-      const int64_t first = run[2 * i], count = run[2 * i + 1];
-      TORCH_CHECK(first >= 0 && count >= 0 && first + count <= slots, "a run lies outside cache");
-      for (int64_t j = 0; j < count && static_cast<int64_t>(at.size()) < L; ++j)
-        at.push_back(first + j);
+    std::vector<int64_t>& first = starts[g];
+    int64_t covered = 0;
+    for (int64_t i = r[3]; i < r[3] + r[4]; ++i) {
+      const int64_t slot = run[2 * i], count = run[2 * i + 1];
+      TORCH_CHECK(slot >= 0 && count > 0 && slot + count <= slots, "a run lies outside cache");
+      first.push_back(covered);
+      covered += count;
     }
-    TORCH_CHECK(static_cast<int64_t>(at.size()) == L, "a segment's runs cover fewer positions");
-    segs.push_back(Segment{r[0], r[1], r[2], true, at.data()});
+    TORCH_CHECK(covered >= L, "a segment's runs cover fewer positions than it has");
+    segs.push_back(Segment{r[0], r[1], r[2], true, run + 2 * r[3], first.data(), r[4]});
   }
   const int64_t n = q.size(0);
   at::Tensor pick = new_pick(n, topk, w.options().dtype(at::kLong));

@@ -117,7 +117,7 @@ class Indexer(nn.Module):
         selected positions of each token's request, -1 for none. kernels: the run backend's
         (its compiled selection where it has one). steps: the batch's decode steps as a page
         table, all of them selected at once (`decode_top_positions`: no host sync, launches
-        per group of similar lengths, not per step); the other segments one at a time."""
+        per group of similar lengths, not per step); the other segments as `_select` does."""
         self.write_keys(x, rope, cache, segments, new_slots)
         if steps is None:
             return self._select(x, q_latent, rope, cache, segments, kernels)
@@ -143,7 +143,12 @@ class Indexer(nn.Module):
         kernels' `index_topk_segments` where they have it (the native backend's), else one
         segment at a time; `qw`: the tokens' queries and head weights where made already."""
         topk = self.config.topk
-        if kernels.index_topk_segments is not None and any(s.length > topk for s in segments):
+        if (
+            kernels.index_topk_segments is not None
+            and any(s.length > topk for s in segments)
+            and cache.dtype in (torch.float32, torch.bfloat16)
+            and cache.is_contiguous()
+        ):
             made = qw if qw is not None else (self.queries(q_latent, rope), self.head_weights(x))
             return select_segments(*made, cache, segments, self.scale, topk, kernels)
         q, w = qw if qw is not None else (None, None)
@@ -274,6 +279,8 @@ def causal_top_positions(
         q, k = _kernel_inputs(q, k)
         return kernel(q, w.float(), k, prefix_len, scale, topk)
     n = q.shape[0]
+    if n == 0:
+        return torch.full((0, topk), -1, dtype=torch.long, device=q.device)
     block = max(1, SCORE_BLOCK_ELEMENTS // max(1, k.shape[0]))
     parts = []
     for first in range(0, n, block):  # a block's scores over the keys it sees, then its choice
@@ -297,15 +304,14 @@ def select_segments(
 ) -> torch.Tensor:
     """Every segment's `causal_top_positions` in one call of `kernels.index_topk_segments`:
     q [tokens, heads, d], w [tokens, heads] of the batch, cache [slots, d] (the layer's keys,
-    in q's dtype) -> [tokens, topk], -1 in rows no segment holds. The kernel reads each
-    segment longer than topk at its slots, given as runs (nothing is gathered here: a
-    decode step's keys are packed by the task that scores them); the others keep every
+    contiguous, float32 or bfloat16) -> [tokens, topk], -1 in rows no segment holds. The
+    kernel reads each segment longer than topk at its slots, given as runs (nothing is
+    gathered here: a decode step's keys are packed by the task that scores them, bfloat16
+    widened there on CPUs without AVX512-BF16, never a whole cache); the others keep every
     position they see, without keys or scores. The tasks of all the segments share the
     threads (a decode batch's steps are one call, not one per step)."""
     kernel = kernels.index_topk_segments
     assert kernel is not None
-    if q.dtype != cache.dtype or not cache.is_contiguous():
-        raise ValueError("the indexer's one-call selection reads a contiguous cache in q's dtype")
     table: list[tuple[int, int, int, int, int]] = []
     runs: list[torch.Tensor] = []
     first = 0  # the segment's first row of `runs`
@@ -321,9 +327,7 @@ def select_segments(
         first += table[-1][4]
     every = torch.cat(runs) if runs else torch.empty(0, 2, dtype=torch.long)
     rows = torch.tensor(table, dtype=torch.long).view(-1, 5)
-    if q.dtype != torch.bfloat16:
-        q, cache = q.float(), cache.float()
-    return kernel(q, w.float(), cache, every, rows, scale, topk)
+    return kernel(q.to(cache.dtype), w.float(), cache, every, rows, scale, topk)
 
 
 def _kernel_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -284,8 +284,10 @@ class MLAttention(nn.Module):
             fetched = plan.fetch(layer_id, wanted, lambda s: cache[s])
         out = x.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)
         for seg, chosen, want, rows in zip(plan.segments, blocks, wanted, fetched, strict=True):
-            # the rows no query here chose stay unset: the attention reads none of them
-            latents = cache.new_empty(seg.prefix + seg.length, cache.shape[1])
+            # the rows no query here chose stay unset: the attention reads none of them (a
+            # reused buffer, valid until the next segment's)
+            shape = (seg.prefix + seg.length, cache.shape[1])
+            latents = plan.ctx.buffers.get("latents", shape, cache.dtype, cache.device)
             latents[want] = rows
             latents[seg.prefix :] = plan.chunk_rows(seg, chunks)
             self._attend_blocks(q, out, latents, seg.query_blocks(), kernels, chosen)
@@ -306,6 +308,11 @@ class MLAttention(nn.Module):
         absorbed or on keys up-projected once for all the blocks."""
         prefill = kernels.prefill(q.dtype)
         expanded: ExpandedKeys | None = None
+        # the blocks not over chosen positions read [0, end): up-projected that far at most
+        dense = max(
+            (end for i, (_, end, _) in enumerate(blocks) if not chosen or chosen[i] is None),
+            default=0,
+        )
         for i, (first, end, rows) in enumerate(blocks):
             seg_view = LatentSegment(0, end - first, runs=((0, end),), device=q.device)
             picked = None if chosen is None else chosen[i]
@@ -315,7 +322,7 @@ class MLAttention(nn.Module):
                 out[rows] = self.absorbed(q[rows], seg_view, latents)
             else:
                 if expanded is None:
-                    expanded = ExpandedKeys(*self.expand(latents), prefill)
+                    expanded = ExpandedKeys(*self.expand(latents[:dense]), prefill)
                 out[rows] = expanded.attend(q[rows], first, end, self.scale)
 
     def absorbs(self, mode: Mode, seg: LatentSegment, prefill: Kernel | None = None) -> bool:

@@ -38,11 +38,20 @@ def context_parallel(
             "partial attention results, which the batch-invariant kernels do not cover"
         )
     p = config.parallel
-    if arch.mla is not None and (p.cp_kv_exchange == "ring" or p.cp_prefix_mode == "merge"):
-        raise ValueError(
-            "--cp-kv-exchange ring and --cp-prefix-mode merge are for GQA models: an MLA "
-            "model (DeepSeek) re-gathers its latent rows under --cp-size"
-        )
+    if arch.mla is not None:
+        given = [
+            flag
+            for flag, on in (
+                ("--cp-kv-exchange ring", p.cp_kv_exchange == "ring"),
+                ("--cp-prefix-mode merge", p.cp_prefix_mode == "merge"),
+            )
+            if on
+        ]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)}: for GQA models only; an MLA model (DeepSeek) moves "
+                "its latent rows itself under --cp-size (drop the flag)"
+            )
     return CpContext(
         state.cp_size,
         state.cp_rank,

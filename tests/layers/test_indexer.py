@@ -339,19 +339,23 @@ def test_the_native_selection_is_the_rule_s_on_the_kernel_s_scores(
 
 
 @pytest.mark.skipif(native_index_topk() is None, reason="the native CPU kernels do not build")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "dim"),
+    [(torch.float32, INDEX_DIM), (torch.bfloat16, INDEX_DIM), (torch.bfloat16, 17)],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_batch_s_segments_in_one_call_pick_what_each_does_alone(
-    dtype: torch.dtype, threads: int
+    dtype: torch.dtype, dim: int, threads: int
 ) -> None:
     """The native backend's one call for all of a batch's segments (a prompt chunk after a
     cached prefix, decode steps of several lengths, a request shorter than topk, a padded row
     no segment holds), each over its own slots of the key cache in scattered runs: per
     segment the choice the kernel makes for it alone, and -1 in the padded row. Ties at the
-    boundary: integer queries and keys."""
+    boundary: integer queries and keys. bfloat16 at an odd dim: the float32 form, each key
+    widened as it is packed (a CPU without AVX512-BF16 takes it for every bfloat16 call)."""
     from torch_threads import torch_threads
 
-    topk, heads, dim = 48, 4, INDEX_DIM
+    topk, heads = 48, 4
     gen = torch.Generator().manual_seed(31)
     cache = (torch.randn(4096, dim, generator=gen) * 2).round().to(dtype)
     order = torch.randperm(4096, generator=gen)
@@ -590,13 +594,14 @@ def test_the_layer_selects_a_batch_in_one_native_call(setup: Setup) -> None:
     """On the native backend the layer selects every segment of a batch (a prompt chunk, a
     request no longer than topk, decode steps) in one kernel call, as segment by segment."""
     layer, (x, q_latent) = setup.layer(), inputs()
-    slots = scattered_slots(PROMPT + 30, seed=8)
+    slots = scattered_slots(PROMPT + 5 + 30 + 20, seed=8)
+    step_a, step_b = slots[PROMPT + 5 : PROMPT + 35], slots[PROMPT + 35 :]
     # rows 0-39: a prompt; 40-44: a request of 5; 45, 46: steps of 30 and 20 positions
     segs = [
         LatentSegment(0, PROMPT, slots[:PROMPT]),
         LatentSegment(PROMPT, 5, slots[PROMPT : PROMPT + 5]),
-        LatentSegment(PROMPT + 5, 1, slots[50:80]),
-        LatentSegment(PROMPT + 6, 1, slots[:20]),
+        LatentSegment(PROMPT + 5, 1, step_a),
+        LatentSegment(PROMPT + 6, 1, step_b),
     ]
     xb, qb = torch.cat([x, x[:7]]), torch.cat([q_latent, q_latent[:7]])
     positions = torch.cat([torch.arange(PROMPT), torch.arange(5), torch.tensor([29, 19])])
@@ -614,7 +619,8 @@ def test_the_layer_selects_a_batch_in_one_native_call(setup: Setup) -> None:
         replace(native, index_topk_segments=None),
     ):
         cache = torch.zeros(NUM_SLOTS, INDEX_DIM)
-        cache[slots[PROMPT:]] = rand(30, INDEX_DIM, seed=9)  # the steps' cached positions
+        cache[step_a[:-1]] = rand(29, INDEX_DIM, seed=9)  # the steps' cached positions
+        cache[step_b[:-1]] = rand(19, INDEX_DIM, seed=10)
         with torch.no_grad():
             picks.append(layer(xb, qb, rope, cache, segs, kernels=kernels))
     assert calls == [4]
