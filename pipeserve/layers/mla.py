@@ -174,9 +174,19 @@ class MLAttention(nn.Module):
             kept = [i for i, seg in enumerate(segments) if seg.q_len != 1]
             segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
         prefill = kernels.prefill(x.dtype)
+        latent = [
+            (seg, chosen)
+            for seg, chosen in zip(segments, selected, strict=True)
+            if chosen is not None
+            and not self.sparse_expands(seg.q_len, seg.length, kernels, q.dtype)
+        ]
+        if latent:  # every request that attends in latent space (decode steps): one call
+            rows, o = self.sparse_latent_rows(q, latent, cache, kernels)
+            out[rows] = o
         for seg, chosen in zip(segments, selected, strict=True):
             if chosen is not None:
-                out[seg.rows] = self.sparse(q[seg.rows], seg, cache, chosen, kernels)
+                if self.sparse_expands(seg.q_len, seg.length, kernels, q.dtype):
+                    out[seg.rows] = self.sparse(q[seg.rows], seg, cache, chosen, kernels)
             elif self.absorbs(mode, seg, prefill):
                 out[seg.rows] = self.absorbed(q[seg.rows], seg, cache)
             else:
@@ -452,6 +462,37 @@ class MLAttention(nn.Module):
         if self.sparse_expands(seg.q_len, seg.length, kernels, q.dtype):
             return self.sparse_expanded(q, seg.read(cache), chosen, kernels, keys_read)
         return self.absorbed(q, seg, cache, chosen, kernels, keys_read)
+
+    def sparse_latent_rows(
+        self,
+        q: torch.Tensor,
+        parts: list[tuple[LatentSegment, torch.Tensor]],
+        cache: torch.Tensor,
+        kernels: DirectKernels = TORCH_KERNELS,
+        keys_read: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sparse` in latent space for several requests at once (a batch's decode steps):
+        parts: (segment, its chosen positions [q_len, topk]) -> (their rows [m] of q [tokens,
+        heads, qk_head_dim], in the parts' order; the output [m, heads, v_head_dim]). Each
+        query reads its chosen cache rows only, all queries in one call of the kernel and
+        one absorption each way."""
+        device = q.device
+        rows = torch.cat(
+            [torch.arange(seg.q_start, seg.q_start + seg.q_len, device=device) for seg, _ in parts]
+        )
+        slots = torch.cat(
+            [
+                torch.where(chosen >= 0, seg.slots_at(chosen.clamp_min(0)), -1)
+                for seg, chosen in parts
+            ]
+        )
+        q_cat = self.latent_query(q[rows])
+        rank = self.mla.kv_lora_rank
+        with region("attention.kernel"):
+            o = sparse_latent_attention(
+                q_cat, cache, slots, rank, self.scale, kernels.sparse_latent, keys_read
+            )
+        return rows, self.values_out(o)
 
     def sparse_expands(
         self, q_len: int, length: int, kernels: DirectKernels, dtype: torch.dtype

@@ -394,6 +394,41 @@ def test_sparse_absorbed_reads_only_chosen_rows_like_masked_expanded(
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_several_requests_attend_in_latent_space_in_one_call(setup: Setup, native: bool) -> None:
+    """A batch's latent requests (three decode steps of 60, 30 and 15 positions, and a chunk
+    of 3 queries) in one call: each row what the request computes alone (`absorbed` over its
+    chosen rows), and the pairs read are the chosen ones."""
+    if native and NativeBackend().kernels.sparse_latent is None:
+        pytest.skip("the native CPU kernels do not build")
+    layer, cache = setup.layer(), rand(NUM_SLOTS, RANK + ROPE, seed=15)
+    kernels = NativeBackend().kernels if native else TORCH_KERNELS
+    slots = scattered_slots(60 + 30 + 20 + 15, 16)
+    gen = torch.Generator().manual_seed(17)
+    parts, first, start = [], 0, 0
+    for q_len, length in ((1, 60), (1, 30), (3, 20), (1, 15)):
+        seg = LatentSegment(start, q_len, slots[first : first + length])
+        chosen = torch.stack(
+            [torch.randperm(length - q_len + i + 1, generator=gen)[:12] for i in range(q_len)]
+        )
+        parts.append((seg, chosen))
+        first, start = first + length, start + q_len
+    parts[1][1][0, 7:] = -1  # fewer than topk
+    parts = [parts[3], parts[0], parts[2], parts[1]]  # not in row order
+    q = layer.query(
+        rand(start, HIDDEN, seed=18), setup.rope(torch.arange(start) + 60, torch.float32)
+    )
+    read = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        rows, got = layer.sparse_latent_rows(q, parts, cache, kernels, read)
+        for seg, chosen in parts:
+            at = (rows >= seg.q_start) & (rows < seg.q_start + seg.q_len)
+            assert rows[at].tolist() == list(range(seg.q_start, seg.q_start + seg.q_len))
+            alone = layer.absorbed(q[seg.rows], seg, cache, chosen, kernels)
+            torch.testing.assert_close(got[at], alone, atol=1e-5, rtol=0)
+    assert read.item() == sum(int((chosen >= 0).sum()) for _, chosen in parts)
+
+
 @pytest.mark.parametrize("mode", ["expanded", "absorbed", "auto"])
 def test_chunks_on_accelerator_kernels_match_cpu_kernels(
     setup: Setup, mode: Mode, monkeypatch: pytest.MonkeyPatch

@@ -136,6 +136,21 @@ class SparseReads:
             return out
 
         mp.setattr(mla_mod.MLAttention, "sparse", spy)
+        at_once = mla_mod.MLAttention.sparse_latent_rows
+
+        def spy_at_once(layer, q, parts, cache, kernels, keys_read=None):  # type: ignore[no-untyped-def]
+            read = torch.zeros(1, dtype=torch.long)
+            out = at_once(layer, q, parts, cache, kernels, read)
+            want = 0
+            for seg, chosen in parts:  # the batch's latent requests (decode steps), in one call
+                assert not layer.sparse_expands(seg.q_len, seg.length, kernels, q.dtype)
+                visible = seg.prefix_len + 1 + torch.arange(seg.q_len)
+                want += int(visible.clamp(max=chosen.shape[1]).sum())
+            assert read.item() == want
+            self.calls["latent"] += 1
+            return out
+
+        mp.setattr(mla_mod.MLAttention, "sparse_latent_rows", spy_at_once)
 
 
 def run_engine(path: Path, layout: dict[str, Any], ids: list[list[int]]) -> list[dict[str, Any]]:
