@@ -166,6 +166,7 @@ class Exchange:
     work: Any
     out: torch.Tensor  # [N * rows, ...]: every rank's rows
     fresh: torch.Tensor  # this rank's fresh rows [rows, ...] (decode steps read their own)
+    write_src: torch.Tensor  # the rows of `out` that `finish` writes to the pool
     launched: float = 0.0  # when the launch began (timeline)
 
 
@@ -411,7 +412,7 @@ class CpPlan:
         """Start exchange A of a layer: fresh [rows, ...] is what this rank's tokens cache
         (K/V, or MLA's latent rows), `cached(local slots)` reads the same from its pool."""
         if self.a_rows == 0:
-            return Exchange(None, fresh.new_empty(0, *fresh.shape[1:]), fresh)
+            return Exchange(None, fresh.new_empty(0, *fresh.shape[1:]), fresh, self.write_src)
         start = now()
         buffers, dtype, device = self.ctx.buffers, fresh.dtype, fresh.device
         send = buffers.get("a_send", (self.a_rows, *fresh.shape[1:]), dtype, device)
@@ -423,11 +424,19 @@ class CpPlan:
         if self.ctx.ring:  # the other ranks' rows arrive step by step in attend
             me = self.ctx.rank
             out[me * self.a_rows : (me + 1) * self.a_rows] = send
-            return Exchange(None, out, fresh, start)
-        work = dist.all_gather_single(out, send, group=self.ctx.group, async_op=True)
+            return Exchange(None, out, fresh, self.write_src, start)
+        return self._all_gather(
+            layer_id, send, out, Exchange(None, out, fresh, self.write_src, start)
+        )
+
+    def _all_gather(
+        self, layer_id: int, send: torch.Tensor, out: torch.Tensor, exchange: Exchange
+    ) -> Exchange:
+        """All-gathers every rank's `send` into `out` for `exchange` (waited for at once
+        where the exchange does not overlap the query projection)."""
+        exchange.work = dist.all_gather_single(out, send, group=self.ctx.group, async_op=True)
         peers = send.nbytes * (self.ctx.size - 1)  # its rows to every other rank, theirs back
-        record_comm("cp_kv_launch", start, layer_id, peers, peers)
-        exchange = Exchange(work, out, fresh, start)
+        record_comm("cp_kv_launch", exchange.launched, layer_id, peers, peers)
         if not self.ctx.overlap:
             self._wait(exchange, layer_id)
         return exchange
@@ -450,48 +459,30 @@ class CpPlan:
         layer_id: int,
         write: Callable[[torch.Tensor, torch.Tensor], None],
     ) -> None:
-        """Wait for exchange A and write the rows of the pages this rank holds to its pool
-        (`write(local slots, rows)`): chunk positions from the exchange, decode tokens from
-        its own rows."""
+        """Wait for exchange A (or a `launch_chunk` exchange) and write the rows of the pages
+        this rank holds to its pool (`write(local slots, rows)`): chunk positions from the
+        exchange, decode tokens from its own rows."""
         self._wait(exchange, layer_id)
         if self.write_slots.numel():
-            write(self.write_slots, exchange.out[self.write_src])
+            write(self.write_slots, exchange.out[exchange.write_src])
         if self.decode_write_slots.numel():
             write(self.decode_write_slots, exchange.fresh[self.decode_write_rows])
 
     def launch_chunk(self, layer_id: int, fresh: torch.Tensor) -> Exchange:
         """Exchange A's chunk rows alone, without any prefix: every rank's rows of the
-        batch's prompt chunks all-gathered ([N * a_chunk_max, ...]; `finish_chunk` writes the
+        batch's prompt chunks all-gathered ([N * a_chunk_max, ...]; `finish` writes the
         positions of the pages this rank holds). DeepSeek-V3.2's latent rows go this way; the
         rows of a prefix its queries chose are asked of their holders (`fetch`)."""
+        src = self.write_src_chunk
         if self.a_chunk_max == 0:
-            return Exchange(None, fresh.new_empty(0, *fresh.shape[1:]), fresh)
+            return Exchange(None, fresh.new_empty(0, *fresh.shape[1:]), fresh, src)
         start = now()
         buffers, dtype, device = self.ctx.buffers, fresh.dtype, fresh.device
         send = buffers.get("chunk_send", (self.a_chunk_max, *fresh.shape[1:]), dtype, device)
         send[: self.a_chunk_rows.numel()] = fresh[self.a_chunk_rows]
         shape = (self.ctx.size * self.a_chunk_max, *send.shape[1:])
         out = buffers.get("chunk_out", shape, dtype, device)
-        work = dist.all_gather_single(out, send, group=self.ctx.group, async_op=True)
-        peers = send.nbytes * (self.ctx.size - 1)
-        record_comm("cp_kv_launch", start, layer_id, peers, peers)
-        exchange = Exchange(work, out, fresh, start)
-        if not self.ctx.overlap:
-            self._wait(exchange, layer_id)
-        return exchange
-
-    def finish_chunk(
-        self,
-        exchange: Exchange,
-        layer_id: int,
-        write: Callable[[torch.Tensor, torch.Tensor], None],
-    ) -> None:
-        """`finish` for a `launch_chunk` exchange."""
-        self._wait(exchange, layer_id)
-        if self.write_slots.numel():
-            write(self.write_slots, exchange.out[self.write_src_chunk])
-        if self.decode_write_slots.numel():
-            write(self.decode_write_slots, exchange.fresh[self.decode_write_rows])
+        return self._all_gather(layer_id, send, out, Exchange(None, out, fresh, src, start))
 
     def chunk_rows(self, seg: Segment, exchange: Exchange) -> torch.Tensor:
         """A segment's rows of its new positions [length, ...] from a `launch_chunk` exchange

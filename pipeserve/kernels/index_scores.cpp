@@ -26,7 +26,6 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -455,16 +454,15 @@ void run_topk(const std::vector<Inputs<typename F::T>>& ins, const std::vector<i
     std::vector<uint16_t> tags;
     std::vector<typename F::T> keys;  // a one-task segment's keys, packed in its task
   };
-  std::atomic<int64_t> next{0};
-  const int64_t count = static_cast<int64_t>(tasks.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t worker = begin; worker < end; ++worker) {
-      // each thread's scratch kept between calls (up to prefill::kKeptScratchBytes):
-      // allocated afresh, its pages may be faulted in and zeroed again on every prompt chunk
-      // and layer
-      thread_local Scratch s;
-      for (int64_t t = next++; t < count; t = next++) {
+  // each thread's scratch kept between calls (up to prefill::kKeptScratchBytes): allocated
+  // afresh, its pages may be faulted in and zeroed again on every prompt chunk and layer
+  prefill::run_in_order(
+      static_cast<int64_t>(tasks.size()),
+      []() -> Scratch& {
+        thread_local Scratch kept;
+        return kept;
+      },
+      [&](Scratch& s, int64_t t) {
         Inputs<typename F::T> in = ins[tasks[t].seg];
         int64_t* pick = picks[tasks[t].seg];
         if (in.packed == nullptr && in.src.keys != nullptr && in.prefix + in.n > topk) {
@@ -495,9 +493,7 @@ void run_topk(const std::vector<Inputs<typename F::T>>& ins, const std::vector<i
                        pick + i * topk, s.bins.data(), s.tags.data());
         }
         prefill::trim_scratch(s.rows, s.copy, s.tags, s.keys);
-      }
-    }
-  });
+      });
 }
 
 // A call's segments: segment g's queries are rows [q_start, q_start + q_len) of q and w, at

@@ -77,24 +77,29 @@ void trim_scratch(V&... vectors) {
   if (held > kKeptScratchBytes) (V().swap(vectors), ...);
 }
 
-// Runs task(head, first query, end query) for every (KV head, block of queries) on all
-// threads: threads take tasks from a shared counter, longest first (a block's queries see
-// more keys the later it is). `make_scratch()` gives each thread its own state.
+// Runs task(scratch, i) for i = 0 .. count - 1 on all threads: threads take the tasks in that
+// order from a shared counter. `make_scratch()` gives each thread its own state.
 template <typename MakeScratch, typename Task>
-void run_tasks(int64_t n, int64_t Hk, int64_t per_task, MakeScratch make_scratch, Task task) {
-  const int64_t qblocks = (n + per_task - 1) / per_task;
-  const int64_t tasks = Hk * qblocks;
+void run_in_order(int64_t count, MakeScratch make_scratch, Task task) {
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       auto&& scratch = make_scratch();  // a thread's own, or one it keeps between calls
-      for (int64_t i = next++; i < tasks; i = next++) {
-        const int64_t head = i / qblocks, qb = qblocks - 1 - i % qblocks;
-        const int64_t t0 = qb * per_task;
-        task(scratch, head, t0, std::min(n, t0 + per_task));
-      }
+      for (int64_t i = next++; i < count; i = next++) task(scratch, i);
     }
+  });
+}
+
+// Runs task(head, first query, end query) for every (KV head, block of queries) on all
+// threads, longest first (a block's queries see more keys the later it is).
+template <typename MakeScratch, typename Task>
+void run_tasks(int64_t n, int64_t Hk, int64_t per_task, MakeScratch make_scratch, Task task) {
+  const int64_t qblocks = (n + per_task - 1) / per_task;
+  run_in_order(Hk * qblocks, make_scratch, [&](auto& scratch, int64_t i) {
+    const int64_t head = i / qblocks, qb = qblocks - 1 - i % qblocks;
+    const int64_t t0 = qb * per_task;
+    task(scratch, head, t0, std::min(n, t0 + per_task));
   });
 }
 

@@ -51,6 +51,11 @@ class LatentSegment:
             return positions + self.runs[0][0]
         return self.slots[positions]
 
+    def chosen_slots(self, chosen: torch.Tensor) -> torch.Tensor:
+        """An indexer's choice of positions (any shape, -1 for none) -> their cache slots,
+        -1 kept for none."""
+        return torch.where(chosen >= 0, self.slots_at(chosen.clamp_min(0)), -1)
+
     def _span(self, first: int, end: int) -> torch.Tensor:
         """The slots of positions [first, end), from the runs."""
         ranges, start = [], 0  # start: the position of the run's first slot

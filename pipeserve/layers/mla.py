@@ -174,24 +174,21 @@ class MLAttention(nn.Module):
             kept = [i for i, seg in enumerate(segments) if seg.q_len != 1]
             segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
         prefill = kernels.prefill(x.dtype)
-        latent = [
-            (seg, chosen)
-            for seg, chosen in zip(segments, selected, strict=True)
-            if chosen is not None
-            and not self.sparse_expands(seg.q_len, seg.length, kernels, q.dtype)
-        ]
-        if latent:  # every request that attends in latent space (decode steps): one call
-            rows, o = self.sparse_latent_rows(q, latent, cache, kernels)
-            out[rows] = o
+        latent = []  # the requests that attend to their choice in latent space: one call
         for seg, chosen in zip(segments, selected, strict=True):
             if chosen is not None:
                 if self.sparse_expands(seg.q_len, seg.length, kernels, q.dtype):
                     out[seg.rows] = self.sparse(q[seg.rows], seg, cache, chosen, kernels)
+                else:
+                    latent.append((seg, chosen))
             elif self.absorbs(mode, seg, prefill):
                 out[seg.rows] = self.absorbed(q[seg.rows], seg, cache)
             else:
                 kv = seg.read(cache)
                 out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, prefill)
+        if latent:  # a batch's decode steps above all
+            rows, o = self.sparse_latent_rows(q, latent, cache, kernels)
+            out[rows] = o
         return self.o_proj(out.flatten(1))  # [tokens, heads * v_head_dim]
 
     def forward_context_parallel(
@@ -266,7 +263,7 @@ class MLAttention(nn.Module):
             index_q, index_w = indexer.queries(q_latent, rope), indexer.head_weights(x)
         with region("cp.finish"):
             plan.finish(keys, layer_id, write_keys)
-            plan.finish_chunk(chunks, layer_id, write_rows)
+            plan.finish(chunks, layer_id, write_rows)
         blocks, wanted = [], []
         for seg in plan.segments:
             index_keys = plan.segment_rows(seg, keys)  # [prefix + length, index_head_dim]
@@ -480,19 +477,28 @@ class MLAttention(nn.Module):
         rows = torch.cat(
             [torch.arange(seg.q_start, seg.q_start + seg.q_len, device=device) for seg, _ in parts]
         )
-        slots = torch.cat(
-            [
-                torch.where(chosen >= 0, seg.slots_at(chosen.clamp_min(0)), -1)
-                for seg, chosen in parts
-            ]
-        )
-        q_cat = self.latent_query(q[rows])
+        slots = torch.cat([seg.chosen_slots(chosen) for seg, chosen in parts])
+        return rows, self._over_chosen(q[rows], cache, slots, kernels, keys_read)
+
+    def _over_chosen(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+        kernels: DirectKernels,
+        keys_read: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Absorbed attention of q [n, heads, qk_head_dim] over the cache rows `slots` [n,
+        topk] each (-1: none) -> [n, heads, v_head_dim]: one key head shared by all heads, its
+        value the whole row, of which the latent part is kept (no copy of the cache to cut
+        the rope part off first)."""
+        q_cat = self.latent_query(q)
         rank = self.mla.kv_lora_rank
         with region("attention.kernel"):
             o = sparse_latent_attention(
                 q_cat, cache, slots, rank, self.scale, kernels.sparse_latent, keys_read
             )
-        return rows, self.values_out(o)
+        return self.values_out(o)
 
     def sparse_expands(
         self, q_len: int, length: int, kernels: DirectKernels, dtype: torch.dtype
@@ -551,17 +557,9 @@ class MLAttention(nn.Module):
         indexer's choice `chosen` [n, topk] (positions, -1 for none) only the chosen rows, in
         place (`sparse_latent_attention`, on `kernels.sparse_latent` where it is there;
         keys_read counts them). q [n, heads, qk_head_dim] -> [n, heads, v_head_dim]."""
-        q_cat = self.latent_query(q)
-        # one key head shared by all heads; its value is the whole row, of which the latent
-        # part is kept (no copy of the cache to cut the rope part off first)
         if chosen is not None:
-            slots = torch.where(chosen >= 0, seg.slots_at(chosen.clamp_min(0)), -1)
-            rank = self.mla.kv_lora_rank
-            with region("attention.kernel"):
-                o = sparse_latent_attention(
-                    q_cat, cache, slots, rank, self.scale, kernels.sparse_latent, keys_read
-                )
-            return self.values_out(o)
+            return self._over_chosen(q, cache, seg.chosen_slots(chosen), kernels, keys_read)
+        q_cat = self.latent_query(q)  # one key head shared by all heads, as `_over_chosen`
         if seg.q_len == 1:
             o = _over_parts(q_cat, seg.parts(cache), self.scale)
         else:
