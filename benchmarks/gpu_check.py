@@ -130,6 +130,9 @@ def stages() -> list[Stage]:
         profile("profile-decode-64", 45, "--requests", 64, "--steps", 32),
         profile("profile-decode-1-torch", 45, "--requests", 1, "--steps", 64, *torch_),
         bench("deepseek-prefill-32k", 90, "--input-len", k32, *prefill, *hf, model=deepseek),
+        # MLA's prompt chunks of 64 requests: one Triton launch a layer against torch's calls
+        bench("deepseek-prefill-64", 60, *many, "--output-len", 1, model=deepseek),
+        bench("deepseek-prefill-64-torch", 60, *many, "--output-len", 1, *torch_, model=deepseek),
     ]
 
 

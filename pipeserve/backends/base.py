@@ -12,7 +12,8 @@ A backend is chosen once per run (registry.py) and then asked, per batch:
 It also owns the layers' other per-device kernels: `linears` (the linear layers' and the LM
 head's products, `LinearKernels`), `norms` (RMSNorm with its residual add),
 `rope_and_store` (q/k norms, rotary and the KV write in one kernel, or None for the torch
-ops), `latent_plan`/`latent_decode` (MLA's decode steps in one launch, or None), and
+ops), `latent_plan`/`latent_decode` (MLA's decode steps in one launch, or None),
+`latent_prompts` (MLA's prompt chunks on up-projected keys in one launch, or not), and
 `kernels` (the compiled kernels MLA, DeepSeek-V3.2's indexer and context parallelism call on
 tensors of their own, outside a batch's plan; `DirectKernels`).
 `graph_buffers` says whether decode steps can be captured in a CUDA graph and owns the
@@ -259,6 +260,23 @@ class AttentionBackend(ABC):
         """MLA's absorbed decode steps in one launch (see `latent_plan`)."""
         raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
 
+    def latent_prompts(
+        self,
+        meta: Any,
+        q: torch.Tensor,
+        keys: tuple[torch.Tensor, torch.Tensor],
+        v: torch.Tensor,
+        spans: tuple[ExpandedSpan, ...],
+        scale: float,
+        out: torch.Tensor,
+    ) -> bool:
+        """MLA's expanded prompt chunks of a batch in one launch, over keys and values
+        up-projected for them: q [tokens, heads, d + rope]; keys (k_nope [rows, heads, d],
+        k_rope [rows, rope] shared by the heads); v [rows, heads, dv]; `spans` place each
+        chunk. Writes the chunks' rows of out [tokens, heads, dv] and says True; False: this
+        backend has no such launch (MLA attends a chunk at a time)."""
+        return False
+
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         """The token rows of the decode steps in a `latent_plan` (None: it has none)."""
         raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
@@ -277,6 +295,17 @@ class AttentionBackend(ABC):
         """Persistent decode metadata for CUDA graphs of up to `rows` rows over a pool of
         `pool_slots` slots (a `capturable` backend's)."""
         raise NotImplementedError(f"the {self.name} backend's steps cannot be captured")
+
+
+class ExpandedSpan(NamedTuple):
+    """One prompt chunk in a batch's up-projected keys (MLA, `latent_prompts`): its query
+    rows [q_start, q_start + q_len) attend causally to key rows [first_key, first_key +
+    prefix_len + q_len), its positions 0.. in order."""
+
+    q_start: int
+    q_len: int
+    prefix_len: int
+    first_key: int
 
 
 @dataclass

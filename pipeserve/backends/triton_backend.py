@@ -1,7 +1,8 @@
 """The Triton backend: batched paged attention (pipeserve/kernels/triton_attention.py), one
 launch per layer for all of a batch's decode steps and one for all its prompt chunks; its
 RMSNorm with the residual add in one launch (triton_norm.py), the q/k norms, rotary and KV
-write in one (triton_rope.py), and MLA's absorbed decode steps in one launch. CUDA; on a CPU
+write in one (triton_rope.py), MLA's absorbed decode steps in one launch, and MLA's prompt
+chunks on up-projected keys in one (`latent_prompts`). CUDA; on a CPU
 only under Triton's interpreter (TRITON_INTERPRET=1, the tests' way to run it).
 
 The plan is int32 page tables of one slot per page, read by every layer: the slots of each
@@ -14,7 +15,7 @@ only, so they can be captured in CUDA graphs over persistent buffers (`graph_buf
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from pipeserve.backends.base import (
     AttentionBackend,
     DirectKernels,
+    ExpandedSpan,
     NormKernels,
     QKNorms,
     Rope,
@@ -29,6 +31,7 @@ from pipeserve.backends.base import (
     StepTable,
     length_groups,
 )
+from pipeserve.device import small_tensor
 from pipeserve.layers.attention_parts import SlotRuns
 from pipeserve.mem_cache.kv_pool import PAD_SLOT
 from pipeserve.scheduler.batch import Run, runs_prefix
@@ -70,6 +73,11 @@ class ExtendPlan:
 class TritonMeta:
     extend: ExtendPlan | None
     decode: TableSteps | None
+    # MLA's expanded prompt chunks: their launch's tables, made on the device by the first
+    # layer that runs them and read by the rest (`latent_prompts`)
+    prompt_tables: dict[tuple[ExpandedSpan, ...], tuple[torch.Tensor, ...]] = field(
+        default_factory=dict
+    )
 
 
 Tabled = TypeVar("Tabled", TableSteps, ExtendPlan)
@@ -187,6 +195,25 @@ class TritonBackend(AttentionBackend):
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         return None if meta.decode is None else meta.decode.rows
 
+    def latent_prompts(
+        self,
+        meta: Any,
+        q: torch.Tensor,
+        keys: tuple[torch.Tensor, torch.Tensor],
+        v: torch.Tensor,
+        spans: tuple[ExpandedSpan, ...],
+        scale: float,
+        out: torch.Tensor,
+    ) -> bool:
+        from pipeserve.kernels.triton_attention import expanded_block_m, expanded_extend
+
+        tables = meta.prompt_tables.get(spans)
+        if tables is None:
+            made = expanded_tables(spans, v.shape[0], q.device, expanded_block_m(q.dtype))
+            tables = meta.prompt_tables[spans] = made
+        expanded_extend(q, *keys, v, tables, scale, out)
+        return True
+
     def latent_table(self, meta: Any) -> StepTable | None:
         p = meta.decode
         if p is None:
@@ -251,6 +278,25 @@ class TableBuffers:
         if any(a.data_ptr() != b.data_ptr() for a, b in read):
             raise AssertionError("a step's page table was not copied where its graph reads it")
         runs.expand_into(self.kv_indices)
+
+
+def expanded_tables(
+    spans: tuple[ExpandedSpan, ...], keys: int, device: torch.device, block_m: int
+) -> tuple[torch.Tensor, ...]:
+    """`expanded_extend`'s tables for chunks placed by `spans`, one after another, in `keys`
+    up-projected rows, in blocks of `block_m` query rows: built on the host and queued in
+    one copy (kv_indptr, the chunks and their blocks), the rows' own index made on the
+    device."""
+    from pipeserve.kernels.triton_attention import extend_blocks
+
+    chunk, first = extend_blocks([s.q_len for s in spans], block_m)
+    indptr = [s.first_key for s in spans] + [keys]
+    chunks = [x for s in spans for x in (s.q_start, s.q_len, s.prefix_len)]
+    packed = small_tensor(indptr + chunks + chunk.tolist() + first.tolist(), torch.int32, device)
+    c, b = len(spans), chunk.numel()
+    indptr_d, chunks_d, chunk_d, first_d = packed.split([c + 1, 3 * c, b, b])
+    indices = torch.arange(keys, dtype=torch.int32, device=device)
+    return indptr_d, indices, chunks_d.view(c, 3), chunk_d, first_d
 
 
 def _staged(staged: TritonMeta, rows: int) -> tuple[TableSteps, SlotRuns]:

@@ -17,6 +17,10 @@ long runs, pages of 16, scattered slots), in one pipelined loop over blocks of p
 - `paged_extend`: prompt chunks, each attending to its cached prefix and, causally, to itself
   (its own K/V are in the pool already: the layer writes them first). A program takes 16 of
   one chunk's query rows times the group's heads, so all chunks of a batch are one launch.
+  `expanded_extend` runs the same kernel over MLA's up-projected keys and values instead of
+  a pool (read through an index of their rows): keys [k_nope | k_rope] with the rope part
+  one tensor shared by the heads, values of their own width, 128 query rows of one head a
+  program (64 in float32).
 
 Scores and the softmax run in float32 (float32 inputs multiply in IEEE float32, not TF32).
 Launch-dependent integers (strides, split counts) are not specialised on, so a new batch
@@ -34,6 +38,10 @@ import triton.language as tl
 
 BLOCK_N = 64  # keys per step of a program
 EXTEND_BLOCK_M = 16  # extend: query rows per program (times the group's heads)
+# expanded_extend (MLA: one head per key head): query rows per program, GQA's tile of 16
+# rows times a group of 8 heads, so each key block loaded serves as many rows (float32's
+# tiles take twice the registers and shared memory: half as many rows)
+EXPANDED_BLOCK_M = 128
 MAX_SPLITS = 16
 
 
@@ -156,10 +164,15 @@ def _decode_kernel(
     tl.store(LSE_PART + b * sl_b + h * sl_h + g * sl_g + split, lse, mask=gm)
 
 
-@triton.jit(do_not_specialize=["sq_t", "sq_h", "sk_h", "sk_s", "sv_h", "sv_s", "so_t", "so_h"])
+@triton.jit(
+    do_not_specialize=[
+        "sq_t", "sq_h", "sk_h", "sk_s", "skr_h", "skr_s", "sv_h", "sv_s", "so_t", "so_h",
+    ]
+)  # fmt: skip
 def _extend_kernel(
     Q,
     K,
+    K_ROPE,
     V,
     OUT,
     KV_INDPTR,
@@ -172,6 +185,8 @@ def _extend_kernel(
     sq_h,
     sk_h,
     sk_s,
+    skr_h,
+    skr_s,
     sv_h,
     sv_s,
     so_t,
@@ -180,6 +195,10 @@ def _extend_kernel(
     GROUP_PAD: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
+    DV: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
     FP32: tl.constexpr,
@@ -188,6 +207,7 @@ def _extend_kernel(
     h = tl.program_id(1)
     k_head = K + h.to(tl.int64) * sk_h
     v_head = V + h.to(tl.int64) * sv_h
+    kr_head = K_ROPE + h.to(tl.int64) * skr_h
     c = tl.load(BLOCK_CHUNK + pid)
     m0 = tl.load(BLOCK_FIRST + pid)
     q_start = tl.load(CHUNKS + 3 * c)
@@ -197,31 +217,39 @@ def _extend_kernel(
     i = m0 + rows // GROUP_PAD  # the row's query within its chunk
     head = h * GROUP + rows % GROUP_PAD
     d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
     rm = (i < q_len) & (rows % GROUP_PAD < GROUP)
-    dm = d < D
+    dm, dvm = d < D, dv < DV
     token = (q_start + i).to(tl.int64)[:, None]  # a long prompt's rows pass 2^31 elements
-    q = tl.load(
-        Q + token * sq_t + head[:, None] * sq_h + d[None, :],
-        mask=rm[:, None] & dm[None, :],
-        other=0.0,
-    )
+    q_rows = Q + token * sq_t + head[:, None] * sq_h
+    q = tl.load(q_rows + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    if ROPE > 0:
+        e = tl.arange(0, ROPE_PAD)
+        em = e < ROPE
+        q_rope = tl.load(q_rows + D + e[None, :], mask=rm[:, None] & em[None, :], other=0.0)
     q_pos = prefix + i  # each query's position: it sees keys at positions <= this
     end = prefix + tl.minimum(m0 + BLOCK_M, q_len)  # keys any row of the block sees
     start = tl.load(KV_INDPTR + c)
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, DV_PAD], tl.float32)
     for p0 in range(0, end, BLOCK):
         at = p0 + tl.arange(0, BLOCK)
         keys = at < end
         row = tl.load(KV_INDICES + start + at, mask=keys, other=0).to(tl.int64)[:, None]
-        k, v = _load_kv(k_head, v_head, sk_s, sv_s, row, keys, d, dm)
+        k = tl.load(k_head + row * sk_s + d[None, :], mask=keys[:, None] & dm[None, :], other=0.0)
+        v = tl.load(v_head + row * sv_s + dv[None, :], mask=keys[:, None] & dvm[None, :], other=0.0)
         valid = rm[:, None] & keys[None, :] & (at[None, :] <= q_pos[:, None])
         s = _scores(q, k, FP32)
+        if ROPE > 0:  # MLA's expanded keys: a rope part of their own, shared by the heads
+            k_rope = tl.load(
+                kr_head + row * skr_s + e[None, :], mask=keys[:, None] & em[None, :], other=0.0
+            )
+            s += _scores(q_rope, k_rope, FP32)
         m_i, l_i, acc = _online_softmax_step(s, v, valid, scale, m_i, l_i, acc, FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptr = OUT + token * so_t + head[:, None] * so_h + d[None, :]
-    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+    o_ptr = OUT + token * so_t + head[:, None] * so_h + dv[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=rm[:, None] & dvm[None, :])
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -340,10 +368,12 @@ def sparse_latent(
     return out
 
 
-def extend_blocks(q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def extend_blocks(
+    q_lens: list[int], block_m: int = EXTEND_BLOCK_M
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The extend launch's programs along axis 0: (chunk index, first query row) of each
-    block of EXTEND_BLOCK_M rows of each chunk (int32, on the host)."""
-    pairs = [(c, m) for c, n in enumerate(q_lens) for m in range(0, n, EXTEND_BLOCK_M)]
+    block of `block_m` rows of each chunk (int32, on the host)."""
+    pairs = [(c, m) for c, n in enumerate(q_lens) for m in range(0, n, block_m)]
     chunk = torch.tensor([c for c, _ in pairs], dtype=torch.int32)
     first = torch.tensor([m for _, m in pairs], dtype=torch.int32)
     return chunk, first
@@ -366,39 +396,91 @@ def paged_extend(
     prefix and itself). `chunks` [c, 3] int32 contiguous: (q_start, q_len, prefix_len);
     `chunk` and `first`: the blocks of `extend_blocks`. Writes the chunks' rows of `out`
     (default a new [tokens, heads, d])."""
-    t, h, d = q.shape
-    hk = k_cache.shape[0]
-    group = h // hk
     out = torch.empty_like(q) if out is None else out
-    rows = EXTEND_BLOCK_M * _pow2(group)
-    if chunk.numel():
-        _extend_kernel[(chunk.numel(), hk)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            kv_indptr,
-            kv_indices,
-            chunks,
-            chunk,
-            first,
-            scale,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            out.stride(0),
-            out.stride(1),
-            GROUP=group,
-            GROUP_PAD=_pow2(group),
-            D=d,
-            D_PAD=_pow2(d, 16),
-            BLOCK_M=EXTEND_BLOCK_M,
-            BLOCK=BLOCK_N,
-            FP32=q.dtype == torch.float32,
-            num_warps=8 if rows >= 128 else 4,
-            num_stages=2 if q.dtype == torch.float32 else 3,
-        )
+    tables = (kv_indptr, kv_indices, chunks, chunk, first)
+    _extend(q, k_cache, k_cache, v_cache, out, tables, scale, 0, EXTEND_BLOCK_M)
     return out
+
+
+def expanded_block_m(dtype: torch.dtype) -> int:
+    """`expanded_extend`'s query rows per program for q of `dtype` (its tables' blocks)."""
+    return EXPANDED_BLOCK_M // 2 if dtype == torch.float32 else EXPANDED_BLOCK_M
+
+
+def expanded_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_rope: torch.Tensor,
+    v: torch.Tensor,
+    tables: tuple[torch.Tensor, ...],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """MLA's expanded prompt chunks in one launch, over keys and values up-projected for them
+    (not a pool): q [tokens, heads, d + rope] ([q_nope | q_rope]); k [keys, heads, d] (k_nope),
+    k_rope [keys, rope] (shared by the heads), v [keys, heads, dv], any row strides (views of
+    one up-projection); `tables` as `paged_extend` takes them, kv_indices naming rows of k.
+    Writes the chunks' rows of out [tokens, heads, dv]. `tables`' blocks are of
+    `expanded_block_m(q.dtype)` query rows."""
+    heads_first = (k.transpose(0, 1), k_rope[None], v.transpose(0, 1))
+    rope = k_rope.shape[-1]
+    _extend(q, *heads_first, out, tables, scale, rope, expanded_block_m(q.dtype))
+
+
+def _extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_rope: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    tables: tuple[torch.Tensor, ...],
+    scale: float,
+    rope: int,
+    block_m: int,
+) -> None:
+    """The extend launch: k [kv_heads, rows, d], k_rope [kv_heads or 1, rows, rope] (read
+    only where rope > 0), v [kv_heads, rows, dv]; q [tokens, heads, d + rope]; `tables`'
+    blocks of `block_m` query rows (`extend_blocks`)."""
+    kv_indptr, kv_indices, chunks, chunk, first = tables
+    h, hk = q.shape[1], k.shape[0]
+    group = h // hk
+    d, dv = q.shape[2] - rope, v.shape[2]
+    rows = block_m * _pow2(group)
+    if not chunk.numel():
+        return
+    _extend_kernel[(chunk.numel(), hk)](
+        q,
+        k,
+        k_rope,
+        v,
+        out,
+        kv_indptr,
+        kv_indices,
+        chunks,
+        chunk,
+        first,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k_rope.stride(0) if k_rope.shape[0] > 1 else 0,
+        k_rope.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=_pow2(group),
+        D=d,
+        D_PAD=_pow2(d, 16),
+        DV=dv,
+        DV_PAD=_pow2(dv, 16),
+        ROPE=rope,
+        ROPE_PAD=_pow2(rope, 16) if rope else 1,
+        BLOCK_M=block_m,
+        BLOCK=BLOCK_N,
+        FP32=q.dtype == torch.float32,
+        num_warps=8 if rows >= 128 else 4,
+        num_stages=2 if q.dtype == torch.float32 else 3,
+    )

@@ -38,7 +38,14 @@ import torch
 from torch import nn
 
 from pipeserve import envs
-from pipeserve.backends.base import TORCH_KERNELS, AttentionPlan, DirectKernels, Kernel, StepTable
+from pipeserve.backends.base import (
+    TORCH_KERNELS,
+    AttentionPlan,
+    DirectKernels,
+    ExpandedSpan,
+    Kernel,
+    StepTable,
+)
 from pipeserve.backends.torch_ops import attention_with_lse
 from pipeserve.device import queues_on_streams
 from pipeserve.distributed.parallel_state import get_tp_size
@@ -66,6 +73,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_d
 NATIVE_EXPANDED_SPEEDUP = 2
 # sparse_latent_attention off the compiled kernel: bytes of rows gathered per block of queries
 SPARSE_GATHER_BYTES = 2**27
+# expanded prompt chunks: the up-projected keys and values a batch's chunks hold at once
+# (chunks beyond it are up-projected in further groups; a longer chunk alone, as it always was)
+EXPANDED_GROUP_BYTES = 2**28
 # V3.2's two forms on the compiled CPU kernels, in multiply-adds of the latent kernel
 # (sparse_attention.cpp): one of the expanded kernel (sparse_expanded.cpp) costs about this many
 # (each reads a key or value of its own where a latent row serves every head; benchmarks/
@@ -149,7 +159,8 @@ class MLAttention(nn.Module):
         kernels (expanded prompt chunks on its dense prefill kernel, V3.2's selection and
         sparse attention on its own; the torch ops where it has none). batched: a backend's
         plan of the decode steps for its batched latent decode, one absorbed launch for all of
-        them (with an indexer, over each step's chosen rows). new_slots: every token's slot
+        them (with an indexer, over each step's chosen rows), and of the prompt chunks it
+        attends on up-projected keys in one launch (`latent_prompts`). new_slots: every token's slot
         [tokens] (the batch's write slots), written in one op instead of segment by segment
         (what a CUDA graph's decode step, whose segments are not kept, relies on)."""
         with region("mla.query"):
@@ -175,6 +186,7 @@ class MLAttention(nn.Module):
             segments, selected = [segments[i] for i in kept], [selected[i] for i in kept]
         prefill = kernels.prefill(x.dtype)
         latent = []  # the requests that attend to their choice in latent space: one call
+        dense = []  # the prompt chunks that attend causally on up-projected keys: at once
         for seg, chosen in zip(segments, selected, strict=True):
             if chosen is not None:
                 if self.sparse_expands(seg.q_len, seg.length, kernels, q.dtype):
@@ -184,8 +196,9 @@ class MLAttention(nn.Module):
             elif self.absorbs(mode, seg, prefill):
                 out[seg.rows] = self.absorbed(q[seg.rows], seg, cache)
             else:
-                kv = seg.read(cache)
-                out[seg.rows] = self.expanded(q[seg.rows], kv, seg.prefix_len, prefill)
+                dense.append(seg)
+        if dense:
+            self.expanded_chunks(q, cache, dense, out, prefill, batched)
         if latent:  # a batch's decode steps above all
             rows, o = self.sparse_latent_rows(q, latent, cache, kernels)
             out[rows] = o
@@ -409,19 +422,68 @@ class MLAttention(nn.Module):
         topk = self.indexer.config.topk
         return [positions[seg.rows] if seg.length > topk else None for seg in segments]
 
-    def expanded(
+    def expanded_chunks(
         self,
         q: torch.Tensor,
-        kv: torch.Tensor,
-        prefix_len: int,
+        cache: torch.Tensor,
+        segments: list[LatentSegment],
+        out: torch.Tensor,
         prefill: Kernel | None = None,
-    ) -> torch.Tensor:
-        """q [n, heads, qk_head_dim]; kv [L, latent_width] cached rows of positions [0, L),
-        the queries at the last n of them -> [n, heads, v_head_dim] (on a compiled dense
-        `prefill` kernel where given)."""
-        k, v = self.expand(kv)
-        with region("attention.kernel"):
-            return causal_attention(q, k, v, prefix_len, self.scale, prefill)
+        batched: AttentionPlan | None = None,
+    ) -> None:
+        """Prompt chunks attending causally to all their positions on up-projected keys
+        (q [tokens, heads, qk_head_dim] of the batch): the chunks' cached rows read in one
+        gather and up-projected in one product, then attended in one launch where the
+        batch's backend has one (`latent_prompts`), else chunk by chunk over views of the
+        one expansion (on a compiled dense `prefill` kernel where given); as many chunks at
+        a time as EXPANDED_GROUP_BYTES of keys and values hold, or the longest alone. Writes
+        the chunks' rows of out [tokens, heads, v_head_dim]."""
+        m = self.mla
+        per_row = self.num_heads * (m.qk_head_dim + m.v_head_dim) * q.element_size()
+        limit = max(max(seg.length for seg in segments), EXPANDED_GROUP_BYTES // per_row)
+        group: list[LatentSegment] = []
+        for seg in segments:
+            if group and sum(g.length for g in group) + seg.length > limit:
+                self._expanded_group(q, cache, group, out, prefill, batched)
+                group = []
+            group.append(seg)
+        self._expanded_group(q, cache, group, out, prefill, batched)
+
+    def _expanded_group(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        segments: list[LatentSegment],
+        out: torch.Tensor,
+        prefill: Kernel | None,
+        batched: AttentionPlan | None,
+    ) -> None:
+        """`expanded_chunks` of chunks up-projected together."""
+        if len(segments) == 1:
+            kv = segments[0].read(cache)  # a view where its slots are one run
+        else:
+            kv = cache[torch.cat([seg.slots for seg in segments])]
+        k_nope, v, k_rope = self.up_project(kv)
+        spans, first = [], 0
+        for seg in segments:
+            spans.append(ExpandedSpan(seg.q_start, seg.q_len, seg.prefix_len, first))
+            first += seg.length
+        if batched is not None:
+            with region("attention.kernel"):
+                keys = (k_nope, k_rope)
+                args = (batched.meta, q, keys, v, tuple(spans), self.scale, out)
+                if batched.backend.latent_prompts(*args):
+                    return
+        width = head_width(q.shape[-1], v.shape[-1], prefill)  # padded once for all chunks
+        q, k, v = _pad(q, width), _pad(self.keys(k_nope, k_rope), width), _pad(v, width)
+        dv = self.mla.v_head_dim
+        for seg, span in zip(segments, spans, strict=True):
+            rows = slice(span.first_key, span.first_key + seg.length)
+            with region("attention.kernel"):
+                o = causal_attention(
+                    q[seg.rows], k[rows], v[rows], seg.prefix_len, self.scale, prefill
+                )
+            out[seg.rows] = o[..., :dv]
 
     def up_project(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cached rows [L, latent_width] -> views k_nope [L, heads, qk_nope_head_dim] and v
@@ -438,9 +500,13 @@ class MLAttention(nn.Module):
         """Cached rows [L, latent_width] -> per-head keys [L, heads, qk_head_dim] (k_nope,
         then the shared k_rope) and values [L, heads, v_head_dim]."""
         k_nope, v, k_rope = self.up_project(kv)
-        h = self.num_heads
+        return self.keys(k_nope, k_rope), v
+
+    def keys(self, k_nope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """Per-head keys [L, heads, qk_head_dim]: each head's k_nope [L, heads,
+        qk_nope_head_dim], then the shared k_rope [L, qk_rope_head_dim]."""
         with region("mla.expand_keys"):
-            return torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1)], dim=-1), v
+            return torch.cat([k_nope, k_rope[:, None].expand(-1, self.num_heads, -1)], dim=-1)
 
     def sparse(
         self,
@@ -553,7 +619,7 @@ class MLAttention(nn.Module):
         kernels: DirectKernels = TORCH_KERNELS,
         keys_read: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As `expanded`, attending in latent space: only cache rows are read, and with an
+        """As `expanded_chunks`, attending in latent space: only cache rows are read, and with an
         indexer's choice `chosen` [n, topk] (positions, -1 for none) only the chosen rows, in
         place (`sparse_latent_attention`, on `kernels.sparse_latent` where it is there;
         keys_read counts them). q [n, heads, qk_head_dim] -> [n, heads, v_head_dim]."""
@@ -618,7 +684,7 @@ class ExpandedKeys:
         self.prefill = prefill
         self.pools: tuple[torch.Tensor, torch.Tensor, int] | None = None
         if prefill is not None:
-            width = -(-max(k.shape[-1], self.dv) // 16) * 16  # the kernel's multiple of 16
+            width = head_width(k.shape[-1], self.dv, prefill)
             with region("mla.key_pools"):
                 k_pool, v_pool = (_pad(t, width).transpose(0, 1).contiguous() for t in (k, v))
             self.pools = (k_pool, v_pool, width)
@@ -674,7 +740,7 @@ def causal_attention(
     n, h, d = q.shape
     dv = v.shape[-1]
     kernel = prefill if k.shape[1] == h else None
-    width = -(-max(d, dv) // 16) * 16 if kernel else max(d, dv)  # the kernel's multiple of 16
+    width = head_width(d, dv, kernel)
     q, k, v = _pad(q, width), _pad(k, width), _pad(v, width)
     if kernel is not None:
         out = _native_prefill(kernel, q, k, v, prefix_len, scale)
@@ -683,6 +749,12 @@ def causal_attention(
     else:
         out = _prefix_then_chunk(q, k, v, prefix_len, scale)
     return out[..., :dv]
+
+
+def head_width(d: int, dv: int, kernel: Kernel | None) -> int:
+    """The one head width `causal_attention` runs q/k (width d) and v (dv) at: the wider of
+    the two, for a compiled kernel rounded up to its multiple of 16."""
+    return -(-max(d, dv) // 16) * 16 if kernel else max(d, dv)
 
 
 def sparse_latent_attention(

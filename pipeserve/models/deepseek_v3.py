@@ -63,7 +63,7 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
             fb.latent_segments,
             index_cache=index,
             kernels=kernels,
-            batched=fb.attn if fb.attn.meta is not None else None,  # a batched latent decode
+            batched=fb.attn if fb.attn.meta is not None else None,  # batched latent launches
             new_slots=fb.out_slots,
         )
 

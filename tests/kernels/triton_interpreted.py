@@ -161,6 +161,50 @@ def test_mla_absorbed_decode(dtype: torch.dtype, splits: int) -> None:
         torch.testing.assert_close(got[i, 0].double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize(("dtype", "dv"), [(F32, 12), (F16, 40)])  # values narrower, wider
+def test_mla_expanded_prompt_chunks_in_one_launch(dtype: torch.dtype, dv: int) -> None:
+    """MLA's expanded prompt chunks (`expanded_extend`): the queries' [nope | rope] parts
+    over keys k_nope per head and k_rope shared by the heads, values of another width, all
+    views into one up-projection (strided rows); chunks with and without a prefix, one of
+    several blocks of query rows, one of one row; one launch."""
+    from pipeserve.backends.base import ExpandedSpan
+    from pipeserve.backends.triton_backend import expanded_tables
+    from pipeserve.kernels import triton_attention
+
+    heads, nope, rope = 3, 16, 8
+    chunks = [(0, 9), (20, 150), (4, 1)]  # (prefix_len, q_len)
+    g = torch.Generator().manual_seed(11)
+    spans, rows, keys = [], 0, 0
+    for prefix, n in chunks:
+        spans.append(ExpandedSpan(rows + 2, n, prefix, keys))  # rows 0-1 are others'
+        rows, keys = rows + n, keys + prefix + n
+    up = torch.randn(keys, heads, nope + dv, generator=g).to(dtype)
+    k_nope, v = up.split([nope, dv], -1)
+    latents = torch.randn(keys, 32 + rope, generator=g).to(dtype)
+    k_rope = latents[:, 32:]
+    q = torch.randn(rows + 2, heads, nope + rope, generator=g).to(dtype)
+    out = torch.full((rows + 2, heads, dv), 7.0, dtype=dtype)
+    launches = Counted(triton_attention._extend_kernel)
+    triton_attention._extend_kernel = launches
+    try:
+        block_m = triton_attention.expanded_block_m(dtype)
+        tables = expanded_tables(tuple(spans), keys, torch.device("cpu"), block_m)
+        triton_attention.expanded_extend(q, k_nope, k_rope, v, tables, 0.3, out)
+    finally:
+        triton_attention._extend_kernel = launches.kernel
+    assert launches.launches == 1
+    assert torch.equal(out[:2], torch.full_like(out[:2], 7.0))  # others' rows untouched
+    full_keys = torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1)], -1)
+    for span in spans:
+        first, length = span.first_key, span.prefix_len + span.q_len
+        k = full_keys[first : first + length].transpose(0, 1)  # [h, L, nope + rope]
+        vv = v[first : first + length].transpose(0, 1)
+        q_rows = q[span.q_start : span.q_start + span.q_len]
+        want = reference(q_rows, k, vv, torch.arange(span.prefix_len, length), 0.3)
+        got = out[span.q_start : span.q_start + span.q_len].double()
+        torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.fixture
 def gpu_bf16_rounding(monkeypatch) -> None:
     """The interpreter truncates float32 to bfloat16; GPUs and torch round to nearest even.
@@ -265,10 +309,11 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
     launch per layer for the decode steps and one for the prompt chunks; for DeepSeek's MLA
     one absorbed launch for the decode steps, V3.2's over the indexer's chosen rows, chosen for
     all steps at once over the page table, and its prompt chunks past index_topk over their
-    chosen rows on the Triton kernel too; the fused
+    chosen rows on the Triton kernel too, a batch's other prompt chunks in one launch; the fused
     norms, and for GQA layers the fused q/k norm (Qwen3), rotary and KV write) against the
     torch kernels: prompts of several chunks decoded together, one sharing a cached prefix."""
     from pipeserve import Engine
+    from pipeserve.backends import triton_backend
     from pipeserve.kernels import triton_attention, triton_norm, triton_rope
     from pipeserve.layers import indexer
 
@@ -292,10 +337,27 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
         return real_sparse(q, *args)
 
     monkeypatch.setattr(triton_attention, "sparse_latent", sparse)
+    expanded: list[int] = []  # MLA's expanded prompt chunks: the chunks of each launch
+    real_expanded = triton_attention.expanded_extend
+
+    def expanded_launch(q, k, k_rope, v, tables, *args):
+        expanded.append(tables[2].shape[0])
+        return real_expanded(q, k, k_rope, v, tables, *args)
+
+    monkeypatch.setattr(triton_attention, "expanded_extend", expanded_launch)
+    tables: list[int] = []  # the launch's tables, made once per batch (its first layer)
+    real_tables = triton_backend.expanded_tables
+
+    def made_tables(spans, *args):
+        tables.append(len(spans))
+        return real_tables(spans, *args)
+
+    monkeypatch.setattr(triton_backend, "expanded_tables", made_tables)
     model = str(model_dir(preset, num_hidden_layers=2))  # fewer interpreted launches
     # V3.2: longer than its index_topk (64), so decode steps read only the indexer's choice
     base = [(7 * j) % 300 + 1 for j in range(90 if preset.endswith("v32") else 40)]
-    prompts = [base, base[:24] + [9, 8, 7], [(5 * j) % 300 + 2 for j in range(5)]]
+    short = [(5 * j) % 300 + 2 for j in range(5)]
+    prompts = [base, base[:24] + [9, 8, 7], short[:2], short[2:]]
     params = {"max_new_tokens": 4, "temperature": 0}
     outs, launches = {}, {}
     for backend in ("torch", "triton"):
@@ -308,14 +370,21 @@ def test_the_engine_on_the_triton_path_serves_the_same_tokens(
             )
         launches[backend] = [c.launches > b for c, b in zip(counted, before, strict=True)]
         launches[backend] += [max(at_once, default=0), len(sparse_chunks)]
+        launches[backend] += [max(expanded, default=0)]
+        assert len(expanded) == 2 * len(tables)  # two layers
+        tables.clear()
         at_once.clear()
         sparse_chunks.clear()
-    v32 = 3 if preset.endswith("v32") else 0  # all three requests' steps in one selection
+        expanded.clear()
+    v32 = 4 if preset.endswith("v32") else 0  # all four requests' steps in one selection
     # V3.2: the 90-token prompt's chunks past topk (64-80, 80-90) on 2 layers
     chunks = 4 if preset.endswith("v32") else 0
+    # MLA: a batch's prompt chunks that attend on up-projected keys in one launch (the two
+    # short prompts, beside chunks after a cached prefix that attend in latent space)
+    together = 2 if "deepseek" in preset else 0
     assert launches == {
-        "torch": [False, False, 0, 0],
-        "triton": [True, "deepseek" not in preset, v32, chunks],
+        "torch": [False, False, 0, 0, 0],
+        "triton": [True, "deepseek" not in preset, v32, chunks, together],
     }
     same_outputs(outs["triton"], outs["torch"], atol=1e-4)
 

@@ -327,10 +327,10 @@ def test_native_prefill_kernel_matches_transformers(setup: Setup, dtype, atol) -
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_expanded_keys_serve_blocks_as_expanded_does(setup: Setup, native: bool) -> None:
+def test_expanded_keys_serve_blocks_as_causal_attention_does(setup: Setup, native: bool) -> None:
     """Context parallelism's ExpandedKeys: a request's positions up-projected once (for the
     compiled kernel padded and laid out once) serve each block of queries [first, end) as
-    `expanded` over positions [0, end) does, bitwise."""
+    causal attention over the expansion of positions [0, end) does, bitwise."""
     if native and native_prefill_kernel(torch.float32) is None:
         pytest.skip("no native float32 prefill kernel on this CPU (it needs AVX2 and FMA)")
     dtype = torch.float32
@@ -342,9 +342,59 @@ def test_expanded_keys_serve_blocks_as_expanded_does(setup: Setup, native: bool)
     assert (keys.pools is not None) == native
     with torch.no_grad():
         for first, end in [(0, 24), (72, 96), (24, 25)]:
-            want = layer.expanded(q[first:end], kv[:end], first, prefill)
+            k, v = layer.expand(kv[:end])
+            want = mla_mod.causal_attention(q[first:end], k, v, first, layer.scale, prefill)
             got = keys.attend(q[first:end], first, end, layer.scale)
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("native", "budget_rows", "products_made"),
+    [(False, None, [63]), (True, None, [63]), (False, 0, [7, 35, 21]), (True, 42, [42, 21])],
+)
+def test_a_batch_s_expanded_chunks_up_project_once_as_each_alone(
+    setup: Setup, monkeypatch, native: bool, budget_rows: int | None, products_made: list[int]
+) -> None:
+    """Three requests' prompt chunks in one forward (no prefix over scattered slots; a prefix
+    of 30 in one run of slots; a prefix of 12 over two runs; no slot shared): their cached
+    rows gathered and up-projected by one product, each chunk's attention as when it runs
+    alone (the torch ops, or the compiled prefill kernel). Under a smaller budget of
+    up-projected rows, in groups of chunks that fit it, a longer chunk alone."""
+    if budget_rows is not None:
+        per_row = HEADS * (NOPE + ROPE + V) * 4
+        monkeypatch.setattr(mla_mod, "EXPANDED_GROUP_BYTES", budget_rows * per_row)
+    if native and native_prefill_kernel(torch.float32) is None:
+        pytest.skip("no native float32 prefill kernel on this CPU (it needs AVX2 and FMA)")
+    kernels = NativeBackend().kernels if native else TORCH_KERNELS
+    layer, cache = setup.layer(), rand(NUM_SLOTS, RANK + ROPE, seed=12)
+    run_c = ((90, 10), (60, 11))
+    requests = [  # (segment at row 0, its positions)
+        (LatentSegment(0, 7, 100 + torch.randperm(28)[:7]), torch.arange(7)),
+        (LatentSegment(0, 5, runs=((10, 35),)), torch.arange(30, 35)),
+        (LatentSegment(0, 9, torch.cat([torch.arange(s, s + n) for s, n in run_c]), run_c),
+         torch.arange(12, 21)),
+    ]  # fmt: skip
+    x = rand(21, HIDDEN, seed=13)
+    products: list[int] = []
+    layer.kv_b_proj.register_forward_hook(lambda m, args, out: products.append(out.shape[0]))
+    alone, row = [], 0
+    with torch.no_grad():
+        for seg, positions in requests:
+            rows = x[row : row + seg.q_len]
+            rope = setup.rope(positions, torch.float32)
+            alone.append(layer(rows, rope, cache.clone(), [seg], "expanded", kernels=kernels))
+            row += seg.q_len
+        assert products == [7, 35, 21]  # each request's positions, one product each
+        products.clear()
+        batch, row = [], 0
+        for seg, _ in requests:
+            slots = seg.slots
+            batch.append(LatentSegment(row, seg.q_len, slots, seg.runs))
+            row += seg.q_len
+        rope = setup.rope(torch.cat([p for _, p in requests]), torch.float32)
+        got = layer(x, rope, cache.clone(), batch, "expanded", kernels=kernels)
+    assert products == products_made
+    torch.testing.assert_close(got, torch.cat(alone), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_over_runs_reads_views_and_matches_one_gather(setup: Setup) -> None:
