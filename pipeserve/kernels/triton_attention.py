@@ -9,9 +9,10 @@ slot, request after request, and `kv_indptr` [n + 1] where each request's positi
 long runs, pages of 16, scattered slots), in one pipelined loop over blocks of positions.
 
 - `paged_decode`: one query token per request. A program takes one request, one KV head with
-  all its query heads (GQA: the group's rows share every K/V load) and one of `splits` equal
-  shares of the request's keys (split-KV: enough programs for a long context and a small
-  batch); the shares' partial results merge by their log-sum-exp. With `rope` > 0 the key
+  its query heads, up to DECODE_MAX_HEADS of them (GQA: the group's rows share every K/V
+  load), and one of `splits` equal shares of the request's keys (split-KV: enough programs
+  for a long context and a small batch); the shares' partial results merge by their
+  log-sum-exp. With `rope` > 0 the key
   rows are [d | rope] wide and the values their first d columns: MLA's absorbed attention
   over the latent cache (one KV head shared by all heads).
 - `paged_extend`: prompt chunks, each attending to its cached prefix and, causally, to itself
@@ -19,8 +20,8 @@ long runs, pages of 16, scattered slots), in one pipelined loop over blocks of p
   one chunk's query rows times the group's heads, so all chunks of a batch are one launch.
   `expanded_extend` runs the same kernel over MLA's up-projected keys and values instead of
   a pool (read through an index of their rows): keys [k_nope | k_rope] with the rope part
-  one tensor shared by the heads, values of their own width, 128 query rows of one head a
-  program (64 in float32).
+  one tensor shared by the heads, values of their own width, 64 query rows of one head a
+  program (32 in float32).
 
 Scores and the softmax run in float32 (float32 inputs multiply in IEEE float32, not TF32).
 Launch-dependent integers (strides, split counts) are not specialised on, so a new batch
@@ -36,13 +37,20 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # keys per step of a program
+# Tiles: what compiles for sm_90 without spilling registers (benchmarks/triton_compile.py
+# compiles every launch offline; GPU timings of the MLA and wide-group tiles are owed)
+BLOCK_N = 64  # keys per step of a program (fewer for wide rows: decode_tiles, extend_tiles)
 EXTEND_BLOCK_M = 16  # extend: query rows per program (times the group's heads)
-# expanded_extend (MLA: one head per key head): query rows per program, GQA's tile of 16
-# rows times a group of 8 heads, so each key block loaded serves as many rows (float32's
+# expanded_extend (MLA: one head per key head): query rows per program, with its three tiles
+# of keys (k_nope, k_rope, values) as many as spill nothing at DeepSeek-V3's widths (float32's
 # tiles take twice the registers and shared memory: half as many rows)
-EXPANDED_BLOCK_M = 128
+EXPANDED_BLOCK_M = 64
 MAX_SPLITS = 16
+# decode: query heads of one KV head a program takes at most (MLA's heads all share one: at
+# DeepSeek-V3's 128 a program of all of them wants 279 KB of shared memory, over an H100's
+# 227 KB; benchmarks/triton_compile.py)
+DECODE_MAX_HEADS = 64
+EXTEND_MAX_HEADS = 8  # extend: query heads of one KV head a program takes at most
 
 
 @triton.jit
@@ -113,7 +121,8 @@ def _decode_kernel(
     sl_g,
     splits,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     ROPE: tl.constexpr,
@@ -122,11 +131,11 @@ def _decode_kernel(
     FP32: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) // HEAD_BLOCKS  # the KV head; its group's heads HEADS at a time
     split = tl.program_id(2)
     k_head = K + h.to(tl.int64) * sk_h
     v_head = V + h.to(tl.int64) * sv_h
-    g = tl.arange(0, GROUP_PAD)
+    g = (tl.program_id(1) % HEAD_BLOCKS) * HEADS + tl.arange(0, HEADS)
     d = tl.arange(0, D_PAD)
     gm, dm = g < GROUP, d < D
     q_rows = Q + b * sq_b + h * sq_h + g[:, None] * sq_g
@@ -140,9 +149,9 @@ def _decode_kernel(
     share = tl.cdiv(length, splits)
     lo = split * share
     hi = tl.minimum(lo + share, length)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    m_i = tl.full([HEADS], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS], tl.float32)
+    acc = tl.zeros([HEADS, D_PAD], tl.float32)
     for p0 in range(lo, hi, BLOCK):
         at = p0 + tl.arange(0, BLOCK)
         slot = tl.load(KV_INDICES + start + at, mask=at < hi, other=-1)
@@ -192,7 +201,8 @@ def _extend_kernel(
     so_t,
     so_h,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     DV: tl.constexpr,
@@ -204,7 +214,7 @@ def _extend_kernel(
     FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) // HEAD_BLOCKS  # the KV head; its group's heads HEADS at a time
     k_head = K + h.to(tl.int64) * sk_h
     v_head = V + h.to(tl.int64) * sv_h
     kr_head = K_ROPE + h.to(tl.int64) * skr_h
@@ -213,12 +223,13 @@ def _extend_kernel(
     q_start = tl.load(CHUNKS + 3 * c)
     q_len = tl.load(CHUNKS + 3 * c + 1)
     prefix = tl.load(CHUNKS + 3 * c + 2)
-    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
-    i = m0 + rows // GROUP_PAD  # the row's query within its chunk
-    head = h * GROUP + rows % GROUP_PAD
+    rows = tl.arange(0, BLOCK_M * HEADS)
+    i = m0 + rows // HEADS  # the row's query within its chunk
+    in_group = (tl.program_id(1) % HEAD_BLOCKS) * HEADS + rows % HEADS  # its head's place
+    head = h * GROUP + in_group
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
-    rm = (i < q_len) & (rows % GROUP_PAD < GROUP)
+    rm = (i < q_len) & (in_group < GROUP)
     dm, dvm = d < D, dv < DV
     token = (q_start + i).to(tl.int64)[:, None]  # a long prompt's rows pass 2^31 elements
     q_rows = Q + token * sq_t + head[:, None] * sq_h
@@ -230,9 +241,9 @@ def _extend_kernel(
     q_pos = prefix + i  # each query's position: it sees keys at positions <= this
     end = prefix + tl.minimum(m0 + BLOCK_M, q_len)  # keys any row of the block sees
     start = tl.load(KV_INDPTR + c)
-    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, DV_PAD], tl.float32)
+    m_i = tl.full([BLOCK_M * HEADS], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * HEADS], tl.float32)
+    acc = tl.zeros([BLOCK_M * HEADS, DV_PAD], tl.float32)
     for p0 in range(0, end, BLOCK):
         at = p0 + tl.arange(0, BLOCK)
         keys = at < end
@@ -261,6 +272,18 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def decode_tiles(heads: int, d_pad: int) -> tuple[int, int]:
+    """(keys a step, warps) of a decode program of `heads` query heads over values `d_pad`
+    wide: the largest that compile without spilling registers for sm_90
+    (benchmarks/triton_compile.py; Triton 3.6). Head dims up to 128, as measured on an H200;
+    MLA's latent widths (256, 512) take fewer keys a step and, at 512, eight warps."""
+    if d_pad <= 128:
+        return BLOCK_N, 4
+    if d_pad <= 256:
+        return BLOCK_N // 2, 4
+    return (BLOCK_N // 2 if heads <= 16 else BLOCK_N // 4), 8
+
+
 def decode_splits(num_requests: int, kv_heads: int, device: torch.device) -> int:
     """Shares per request's keys: enough programs to fill the device twice over, at most
     MAX_SPLITS (each share costs a partial result to merge)."""
@@ -287,11 +310,15 @@ def paged_decode(
     the latent cache, one head)."""
     b, hk, group, width = q.shape
     d = width - rope
-    splits = splits or decode_splits(b, hk, q.device)
+    heads = min(_pow2(group, 16), DECODE_MAX_HEADS)  # a program's heads of the group
+    blocks = -(-group // heads)
+    splits = splits or decode_splits(b, hk * blocks, q.device)
     o_part = torch.empty(b, hk, group, splits, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hk, group, splits, dtype=torch.float32, device=q.device)
+    d_pad = _pow2(d, 16)
+    keys, warps = decode_tiles(heads, d_pad)
     if b:
-        _decode_kernel[(b, hk, splits)](
+        _decode_kernel[(b, hk * blocks, splits)](
             q,
             k_cache,
             v_cache,
@@ -316,13 +343,15 @@ def paged_decode(
             lse_part.stride(2),
             splits,
             GROUP=group,
-            GROUP_PAD=_pow2(group, 16),
+            HEADS=heads,
+            HEAD_BLOCKS=blocks,
             D=d,
-            D_PAD=_pow2(d, 16),
+            D_PAD=d_pad,
             ROPE=rope,
             ROPE_PAD=_pow2(rope, 16) if rope else 1,
-            BLOCK=BLOCK_N,
+            BLOCK=keys,
             FP32=q.dtype == torch.float32,
+            num_warps=warps,
             num_stages=2 if q.dtype == torch.float32 else 3,
         )
     if splits == 1:
@@ -445,10 +474,13 @@ def _extend(
     h, hk = q.shape[1], k.shape[0]
     group = h // hk
     d, dv = q.shape[2] - rope, v.shape[2]
-    rows = block_m * _pow2(group)
+    heads = min(_pow2(group), EXTEND_MAX_HEADS)  # a program's heads of the group
+    blocks = -(-group // heads)
+    d_pad, dv_pad, rope_pad = _pow2(d, 16), _pow2(dv, 16), _pow2(rope, 16) if rope else 1
+    keys, warps = extend_tiles(block_m * heads, max(d_pad, dv_pad) + (rope_pad if rope else 0))
     if not chunk.numel():
         return
-    _extend_kernel[(chunk.numel(), hk)](
+    _extend_kernel[(chunk.numel(), hk * blocks)](
         q,
         k,
         k_rope,
@@ -471,16 +503,25 @@ def _extend(
         out.stride(0),
         out.stride(1),
         GROUP=group,
-        GROUP_PAD=_pow2(group),
+        HEADS=heads,
+        HEAD_BLOCKS=blocks,
         D=d,
-        D_PAD=_pow2(d, 16),
+        D_PAD=d_pad,
         DV=dv,
-        DV_PAD=_pow2(dv, 16),
+        DV_PAD=dv_pad,
         ROPE=rope,
-        ROPE_PAD=_pow2(rope, 16) if rope else 1,
+        ROPE_PAD=rope_pad,
         BLOCK_M=block_m,
-        BLOCK=BLOCK_N,
+        BLOCK=keys,
         FP32=q.dtype == torch.float32,
-        num_warps=8 if rows >= 128 else 4,
+        num_warps=warps,
         num_stages=2 if q.dtype == torch.float32 else 3,
     )
+
+
+def extend_tiles(rows: int, width: int) -> tuple[int, int]:
+    """(keys a step, warps) of an extend program of `rows` query rows whose query/key rows
+    are `width` wide padded: the largest that compile without spilling registers for sm_90
+    (benchmarks/triton_compile.py; Triton 3.6). Widths up to 64, as measured on an H200."""
+    keys = BLOCK_N if width <= 64 else BLOCK_N // 2
+    return keys, 8 if rows * width > 64 * 128 else 4

@@ -133,6 +133,23 @@ def test_extend(dtype, page, hk, group, d, chunks) -> None:
         torch.testing.assert_close(got[s : s + n].double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def test_a_group_wider_than_a_program_s_heads(monkeypatch) -> None:
+    """A KV head's query heads split over programs, a few of them each (the limits made small:
+    MLA's 128 heads sharing one latent head, at a toy scale), the last program's heads
+    padded; wide rows take fewer keys a step (decode: 272-wide values, 16 keys; extend:
+    head dim 128, 32 keys)."""
+    from pipeserve.kernels import triton_attention as ta
+
+    monkeypatch.setattr(ta, "DECODE_MAX_HEADS", 32)
+    monkeypatch.setattr(ta, "EXTEND_MAX_HEADS", 2)
+    assert ta.decode_tiles(32, 512)[0] == ta.BLOCK_N // 4
+    assert ta.extend_tiles(16 * 2, 128)[0] == ta.BLOCK_N // 2
+    test_decode(F32, 16, 1, 40, 272, 2, [3, 70])  # 40 heads: programs of 32 and 8
+    test_decode(F16, 1, 2, 3, 16, 1, [5, 33])  # within one program: as before
+    test_extend(F32, 16, 2, 5, 16, [(0, 9), (20, 12)])  # 5 heads: programs of 2, 2 and 1
+    test_extend(F16, 0, 1, 3, 128, [(40, 20), (0, 3)])
+
+
 def test_an_empty_batch_launches_nothing() -> None:
     k_cache, v_cache = pool(2, 16, torch.float32)
     indptr, indices = torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
