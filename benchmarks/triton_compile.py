@@ -53,7 +53,7 @@ KERNELS = [
     (triton_fp8, "_fp8_gemm_kernel"),
     (triton_fp8, "_fp8_grouped_kernel"),
 ]
-BF16, F32 = torch.bfloat16, torch.float32
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
 @dataclass
@@ -259,14 +259,17 @@ class Case:
     preset: str
     tp: int = 1
     dtype: torch.dtype = BF16
+    overrides: tuple[tuple[str, Any], ...] = ()  # config.json fields changed
+    label: str = ""  # the name instead of the preset's
 
     @property
     def name(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.preset} tp{self.tp} {dtype}"
+        return f"{self.label or self.preset} tp{self.tp} {dtype}"
 
     def arch(self) -> ArchConfig:
-        config = CONFIG_PRESETS.get(self.preset) or PRESETS[self.preset]
+        config = {**(CONFIG_PRESETS.get(self.preset) or PRESETS[self.preset])}
+        config.update(self.overrides)
         return ArchConfig.from_dict({k: v for k, v in config.items() if k != "_init_std"})
 
     def calls(self, capability: int) -> dict[str, Callable[[], Any]]:
@@ -278,6 +281,12 @@ class Case:
         return calls
 
 
+KERNEL_TEST = (
+    ("num_attention_heads", 32),
+    ("num_key_value_heads", 8),
+    ("head_dim", 128),
+    ("hidden_size", 5120),
+)
 CASES = [
     Case("bench"),
     Case("bench-deepseek"),
@@ -287,9 +296,11 @@ CASES = [
     Case("deepseek-v3.1", tp=8),
     Case("deepseek-v3.1", tp=1),
     Case("qwen3-235b-a22b", tp=4),
-    # what the CUDA tests run, in float32 and bfloat16
+    # what the CUDA tests run: the engine's tiny presets in float32 and bfloat16, and the
+    # kernel tests' shapes (32 query heads over 8 KV heads of 128, hidden 5120) in each dtype
     *(Case(p, 1, F32) for p in ("tiny-llama", "tiny-qwen3", "tiny-deepseek-v3")),
     Case("tiny-deepseek-v3", 1, BF16),
+    *(Case("bench", 1, dtype, KERNEL_TEST, "kernel-test") for dtype in (BF16, F16, F32)),
 ]
 
 

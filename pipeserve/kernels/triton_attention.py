@@ -272,16 +272,19 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_tiles(heads: int, d_pad: int) -> tuple[int, int]:
-    """(keys a step, warps) of a decode program of `heads` query heads over values `d_pad`
-    wide: the largest that compile without spilling registers for sm_90
-    (benchmarks/triton_compile.py; Triton 3.6). Head dims up to 128, as measured on an H200;
-    MLA's latent widths (256, 512) take fewer keys a step and, at 512, eight warps."""
+def decode_tiles(heads: int, d_pad: int, fp32: bool = False) -> tuple[int, int, int]:
+    """(keys a step, warps, pipeline stages) of a decode program of `heads` query heads over
+    values `d_pad` wide: the largest that compile without spilling registers for sm_90
+    (benchmarks/triton_compile.py; Triton 3.6). Head dims up to 128 in 16-bit, as measured on
+    an H200; MLA's latent widths (256, 512) take fewer keys a step and, at 512, eight warps;
+    float32 (products in IEEE float32, not on the tensor cores) eight warps from 128."""
+    if fp32:
+        return (BLOCK_N, 4, 2) if d_pad < 128 else (BLOCK_N // 2, 8, 2)
     if d_pad <= 128:
-        return BLOCK_N, 4
+        return BLOCK_N, 4, 3
     if d_pad <= 256:
-        return BLOCK_N // 2, 4
-    return (BLOCK_N // 2 if heads <= 16 else BLOCK_N // 4), 8
+        return BLOCK_N // 2, 4, 3
+    return (BLOCK_N // 2 if heads <= 16 else BLOCK_N // 4), 8, 3
 
 
 def decode_splits(num_requests: int, kv_heads: int, device: torch.device) -> int:
@@ -316,7 +319,7 @@ def paged_decode(
     o_part = torch.empty(b, hk, group, splits, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hk, group, splits, dtype=torch.float32, device=q.device)
     d_pad = _pow2(d, 16)
-    keys, warps = decode_tiles(heads, d_pad)
+    keys, warps, stages = decode_tiles(heads, d_pad, q.dtype == torch.float32)
     if b:
         _decode_kernel[(b, hk * blocks, splits)](
             q,
@@ -352,7 +355,7 @@ def paged_decode(
             BLOCK=keys,
             FP32=q.dtype == torch.float32,
             num_warps=warps,
-            num_stages=2 if q.dtype == torch.float32 else 3,
+            num_stages=stages,
         )
     if splits == 1:
         return o_part[:, :, :, 0].to(q.dtype)
@@ -477,7 +480,8 @@ def _extend(
     heads = min(_pow2(group), EXTEND_MAX_HEADS)  # a program's heads of the group
     blocks = -(-group // heads)
     d_pad, dv_pad, rope_pad = _pow2(d, 16), _pow2(dv, 16), _pow2(rope, 16) if rope else 1
-    keys, warps = extend_tiles(block_m * heads, max(d_pad, dv_pad) + (rope_pad if rope else 0))
+    width = max(d_pad, dv_pad) + (rope_pad if rope else 0)
+    keys, warps, stages = extend_tiles(block_m * heads, width, q.dtype == torch.float32)
     if not chunk.numel():
         return
     _extend_kernel[(chunk.numel(), hk * blocks)](
@@ -515,13 +519,16 @@ def _extend(
         BLOCK=keys,
         FP32=q.dtype == torch.float32,
         num_warps=warps,
-        num_stages=2 if q.dtype == torch.float32 else 3,
+        num_stages=stages,
     )
 
 
-def extend_tiles(rows: int, width: int) -> tuple[int, int]:
-    """(keys a step, warps) of an extend program of `rows` query rows whose query/key rows
-    are `width` wide padded: the largest that compile without spilling registers for sm_90
-    (benchmarks/triton_compile.py; Triton 3.6). Widths up to 64, as measured on an H200."""
+def extend_tiles(rows: int, width: int, fp32: bool = False) -> tuple[int, int, int]:
+    """(keys a step, warps, pipeline stages) of an extend program of `rows` query rows whose
+    query/key rows are `width` wide padded: the largest that compile without spilling
+    registers for sm_90 (benchmarks/triton_compile.py; Triton 3.6). Widths up to 64 in 16-bit
+    as measured on an H200; float32 from 128 wide 16 keys a step, unpipelined."""
+    if fp32:
+        return (BLOCK_N, 4, 2) if width < 128 else (BLOCK_N // 4, 4, 1)
     keys = BLOCK_N if width <= 64 else BLOCK_N // 2
-    return keys, 8 if rows * width > 64 * 128 else 4
+    return keys, 8 if rows * width > 64 * 128 else 4, 3
