@@ -3,14 +3,15 @@ what each launch would cost in shared memory and registers, and whether it compi
 before GPU time is spent finding out.
 
 The kernels' own wrappers are called on CPU tensors shaped as the engine's layers are (the
-built-in and bench presets, the released DeepSeek-V3.1 and Qwen3-235B configs under the
-tensor-parallel sizes they are served at, and the tiny presets in float32, as the CUDA tests
-run them). Each launch is caught before it runs and compiled instead by Triton's own path
-(`JITFunction.warmup`: the same specialisation and options a GPU launch would get) for a GPU
-of the named compute capability, through a stand-in for the CUDA driver that only names the
-target. ptxas (shipped with triton) builds the binary; cuobjdump reads its registers and spill
-stack. A kernel that fails to compile, or asks for more shared memory than the GPU gives one
-block, fails the run.
+bench presets, small released models' presets, the released DeepSeek-V3.1 and Qwen3-235B
+configs under tensor-parallel sizes they are served at, and what the CUDA tests run: the
+tiny presets in float32 and bfloat16, the kernel tests' shapes in each dtype). Each launch
+is caught before it runs and compiled instead by Triton's own path (`JITFunction.warmup`:
+the same specialisation and options a GPU launch would get) for a GPU of the named compute
+capability, through a stand-in for the CUDA driver that only names the target. ptxas
+(shipped with triton) builds the binary; cuobjdump reads its registers and spill stack. A
+kernel that fails to compile, a call that launches none, or a launch asking for more shared
+memory than the GPU gives one block fails the run.
 
     python benchmarks/triton_compile.py --json out/triton_compile.json
     python benchmarks/triton_compile.py --arch 80 --cases bench bench-deepseek
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -139,13 +141,17 @@ def offline(capability: int, out: list[Compiled], where: list[str]) -> Iterator[
     saved = driver._active
     driver.set_active(TargetOnly(capability))  # type: ignore[arg-type]
     originals = [(module, name, getattr(module, name)) for module, name in KERNELS]
+    # a kernel keeps its target per device once it has compiled: this target's apart
+    caches = [kernel.device_caches for _, _, kernel in originals]
     try:
         for module, name, kernel in originals:
+            kernel.device_caches = defaultdict(kernel.create_binder)
             setattr(module, name, Caught(kernel, out, where))
         yield
     finally:
-        for module, name, kernel in originals:
+        for (module, name, kernel), cache in zip(originals, caches, strict=True):
             setattr(module, name, kernel)
+            kernel.device_caches = cache
         driver._active = saved
 
 
@@ -220,14 +226,24 @@ def _expanded_tables(spans: tuple[ExpandedSpan, ...], keys: int, block_m: int) -
 
 
 def norm_calls(arch: ArchConfig, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """The layers' norms: the hidden state's (with the residual add too), and MLA's of the
+    latent and the compressed query."""
+    widths = {"": arch.hidden_size}
+    if arch.mla is not None:
+        widths["_kv_a"] = arch.mla.kv_lora_rank
+        if arch.mla.q_lora_rank:
+            widths["_q_a"] = arch.mla.q_lora_rank
+    calls: dict[str, Callable[[], Any]] = {}
+    for suffix, width in widths.items():
+        x = torch.zeros(4, width, dtype=dtype)
+        w = torch.ones(width, dtype=dtype)
+        if triton_norm.fits(x, w):
+            calls[f"rms_norm{suffix}"] = lambda x=x, w=w: triton_norm.rms_norm(x, w, 1e-6)
     x = torch.zeros(4, arch.hidden_size, dtype=dtype)
     w = torch.ones(arch.hidden_size, dtype=dtype)
-    if not triton_norm.fits(x, w):
-        return {}
-    return {
-        "rms_norm": lambda: triton_norm.rms_norm(x, w, 1e-6),
-        "add_rms_norm": lambda: triton_norm.add_rms_norm(x, x, w, 1e-6),
-    }
+    if triton_norm.fits(x, w):
+        calls["add_rms_norm"] = lambda: triton_norm.add_rms_norm(x, x, w, 1e-6)
+    return calls
 
 
 def fp8_calls(arch: ArchConfig, tp: int) -> dict[str, Callable[[], Any]]:
@@ -292,6 +308,7 @@ CASES = [
     Case("bench-deepseek"),
     Case("bench-moe"),
     Case("qwen3-0.6b"),
+    Case("qwen2.5-0.5b"),  # 7 heads a KV head: 128 rows a prompt program
     Case("llama-3.2-1b"),
     Case("deepseek-v3.1", tp=8),
     Case("deepseek-v3.1", tp=1),
@@ -311,7 +328,11 @@ def compile_cases(cases: list[Case], capability: int) -> list[Compiled]:
         for case in cases:
             for call, run in case.calls(capability).items():
                 where[:] = [case.name, call]
+                before = len(out)
                 run()
+                if len(out) == before:
+                    out.append(Compiled(case.name, call, "", "", 0, 0, 0, 0, 0, 0.0))
+                    out[-1].error = "launched no kernel"
     return out
 
 

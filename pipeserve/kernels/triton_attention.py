@@ -12,12 +12,13 @@ long runs, pages of 16, scattered slots), in one pipelined loop over blocks of p
   its query heads, up to DECODE_MAX_HEADS of them (GQA: the group's rows share every K/V
   load), and one of `splits` equal shares of the request's keys (split-KV: enough programs
   for a long context and a small batch); the shares' partial results merge by their
-  log-sum-exp. With `rope` > 0 the key
-  rows are [d | rope] wide and the values their first d columns: MLA's absorbed attention
-  over the latent cache (one KV head shared by all heads).
+  log-sum-exp. With `rope` > 0 the key rows are [d | rope] wide and the values their first
+  d columns: MLA's absorbed attention over the latent cache (one KV head shared by all
+  heads).
 - `paged_extend`: prompt chunks, each attending to its cached prefix and, causally, to itself
   (its own K/V are in the pool already: the layer writes them first). A program takes 16 of
-  one chunk's query rows times the group's heads, so all chunks of a batch are one launch.
+  one chunk's query rows times up to EXTEND_MAX_HEADS of a KV head's query heads, so all
+  chunks of a batch are one launch.
   `expanded_extend` runs the same kernel over MLA's up-projected keys and values instead of
   a pool (read through an index of their rows): keys [k_nope | k_rope] with the rope part
   one tensor shared by the heads, values of their own width, 64 query rows of one head a
@@ -40,7 +41,7 @@ import triton.language as tl
 # Tiles: what compiles for sm_90 without spilling registers (benchmarks/triton_compile.py
 # compiles every launch offline; GPU timings of the MLA and wide-group tiles are owed)
 BLOCK_N = 64  # keys per step of a program (fewer for wide rows: decode_tiles, extend_tiles)
-EXTEND_BLOCK_M = 16  # extend: query rows per program (times the group's heads)
+EXTEND_BLOCK_M = 16  # extend: query rows per program (times its heads of the group)
 # expanded_extend (MLA: one head per key head): query rows per program, with its three tiles
 # of keys (k_nope, k_rope, values) as many as spill nothing at DeepSeek-V3's widths (float32's
 # tiles take twice the registers and shared memory: half as many rows)
@@ -287,13 +288,14 @@ def decode_tiles(heads: int, d_pad: int, fp32: bool = False) -> tuple[int, int, 
     return (BLOCK_N // 2 if heads <= 16 else BLOCK_N // 4), 8, 3
 
 
-def decode_splits(num_requests: int, kv_heads: int, device: torch.device) -> int:
+def decode_splits(num_requests: int, per_request: int, device: torch.device) -> int:
     """Shares per request's keys: enough programs to fill the device twice over, at most
-    MAX_SPLITS (each share costs a partial result to merge)."""
+    MAX_SPLITS (each share costs a partial result to merge); `per_request`: the programs a
+    request's share takes (its KV heads times their blocks of query heads)."""
     if device.type != "cuda":
         return 1
     programs = 2 * _multiprocessors(device)
-    return max(1, min(MAX_SPLITS, -(-programs // max(1, num_requests * kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-programs // max(1, num_requests * per_request))))
 
 
 def paged_decode(
@@ -527,8 +529,9 @@ def extend_tiles(rows: int, width: int, fp32: bool = False) -> tuple[int, int, i
     """(keys a step, warps, pipeline stages) of an extend program of `rows` query rows whose
     query/key rows are `width` wide padded: the largest that compile without spilling
     registers for sm_90 (benchmarks/triton_compile.py; Triton 3.6). Widths up to 64 in 16-bit
-    as measured on an H200; float32 from 128 wide 16 keys a step, unpipelined."""
+    as measured on an H200 (eight warps from 128 rows); float32 from 128 wide 16 keys a step,
+    unpipelined."""
+    many = rows >= 128 or rows * width > 64 * 128  # eight warps
     if fp32:
-        return (BLOCK_N, 4, 2) if width < 128 else (BLOCK_N // 4, 4, 1)
-    keys = BLOCK_N if width <= 64 else BLOCK_N // 2
-    return keys, 8 if rows * width > 64 * 128 else 4, 3
+        return (BLOCK_N, 8 if many else 4, 2) if width < 128 else (BLOCK_N // 4, 4, 1)
+    return (BLOCK_N if width <= 64 else BLOCK_N // 2), 8 if many else 4, 3

@@ -136,8 +136,9 @@ def test_extend(dtype, page, hk, group, d, chunks) -> None:
 def test_a_group_wider_than_a_program_s_heads(monkeypatch) -> None:
     """A KV head's query heads split over programs, a few of them each (the limits made small:
     MLA's 128 heads sharing one latent head, at a toy scale), the last program's heads
-    padded; wide rows take fewer keys a step (decode: 272-wide values, 16 keys; extend:
-    head dim 128, 32 keys)."""
+    padded; wide rows take fewer keys a step (decode at 272-wide values: 32 keys in float32,
+    16 in float16 with more than 16 heads a program; extend at head dim 128: 32 keys in
+    float16, 16 in float32)."""
     from pipeserve.kernels import triton_attention as ta
 
     monkeypatch.setattr(ta, "DECODE_MAX_HEADS", 32)
@@ -145,9 +146,11 @@ def test_a_group_wider_than_a_program_s_heads(monkeypatch) -> None:
     assert ta.decode_tiles(32, 512)[0] == ta.BLOCK_N // 4
     assert ta.extend_tiles(16 * 2, 128)[0] == ta.BLOCK_N // 2
     test_decode(F32, 16, 1, 40, 272, 2, [3, 70])  # 40 heads: programs of 32 and 8
+    test_decode(F16, 16, 1, 40, 272, 1, [3, 70])
     test_decode(F16, 1, 2, 3, 16, 1, [5, 33])  # within one program: as before
     test_extend(F32, 16, 2, 5, 16, [(0, 9), (20, 12)])  # 5 heads: programs of 2, 2 and 1
     test_extend(F16, 0, 1, 3, 128, [(40, 20), (0, 3)])
+    test_extend(F32, 0, 1, 3, 128, [(40, 20), (0, 3)])
 
 
 def test_an_empty_batch_launches_nothing() -> None:
