@@ -4,7 +4,9 @@ gather, an up-projection, the keys' concatenation and the attention calls per ch
 all at once (`MLAttention.expanded_chunks`: one gather, one up-projection, then the torch
 path's attention calls per chunk, or the Triton backend's one launch). Counts, not times: a
 CPU shows what a GPU would launch. One MLA layer of bench-deepseek's shape, random weights,
-float32; chunks of `--chunk` tokens, every other one after a cached prefix of as many.
+bfloat16; chunks of `--chunk` tokens, every other one after a cached prefix of as many. On a
+GPU the torch backend runs the chunks in one call of PyTorch's packed varlen flash kernel,
+counted here through a stand-in that only counts its launches.
 
     python benchmarks/mla_prompt_ops.py --json out/mla_prompt_ops.json
     TRITON_INTERPRET=1 python benchmarks/mla_prompt_ops.py   # the Triton path's counts too
@@ -22,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeserve.backends.base import AttentionPlan
+from pipeserve.backends.torch_backend import TorchBackend
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.layers.mla import MLAttention
 from pipeserve.models.arch import MLAConfig
@@ -74,6 +77,29 @@ def triton_plan() -> AttentionPlan | None:
     return AttentionPlan(backend, backend.latent_plan([], torch.device("cpu")))
 
 
+def torch_varlen_ops(
+    layer: MLAttention,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    segments: list[LatentSegment],
+    out: torch.Tensor,
+) -> dict[str, int]:
+    """The torch backend's path on a GPU (PyTorch's packed varlen flash kernel, here a
+    stand-in that only counts its launches): its ops and launches, the second layer's."""
+    launches = []
+
+    def kernel(q: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        launches.append(1)
+        return (q,)
+
+    backend = TorchBackend("cpu", varlen=kernel)
+    plan = AttentionPlan(backend, backend.latent_plan([], torch.device("cpu")))
+    layer.expanded_chunks(q, cache, segments, out, None, plan)  # the first layer
+    launches.clear()
+    ops = counted(lambda: layer.expanded_chunks(q, cache, segments, out, None, plan))
+    return {"ops_at_once_torch_varlen": sum(ops.values()), "launches_torch_varlen": len(launches)}
+
+
 def triton_ops(
     layer: MLAttention,
     q: torch.Tensor,
@@ -105,8 +131,9 @@ def measure(layer: MLAttention, n: int, chunk: int, plan: AttentionPlan | None) 
     for seg in segments:  # on a device, slices of one table expanded per batch
         assert seg.slots is not None
     tokens = n * chunk
-    cache = torch.randn(sum(s.length for s in segments), MLA.kv_lora_rank + 32)
-    q = torch.randn(tokens, HEADS, MLA.qk_nope_head_dim + MLA.qk_rope_head_dim)
+    bf16 = torch.bfloat16
+    cache = torch.randn(sum(s.length for s in segments), MLA.kv_lora_rank + 32, dtype=bf16)
+    q = torch.randn(tokens, HEADS, MLA.qk_nope_head_dim + MLA.qk_rope_head_dim, dtype=bf16)
     out = q.new_empty(tokens, HEADS, MLA.v_head_dim)
 
     def alone() -> None:
@@ -118,6 +145,7 @@ def measure(layer: MLAttention, n: int, chunk: int, plan: AttentionPlan | None) 
     at_once = counted(lambda: layer.expanded_chunks(q, cache, segments, out))
     row["ops_at_once_torch"] = sum(at_once.values())
     row["up_projections_at_once"] = at_once["mm"] + at_once["addmm"]
+    row.update(torch_varlen_ops(layer, q, cache, segments, out))
     if plan is not None:
         row.update(triton_ops(layer, q, cache, segments, out, plan))
     print(row)
@@ -131,7 +159,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
-    layer = MLAttention(HIDDEN, HEADS, MLA, None, torch.float32)
+    layer = MLAttention(HIDDEN, HEADS, MLA, None, torch.bfloat16)
     for param in layer.parameters():
         param.data.normal_(0, 0.05)
     plan = triton_plan()

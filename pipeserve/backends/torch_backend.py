@@ -14,6 +14,8 @@ request's KV is copied whole.
   keys are never repeated.
 - decode steps: one batched call over their short KV parts (padded gather + mask), plus
   per-request calls over long runs read in place.
+- MLA's expanded prompt chunks (`latent_prompts`): on a GPU all of a batch's in one call of
+  PyTorch's packed variable-length flash kernel; on a CPU none (MLA attends chunk by chunk).
 
 A kernel library that reads the same parts (FlashInfer, flashinfer_backend.py) subclasses
 this backend and replaces `prompt_chunk` and `decode`.
@@ -21,18 +23,23 @@ this backend and replaces `prompt_chunk` and `decode`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch import nn
 
-from pipeserve.backends.base import AttentionBackend, Segment
-from pipeserve.backends.torch_ops import SDPA, Attention, attention_with_lse
+from pipeserve.backends.base import AttentionBackend, ExpandedSpan, Segment
+from pipeserve.backends.torch_ops import CUDA_OPS, HALF, SDPA, Attention, attention_with_lse
+from pipeserve.device import small_tensor
 from pipeserve.layers.attention_parts import KVPart, gather_index, merge_partials, split_runs
 from pipeserve.scheduler.batch import Run
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
+
+log = logging.getLogger(__name__)
 
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
 SCORE_BLOCK_ELEMENTS = 2**20  # bound on one score buffer (query rows x keys); ~L2-sized blocks
@@ -68,16 +75,40 @@ class TorchMeta:
     decode: GatherSteps | None
 
 
+@dataclass
+class LatentPrompts:
+    """MLA's batch on the torch backend: per set of expanded prompt chunks, the packed varlen
+    kernel's inputs (their query rows, cumulative query and key lengths, the longest of
+    each), made on the device by the first layer that runs them."""
+
+    tables: dict[tuple[ExpandedSpan, ...], VarlenTables] = field(default_factory=dict)
+
+
+class VarlenTables(NamedTuple):
+    rows: torch.Tensor  # [queries] long: the chunks' query rows, chunk after chunk
+    cum_q: torch.Tensor  # [chunks + 1] int32
+    cum_k: torch.Tensor  # [chunks + 1] int32
+    max_q: int
+    max_k: int
+
+
 class TorchBackend(AttentionBackend):
     """`dense`: attention_with_lse's kernel (PyTorch's for the device where None);
     `blockwise`: long prompt chunks as plain matmul blocks (faster on a CPU)."""
 
     name = "torch"
 
-    def __init__(self, device: torch.device | str, dense: Attention | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str, dense: Attention | None = None, varlen: Any = None
+    ) -> None:
+        """varlen: a packed variable-length causal kernel with `_flash_attention_forward`'s
+        signature for MLA's expanded prompt chunks (PyTorch's on CUDA where None; none on a
+        CPU)."""
         cpu = torch.device(device).type == "cpu"
         self.dense: Attention = dense or (attention_with_lse if cpu else SDPA)
         self.blockwise = cpu
+        self.varlen = varlen if varlen is not None or cpu else CUDA_OPS.flash_varlen
+        self.varlen_refused = False
 
     def plan(
         self,
@@ -135,6 +166,52 @@ class TorchBackend(AttentionBackend):
             assert fresh is not None, "a torch prompt chunk reads its fresh K/V"
             cached = cached_parts(k_cache, v_cache, p.views, p.gather)
             out[rows] = self.prompt_chunk(layer, q[rows], fresh[0][rows], fresh[1][rows], cached)
+
+    def latent_plan(self, segments: list[Segment], device: torch.device) -> LatentPrompts:
+        return LatentPrompts()
+
+    def latent_rows(self, meta: Any) -> torch.Tensor | None:
+        return None
+
+    def latent_prompts(
+        self,
+        meta: Any,
+        q: torch.Tensor,
+        keys: tuple[torch.Tensor, torch.Tensor],
+        v: torch.Tensor,
+        spans: tuple[ExpandedSpan, ...],
+        scale: float,
+        out: torch.Tensor,
+    ) -> bool:
+        """All the chunks in one call of the varlen kernel where it takes them (float16 or
+        bfloat16, one head width up to 256, a multiple of 8: values zero-padded to the keys'
+        width, which changes no output column); else False (chunk by chunk). A kernel that
+        raises is not asked again in this process."""
+        k_nope, k_rope = keys
+        width, dv = q.shape[-1], v.shape[-1]
+        if self.varlen is None or self.varlen_refused or q.dtype not in HALF:
+            return False
+        if width > 256 or width % 8 or dv > width:
+            return False
+        tables = meta.tables.get(spans)
+        if tables is None:
+            tables = meta.tables[spans] = varlen_tables(spans, q.device)
+        heads = k_nope.shape[1]
+        k = torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1)], dim=-1)
+        v = nn.functional.pad(v, (0, width - dv)) if dv < width else v
+        rows, cum_q, cum_k, max_q, max_k = tables
+        try:
+            o = self.varlen(
+                q[rows], k, v, cum_q, cum_k, max_q, max_k, 0.0, True, False, scale=scale
+            )[0]
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            log.warning("torch's varlen attention kernel refused MLA's prompt chunks: %s", e)
+            self.varlen_refused = True
+            return False
+        out[rows] = o[..., :dv]
+        return True
 
     def prompt_chunk(
         self,
@@ -199,6 +276,22 @@ def fused_prompt_chunk(
     parts.append((o.reshape(1, hk, group * n, d), lse.reshape(1, hk, group * n)))
     o = merge_partials(parts)  # [1, hk, group * n, d]
     return o.reshape(h, n, d).transpose(0, 1)
+
+
+def varlen_tables(spans: tuple[ExpandedSpan, ...], device: torch.device) -> VarlenTables:
+    """The varlen kernel's inputs for chunks placed by `spans` (keys one chunk after another,
+    each chunk's queries the last of its positions: the kernel's bottom-right causal mask)."""
+    rows = [r for s in spans for r in range(s.q_start, s.q_start + s.q_len)]
+    cum_q, cum_k = [0], [0]
+    for s in spans:
+        cum_q.append(cum_q[-1] + s.q_len)
+        cum_k.append(cum_k[-1] + s.prefix_len + s.q_len)
+    packed = small_tensor(cum_q + cum_k, torch.int32, device)
+    c = len(spans) + 1
+    max_q = max(s.q_len for s in spans)
+    max_k = max(s.prefix_len + s.q_len for s in spans)
+    row_ids = small_tensor(rows, torch.long, device)
+    return VarlenTables(row_ids, packed[:c], packed[c:], max_q, max_k)
 
 
 def last_slot(runs: list[Run], num: int) -> int:

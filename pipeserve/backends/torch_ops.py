@@ -40,6 +40,9 @@ class SdpaOps:
 
     flash: Any = torch.ops.aten._scaled_dot_product_flash_attention
     efficient: Any = torch.ops.aten._scaled_dot_product_efficient_attention
+    # variable-length sequences packed along the rows, causal aligned bottom-right (a query
+    # of a sequence with more keys than queries sees the keys before its own position too)
+    flash_varlen: Any = torch.ops.aten._flash_attention_forward
 
 
 CUDA_OPS = SdpaOps()

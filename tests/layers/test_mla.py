@@ -397,6 +397,68 @@ def test_a_batch_s_expanded_chunks_up_project_once_as_each_alone(
     torch.testing.assert_close(got, torch.cat(alone), atol=1e-5, rtol=1e-5)
 
 
+def reference_varlen(calls: list[int], refuse: bool = False):  # noqa: ANN201
+    """`_flash_attention_forward` as PyTorch documents it for packed sequences, written from
+    the math: each sequence's queries over its keys, the causal mask aligned bottom-right
+    (query i of nq sees keys up to i + nk - nq); float32 inside. `refuse`: raise as a kernel
+    that does not take the inputs does."""
+
+    def op(q, k, v, cum_q, cum_k, max_q, max_k, dropout, causal, debug, *, scale):  # noqa: ANN001, ANN202
+        calls.append(len(cum_q) - 1)
+        if refuse:
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+        assert causal and dropout == 0.0 and not debug
+        assert q.dtype == k.dtype == v.dtype and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        assert cum_q.dtype == cum_k.dtype == torch.int32
+        out = torch.empty_like(q)
+        for i in range(len(cum_q) - 1):
+            qs = slice(int(cum_q[i]), int(cum_q[i + 1]))
+            ks = slice(int(cum_k[i]), int(cum_k[i + 1]))
+            nq, nk = qs.stop - qs.start, ks.stop - ks.start
+            assert nq <= max_q and nk <= max_k
+            s = torch.einsum("qhd,khd->hqk", q[qs].float(), k[ks].float()) * scale
+            keep = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+            p = s.masked_fill(~keep, float("-inf")).softmax(-1)
+            out[qs] = torch.einsum("hqk,khd->qhd", p, v[ks].float()).to(q.dtype)
+        return out, None, None, None, None
+
+    return op
+
+
+def test_torch_backend_s_varlen_kernel_takes_a_batch_s_expanded_chunks_at_once(
+    setup: Setup, caplog
+) -> None:
+    """On a GPU the torch backend attends all of a batch's expanded prompt chunks in one call
+    of PyTorch's packed varlen flash kernel (here a reference of its documented semantics on
+    the CPU): the chunks' rows packed and put back, values padded to the keys' width, the
+    cumulative lengths made once per batch; the same output as chunk by chunk. A kernel that
+    refuses is logged, not asked again, and the chunks run one by one."""
+    from pipeserve.backends.base import AttentionPlan
+    from pipeserve.backends.torch_backend import TorchBackend
+
+    dtype = torch.bfloat16
+    layer, cache = setup.layer(dtype), rand(NUM_SLOTS, RANK + ROPE, seed=12).to(dtype)
+    segments = [  # their rows not in the order of the segments
+        LatentSegment(14, 7, 100 + torch.randperm(28)[:7]),
+        LatentSegment(0, 5, runs=((10, 35),)),
+        LatentSegment(5, 9, torch.arange(60, 81)),
+    ]
+    positions = torch.cat([torch.arange(30, 35), torch.arange(12, 21), torch.arange(7)])
+    x, rope = rand(21, HIDDEN, seed=13).to(dtype), setup.rope(positions, dtype)
+    with torch.no_grad():
+        each = layer(x, rope, cache.clone(), segments, "expanded")
+        for refuse in (False, True):
+            calls: list[int] = []
+            backend = TorchBackend("cpu", varlen=reference_varlen(calls, refuse))
+            plan = AttentionPlan(backend, backend.latent_plan([], torch.device("cpu")))
+            for _ in range(2):  # two layers of one batch
+                got = layer(x, rope, cache.clone(), segments, "expanded", batched=plan)
+                torch.testing.assert_close(got.float(), each.float(), atol=3e-2, rtol=3e-2)
+            assert calls == ([3, 3] if not refuse else [3])  # refused: not asked again
+            assert len(plan.meta.tables) == 1  # made by the first layer, read by the next
+    assert "refused MLA's prompt chunks" in caplog.text
+
+
 def test_decode_over_runs_reads_views_and_matches_one_gather(setup: Setup) -> None:
     """A decode step whose positions lie in runs of slots attends to long runs in place (as
     views) and to the gathered short rest, merged by log-sum-exp: the same as one gather."""
