@@ -1,10 +1,10 @@
 """The Triton attention kernels on CPU tensors through Triton's interpreter, against float64
 references: ragged batches, KV as scattered slots (runs of 1), pages of 16 and one long run,
 GQA groups of 1, 3 (padded) and 4, head dims 16, 24 (padded) and 32, split-KV shares, chunks
-with and without a cached prefix, float32 and float16 (the interpreter computes bfloat16
-wrongly without an explicit upcast: bfloat16 and long contexts are checked on a GPU). The
-fused kernels of the Triton path (triton_norm.py, triton_rope.py) against the torch ops they
-replace, in float32 and, with a GPU's rounding (`gpu_bf16_rounding`), bfloat16.
+with and without a cached prefix, float32, float16 and bfloat16 (the interpreter's bfloat16
+dots and roundings made a GPU's: `gpu_bf16`; long contexts are checked on a GPU). The fused
+kernels of the Triton path (triton_norm.py, triton_rope.py) against the torch ops they
+replace, in float32 and bfloat16.
 
 Run by test_triton_attention.py in a process of its own with TRITON_INTERPRET=1 (it must be
 set before triton is imported); not collected on its own (no test_ prefix)."""
@@ -69,8 +69,44 @@ def pool(hk: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
     )
 
 
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
-F32, F16 = torch.float32, torch.float16
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def gpu_bf16(monkeypatch) -> None:
+    """bfloat16 as a GPU computes it. The interpreter keeps bfloat16 as the uint16 of its
+    bits: its `tl.dot` multiplied those integers (a 16x16 product came out 2.8e10 off), and
+    it truncates float32 to bfloat16 where GPUs and torch round to nearest even. With this,
+    a dot widens bfloat16 operands to their float32 values first (what the tensor cores
+    multiply, exactly), and a cast rounds to nearest even."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    plain_cast = interpreter.InterpreterBuilder.cast_impl
+    plain_dot = interpreter.InterpreterBuilder.create_dot
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return plain_cast(self, src, dst_type)
+        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # no NaNs here
+        return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+
+    def widened(h) -> np.ndarray:
+        if h.dtype.scalar == tl.bfloat16:
+            return (np.asarray(h.data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return h.data
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return plain_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(widened(a), widened(b), dtype=np.float32)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
 
 # (dtype, run length (0: one run per request), kv heads, group, head dim, splits, lengths)
 DECODE = [
@@ -78,6 +114,7 @@ DECODE = [
     (F32, 16, 1, 4, 24, 3, [1, 17, 70, 130]),  # shares of 44: three key blocks' worth
     (F16, 0, 4, 1, 16, 3, [2, 70]),  # fewer keys than shares for the first
     (F16, 16, 2, 3, 16, 1, [3, 33]),
+    (BF16, 16, 2, 4, 32, 3, [1, 70, 130]),
 ]
 # (dtype, run length, kv heads, group, head dim, chunks as (prefix_len, q_len))
 EXTEND = [
@@ -85,6 +122,7 @@ EXTEND = [
     (F32, 16, 1, 4, 24, [(0, 19), (37, 70), (150, 3)]),  # 70 rows: five blocks of queries
     (F16, 0, 2, 1, 32, [(64, 33), (0, 5)]),
     (F16, 16, 2, 3, 16, [(7, 20), (33, 2)]),
+    (BF16, 16, 2, 4, 32, [(0, 19), (37, 70), (5, 1)]),
 ]
 
 
@@ -160,7 +198,7 @@ def test_an_empty_batch_launches_nothing() -> None:
     assert out.shape == (0, 2, 1, 16)
 
 
-@pytest.mark.parametrize(("dtype", "splits"), [(F32, 1), (F16, 3)])
+@pytest.mark.parametrize(("dtype", "splits"), [(F32, 1), (F16, 3), (BF16, 2)])
 def test_mla_absorbed_decode(dtype: torch.dtype, splits: int) -> None:
     """MLA's absorbed decode over the latent cache: one key head of [latent | rope] rows
     shared by all query heads (5: padded to 16), values the rows' latent part."""
@@ -181,7 +219,7 @@ def test_mla_absorbed_decode(dtype: torch.dtype, splits: int) -> None:
         torch.testing.assert_close(got[i, 0].double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize(("dtype", "dv"), [(F32, 12), (F16, 40)])  # values narrower, wider
+@pytest.mark.parametrize(("dtype", "dv"), [(F32, 12), (F16, 40), (BF16, 12)])
 def test_mla_expanded_prompt_chunks_in_one_launch(dtype: torch.dtype, dv: int) -> None:
     """MLA's expanded prompt chunks (`expanded_extend`): the queries' [nope | rope] parts
     over keys k_nope per head and k_rope shared by the heads, values of another width, all
@@ -225,30 +263,8 @@ def test_mla_expanded_prompt_chunks_in_one_launch(dtype: torch.dtype, dv: int) -
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.fixture
-def gpu_bf16_rounding(monkeypatch) -> None:
-    """The interpreter truncates float32 to bfloat16; GPUs and torch round to nearest even.
-    With this, the fused kernels' bfloat16 roundings are checked as a GPU computes them."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
 
-    plain = interpreter.InterpreterBuilder.cast_impl
-
-    def cast(self, src, dst_type):
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return plain(self, src, dst_type)
-        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # no NaNs here
-        return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast)
-
-
-BF16 = torch.bfloat16
-
-
-@pytest.mark.parametrize("dtype", [F32, F16])  # bfloat16: the interpreter's tl.dot is wrong
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
 def test_v32_sparse_prompt_queries_read_their_chosen_rows_only(dtype, monkeypatch) -> None:
     """DeepSeek-V3.2's prompt chunk on the Triton backend: each query over its own chosen
     latent rows (-1: none; a query with one row, one with all topk), as torch's gathered
@@ -288,7 +304,6 @@ def test_v32_sparse_prompt_queries_read_their_chosen_rows_only(dtype, monkeypatc
     assert int(read) == int((slots >= 0).sum()) == n * topk - (topk - 1) - 8 - (topk - 5)
 
 
-@pytest.mark.usefixtures("gpu_bf16_rounding")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("hidden", [576, 1000])
 def test_fused_rms_norm(dtype: torch.dtype, hidden: int) -> None:
@@ -299,7 +314,6 @@ def test_fused_rms_norm(dtype: torch.dtype, hidden: int) -> None:
     check_norms(torch.device("cpu"), dtype, tokens=5, hidden=hidden)
 
 
-@pytest.mark.usefixtures("gpu_bf16_rounding")
 @pytest.mark.parametrize(
     ("dtype", "shape", "qk_norm"),
     [
