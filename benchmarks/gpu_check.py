@@ -89,6 +89,15 @@ def fp8_gemm() -> Stage:
     return Stage("fp8-gemm", argv, 60, report=report)
 
 
+def triton_tiles() -> Stage:
+    """The attention kernels' tiles timed at the presets' shapes: which the defaults should be."""
+    report = LOGS / "triton-tiles.json"
+    argv = [PY, str(ROOT / "benchmarks" / "triton_tiles.py"), "--json", str(report)]
+    if DRY:
+        argv += ["--device", "cpu", "--cases", "bench decode", "bench-deepseek prefill"]
+    return Stage("triton-tiles", argv, 150, 30, report)
+
+
 def stages() -> list[Stage]:
     """In priority order. The default (auto) is the Triton path with CUDA graphs, prompt
     chunks over 16K keys on torch's flash kernels; the other backends run by name."""
@@ -114,6 +123,7 @@ def stages() -> list[Stage]:
         bench("decode-1", 45, *one),
         bench("prefill-32k", 60, "--input-len", k32, *prefill, "--repeat", 2, *hf),
         fp8_gemm(),
+        triton_tiles(),
         bench("decode-64-nograph", 60, *decode, *nograph),
         bench("decode-1-nograph", 45, *one, *nograph),
         bench("decode-64-torch", 90, *eager, *torch_),
@@ -261,6 +271,11 @@ def headline(stage: Stage) -> str:
         words.append(
             f"{row['shape']} rows {row['rows']}: fp8/bf16 {row['fp8_over_dequantised']:.2f}, "
             f"error {row['fp8_rel_error']:.1e}"
+        )
+    for case in r.get("cases", []):  # triton-tiles
+        words.append(
+            f"{case['case']}: default {case['default']} over fastest {case['fastest']} "
+            f"{case['default_over_fastest']}, outputs agree {case['outputs_agree']}"
         )
     if "wall_ms_per_step" in r:
         words.append(

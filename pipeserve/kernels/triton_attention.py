@@ -47,6 +47,7 @@ EXTEND_BLOCK_M = 16  # extend: query rows per program (times its heads of the gr
 # tiles take twice the registers and shared memory: half as many rows)
 EXPANDED_BLOCK_M = 64
 MAX_SPLITS = 16
+Tiles = tuple[int, int, int]  # a program's keys a step, warps, pipeline stages
 # decode: query heads of one KV head a program takes at most (MLA's heads all share one: at
 # DeepSeek-V3's 128 a program of all of them wants 279 KB of shared memory, over an H100's
 # 227 KB; benchmarks/triton_compile.py)
@@ -307,12 +308,14 @@ def paged_decode(
     scale: float,
     splits: int | None = None,
     rope: int = 0,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """q [b, kv_heads, group, d + rope] (one token per request) over each request's KV slots
     (`kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, int32 on q's device; -1: no key, as a
     sparse selection pads) of k/v_cache [kv_heads, slots, d (+ rope for k)] -> [b, kv_heads,
     group, d]. `rope` > 0: the keys' last `rope` columns score too (MLA: k_cache = v_cache =
-    the latent cache, one head)."""
+    the latent cache, one head). `tiles`: (keys a step, warps, stages) instead of
+    `decode_tiles`' (benchmarks/triton_tiles.py times them)."""
     b, hk, group, width = q.shape
     d = width - rope
     heads = min(_pow2(group, 16), DECODE_MAX_HEADS)  # a program's heads of the group
@@ -321,7 +324,7 @@ def paged_decode(
     o_part = torch.empty(b, hk, group, splits, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hk, group, splits, dtype=torch.float32, device=q.device)
     d_pad = _pow2(d, 16)
-    keys, warps, stages = decode_tiles(heads, d_pad, q.dtype == torch.float32)
+    keys, warps, stages = tiles or decode_tiles(heads, d_pad, q.dtype == torch.float32)
     if b:
         _decode_kernel[(b, hk * blocks, splits)](
             q,
@@ -424,15 +427,17 @@ def paged_extend(
     first: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Prompt chunks: q [tokens, heads, d]; chunk c's queries are rows [q_start, q_start +
     q_len) at positions prefix_len.. of its KV (slots kv_indices[kv_indptr[c]:], covering its
     prefix and itself). `chunks` [c, 3] int32 contiguous: (q_start, q_len, prefix_len);
     `chunk` and `first`: the blocks of `extend_blocks`. Writes the chunks' rows of `out`
-    (default a new [tokens, heads, d])."""
+    (default a new [tokens, heads, d]). `tiles`: as `paged_decode` takes them, instead of
+    `extend_tiles`'."""
     out = torch.empty_like(q) if out is None else out
     tables = (kv_indptr, kv_indices, chunks, chunk, first)
-    _extend(q, k_cache, k_cache, v_cache, out, tables, scale, 0, EXTEND_BLOCK_M)
+    _extend(q, k_cache, k_cache, v_cache, out, tables, scale, 0, EXTEND_BLOCK_M, tiles)
     return out
 
 
@@ -449,6 +454,7 @@ def expanded_extend(
     tables: tuple[torch.Tensor, ...],
     scale: float,
     out: torch.Tensor,
+    tiles: Tiles | None = None,
 ) -> None:
     """MLA's expanded prompt chunks in one launch, over keys and values up-projected for them
     (not a pool): q [tokens, heads, d + rope] ([q_nope | q_rope]); k [keys, heads, d] (k_nope),
@@ -458,7 +464,7 @@ def expanded_extend(
     `expanded_block_m(q.dtype)` query rows."""
     heads_first = (k.transpose(0, 1), k_rope[None], v.transpose(0, 1))
     rope = k_rope.shape[-1]
-    _extend(q, *heads_first, out, tables, scale, rope, expanded_block_m(q.dtype))
+    _extend(q, *heads_first, out, tables, scale, rope, expanded_block_m(q.dtype), tiles)
 
 
 def _extend(
@@ -471,6 +477,7 @@ def _extend(
     scale: float,
     rope: int,
     block_m: int,
+    tiles: Tiles | None = None,
 ) -> None:
     """The extend launch: k [kv_heads, rows, d], k_rope [kv_heads or 1, rows, rope] (read
     only where rope > 0), v [kv_heads, rows, dv]; q [tokens, heads, d + rope]; `tables`'
@@ -483,7 +490,7 @@ def _extend(
     blocks = -(-group // heads)
     d_pad, dv_pad, rope_pad = _pow2(d, 16), _pow2(dv, 16), _pow2(rope, 16) if rope else 1
     width = max(d_pad, dv_pad) + (rope_pad if rope else 0)
-    keys, warps, stages = extend_tiles(block_m * heads, width, q.dtype == torch.float32)
+    keys, warps, stages = tiles or extend_tiles(block_m * heads, width, q.dtype == torch.float32)
     if not chunk.numel():
         return
     _extend_kernel[(chunk.numel(), hk * blocks)](
