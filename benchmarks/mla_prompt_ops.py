@@ -1,6 +1,7 @@
 """MLA's expanded prompt chunks of one batch, per layer: the aten ops dispatched (each one a
-kernel launch on a GPU) when the chunks run one at a time (what the layer did before: a
-gather, an up-projection, the keys' concatenation and the attention calls per chunk) against
+kernel launch on a GPU) when the chunks run one at a time (`expanded_chunks` called chunk by
+chunk: what the layer did before, a gather, an up-projection, the keys' concatenation and the
+attention calls per chunk, less the old code's own differences) against
 all at once (`MLAttention.expanded_chunks`: one gather, one up-projection, then the torch
 path's attention calls per chunk, or the Triton backend's one launch). Counts, not times: a
 CPU shows what a GPU would launch. One MLA layer of bench-deepseek's shape, random weights,

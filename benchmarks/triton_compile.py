@@ -197,7 +197,7 @@ def gqa_calls(arch: ArchConfig, tp: int, dtype: torch.dtype) -> dict[str, Callab
 def mla_calls(arch: ArchConfig, tp: int, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
     m = arch.mla
     assert m is not None
-    h, rank, rope, nope, dv = arch.num_heads // tp, m.kv_lora_rank, m.qk_rope_head_dim, 0, 0
+    h, rank, rope = arch.num_heads // tp, m.kv_lora_rank, m.qk_rope_head_dim
     nope, dv = m.qk_nope_head_dim, m.v_head_dim
     latents = torch.zeros(64, rank + rope, dtype=dtype)
 

@@ -89,8 +89,7 @@ def launcher(shape: Shape, sizes: Sizes, dtype: torch.dtype, device: torch.devic
         rows = rand(hk, b * n, width)
         indptr = (torch.arange(b + 1) * n).to(device, torch.int32)
         indices = torch.randperm(b * n, generator=g).to(device, torch.int32)
-        heads = min(ta._pow2(group, 16), ta.DECODE_MAX_HEADS)
-        default = ta.decode_tiles(heads, ta._pow2(d, 16), dtype == torch.float32)
+        default = ta.decode_launch(group, d, dtype)[2]
 
         def decode(tiles: ta.Tiles) -> torch.Tensor:
             return ta.paged_decode(
@@ -106,9 +105,7 @@ def launcher(shape: Shape, sizes: Sizes, dtype: torch.dtype, device: torch.devic
         indices = torch.arange(c * n).to(device, torch.int32)
         blocks = [t.to(device) for t in ta.extend_blocks([n] * c)]
         table = chunks.to(device)
-        heads = min(ta._pow2(group), ta.EXTEND_MAX_HEADS)
-        width = ta._pow2(d, 16)
-        default = ta.extend_tiles(ta.EXTEND_BLOCK_M * heads, width, dtype == torch.float32)
+        default = ta.extend_launch(group, d, d, 0, ta.EXTEND_BLOCK_M, dtype)[2]
 
         def extend(tiles: ta.Tiles) -> torch.Tensor:
             return ta.paged_extend(q, pool, pool, indptr, indices, table, *blocks, 0.1, tiles=tiles)
@@ -123,8 +120,7 @@ def launcher(shape: Shape, sizes: Sizes, dtype: torch.dtype, device: torch.devic
     spans = tuple(ExpandedSpan(i * n, n, 0, i * n) for i in range(c))
     block_m = ta.expanded_block_m(dtype)
     tables = expanded_tables(spans, c * n, device, block_m)
-    width = max(ta._pow2(d, 16), ta._pow2(dv, 16)) + ta._pow2(rope, 16)
-    default = ta.extend_tiles(block_m, width, dtype == torch.float32)
+    default = ta.extend_launch(1, d, dv, rope, block_m, dtype)[2]
 
     def expanded(tiles: ta.Tiles) -> torch.Tensor:
         ta.expanded_extend(q, k_nope, latents[:, 32:], v, tables, 0.1, out, tiles=tiles)
@@ -169,6 +165,8 @@ def measure(name: str, shape: Shape, args: argparse.Namespace) -> dict[str, Any]
             row = {"tiles": list(tiles), "seconds": None, "error": f"{type(e).__name__}: {e}"[:200]}
         rows.append(row)
     timed = [r for r in rows if r["seconds"] is not None]
+    if not timed:
+        raise RuntimeError(f"{name}: no tile ran: {rows}")
     best = min(timed, key=lambda r: r["seconds"])
     result = {
         "case": name,
@@ -180,6 +178,7 @@ def measure(name: str, shape: Shape, args: argparse.Namespace) -> dict[str, Any]
         if rows[0]["seconds"]
         else None,
         "outputs_agree": all(r.get("rel_diff", 1.0) <= args.tolerance for r in timed),
+        "errors": [r for r in rows if "error" in r],
     }
     print(
         f"{name:<26} default {tuple(default)} {rows[0]['seconds'] or float('nan'):.6f} s, "

@@ -245,7 +245,8 @@ class AttentionBackend(ABC):
         return None
 
     def latent_plan(self, segments: list[Segment], device: torch.device) -> Any | None:
-        """MLA: the decode steps' metadata for `latent_decode`, or None (MLA's own paths)."""
+        """MLA: the batch's metadata for `latent_decode` (its decode steps) and
+        `latent_prompts` (its expanded prompt chunks), or None (MLA's own paths)."""
         return None
 
     def latent_decode(
@@ -295,6 +296,12 @@ class AttentionBackend(ABC):
         """Persistent decode metadata for CUDA graphs of up to `rows` rows over a pool of
         `pool_slots` slots (a `capturable` backend's)."""
         raise NotImplementedError(f"the {self.name} backend's steps cannot be captured")
+
+
+def per_head_keys(k_nope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    """MLA's up-projected keys [L, heads, qk_nope + qk_rope]: each head's k_nope [L, heads,
+    qk_nope], then the rope part [L, qk_rope] the heads share."""
+    return torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1)], dim=-1)
 
 
 class ExpandedSpan(NamedTuple):

@@ -15,7 +15,8 @@ request's KV is copied whole.
 - decode steps: one batched call over their short KV parts (padded gather + mask), plus
   per-request calls over long runs read in place.
 - MLA's expanded prompt chunks (`latent_prompts`): on a GPU all of a batch's in one call of
-  PyTorch's packed variable-length flash kernel; on a CPU none (MLA attends chunk by chunk).
+  PyTorch's packed variable-length flash kernel (FlashInfer's backend inherits it); on a CPU
+  none (MLA attends chunk by chunk).
 
 A kernel library that reads the same parts (FlashInfer, flashinfer_backend.py) subclasses
 this backend and replaces `prompt_chunk` and `decode`.
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from pipeserve.backends.base import AttentionBackend, ExpandedSpan, Segment
+from pipeserve.backends.base import AttentionBackend, ExpandedSpan, Segment, per_head_keys
 from pipeserve.backends.torch_ops import CUDA_OPS, HALF, SDPA, Attention, attention_with_lse
 from pipeserve.device import small_tensor
 from pipeserve.layers.attention_parts import KVPart, gather_index, merge_partials, split_runs
@@ -196,8 +197,7 @@ class TorchBackend(AttentionBackend):
         tables = meta.tables.get(spans)
         if tables is None:
             tables = meta.tables[spans] = varlen_tables(spans, q.device)
-        heads = k_nope.shape[1]
-        k = torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1)], dim=-1)
+        k = per_head_keys(k_nope, k_rope)
         v = nn.functional.pad(v, (0, width - dv)) if dv < width else v
         rows, cum_q, cum_k, max_q, max_k = tables
         try:
@@ -207,6 +207,8 @@ class TorchBackend(AttentionBackend):
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as e:
+            if "CUDA error" in str(e):  # the device's own failure, maybe an earlier kernel's
+                raise
             log.warning("torch's varlen attention kernel refused MLA's prompt chunks: %s", e)
             self.varlen_refused = True
             return False
@@ -284,6 +286,7 @@ def varlen_tables(spans: tuple[ExpandedSpan, ...], device: torch.device) -> Varl
     rows = [r for s in spans for r in range(s.q_start, s.q_start + s.q_len)]
     cum_q, cum_k = [0], [0]
     for s in spans:
+        assert s.first_key == cum_k[-1], "the chunks' keys are one after another, in order"
         cum_q.append(cum_q[-1] + s.q_len)
         cum_k.append(cum_k[-1] + s.prefix_len + s.q_len)
     packed = small_tensor(cum_q + cum_k, torch.int32, device)

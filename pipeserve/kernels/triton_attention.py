@@ -274,6 +274,25 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def decode_launch(group: int, d: int, dtype: torch.dtype) -> tuple[int, int, Tiles]:
+    """A decode launch's query heads a program, its blocks of them per KV head (of `group`),
+    and its default tiles, for values `d` wide."""
+    heads = min(_pow2(group, 16), DECODE_MAX_HEADS)
+    return heads, -(-group // heads), decode_tiles(heads, _pow2(d, 16), dtype == torch.float32)
+
+
+def extend_launch(
+    group: int, d: int, dv: int, rope: int, block_m: int, dtype: torch.dtype
+) -> tuple[int, int, Tiles]:
+    """An extend launch's query heads a program, its blocks of them per KV head (of `group`),
+    and its default tiles, for keys `d` (+ `rope`) and values `dv` wide and `block_m` rows of
+    each head a program."""
+    heads = min(_pow2(group), EXTEND_MAX_HEADS)
+    width = max(_pow2(d, 16), _pow2(dv, 16)) + (_pow2(rope, 16) if rope else 0)
+    tiles = extend_tiles(block_m * heads, width, dtype == torch.float32)
+    return heads, -(-group // heads), tiles
+
+
 def decode_tiles(heads: int, d_pad: int, fp32: bool = False) -> tuple[int, int, int]:
     """(keys a step, warps, pipeline stages) of a decode program of `heads` query heads over
     values `d_pad` wide: the largest that compile without spilling registers for sm_90
@@ -318,13 +337,11 @@ def paged_decode(
     `decode_tiles`' (benchmarks/triton_tiles.py times them)."""
     b, hk, group, width = q.shape
     d = width - rope
-    heads = min(_pow2(group, 16), DECODE_MAX_HEADS)  # a program's heads of the group
-    blocks = -(-group // heads)
+    heads, blocks, default = decode_launch(group, d, q.dtype)
+    keys, warps, stages = tiles or default
     splits = splits or decode_splits(b, hk * blocks, q.device)
     o_part = torch.empty(b, hk, group, splits, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hk, group, splits, dtype=torch.float32, device=q.device)
-    d_pad = _pow2(d, 16)
-    keys, warps, stages = tiles or decode_tiles(heads, d_pad, q.dtype == torch.float32)
     if b:
         _decode_kernel[(b, hk * blocks, splits)](
             q,
@@ -354,7 +371,7 @@ def paged_decode(
             HEADS=heads,
             HEAD_BLOCKS=blocks,
             D=d,
-            D_PAD=d_pad,
+            D_PAD=_pow2(d, 16),
             ROPE=rope,
             ROPE_PAD=_pow2(rope, 16) if rope else 1,
             BLOCK=keys,
@@ -486,11 +503,9 @@ def _extend(
     h, hk = q.shape[1], k.shape[0]
     group = h // hk
     d, dv = q.shape[2] - rope, v.shape[2]
-    heads = min(_pow2(group), EXTEND_MAX_HEADS)  # a program's heads of the group
-    blocks = -(-group // heads)
+    heads, blocks, default = extend_launch(group, d, dv, rope, block_m, q.dtype)
+    keys, warps, stages = tiles or default
     d_pad, dv_pad, rope_pad = _pow2(d, 16), _pow2(dv, 16), _pow2(rope, 16) if rope else 1
-    width = max(d_pad, dv_pad) + (rope_pad if rope else 0)
-    keys, warps, stages = tiles or extend_tiles(block_m * heads, width, q.dtype == torch.float32)
     if not chunk.numel():
         return
     _extend_kernel[(chunk.numel(), hk * blocks)](

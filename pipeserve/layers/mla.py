@@ -7,7 +7,9 @@ per-head K or V is ever stored; kv_b_proj turns a latent into every head's k_nop
 Two ways to attend to the cache, equal up to rounding:
 - expanded (long prompt chunks): kv_b_proj up-projects each cached latent of the request to
   per-head [k_nope | v], for every chunk again (the cache holds only latents); keys are
-  [k_nope | k_rope]; causal attention of the chunk over prefix + chunk.
+  [k_nope | k_rope]; causal attention of the chunk over prefix + chunk. A batch's chunks are
+  gathered and up-projected together, and attended in one launch where the backend has one
+  (`expanded_chunks`).
 - absorbed (decode steps and short chunks after a prefix; `absorb_max_queries` says where the
   two cost the same): kv_b_proj's key rows W_UK are folded into the
   query, q_nope·k_nope = (q_nope W_UK)·latent, and its value rows W_UV into the output,
@@ -45,6 +47,7 @@ from pipeserve.backends.base import (
     ExpandedSpan,
     Kernel,
     StepTable,
+    per_head_keys,
 )
 from pipeserve.backends.torch_ops import attention_with_lse
 from pipeserve.device import queues_on_streams
@@ -73,8 +76,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_d
 NATIVE_EXPANDED_SPEEDUP = 2
 # sparse_latent_attention off the compiled kernel: bytes of rows gathered per block of queries
 SPARSE_GATHER_BYTES = 2**27
-# expanded prompt chunks: the up-projected keys and values a batch's chunks hold at once
-# (chunks beyond it are up-projected in further groups; a longer chunk alone, as it always was)
+# expanded prompt chunks: the per-head keys and values of the chunks up-projected together
+# (chunks beyond it go in further groups; a longer chunk alone, as it always was). The CPU
+# paths hold the up-projection beside them too, about twice this
 EXPANDED_GROUP_BYTES = 2**28
 # V3.2's two forms on the compiled CPU kernels, in multiply-adds of the latent kernel
 # (sparse_attention.cpp): one of the expanded kernel (sparse_expanded.cpp) costs about this many
@@ -436,17 +440,19 @@ class MLAttention(nn.Module):
         gather and up-projected in one product, then attended in one launch where the
         batch's backend has one (`latent_prompts`), else chunk by chunk over views of the
         one expansion (on a compiled dense `prefill` kernel where given); as many chunks at
-        a time as EXPANDED_GROUP_BYTES of keys and values hold, or the longest alone. Writes
+        a time as EXPANDED_GROUP_BYTES of keys and values hold, a longer chunk alone. Writes
         the chunks' rows of out [tokens, heads, v_head_dim]."""
         m = self.mla
         per_row = self.num_heads * (m.qk_head_dim + m.v_head_dim) * q.element_size()
-        limit = max(max(seg.length for seg in segments), EXPANDED_GROUP_BYTES // per_row)
+        budget = EXPANDED_GROUP_BYTES // per_row  # positions
         group: list[LatentSegment] = []
+        rows = 0
         for seg in segments:
-            if group and sum(g.length for g in group) + seg.length > limit:
+            if group and rows + seg.length > budget:
                 self._expanded_group(q, cache, group, out, prefill, batched)
-                group = []
+                group, rows = [], 0
             group.append(seg)
+            rows += seg.length
         self._expanded_group(q, cache, group, out, prefill, batched)
 
     def _expanded_group(
@@ -503,10 +509,9 @@ class MLAttention(nn.Module):
         return self.keys(k_nope, k_rope), v
 
     def keys(self, k_nope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
-        """Per-head keys [L, heads, qk_head_dim]: each head's k_nope [L, heads,
-        qk_nope_head_dim], then the shared k_rope [L, qk_rope_head_dim]."""
+        """Per-head keys [L, heads, qk_head_dim] (`per_head_keys`)."""
         with region("mla.expand_keys"):
-            return torch.cat([k_nope, k_rope[:, None].expand(-1, self.num_heads, -1)], dim=-1)
+            return per_head_keys(k_nope, k_rope)
 
     def sparse(
         self,

@@ -29,6 +29,6 @@ def test_each_tile_computes_the_default_s_output(tmp_path: Path) -> None:
     for case in report["cases"]:
         tiles = [row["tiles"] for row in case["tiles"]]
         assert tiles[0] == case["default"] and [64, 4, 3] in tiles and len(tiles) >= 5
-        assert case["outputs_agree"]
+        assert case["outputs_agree"] and case["errors"] == []
         assert all(row["rel_diff"] <= 2e-2 for row in case["tiles"] if row["seconds"])
         assert case["fastest"] in tiles and case["default_over_fastest"] >= 1.0

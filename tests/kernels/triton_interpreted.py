@@ -108,6 +108,7 @@ def gpu_bf16(monkeypatch) -> None:
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
 
+
 # (dtype, run length (0: one run per request), kv heads, group, head dim, splits, lengths)
 DECODE = [
     (F32, 1, 2, 3, 16, 1, [1, 9, 40]),
@@ -261,7 +262,6 @@ def test_mla_expanded_prompt_chunks_in_one_launch(dtype: torch.dtype, dv: int) -
         want = reference(q_rows, k, vv, torch.arange(span.prefix_len, length), 0.3)
         got = out[span.q_start : span.q_start + span.q_len].double()
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
-
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
