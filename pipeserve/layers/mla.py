@@ -191,12 +191,16 @@ class MLAttention(nn.Module):
         prefill = kernels.prefill(x.dtype)
         latent = []  # the requests that attend to their choice in latent space: one call
         dense = []  # the prompt chunks that attend causally on up-projected keys: at once
+        in_full = []  # decode steps over all their positions, on a compiled kernel: one call
+        whole = kernels.sparse_latent is not None and q.dtype in (torch.float32, torch.bfloat16)
         for seg, chosen in zip(segments, selected, strict=True):
             if chosen is not None:
                 if self.sparse_expands(seg.q_len, seg.length, kernels, q.dtype):
                     out[seg.rows] = self.sparse(q[seg.rows], seg, cache, chosen, kernels)
                 else:
                     latent.append((seg, chosen))
+            elif whole and seg.q_len == 1:
+                in_full.append(seg)
             elif self.absorbs(mode, seg, prefill):
                 out[seg.rows] = self.absorbed(q[seg.rows], seg, cache)
             else:
@@ -205,6 +209,9 @@ class MLAttention(nn.Module):
             self.expanded_chunks(q, cache, dense, out, prefill, batched)
         if latent:  # a batch's decode steps above all
             rows, o = self.sparse_latent_rows(q, latent, cache, kernels)
+            out[rows] = o
+        if in_full:
+            rows, o = self.latent_steps(q, in_full, cache, kernels)
             out[rows] = o
         return self.o_proj(out.flatten(1))  # [tokens, heads * v_head_dim]
 
@@ -550,6 +557,23 @@ class MLAttention(nn.Module):
         )
         slots = torch.cat([seg.chosen_slots(chosen) for seg, chosen in parts])
         return rows, self._over_chosen(q[rows], cache, slots, kernels, keys_read)
+
+    def latent_steps(
+        self,
+        q: torch.Tensor,
+        steps: list[LatentSegment],
+        cache: torch.Tensor,
+        kernels: DirectKernels,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode steps in latent space over every position of their requests, all in one call
+        of the kernels' `sparse_latent` (each step's slots, padded with -1 to the longest):
+        `absorbed` for all of them, one absorption each way -> (their rows [b] of q, in the
+        steps' order; the output [b, heads, v_head_dim])."""
+        rows = torch.tensor([seg.q_start for seg in steps], device=q.device)
+        slots = nn.utils.rnn.pad_sequence(
+            [seg.slots for seg in steps], batch_first=True, padding_value=-1
+        )
+        return rows, self._over_chosen(q[rows], cache, slots, kernels, None)
 
     def _over_chosen(
         self,

@@ -4,6 +4,7 @@ the latent cache, absorbed decode steps, what the cache holds, and two emulated 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -207,6 +208,42 @@ def test_absorbed_decode_matches_expanded_and_transformers(setup: Setup) -> None
     for i, x in enumerate(xs):
         torch.testing.assert_close(step[i], expanded[i][-1], atol=1e-5, rtol=0)
         torch.testing.assert_close(step[i], setup.reference(x)[-1], atol=1e-5, rtol=0)
+
+
+def test_decode_steps_attend_in_one_call_of_the_compiled_kernel(setup: Setup) -> None:
+    """With the native kernels, a batch's decode steps (no indexer) attend to all their
+    positions in one call of the sparse latent kernel (each step's slots, padded with -1 to
+    the longest: scattered, one run, and a step of a single position; no slot shared), as
+    each step does alone on the torch ops."""
+    native = NativeBackend().kernels
+    if native.sparse_latent is None:
+        pytest.skip("no native sparse latent kernel on this CPU")
+    calls: list[tuple[int, ...]] = []
+
+    def counted(q, rows, slots, *args):  # noqa: ANN001, ANN202
+        calls.append(tuple(slots.shape))
+        return native.sparse_latent(q, rows, slots, *args)
+
+    kernels = dataclasses.replace(native, sparse_latent=counted)
+    layer, cache = setup.layer(), rand(NUM_SLOTS, RANK + ROPE, seed=21)
+    steps = [
+        LatentSegment(
+            0, 1, 4 + torch.randperm(60, generator=torch.Generator().manual_seed(5))[:40]
+        ),
+        LatentSegment(1, 1, runs=((64, 17),)),
+        LatentSegment(2, 1, torch.tensor([3])),
+    ]
+    rope = setup.rope(torch.tensor([39, 16, 0]), torch.float32)
+    x = rand(3, HIDDEN, seed=22)
+    with torch.no_grad():
+        got = layer(x, rope, cache.clone(), steps, kernels=kernels)
+        assert calls == [(3, 40)]
+        for i, seg in enumerate(steps):
+            alone = LatentSegment(0, 1, seg.slots)
+            want = layer(
+                x[i : i + 1], (rope[0][i : i + 1], rope[1][i : i + 1]), cache.clone(), [alone]
+            )
+            torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
 
 
 class RunsOnly(LatentSegment):
