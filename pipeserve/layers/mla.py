@@ -199,10 +199,11 @@ class MLAttention(nn.Module):
                     out[seg.rows] = self.sparse(q[seg.rows], seg, cache, chosen, kernels)
                 else:
                     latent.append((seg, chosen))
-            elif whole and seg.q_len == 1:
-                in_full.append(seg)
             elif self.absorbs(mode, seg, prefill):
-                out[seg.rows] = self.absorbed(q[seg.rows], seg, cache)
+                if whole and seg.q_len == 1:
+                    in_full.append(seg)
+                else:
+                    out[seg.rows] = self.absorbed(q[seg.rows], seg, cache)
             else:
                 dense.append(seg)
         if dense:

@@ -213,8 +213,8 @@ def test_absorbed_decode_matches_expanded_and_transformers(setup: Setup) -> None
 def test_decode_steps_attend_in_one_call_of_the_compiled_kernel(setup: Setup) -> None:
     """With the native kernels, a batch's decode steps (no indexer) attend to all their
     positions in one call of the sparse latent kernel (each step's slots, padded with -1 to
-    the longest: scattered, one run, and a step of a single position; no slot shared), as
-    each step does alone on the torch ops."""
+    the longest: scattered, one run, and a step of two positions; no slot shared), as each
+    step does alone on the torch ops."""
     native = NativeBackend().kernels
     if native.sparse_latent is None:
         pytest.skip("no native sparse latent kernel on this CPU")
@@ -231,9 +231,9 @@ def test_decode_steps_attend_in_one_call_of_the_compiled_kernel(setup: Setup) ->
             0, 1, 4 + torch.randperm(60, generator=torch.Generator().manual_seed(5))[:40]
         ),
         LatentSegment(1, 1, runs=((64, 17),)),
-        LatentSegment(2, 1, torch.tensor([3])),
+        LatentSegment(2, 1, torch.tensor([3, 90])),
     ]
-    rope = setup.rope(torch.tensor([39, 16, 0]), torch.float32)
+    rope = setup.rope(torch.tensor([39, 16, 1]), torch.float32)
     x = rand(3, HIDDEN, seed=22)
     with torch.no_grad():
         got = layer(x, rope, cache.clone(), steps, kernels=kernels)
