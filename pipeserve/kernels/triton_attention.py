@@ -293,7 +293,7 @@ def extend_launch(
     return heads, -(-group // heads), tiles
 
 
-def decode_tiles(heads: int, d_pad: int, fp32: bool = False) -> tuple[int, int, int]:
+def decode_tiles(heads: int, d_pad: int, fp32: bool = False) -> Tiles:
     """(keys a step, warps, pipeline stages) of a decode program of `heads` query heads over
     values `d_pad` wide: the largest that compile without spilling registers for sm_90
     (benchmarks/triton_compile.py; Triton 3.6). Head dims up to 128 in 16-bit, as measured on
@@ -547,7 +547,7 @@ def _extend(
     )
 
 
-def extend_tiles(rows: int, width: int, fp32: bool = False) -> tuple[int, int, int]:
+def extend_tiles(rows: int, width: int, fp32: bool = False) -> Tiles:
     """(keys a step, warps, pipeline stages) of an extend program of `rows` query rows whose
     query/key rows are `width` wide padded: the largest that compile without spilling
     registers for sm_90 (benchmarks/triton_compile.py; Triton 3.6). Widths up to 64 in 16-bit
