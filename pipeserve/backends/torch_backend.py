@@ -14,6 +14,9 @@ request's KV is copied whole.
   keys are never repeated.
 - decode steps: one batched call over their short KV parts (padded gather + mask), plus
   per-request calls over long runs read in place.
+- MLA's decode steps (`latent_decode`, absorbed: one key head of latent rows): gathered
+  through a page table of the steps, a group of similar lengths at a time (one call each,
+  padding masked); V3.2's steps over their chosen rows, all in one gathered call.
 - MLA's expanded prompt chunks (`latent_prompts`): on a GPU all of a batch's in one call of
   PyTorch's packed variable-length flash kernel (FlashInfer's backend inherits it); on a CPU
   none (MLA attends chunk by chunk).
@@ -25,17 +28,40 @@ this backend and replaces `prompt_chunk` and `decode`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
-from pipeserve.backends.base import AttentionBackend, ExpandedSpan, Segment, per_head_keys
-from pipeserve.backends.torch_ops import CUDA_OPS, HALF, SDPA, Attention, attention_with_lse
+from pipeserve.backends.base import (
+    AttentionBackend,
+    ExpandedSpan,
+    Segment,
+    StepTable,
+    per_head_keys,
+)
+from pipeserve.backends.step_tables import (
+    TableSteps,
+    chosen_slots,
+    expanded,
+    latent_steps,
+    padded_slots,
+    step_table,
+)
+from pipeserve.backends.torch_ops import (
+    CUDA_OPS,
+    HALF,
+    SDPA,
+    Attention,
+    attention_with_lse,
+    gathered_latent_attention,
+    latent_over_parts,
+)
 from pipeserve.device import small_tensor
 from pipeserve.layers.attention_parts import KVPart, gather_index, merge_partials, split_runs
-from pipeserve.scheduler.batch import Run
+from pipeserve.layers.latent_segment import LatentSegment
+from pipeserve.scheduler.batch import Run, runs_prefix
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -44,6 +70,16 @@ log = logging.getLogger(__name__)
 
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
 SCORE_BLOCK_ELEMENTS = 2**20  # bound on one score buffer (query rows x keys); ~L2-sized blocks
+# MLA's decode steps: a group of similar lengths whose longest step has more positions than
+# this is read in place a step at a time (views of its runs, a call or two a step) rather than
+# gathered into one padded tensor (which writes and reads every row again). CPU: measured by
+# benchmarks/mla_decode_gather.py (Zen 4, 2 threads, bench-deepseek, bfloat16, 32 steps:
+# gathered 1.1-1.3x faster up to 384 positions, in place 1.2-1.4x faster from 512). Elsewhere
+# an estimate until a GPU measures it (gpu_check's mla-decode-gather): at 64K positions of
+# DeepSeek's 576-value rows a gather moves 75 MB a step and layer, on an H200 about the time of
+# a step's launches
+LATENT_GATHER_MAX_KEYS = {"cpu": 384}
+LATENT_GATHER_MAX_KEYS_ELSEWHERE = 2**16
 
 
 @dataclass
@@ -77,11 +113,15 @@ class TorchMeta:
 
 
 @dataclass
-class LatentPrompts:
-    """MLA's batch on the torch backend: per set of expanded prompt chunks, the packed varlen
-    kernel's inputs (their query rows, cumulative query and key lengths, the longest of
-    each), made on the device by the first layer that runs them."""
+class TorchLatent:
+    """MLA's batch on the torch backend: its decode steps as a page table with their length
+    groups (`latent_decode`), the steps of groups too long to gather with their KV runs,
+    read in place; and per set of expanded prompt chunks, the packed varlen kernel's inputs
+    (their query rows, cumulative query and key lengths, the longest of each), made on the
+    device by the first layer that runs them (`latent_prompts`)."""
 
+    decode: TableSteps | None = None
+    in_place: tuple[tuple[int, tuple[Run, ...]], ...] = ()  # (step, its runs)
     tables: dict[tuple[ExpandedSpan, ...], VarlenTables] = field(default_factory=dict)
 
 
@@ -105,7 +145,9 @@ class TorchBackend(AttentionBackend):
         """varlen: a packed variable-length causal kernel with `_flash_attention_forward`'s
         signature for MLA's expanded prompt chunks (PyTorch's on CUDA where None; none on a
         CPU)."""
-        cpu = torch.device(device).type == "cpu"
+        kind = torch.device(device).type
+        cpu = kind == "cpu"
+        self.gather_max_keys = LATENT_GATHER_MAX_KEYS.get(kind, LATENT_GATHER_MAX_KEYS_ELSEWHERE)
         self.dense: Attention = dense or (attention_with_lse if cpu else SDPA)
         self.blockwise = cpu
         self.varlen = varlen if varlen is not None or cpu else CUDA_OPS.flash_varlen
@@ -168,11 +210,63 @@ class TorchBackend(AttentionBackend):
             cached = cached_parts(k_cache, v_cache, p.views, p.gather)
             out[rows] = self.prompt_chunk(layer, q[rows], fresh[0][rows], fresh[1][rows], cached)
 
-    def latent_plan(self, segments: list[Segment], device: torch.device) -> LatentPrompts:
-        return LatentPrompts()
+    def latent_plan(self, segments: list[Segment], device: torch.device) -> TorchLatent:
+        """The decode steps' page table and length groups; a group whose longest step is
+        over `gather_max_keys` positions (LATENT_GATHER_MAX_KEYS) is read in place, a step at
+        a time (its runs kept on the host)."""
+        if not any(n == 1 for _, n, _, _ in segments):
+            return TorchLatent()
+        steps, order = latent_steps(segments, device)
+        runs = [tuple(runs_prefix(r, prefix + 1)) for _, n, prefix, r in segments if n == 1]
+        long = [
+            i
+            for first, end, w in steps.groups
+            if w > self.gather_max_keys
+            for i in order[first:end]
+        ]
+        return TorchLatent(steps, tuple((i, runs[i]) for i in long))
+
+    def after_copy(self, meta: Any) -> Any:
+        if isinstance(meta, TorchLatent):
+            return replace(meta, decode=expanded(meta.decode))
+        return meta
 
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
-        return None
+        return None if meta.decode is None else meta.decode.rows
+
+    def latent_table(self, meta: Any) -> StepTable | None:
+        return None if meta.decode is None else step_table(meta.decode)
+
+    def latent_decode(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: Any,
+        chosen: torch.Tensor | None,
+        scale: float,
+        rope_dim: int,
+    ) -> torch.Tensor:
+        """q [b, 1 key head, heads, latent width] of the decode steps over each step's latent
+        rows, gathered a group of similar lengths at a time (padding masked) or, in groups
+        past `gather_max_keys`, read in place a step at a time; with an indexer's choice
+        `chosen` [b, topk] (positions, -1 for none), over the chosen rows only, all steps
+        gathered at once -> [b, heads, kv_lora_rank]."""
+        p = meta.decode
+        assert p is not None and p.kv_indptr is not None and p.kv_indices is not None
+        q, rank = q[:, 0], cache.shape[1] - rope_dim
+        if chosen is not None:
+            slots = chosen_slots(chosen, p.kv_indptr, p.kv_indices)[1].view(chosen.shape)
+            return gathered_latent_attention(q, cache, slots, rank, scale)
+        out = q.new_empty(q.shape[0], q.shape[1], rank)
+        for first, end, width in p.groups:
+            if width <= self.gather_max_keys:
+                steps = p.order[first:end]
+                slots = padded_slots(steps, width, p.kv_indptr, p.kv_indices)
+                out[steps] = gathered_latent_attention(q[steps], cache, slots, rank, scale)
+        for i, runs in meta.in_place:
+            parts = LatentSegment(0, 1, runs=runs).parts(cache)
+            out[i] = latent_over_parts(q[i : i + 1], parts, scale)[0, :, :rank]
+        return out
 
     def latent_prompts(
         self,

@@ -20,12 +20,16 @@ from typing import Any
 
 import torch
 
+from pipeserve.device import queues_on_streams
+from pipeserve.layers.attention_parts import merge_partials
+
 log = logging.getLogger(__name__)
 
 KEY_BLOCK = 1024  # chunked fallback: keys per block
 SCORE_BLOCK_ELEMENTS = 2**24  # chunked fallback: float32 scores of one block (64 MiB)
 GRID_LIMIT = 65535  # the fused CUDA kernels put batch and heads on grid dimensions y and z
 HALF = (torch.float16, torch.bfloat16)
+LATENT_GATHER_BYTES = 2**27  # gathered_latent_attention: rows gathered per block of queries
 
 Attention = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # attention_with_lse's signature
 
@@ -275,3 +279,59 @@ def attention_with_lse(
         )
         return out, lse
     return SDPA(q, k, v, causal, scale, mask)
+
+
+# -- MLA's absorbed attention: one key head, whose keys are whole latent rows ---------------
+
+
+def gathered_latent_attention(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    rank: int,
+    scale: float,
+    keys_read: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each query's heads over its own rows of `rows`, gathered: q [n, h, W] (absorbed
+    queries); rows [N, W] (keys are whole rows, values their first `rank` values); slots
+    [n, k] (the rows each query reads, -1 for none) -> [n, h, rank]. The rows are gathered
+    for a block of queries at a time (LATENT_GATHER_BYTES) and the padding masked, so no
+    [n, N] mask exists. keys_read: an int64 counter [1] the (query, row) pairs read are
+    added to."""
+    n, h, w = q.shape
+    out = q.new_empty(n, h, rank)
+    per = max(1, LATENT_GATHER_BYTES // (max(slots.shape[1], 1) * w * q.element_size()))
+    for i in range(0, n, per):
+        chosen = slots[i : i + per]
+        valid = chosen >= 0
+        kv = rows[chosen.clamp_min(0)]  # [b, k, W]
+        b = kv.shape[0]
+        mask = None
+        # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for it
+        if queues_on_streams(q.device) or not bool(valid.all()):
+            mask = additive_mask(valid, q.dtype)[0, 0][:, None, None, :].expand(b, 1, h, -1)
+        o, _ = attention_with_lse(
+            q[i : i + per, None], kv[:, None], kv[:, None], False, scale, mask
+        )
+        out[i : i + per] = o[:, 0, :, :rank]
+        if keys_read is not None:
+            keys_read += valid.sum()
+    return out
+
+
+def latent_over_parts(q: torch.Tensor, parts: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """One query's heads (q [1, h, W]) over every row of `parts` ([len_i, W] each, keys and
+    values alike: views of the cache read in place, or a gathered rest), part by part,
+    merged by log-sum-exp -> [1, h, W]."""
+    heads = q.reshape(1, 1, q.shape[1], q.shape[2])
+    partials = [
+        attention_with_lse(heads, p[None, None], p[None, None], False, scale) for p in parts
+    ]
+    return merge_partials(partials)[0, 0][None]
+
+
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, L] bool -> [1, 1, rows, L] additive mask (0 kept, -inf not), as the fused kernel
+    takes masks in the query's dtype."""
+    zeros = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    return zeros.masked_fill_(~keep, float("-inf"))[None, None]

@@ -16,7 +16,7 @@ only, so they can be captured in CUDA graphs over persistent buffers (`graph_buf
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,7 +29,15 @@ from pipeserve.backends.base import (
     Rope,
     Segment,
     StepTable,
-    length_groups,
+)
+from pipeserve.backends.step_tables import (
+    UNEXPANDED,
+    TableSteps,
+    chosen_slots,
+    expanded,
+    latent_steps,
+    step_table,
+    table_steps,
 )
 from pipeserve.device import small_tensor
 from pipeserve.layers.attention_parts import SlotRuns
@@ -38,22 +46,6 @@ from pipeserve.scheduler.batch import Run, runs_prefix
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
-
-UNEXPANDED = "a Triton plan's page table is still slot runs: use AttentionPlan.expanded()"
-
-
-@dataclass
-class TableSteps:
-    """All single-token steps of a batch: each step's KV slots (int32) and where each step's
-    start; as `slot_runs` (the two tables None) until `after_copy`."""
-
-    rows: torch.Tensor  # [b] token rows of the steps
-    slot_runs: SlotRuns | None = None
-    kv_indptr: torch.Tensor | None = None  # [b + 1] int32
-    kv_indices: torch.Tensor | None = None  # int32: the slot of every position of each step
-    # MLA's steps: longest first, cut by length (`length_groups`; V3.2's indexer reads them)
-    order: torch.Tensor | None = None
-    groups: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -78,9 +70,6 @@ class TritonMeta:
     prompt_tables: dict[tuple[ExpandedSpan, ...], tuple[torch.Tensor, ...]] = field(
         default_factory=dict
     )
-
-
-Tabled = TypeVar("Tabled", TableSteps, ExtendPlan)
 
 
 class TritonNorms(NormKernels):
@@ -139,10 +128,10 @@ class TritonBackend(AttentionBackend):
             block_chunk, block_first = extend_blocks([c[1] for c in chunks])
             slots = SlotRuns.build([c[3] for c in chunks], device)
             extend = ExtendPlan(table, block_chunk.to(device), block_first.to(device), slots)
-        return TritonMeta(extend, _table_steps(steps, device) if steps else None)
+        return TritonMeta(extend, table_steps(steps, device) if steps else None)
 
     def after_copy(self, meta: Any) -> Any:
-        return replace(meta, decode=_expanded(meta.decode), extend=_expanded(meta.extend))
+        return replace(meta, decode=expanded(meta.decode), extend=expanded(meta.extend))
 
     def attend(
         self,
@@ -182,15 +171,9 @@ class TritonBackend(AttentionBackend):
         return triton_rope.norm_rope_store(*qkv, *rope, *cache, slots, norms)
 
     def latent_plan(self, segments: list[Segment], device: torch.device) -> TritonMeta:
-        steps = [
-            (row, runs_prefix(runs, prefix + 1)) for row, n, prefix, runs in segments if n == 1
-        ]
-        if not steps:
+        if not any(n == 1 for _, n, _, _ in segments):
             return TritonMeta(None, None)
-        order, groups = length_groups([prefix + 1 for _, n, prefix, _ in segments if n == 1])
-        table = _table_steps(steps, device)
-        table.order, table.groups = torch.tensor(order, dtype=torch.long, device=device), groups
-        return TritonMeta(None, table)
+        return TritonMeta(None, latent_steps(segments, device)[0])
 
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         return None if meta.decode is None else meta.decode.rows
@@ -215,13 +198,7 @@ class TritonBackend(AttentionBackend):
         return True
 
     def latent_table(self, meta: Any) -> StepTable | None:
-        p = meta.decode
-        if p is None:
-            return None
-        if p.order is None:  # graph_blocker keeps V3.2 off graphs; an indexer must not get here
-            raise ValueError("a CUDA graph's decode steps carry no length order for an indexer")
-        assert p.kv_indptr is not None and p.kv_indices is not None, UNEXPANDED
-        return StepTable(p.rows, p.kv_indptr, p.kv_indices, p.order, p.groups)
+        return None if meta.decode is None else step_table(meta.decode)
 
     def latent_decode(
         self,
@@ -305,35 +282,3 @@ def _staged(staged: TritonMeta, rows: int) -> tuple[TableSteps, SlotRuns]:
     assert staged.extend is None and steps is not None and steps.slot_runs is not None
     assert steps.rows.shape[0] == rows
     return steps, steps.slot_runs
-
-
-def _table_steps(steps: list[tuple[int, list[Run]]], device: torch.device) -> TableSteps:
-    """(row, the runs covering exactly its sequence) per step -> their rows and page table
-    of one slot per page, as slot runs."""
-    rows = torch.tensor([row for row, _ in steps], dtype=torch.long, device=device)
-    return TableSteps(rows, slot_runs=SlotRuns.build([runs for _, runs in steps], device))
-
-
-def _expanded(plan: Tabled | None) -> Tabled | None:
-    if plan is None or plan.slot_runs is None:
-        return plan
-    indptr, indices = plan.slot_runs.expand()
-    return replace(plan, kv_indptr=indptr, kv_indices=indices, slot_runs=None)
-
-
-def chosen_slots(
-    chosen: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode steps' page table narrowed to an indexer's choice: chosen [b, topk] positions
-    (-1: none) of each step's sequence (indices[indptr[i]:indptr[i + 1]]) -> a table of topk
-    slots per step, -1 where nothing is chosen. A step whose sequence is no longer than
-    topk reads all of it (the choice would keep every position)."""
-    b, topk = chosen.shape
-    lengths = (indptr[1:] - indptr[:-1]).long()
-    every = torch.arange(topk, device=chosen.device)[None, :].expand(b, topk)
-    positions = torch.where((lengths <= topk)[:, None], every, chosen)
-    valid = (positions >= 0) & (positions < lengths[:, None])
-    flat = (indptr[:-1].long()[:, None] + positions.clamp_min(0)).clamp_max(indices.numel() - 1)
-    slots = torch.where(valid, indices[flat], -1).to(torch.int32)
-    table_ptr = torch.arange(b + 1, device=chosen.device, dtype=torch.int32) * topk
-    return table_ptr, slots.flatten()

@@ -49,8 +49,12 @@ from pipeserve.backends.base import (
     StepTable,
     per_head_keys,
 )
-from pipeserve.backends.torch_ops import attention_with_lse
-from pipeserve.device import queues_on_streams
+from pipeserve.backends.torch_ops import (
+    additive_mask,
+    attention_with_lse,
+    gathered_latent_attention,
+    latent_over_parts,
+)
 from pipeserve.distributed.parallel_state import get_tp_size
 from pipeserve.layers.attention_parts import merge_partials
 from pipeserve.layers.indexer import Indexer, causal_top_positions
@@ -74,8 +78,6 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, qk_rope_head_d
 # per FLOP, one CPU core: benchmarks/mla_paths.py measured the crossover at 40-66 new tokens
 # (bench-deepseek, prefixes 2K-32K), half the multiply-add count's 85.
 NATIVE_EXPANDED_SPEEDUP = 2
-# sparse_latent_attention off the compiled kernel: bytes of rows gathered per block of queries
-SPARSE_GATHER_BYTES = 2**27
 # expanded prompt chunks: the per-head keys and values of the chunks up-projected together
 # (chunks beyond it go in further groups; a longer chunk alone, as it always was). The CPU
 # paths hold the up-projection beside them too, about twice this
@@ -657,7 +659,7 @@ class MLAttention(nn.Module):
             return self._over_chosen(q, cache, seg.chosen_slots(chosen), kernels, keys_read)
         q_cat = self.latent_query(q)  # one key head shared by all heads, as `_over_chosen`
         if seg.q_len == 1:
-            o = _over_parts(q_cat, seg.parts(cache), self.scale)
+            o = latent_over_parts(q_cat, seg.parts(cache), self.scale)
         else:
             kv = seg.read(cache)[:, None]
             o = causal_attention(q_cat, kv, kv, seg.prefix_len, self.scale)
@@ -803,7 +805,8 @@ def sparse_latent_attention(
     O(n * topk) whatever the context is, and no [n, L] mask exists: a compiled `kernel` where
     given (the native backend's, pipeserve/kernels/sparse_attention.cpp; the Triton
     backend's, kernels/triton_attention.py: `sparse_latent`) reads the rows in place; else
-    the chosen rows are gathered for a block of queries at a time (SPARSE_GATHER_BYTES).
+    the chosen rows are gathered for a block of queries at a time
+    (`gathered_latent_attention`).
     keys_read: an int64 counter [1] the (query, row) pairs read are
     added to."""
     if kernel is not None and q.dtype in (torch.float32, torch.bfloat16) and rows.dtype == q.dtype:
@@ -811,33 +814,7 @@ def sparse_latent_attention(
             torch.zeros(1, dtype=torch.long, device=q.device) if keys_read is None else keys_read
         )
         return kernel(q, rows, slots, rank, scale, counter)
-    n, h, w = q.shape
-    out = q.new_empty(n, h, rank)
-    per = max(1, SPARSE_GATHER_BYTES // (slots.shape[1] * w * q.element_size()))
-    for i in range(0, n, per):
-        chosen = slots[i : i + per]
-        valid = chosen >= 0
-        kv = rows[chosen.clamp_min(0)]  # [b, topk, W]
-        b = kv.shape[0]
-        mask = None
-        # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for it
-        if queues_on_streams(q.device) or not bool(valid.all()):
-            mask = _additive(valid, q.dtype)[0, 0][:, None, None, :].expand(b, 1, h, -1)
-        o, _ = attention_with_lse(
-            q[i : i + per, None], kv[:, None], kv[:, None], False, scale, mask
-        )
-        out[i : i + per] = o[:, 0, :, :rank]
-        if keys_read is not None:
-            keys_read += valid.sum()
-    return out
-
-
-def _over_parts(q: torch.Tensor, parts: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """One query's heads (q [1, h, W]) over every row of `parts` ([len_i, W] each, keys and
-    values alike), part by part, merged by log-sum-exp -> [1, h, W]."""
-    rows = q.reshape(1, 1, q.shape[1], q.shape[2])
-    partials = [attention_with_lse(rows, p[None, None], p[None, None], False, scale) for p in parts]
-    return merge_partials(partials)[0, 0][None]
+    return gathered_latent_attention(q, rows, slots, rank, scale, keys_read)
 
 
 def _shared_key_head(
@@ -856,7 +833,7 @@ def _shared_key_head(
     if n == 1:
         out, _ = attention_with_lse(rows, kh, vh, False, scale)
         return out[0, 0].reshape(n, h, -1)
-    own = _additive(_causal(n, n, 0, q.device).repeat_interleave(h, dim=0), q.dtype)
+    own = additive_mask(_causal(n, n, 0, q.device).repeat_interleave(h, dim=0), q.dtype)
     chunk = slice(prefix_len, prefix_len + n)
     parts = [attention_with_lse(rows, kh[:, :, chunk], vh[:, :, chunk], False, scale, own)]
     if prefix_len:
@@ -901,13 +878,6 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
 def _causal(n: int, length: int, prefix_len: int, device: torch.device) -> torch.Tensor:
     """[n, length] bool: query i (position prefix_len + i) may read keys 0..prefix_len + i."""
     return torch.ones(n, length, dtype=torch.bool, device=device).tril(prefix_len)
-
-
-def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, L] bool -> [1, 1, rows, L] additive mask (0 kept, -inf not), as the fused kernel
-    takes masks in the query's dtype."""
-    zeros = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-    return zeros.masked_fill_(~keep, float("-inf"))[None, None]
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -11,8 +11,8 @@ import torch
 from selection_oracle import masked_attention, selection_mask
 from torch_threads import torch_threads
 
+from pipeserve.backends import torch_ops
 from pipeserve.device import native_sparse_kernel
-from pipeserve.layers import mla as mla_mod
 from pipeserve.layers.indexer import top_positions
 from pipeserve.layers.mla import sparse_latent_attention
 
@@ -48,7 +48,7 @@ def test_attends_to_the_chosen_rows_only(
 ) -> None:
     q, rows, slots = problem(dtype)
     if not native:  # several gathered blocks of queries
-        monkeypatch.setattr(mla_mod, "SPARSE_GATHER_BYTES", 9 * TOPK * W * q.element_size())
+        monkeypatch.setattr(torch_ops, "LATENT_GATHER_BYTES", 9 * TOPK * W * q.element_size())
         slots[5, 0] = 0  # torch's softmax of nothing is not zeros; the kernel's is
     read = torch.zeros(1, dtype=torch.long)
     out = sparse_latent_attention(q, rows, slots, RANK, 0.17, KERNEL if native else None, read)

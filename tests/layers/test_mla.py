@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from host_sync import no_host_sync
 from selection_oracle import masked_attention, selection_mask
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
@@ -243,6 +244,68 @@ def test_decode_steps_attend_in_one_call_of_the_compiled_kernel(setup: Setup) ->
             want = layer(
                 x[i : i + 1], (rope[0][i : i + 1], rope[1][i : i + 1]), cache.clone(), [alone]
             )
+            torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+
+
+def runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """A request's slots as their runs of consecutive slots."""
+    runs: list[tuple[int, int]] = []
+    for s in slots.tolist():
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    return runs
+
+
+def test_torch_backend_s_decode_steps_gather_a_group_of_lengths_at_once(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the torch backend a batch's decode steps (no indexer) attend through its page
+    table of the steps: one gathered call per group of similar lengths (35, 17 and 2
+    positions: scattered, one run, two runs); a group whose longest step is over the
+    backend's `gather_max_keys` (here 100) is read in place a step at a time (300 positions
+    in a long run and a short one, and the 40 grouped with it). Each step's output is what
+    it computes alone."""
+    from pipeserve.backends import torch_backend, torch_ops
+    from pipeserve.backends.base import AttentionPlan
+
+    gathered: list[tuple[int, ...]] = []
+    real = torch_backend.gathered_latent_attention
+
+    def counted(q, rows, slots, *args):  # noqa: ANN001, ANN202
+        gathered.append(tuple(slots.shape))
+        return real(q, rows, slots, *args)
+
+    monkeypatch.setattr(torch_backend, "gathered_latent_attention", counted)
+    layer, cache = setup.layer(), rand(1024, RANK + ROPE, seed=23)
+    gen = torch.Generator().manual_seed(24)
+    slots = [
+        600 + torch.randperm(300, generator=gen)[:35],  # scattered
+        torch.arange(40, 80),
+        torch.arange(100, 117),
+        torch.tensor([5, 999]),
+        torch.cat([torch.arange(200, 490), torch.arange(10, 20)]),  # a long run, a short one
+    ]
+    steps = [LatentSegment(i, 1, s) for i, s in enumerate(slots)]
+    plan_segments = [(i, 1, len(s) - 1, runs_of(s)) for i, s in enumerate(slots)]
+    backend = torch_backend.TorchBackend("cpu")
+    backend.gather_max_keys = 100
+    plan = AttentionPlan(backend, backend.latent_plan(plan_segments, torch.device("cpu")))
+    plan = plan.expanded()
+    assert [i for i, _ in plan.meta.in_place] == [4, 1]  # longest first
+    positions = torch.tensor([len(s) - 1 for s in slots])
+    rope, x = setup.rope(positions, torch.float32), rand(len(slots), HIDDEN, seed=25)
+    # as on a GPU, where the gathers' masks are made without reading them on the host
+    monkeypatch.setattr(torch_ops, "queues_on_streams", lambda device: True)
+    with torch.no_grad(), no_host_sync():
+        got = layer(x, rope, cache.clone(), steps, batched=plan)
+    assert gathered == [(3, 35)]
+    with torch.no_grad():
+        for i, seg in enumerate(steps):
+            alone = LatentSegment(0, 1, seg.slots)
+            one_rope = (rope[0][i : i + 1], rope[1][i : i + 1])
+            want = layer(x[i : i + 1], one_rope, cache.clone(), [alone])
             torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
 
 

@@ -30,6 +30,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "chunk48-page16": {"chunked_prefill_size": 48, "page_size": 16},
     "pp2": {"chunked_prefill_size": 128, "pp_size": 2},
     "tp2": {"chunked_prefill_size": 128, "tp_size": 2},
+    # the torch backend: decode steps gathered through its page table (V3.2's over their
+    # chosen rows, selected all at once through it), prompt chunks chunk by chunk
+    "torch-page16": {"chunked_prefill_size": 48, "page_size": 16, "attention_backend": "torch"},
 }
 # An index score gap at the top-k boundary below this (relative to the row's largest score)
 # could let fp32 rounding pick a different key than transformers: the test's precondition.
@@ -193,6 +196,37 @@ def test_matches_transformers(hf_saved, hf_reference, preset: str, layout: str, 
 def test_parallel_layouts_match_transformers(hf_saved, hf_reference, preset: str, layout: str):
     _, path = hf_saved(preset)
     assert_matches(run_engine(path, LAYOUTS[layout], prompts()), hf_reference(preset))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_torch_backend_s_batched_decode_steps_match_transformers(
+    hf_saved, hf_reference, preset: str
+) -> None:
+    """The torch backend (what several GPUs run MLA on): every decode step of a batch in its
+    batched latent decode (V3.2's past index_topk over their chosen rows), as transformers."""
+    from pipeserve.backends.torch_backend import TorchBackend
+
+    _, path = hf_saved(preset)
+    calls = {"all": 0, "chosen": 0, "alone": 0}
+    batched, alone = TorchBackend.latent_decode, mla_mod.MLAttention.absorbed
+
+    def spy(self, q, cache, meta, chosen, *args):  # type: ignore[no-untyped-def]
+        calls["all"] += 1
+        calls["chosen"] += chosen is not None
+        return batched(self, q, cache, meta, chosen, *args)
+
+    def spy_alone(self, q, seg, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["alone"] += seg.q_len == 1
+        return alone(self, q, seg, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TorchBackend, "latent_decode", spy)
+        mp.setattr(mla_mod.MLAttention, "absorbed", spy_alone)
+        outputs = run_engine(path, LAYOUTS["torch-page16"], prompts())
+    assert_matches(outputs, hf_reference(preset))
+    assert calls["all"] >= NEW_TOKENS - 1 and calls["alone"] == 0  # no step by itself
+    # V3.2: every step over its indexer's choice (the 40-token request's: all it has)
+    assert calls["chosen"] == (calls["all"] if preset == "tiny-deepseek-v32" else 0)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -16,6 +16,7 @@ from host_sync import no_host_sync
 from torch.overrides import TorchFunctionMode
 
 from pipeserve.backends.base import AttentionPlan
+from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.backends.split import LongPromptSplit
 from pipeserve.backends.torch_backend import GatherSteps, TorchBackend
 from pipeserve.backends.triton_backend import TritonBackend
@@ -187,13 +188,32 @@ def test_mla_segments_slots_are_every_positions_slot(context: int) -> None:
 
 
 def test_mla_decode_steps_on_the_cpu_make_no_slot_tensors() -> None:
-    """On the CPU a decode step reads its runs in place: preparing the step makes nothing
-    in the length of its context."""
+    """On the CPU's MLA backend (the native kernels' `sparse_latent`) a decode step reads
+    its runs in place: preparing the step makes nothing in the length of its context."""
     works = []
     for context in (1024, 32 * 1024):
         with HostWork() as work:
-            ForwardBatch.prepare(decode_batch(context), LATENT_POOL, CPU)
+            ForwardBatch.prepare(decode_batch(context), LATENT_POOL, CPU, NativeBackend())
         works.append(work)
+    assert works[0].calls == works[1].calls
+    assert works[0].host_elements == works[1].host_elements < 1024
+
+
+@pytest.mark.parametrize("backend", [TRITON, TorchBackend("cpu")], ids=["triton", "torch"])
+def test_mla_decode_steps_page_table_is_made_after_the_copy(backend: Any) -> None:
+    """MLA's decode steps on a backend that reads them through a page table (Triton's kernel,
+    the torch backend's gathers): the host builds and copies the same at 1K and 32K context,
+    and the table is made where the copies are."""
+    works = []
+    for context in (1024, 32 * 1024):
+        with HostWork() as work:
+            fb = ForwardBatch.prepare(
+                decode_batch(context), LATENT_POOL, META, backend, move=to_meta
+            )
+        works.append(work)
+        decode = fb.attn.meta.decode
+        assert decode.kv_indices is not None and decode.kv_indices.device == META
+        assert decode.kv_indices.shape[0] == 6 * context
     assert works[0].calls == works[1].calls
     assert works[0].host_elements == works[1].host_elements < 1024
 
