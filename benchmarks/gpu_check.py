@@ -98,14 +98,15 @@ def triton_tiles() -> Stage:
     return Stage("triton-tiles", argv, 150, 30, report)
 
 
-def mla_decode_gather() -> Stage:
-    """MLA's decode steps on the torch backend, gathered against in place: where its
-    LATENT_GATHER_MAX_KEYS should stand on a GPU."""
-    report = LOGS / "mla-decode-gather.json"
-    argv = [PY, str(ROOT / "benchmarks" / "mla_decode_gather.py"), "--json", str(report)]
+def decode_gather() -> Stage:
+    """The torch backend's decode steps, gathered against in place (GQA and MLA): where its
+    GATHER_MAX_BYTES should stand on a GPU."""
+    report = LOGS / "decode-gather.json"
+    argv = [PY, str(ROOT / "benchmarks" / "decode_gather.py"), "--json", str(report)]
     lengths = [256, 1024] if DRY else [1024, 4096, 16384, 65536, 131072]
-    argv += ["--device", "cpu" if DRY else "cuda", "--steps", 4 if DRY else 64, "--lengths"]
-    return Stage("mla-decode-gather", [str(a) for a in argv + lengths], 45, report=report)
+    argv += ["--device", "cpu" if DRY else "cuda", "--steps", 4 if DRY else 64]
+    argv += ["--shape", "bench", "bench-deepseek", "v3-tp8", "--lengths", *lengths]
+    return Stage("decode-gather", [str(a) for a in argv], 60, report=report)
 
 
 def stages() -> list[Stage]:
@@ -146,7 +147,7 @@ def stages() -> list[Stage]:
         bench("deepseek-decode-64", 90, *decode, model=deepseek),
         bench("deepseek-decode-1", 60, *one, model=deepseek),
         bench("deepseek-decode-64-torch", 90, *eager, *torch_, model=deepseek),
-        mla_decode_gather(),
+        decode_gather(),
         profile("profile-decode-1", 45, "--requests", 1, "--steps", 64),
         profile("profile-decode-64", 45, "--requests", 64, "--steps", 32),
         profile("profile-decode-1-torch", 45, "--requests", 1, "--steps", 64, *torch_),
@@ -288,10 +289,11 @@ def headline(stage: Stage) -> str:
             f"{case['case']}: default {case['default']} over fastest {case['fastest']} "
             f"{case['default_over_fastest']}, outputs agree {case['outputs_agree']}"
         )
-    for row in r.get("gather", []):  # mla-decode-gather
+    for row in r.get("gather", []):  # decode-gather
         words.append(
-            f"{row['length']}: gathered {row['gathered_us']:.1f} us, in place "
-            f"{row['in_place_us']:.1f} us a step ({row['ratio']:.2f})"
+            f"{row['shape']} {row['length']} ({row['step_bytes']} B): gathered "
+            f"{row['gathered_us']:.1f} us, in place {row['in_place_us']:.1f} us a step "
+            f"({row['ratio']:.2f})"
         )
     if "wall_ms_per_step" in r:
         words.append(

@@ -74,6 +74,20 @@ def sparse_attention_form() -> str:
     return raw
 
 
+def decode_gather_max_bytes() -> int | None:
+    """PIPESERVE_DECODE_GATHER_MAX_BYTES: on the torch attention backend, the most bytes of
+    keys and values a decode step may take to be gathered with its group for one call (longer
+    steps read their runs in place, a call each); unset: the device's measured default."""
+    raw = os.environ.get("PIPESERVE_DECODE_GATHER_MAX_BYTES", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(
+            f"PIPESERVE_DECODE_GATHER_MAX_BYTES={raw!r}: expected a whole number of bytes"
+        )
+    return int(raw)
+
+
 def cpu_native_bf16() -> bool | None:
     """PIPESERVE_CPU_BF16: 0 hides the CPU's native bfloat16 matmul from `--dtype best` (the
     float32 rule on any CPU), 1 claims it (the bfloat16 rule); unset: read the CPU's flags."""

@@ -9,8 +9,8 @@ attends to itself from its fresh k/v ([n, kv_heads, d], NHD, causal: query and k
 equal, so FlashInfer's bottom-right causal mask is the engine's top-left one). The parts merge by
 log-sum-exp (`merge_partials`); FlashInfer's is base 2, the engine's natural.
 
-A decode step is the same call with one query, per request (its gathered keys, then its long
-runs). FlashInfer's batch wrappers (one plan for all requests of a step) would launch fewer
+A decode step is the same call with one query, per request (its long runs, then its gathered
+keys). FlashInfer's batch wrappers (one plan for all requests of a step) would launch fewer
 kernels; the single-request calls are the part of its API that is stable across versions.
 """
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeserve.backends.torch_backend import GatherSteps, TorchBackend
+from pipeserve.backends.torch_backend import StepPlan, TorchBackend, step_parts
 from pipeserve.layers.attention_parts import KVPart, merge_partials
 
 if TYPE_CHECKING:
@@ -77,18 +77,16 @@ class FlashInferBackend(TorchBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        plan: GatherSteps,
+        plan: StepPlan,
     ) -> torch.Tensor:
-        """q [b, heads, d] of the plan's steps -> [b, heads, d]."""
-        scale = layer.scale
-        k_rows, v_rows = k_cache[:, plan.gather], v_cache[:, plan.gather]  # [kv_heads, b, n, d]
-        views = dict(plan.views)
+        """q [b, heads, d] of the plan's steps -> [b, heads, d]: per step, its long runs in
+        place and the gathered rest (`step_parts`)."""
         out = torch.empty_like(q)
-        for i, n in enumerate(plan.lengths):
+        for i, runs in enumerate(plan.runs):
             qi = q[i : i + 1].contiguous()
-            parts = [self.attend_part(qi, k_rows[:, i, :n], v_rows[:, i, :n], "HND", False, scale)]
-            for s, m in views.get(i, []):
-                kc, vc = k_cache[:, s : s + m], v_cache[:, s : s + m]
-                parts.append(self.attend_part(qi, kc, vc, "HND", False, scale))
+            parts = [
+                self.attend_part(qi, kc, vc, "HND", False, layer.scale)
+                for kc, vc in step_parts(k_cache, v_cache, runs)
+            ]
             out[i] = merge_partials(parts)[0]
         return out

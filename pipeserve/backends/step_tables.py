@@ -1,6 +1,6 @@
 """A batch's decode steps as a page table of one slot per page, for the backends that read
 the steps through one: Triton's kernels (GQA's and MLA's decode steps), and the torch
-backend's MLA decode steps (a padded gather per group of similar lengths).
+backend's (a padded gather per group of similar lengths).
 
 The table is built on the host in O(runs + steps) as the steps' slot runs (`SlotRuns`) and
 expanded where the runs are, after the runner's copy (`expanded`), so no host work grows with
@@ -45,8 +45,8 @@ def table_steps(steps: list[tuple[int, list[Run]]], device: torch.device) -> Tab
     return TableSteps(rows, slot_runs=SlotRuns.build([runs for _, runs in steps], device))
 
 
-def latent_steps(segments: list[Segment], device: torch.device) -> tuple[TableSteps, list[int]]:
-    """MLA's decode steps of a batch (its one-row segments, at least one) as a page table
+def decode_steps(segments: list[Segment], device: torch.device) -> tuple[TableSteps, list[int]]:
+    """The decode steps of a batch (its one-row segments, at least one) as a page table
     with their length order and groups (`length_groups`) -> (the table, that order on the
     host)."""
     steps = [(row, runs_prefix(runs, prefix + 1)) for row, n, prefix, runs in segments if n == 1]

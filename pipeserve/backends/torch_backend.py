@@ -1,9 +1,9 @@
 """The torch backend: attention over the paged KV cache in PyTorch ops, on any device.
 
-Per request, the keys are: the cached prefix, read from the pool, and (for a prompt chunk)
-the chunk itself, causally, straight from the fresh k/v. Long runs of consecutive slots are
-read in place as views; the short, scattered rest is gathered into one tensor, so no
-request's KV is copied whole.
+A prompt chunk's keys are its cached prefix, read from the pool, and the chunk itself,
+causally, straight from the fresh k/v. Long runs of consecutive slots are read in place as
+views; the short, scattered rest is gathered into one tensor, so no chunk's KV is copied
+whole.
 
 - long prompt chunks on a CPU (`blockwise_prefill`): per KV head and block of queries, the
   scores against all key parts are written side by side into one buffer, softmaxed once, and
@@ -12,11 +12,12 @@ request's KV is copied whole.
   log-sum-exp; on CUDA PyTorch's flash/memory-efficient kernels or the chunked fallback), the
   parts merged exactly. Query heads of one KV head (GQA) are folded into the query length, so
   keys are never repeated.
-- decode steps: one batched call over their short KV parts (padded gather + mask), plus
-  per-request calls over long runs read in place.
-- MLA's decode steps (`latent_decode`, absorbed: one key head of latent rows): gathered
-  through a page table of the steps, a group of similar lengths at a time (one call each,
-  padding masked); V3.2's steps over their chosen rows, all in one gathered call.
+- decode steps (GQA's in `decode`, MLA's absorbed ones in `latent_decode`): through a page
+  table of the steps (`StepPlan`), cut into groups of similar lengths. A group whose padded
+  keys and values take at most GATHER_MAX_BYTES a step (a CPU's few hundred positions, a
+  GPU's tens of thousands) is gathered for one call, padding masked: launches per group, not
+  per request. Longer steps read their long runs in place,
+  a step at a time. V3.2's steps attend over their chosen rows, all in one gathered call.
 - MLA's expanded prompt chunks (`latent_prompts`): on a GPU all of a batch's in one call of
   PyTorch's packed variable-length flash kernel (FlashInfer's backend inherits it); on a CPU
   none (MLA attends chunk by chunk).
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from pipeserve import envs
 from pipeserve.backends.base import (
     AttentionBackend,
     ExpandedSpan,
@@ -42,23 +44,26 @@ from pipeserve.backends.base import (
     per_head_keys,
 )
 from pipeserve.backends.step_tables import (
+    UNEXPANDED,
     TableSteps,
     chosen_slots,
+    decode_steps,
     expanded,
-    latent_steps,
     padded_slots,
     step_table,
 )
 from pipeserve.backends.torch_ops import (
     CUDA_OPS,
+    GATHER_BLOCK_BYTES,
     HALF,
     SDPA,
     Attention,
+    additive_mask,
     attention_with_lse,
     gathered_latent_attention,
     latent_over_parts,
 )
-from pipeserve.device import small_tensor
+from pipeserve.device import queues_on_streams, small_tensor
 from pipeserve.layers.attention_parts import KVPart, gather_index, merge_partials, split_runs
 from pipeserve.layers.latent_segment import LatentSegment
 from pipeserve.scheduler.batch import Run, runs_prefix
@@ -70,16 +75,24 @@ log = logging.getLogger(__name__)
 
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
 SCORE_BLOCK_ELEMENTS = 2**20  # bound on one score buffer (query rows x keys); ~L2-sized blocks
-# MLA's decode steps: a group of similar lengths whose longest step has more positions than
-# this is read in place a step at a time (views of its runs, a call or two a step) rather than
-# gathered into one padded tensor (which writes and reads every row again). CPU: measured by
-# benchmarks/mla_decode_gather.py (Zen 4, 2 threads, bench-deepseek, bfloat16, 32 steps:
-# gathered 1.1-1.3x faster up to 384 positions, in place 1.2-1.4x faster from 512). Elsewhere
-# an estimate until a GPU measures it (gpu_check's mla-decode-gather): at 64K positions of
-# DeepSeek's 576-value rows a gather moves 75 MB a step and layer, on an H200 about the time of
-# a step's launches
-LATENT_GATHER_MAX_KEYS = {"cpu": 384}
-LATENT_GATHER_MAX_KEYS_ELSEWHERE = 2**16
+# Decode steps: a group of similar lengths whose longest step's keys and values take more
+# bytes than this (GQA's keys and values; MLA's latent rows) is read in place a step at a
+# time (views of its long runs, a call each) rather than gathered into one padded tensor for
+# one call (which writes and reads every row again). CPU, Zen 4, 2 threads, bfloat16:
+# benchmarks/decode_gather.py's 32 steps of one run each put MLA's crossover (bench-deepseek,
+# 576-byte rows) between 384 and 512 positions (216-288 KiB; 1.1-2.3x for the gather below,
+# 0.7-1.3x above in two runs); GQA's gather (the bench preset's, 1 KiB a position) loses to a
+# view from 64 positions on, but a step shorter than VIEW_MIN_TOKENS has no view and is
+# gathered anyway: 64 requests of 128-160 positions decoded at 0.74x of one gathered call when
+# each step gathered its own, 64 of 1K at 1.3-1.5x with each step one call on its view
+# (`pipeserve bench --attention-backend torch`, against the path before, which gathered the
+# short runs of all steps for one call and merged each step's views into it). So 256 KiB: 256
+# of the bench preset's positions, 455 of bench-deepseek's (64 requests of 128: 0.96x the path
+# before, four rounds). Elsewhere an estimate until a GPU measures it
+# (gpu_check's decode-gather stage): at 64 MiB a step a gather costs about what a step's
+# launches do on an H200
+GATHER_MAX_BYTES = {"cpu": 2**18}
+GATHER_MAX_BYTES_ELSEWHERE = 2**26
 
 
 @dataclass
@@ -95,33 +108,34 @@ class ChunkPlan:
 
 
 @dataclass
-class GatherSteps:
-    """All single-token steps of a batch: one batched call over their short KV parts
-    (padded gather + mask), plus per-request calls over long runs read in place."""
+class StepPlan:
+    """A batch's decode steps (GQA's or MLA's): their page table with length groups
+    (`decode_steps`), and each step's KV runs on the host. A group whose steps are cheap to
+    gather (`gathers`) attends in one call over its gathered keys; the others' steps read
+    their long runs in place, a step at a time."""
 
-    rows: torch.Tensor  # [b] token rows of the steps
-    gather: torch.Tensor  # [b, n] slot ids of each step's short part (pad: 0)
-    mask: torch.Tensor  # [b, 1, 1, n] additive: 0 real keys, -inf padding
-    views: list[tuple[int, list[Run]]] = field(default_factory=list)  # (step, long runs)
-    lengths: list[int] = field(default_factory=list)  # each step's real keys in `gather`
+    table: TableSteps
+    runs: tuple[tuple[Run, ...], ...]  # each step's, covering exactly its sequence
+    order: tuple[int, ...]  # the steps longest first: table.order on the host
+    # the gathered groups' steps and slots, made by the batch's first layer for the rest
+    # (keyed by the bytes a position takes: `TorchBackend.gathered_groups`)
+    groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
 @dataclass
 class TorchMeta:
     chunks: list[ChunkPlan]
-    decode: GatherSteps | None
+    decode: StepPlan | None
 
 
 @dataclass
 class TorchLatent:
-    """MLA's batch on the torch backend: its decode steps as a page table with their length
-    groups (`latent_decode`), the steps of groups too long to gather with their KV runs,
-    read in place; and per set of expanded prompt chunks, the packed varlen kernel's inputs
-    (their query rows, cumulative query and key lengths, the longest of each), made on the
-    device by the first layer that runs them (`latent_prompts`)."""
+    """MLA's batch on the torch backend: its decode steps (`latent_decode`); and per set of
+    expanded prompt chunks, the packed varlen kernel's inputs (their query rows, cumulative
+    query and key lengths, the longest of each), made on the device by the first layer that
+    runs them (`latent_prompts`)."""
 
-    decode: TableSteps | None = None
-    in_place: tuple[tuple[int, tuple[Run, ...]], ...] = ()  # (step, its runs)
+    decode: StepPlan | None = None
     tables: dict[tuple[ExpandedSpan, ...], VarlenTables] = field(default_factory=dict)
 
 
@@ -147,7 +161,9 @@ class TorchBackend(AttentionBackend):
         CPU)."""
         kind = torch.device(device).type
         cpu = kind == "cpu"
-        self.gather_max_keys = LATENT_GATHER_MAX_KEYS.get(kind, LATENT_GATHER_MAX_KEYS_ELSEWHERE)
+        chosen = envs.decode_gather_max_bytes()
+        default = GATHER_MAX_BYTES.get(kind, GATHER_MAX_BYTES_ELSEWHERE)
+        self.gather_max_bytes = default if chosen is None else chosen
         self.dense: Attention = dense or (attention_with_lse if cpu else SDPA)
         self.blockwise = cpu
         self.varlen = varlen if varlen is not None or cpu else CUDA_OPS.flash_varlen
@@ -160,36 +176,16 @@ class TorchBackend(AttentionBackend):
         dtype: torch.dtype,
         prompts: frozenset[int] = frozenset(),
     ) -> TorchMeta:
-        """A single-token step reads every key from the pool (its own was just written; it
-        always lands in the gathered part, so no padded row is empty); a prompt chunk reads
-        its prefix from the pool and attends to itself from the fresh k/v."""
+        """A single-token step reads every key from the pool (its own was just written),
+        through the steps' page table (`StepPlan`); a prompt chunk reads its prefix from the
+        pool and attends to itself from the fresh k/v."""
         chunks: list[ChunkPlan] = []
-        rows: list[int] = []
-        shorts: list[list[Run]] = []
-        views: list[tuple[int, list[Run]]] = []
         for q_start, q_len, prefix_len, runs in segments:
-            long, short = split_runs(runs, prefix_len)
             if q_len > 1:
+                long, short = split_runs(runs, prefix_len)
                 gather = gather_index([short], device)[0][0] if short else None
                 chunks.append(ChunkPlan(q_start, q_len, prefix_len, long, gather))
-                continue
-            short.append((last_slot(runs, prefix_len + 1), 1))
-            if long:
-                views.append((len(rows), long))
-            rows.append(q_start)
-            shorts.append(short)
-        if not rows:
-            return TorchMeta(chunks, None)
-        row_ids = torch.tensor(rows, dtype=torch.long, device=device)
-        gather, lengths = gather_index(shorts, device)
-        keep = torch.arange(gather.shape[1], device=device)[None, :] < lengths[:, None]
-        mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(
-            ~keep, float("-inf")
-        )
-        counts = [sum(n for _, n in short) for short in shorts]
-        return TorchMeta(
-            chunks, GatherSteps(row_ids, gather, mask[:, None, None, :], views, counts)
-        )
+        return TorchMeta(chunks, step_plan(segments, device))
 
     def attend(
         self,
@@ -202,7 +198,7 @@ class TorchBackend(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         if meta.decode is not None:
-            steps = meta.decode.rows
+            steps = meta.decode.table.rows
             out[steps] = self.decode(layer, q[steps], k_cache, v_cache, meta.decode)
         for p in meta.chunks:
             rows = slice(p.q_start, p.q_start + p.q_len)
@@ -211,31 +207,18 @@ class TorchBackend(AttentionBackend):
             out[rows] = self.prompt_chunk(layer, q[rows], fresh[0][rows], fresh[1][rows], cached)
 
     def latent_plan(self, segments: list[Segment], device: torch.device) -> TorchLatent:
-        """The decode steps' page table and length groups; a group whose longest step is
-        over `gather_max_keys` positions (LATENT_GATHER_MAX_KEYS) is read in place, a step at
-        a time (its runs kept on the host)."""
-        if not any(n == 1 for _, n, _, _ in segments):
-            return TorchLatent()
-        steps, order = latent_steps(segments, device)
-        runs = [tuple(runs_prefix(r, prefix + 1)) for _, n, prefix, r in segments if n == 1]
-        long = [
-            i
-            for first, end, w in steps.groups
-            if w > self.gather_max_keys
-            for i in order[first:end]
-        ]
-        return TorchLatent(steps, tuple((i, runs[i]) for i in long))
+        return TorchLatent(step_plan(segments, device))
 
     def after_copy(self, meta: Any) -> Any:
-        if isinstance(meta, TorchLatent):
-            return replace(meta, decode=expanded(meta.decode))
-        return meta
+        if meta.decode is None:
+            return meta
+        return replace(meta, decode=replace(meta.decode, table=expanded(meta.decode.table)))
 
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
-        return None if meta.decode is None else meta.decode.rows
+        return None if meta.decode is None else meta.decode.table.rows
 
     def latent_table(self, meta: Any) -> StepTable | None:
-        return None if meta.decode is None else step_table(meta.decode)
+        return None if meta.decode is None else step_table(meta.decode.table)
 
     def latent_decode(
         self,
@@ -247,26 +230,57 @@ class TorchBackend(AttentionBackend):
         rope_dim: int,
     ) -> torch.Tensor:
         """q [b, 1 key head, heads, latent width] of the decode steps over each step's latent
-        rows, gathered a group of similar lengths at a time (padding masked) or, in groups
-        past `gather_max_keys`, read in place a step at a time; with an indexer's choice
-        `chosen` [b, topk] (positions, -1 for none), over the chosen rows only, all steps
-        gathered at once -> [b, heads, kv_lora_rank]."""
-        p = meta.decode
-        assert p is not None and p.kv_indptr is not None and p.kv_indices is not None
+        rows, gathered a group of similar lengths at a time (padding masked) where `gathers`
+        says so, else read in place a step at a time; with an indexer's choice `chosen` [b,
+        topk] (positions, -1 for none), over the chosen rows only, all steps gathered at
+        once -> [b, heads, kv_lora_rank]."""
+        plan: StepPlan = meta.decode
+        t = plan.table
+        assert t.kv_indptr is not None and t.kv_indices is not None, UNEXPANDED
         q, rank = q[:, 0], cache.shape[1] - rope_dim
         if chosen is not None:
-            slots = chosen_slots(chosen, p.kv_indptr, p.kv_indices)[1].view(chosen.shape)
+            slots = chosen_slots(chosen, t.kv_indptr, t.kv_indices)[1].view(chosen.shape)
             return gathered_latent_attention(q, cache, slots, rank, scale)
         out = q.new_empty(q.shape[0], q.shape[1], rank)
-        for first, end, width in p.groups:
-            if width <= self.gather_max_keys:
-                steps = p.order[first:end]
-                slots = padded_slots(steps, width, p.kv_indptr, p.kv_indices)
-                out[steps] = gathered_latent_attention(q[steps], cache, slots, rank, scale)
-        for i, runs in meta.in_place:
-            parts = LatentSegment(0, 1, runs=runs).parts(cache)
+        row_bytes = cache.shape[1] * cache.element_size()
+        for steps, slots in self.gathered_groups(plan, row_bytes):
+            out[steps] = gathered_latent_attention(q[steps], cache, slots, rank, scale)
+        for i in self.in_place(plan, row_bytes):
+            parts = LatentSegment(0, 1, runs=plan.runs[i]).parts(cache)
             out[i] = latent_over_parts(q[i : i + 1], parts, scale)[0, :, :rank]
         return out
+
+    def gathers(self, width: int, row_bytes: int) -> bool:
+        """Whether a group of steps padded to `width` positions of `row_bytes` each is
+        gathered for one call (else read in place a step at a time; GATHER_MAX_BYTES)."""
+        return width * row_bytes <= self.gather_max_bytes
+
+    def gathered_groups(
+        self, plan: StepPlan, row_bytes: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(the steps [g], their slots [g, width] int32, -1 past each step's length) of each
+        group that `gathers`: made once per batch, by its first layer."""
+        made = plan.groups.get(row_bytes)
+        if made is not None:
+            return made
+        t = plan.table
+        assert t.order is not None and t.kv_indptr is not None and t.kv_indices is not None
+        made = plan.groups[row_bytes] = []
+        for first, end, width in t.groups:
+            if self.gathers(width, row_bytes):
+                steps = t.order[first:end]
+                made.append((steps, padded_slots(steps, width, t.kv_indptr, t.kv_indices)))
+        return made
+
+    def in_place(self, plan: StepPlan, row_bytes: int) -> list[int]:
+        """The steps of the groups too big to gather (see `gathers`), longest first."""
+        groups = plan.table.groups
+        return [
+            i
+            for first, end, width in groups
+            if not self.gathers(width, row_bytes)
+            for i in plan.order[first:end]
+        ]
 
     def latent_prompts(
         self,
@@ -329,27 +343,80 @@ class TorchBackend(AttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        plan: GatherSteps,
+        plan: StepPlan,
     ) -> torch.Tensor:
-        """q [b, heads, d] of the steps -> [b, heads, d]."""
+        """q [b, heads, d] of the steps -> [b, heads, d]: a call per group of steps that
+        `gathers` over their keys and values gathered (padding masked), a step at a time for
+        the others (its long runs in place, the rest gathered, merged by log-sum-exp)."""
         b, hk, d = q.shape[0], layer.num_kv_heads, layer.head_dim
-        q = q.view(b, hk, layer.group, d)
-        k = k_cache[:, plan.gather].transpose(0, 1)  # [b, hk, n, d]
-        v = v_cache[:, plan.gather].transpose(0, 1)
-        o, lse = self.dense(q, k, v, False, layer.scale, plan.mask)
-        for i, views in plan.views:
-            parts = [
-                self.dense(
-                    q[i : i + 1],
-                    k_cache[None, :, s : s + n],
-                    v_cache[None, :, s : s + n],
-                    False,
-                    layer.scale,
-                )
-                for s, n in views
-            ]
-            o[i] = merge_partials([*parts, (o[i : i + 1], lse[i : i + 1])])[0]
-        return o.reshape(b, layer.num_heads, d)
+        qg = q.view(b, hk, layer.group, d)  # a KV head's query heads as its query rows
+        out = torch.empty_like(qg)
+        row_bytes, scale = 2 * hk * d * k_cache.element_size(), layer.scale
+        for steps, slots in self.gathered_groups(plan, row_bytes):
+            out[steps] = gathered_steps(qg[steps], k_cache, v_cache, slots, scale, self.dense)
+        for i in self.in_place(plan, row_bytes):
+            parts = step_parts(k_cache, v_cache, plan.runs[i])
+            partials = [self.dense(qg[i : i + 1], k[None], v[None], False, scale) for k, v in parts]
+            out[i] = merge_partials(partials)[0]
+        return out.view(b, layer.num_heads, d)
+
+
+def step_plan(segments: list[Segment], device: torch.device) -> StepPlan | None:
+    """The decode steps (one-row segments) of a batch, or None where it has none."""
+    runs = []
+    for _, n, prefix, seg_runs in segments:
+        if n == 1:
+            covering = runs_prefix(seg_runs, prefix + 1)
+            if sum(m for _, m in covering) < prefix + 1:
+                raise ValueError("KV runs are shorter than the sequence")
+            runs.append(tuple(covering))
+    if not runs:
+        return None
+    table, order = decode_steps(segments, device)
+    return StepPlan(table, tuple(runs), tuple(order))
+
+
+def gathered_steps(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    dense: Attention,
+) -> torch.Tensor:
+    """Decode steps over their keys and values gathered from the pool: q [g, kv_heads,
+    group, d]; the pool [kv_heads, slots, d]; slots [g, width] (-1 past a step's length) ->
+    [g, kv_heads, group, d]; as many steps a call as GATHER_BLOCK_BYTES of them hold."""
+    g, hk, _, d = q.shape
+    width = slots.shape[1]
+    per = max(1, GATHER_BLOCK_BYTES // (2 * hk * width * d * k_cache.element_size()))
+    out = torch.empty_like(q)
+    heads_first = q.transpose(0, 1)  # [kv_heads, g, group, d]: the gathers' own layout
+    for i in range(0, g, per):
+        block = slots[i : i + per]
+        valid = block >= 0
+        index = block.long().clamp_min(0)
+        # [kv_heads, b, width, d], contiguous: the attention's batch dimensions are the KV
+        # heads, then the steps (a CPU's fused kernel runs 1.5-2x slower on the transpose)
+        k, v = k_cache[:, index], v_cache[:, index]
+        mask = None
+        # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for it
+        if queues_on_streams(q.device) or not bool(valid.all()):
+            mask = additive_mask(valid, q.dtype)[0, 0][None, :, None, :]
+        o = dense(heads_first[:, i : i + per], k, v, False, scale, mask)[0]
+        out[i : i + per] = o.transpose(0, 1)
+    return out
+
+
+def step_parts(k_cache: torch.Tensor, v_cache: torch.Tensor, runs: tuple[Run, ...]) -> list[KVPart]:
+    """A step's keys and values [kv_heads, L_i, d] in parts: its long runs in place (views),
+    the short rest gathered into one."""
+    views, short = split_runs(list(runs), sum(n for _, n in runs))
+    device = k_cache.device
+    gather = None
+    if short:
+        gather = torch.cat([torch.arange(s, s + n, device=device) for s, n in short])
+    return cached_parts(k_cache, v_cache, views, gather)
 
 
 def fused_prompt_chunk(
@@ -389,15 +456,6 @@ def varlen_tables(spans: tuple[ExpandedSpan, ...], device: torch.device) -> Varl
     max_k = max(s.prefix_len + s.q_len for s in spans)
     row_ids = small_tensor(rows, torch.long, device)
     return VarlenTables(row_ids, packed[:c], packed[c:], max_q, max_k)
-
-
-def last_slot(runs: list[Run], num: int) -> int:
-    """Slot of position num - 1."""
-    for start, length in runs:
-        if num <= length:
-            return start + num - 1
-        num -= length
-    raise ValueError("KV runs are shorter than the sequence")
 
 
 def cached_parts(

@@ -29,7 +29,7 @@ KEY_BLOCK = 1024  # chunked fallback: keys per block
 SCORE_BLOCK_ELEMENTS = 2**24  # chunked fallback: float32 scores of one block (64 MiB)
 GRID_LIMIT = 65535  # the fused CUDA kernels put batch and heads on grid dimensions y and z
 HALF = (torch.float16, torch.bfloat16)
-LATENT_GATHER_BYTES = 2**27  # gathered_latent_attention: rows gathered per block of queries
+GATHER_BLOCK_BYTES = 2**27  # the gathered attention calls: rows gathered per block of queries
 
 Attention = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # attention_with_lse's signature
 
@@ -295,12 +295,12 @@ def gathered_latent_attention(
     """Each query's heads over its own rows of `rows`, gathered: q [n, h, W] (absorbed
     queries); rows [N, W] (keys are whole rows, values their first `rank` values); slots
     [n, k] (the rows each query reads, -1 for none) -> [n, h, rank]. The rows are gathered
-    for a block of queries at a time (LATENT_GATHER_BYTES) and the padding masked, so no
+    for a block of queries at a time (GATHER_BLOCK_BYTES) and the padding masked, so no
     [n, N] mask exists. keys_read: an int64 counter [1] the (query, row) pairs read are
     added to."""
     n, h, w = q.shape
     out = q.new_empty(n, h, rank)
-    per = max(1, LATENT_GATHER_BYTES // (max(slots.shape[1], 1) * w * q.element_size()))
+    per = max(1, GATHER_BLOCK_BYTES // (max(slots.shape[1], 1) * w * q.element_size()))
     for i in range(0, n, per):
         chosen = slots[i : i + per]
         valid = chosen >= 0

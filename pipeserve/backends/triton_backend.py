@@ -34,8 +34,8 @@ from pipeserve.backends.step_tables import (
     UNEXPANDED,
     TableSteps,
     chosen_slots,
+    decode_steps,
     expanded,
-    latent_steps,
     step_table,
     table_steps,
 )
@@ -173,7 +173,7 @@ class TritonBackend(AttentionBackend):
     def latent_plan(self, segments: list[Segment], device: torch.device) -> TritonMeta:
         if not any(n == 1 for _, n, _, _ in segments):
             return TritonMeta(None, None)
-        return TritonMeta(None, latent_steps(segments, device)[0])
+        return TritonMeta(None, decode_steps(segments, device)[0])
 
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         return None if meta.decode is None else meta.decode.rows

@@ -135,7 +135,7 @@ def test_paged_attention_through_flashinfer_matches_torch_path(
     got = run(group, select_backend("flashinfer", CUDA, torch.bfloat16, D))
     want = run(group, None)  # the CPU's torch backend
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
-    decode = [("HND", False, 1, 9), ("HND", False, 1, 4), ("HND", False, 1, 300)]
+    decode = [("HND", False, 1, 9), ("HND", False, 1, 300), ("HND", False, 1, 4)]
     chunks = [
         ("NHD", True, 27, 27),
         ("HND", False, 12, 280),

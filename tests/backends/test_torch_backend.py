@@ -129,37 +129,45 @@ def test_plan_chunk_without_prefix_reads_nothing_cached() -> None:
     assert chunk_plan([(100, 40)], 0, 40) == ([], [])
 
 
-def test_plan_decode_own_token_is_always_gathered() -> None:
-    """One run holds the whole sequence; the step's own (just written) slot is not in the
-    long view but in the gathered part, so no padded row is empty."""
-    prefix = 600
-    plan = plan_attention([(0, 1, prefix, [(8, prefix + 1)])], CPU, torch.float32)
-    dec = plan.meta.decode
-    assert dec is not None
-    assert dec.views == [(0, [(8, prefix)])]
-    assert dec.gather.tolist() == [[8 + prefix]]
-    assert dec.mask.tolist() == [[[[0.0]]]]
-
-
-def test_plan_decode_batch_padding_and_rows() -> None:
+def test_plan_decode_steps_are_a_page_table_with_their_runs() -> None:
+    """Decode steps (a prompt chunk among them) as the page table of their whole sequences,
+    their own just-written slot included, longest first, and each step's runs on the host
+    (what a step read in place attends over)."""
     segments = [
-        (0, 1, 4, [(10, 5)]),  # short: all 5 keys gathered
+        (0, 1, 4, [(10, 5)]),  # 5 keys in one run
         (1, 40, 0, [(200, 40)]),  # a prompt chunk among decode steps
-        (41, 1, 300, [(1000, 300), (5000, 1)]),  # long run as view, own token gathered
+        (41, 1, 300, [(1000, 300), (5000, 1)]),  # a long run, its own token elsewhere
         (42, 1, 1, [(20, 1), (30, 1)]),  # 2 keys in 2 scattered pages
     ]
     plan = plan_attention(segments, CPU, torch.bfloat16)
     assert [(c.q_start, c.q_len) for c in plan.meta.chunks] == [(1, 40)]
     dec = plan.meta.decode
     assert dec is not None
-    assert dec.rows.tolist() == [0, 41, 42]
-    assert dec.views == [(1, [(1000, 300)])]
-    assert dec.gather.shape == (3, 5) and dec.mask.shape == (3, 1, 1, 5)
-    assert dec.mask.dtype == torch.bfloat16
-    assert dec.gather.tolist() == [[10, 11, 12, 13, 14], [5000, 0, 0, 0, 0], [20, 30, 0, 0, 0]]
-    real = torch.tensor([[5], [1], [2]]) > torch.arange(5)[None, :]
-    assert torch.all(dec.mask[:, 0, 0][real] == 0)
-    assert torch.all(dec.mask[:, 0, 0][~real] == float("-inf"))
+    assert dec.table.rows.tolist() == [0, 41, 42]
+    assert dec.runs == (((10, 5),), ((1000, 300), (5000, 1)), ((20, 1), (30, 1)))
+    assert dec.order == (1, 0, 2) and dec.table.order.tolist() == [1, 0, 2]
+    indptr, indices = dec.table.kv_indptr.tolist(), dec.table.kv_indices.tolist()
+    assert indptr == [0, 5, 306, 308]
+    assert indices[5:305] == list(range(1000, 1300)) and indices[305] == 5000
+    assert indices[:5] == list(range(10, 15)) and indices[306:] == [20, 30]
+
+
+def test_decode_gathers_cheap_groups_and_reads_the_rest_in_place() -> None:
+    """Which groups of steps are gathered for one call: those whose padded keys and values
+    take at most `gather_max_bytes`; the rest's steps read in place, longest first."""
+    segments = [(0, 1, 4, [(10, 5)]), (1, 1, 300, [(1000, 301)]), (2, 1, 1, [(20, 2)])]
+    backend = torch_backend.TorchBackend(CPU)
+    plan = plan_attention(segments, CPU, torch.float32, backend).meta.decode
+    assert plan.table.groups == ((0, 2, 301), (2, 3, 2))  # 5 padded to 301: 2x at most
+    backend.gather_max_bytes = 301 * 100
+    assert [s.tolist() for s, _ in backend.gathered_groups(plan, 100)] == [[1, 0], [2]]
+    assert backend.in_place(plan, 100) == []
+    assert backend.gathered_groups(plan, 100) is backend.gathered_groups(plan, 100)  # made once
+    backend.gather_max_bytes = 300 * 100
+    plan = plan_attention(segments, CPU, torch.float32, backend).meta.decode  # a new batch
+    ((steps, slots),) = backend.gathered_groups(plan, 100)
+    assert steps.tolist() == [2] and slots.tolist() == [[20, 21]]
+    assert backend.in_place(plan, 100) == [1, 0]
 
 
 def test_plan_decode_runs_shorter_than_sequence() -> None:
@@ -208,10 +216,12 @@ class Seq:
         self.q = rand(q_len, heads, D, seed=seed + 2)
 
 
+@pytest.mark.parametrize("gather", ["gathered", "in place"])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_paged_attention_mixed_batch_matches_reference(group: int) -> None:
-    """Decode steps (short, scattered, and long runs read as views), a short chunk (fused
-    kernel) and a long chunk (blockwise) with cached prefixes, in one forward."""
+def test_paged_attention_mixed_batch_matches_reference(group: int, gather: str) -> None:
+    """Decode steps (short, scattered, and long runs: gathered for one call, or read in
+    place a step at a time), a short chunk (fused kernel) and a long chunk (blockwise) with
+    cached prefixes, in one forward."""
     heads = KV_HEADS * group
     seqs = [
         Seq([(16, 9)], 8, 1, seed=10, heads=heads),  # short decode
@@ -235,8 +245,13 @@ def test_paged_attention_mixed_batch_matches_reference(group: int) -> None:
         v_cache[:, s.slots[: s.prefix]] = s.v[: s.prefix].transpose(0, 1)
         segments.append((row, s.q_len, s.prefix, s.runs))
         row += s.q_len
-    plan = plan_attention(segments, CPU, torch.float32)
-    assert plan.meta.decode is not None and plan.meta.decode.views  # the long decode run is a view
+    backend = torch_backend.TorchBackend(CPU)
+    backend.gather_max_bytes = 2**30 if gather == "gathered" else 0
+    plan = plan_attention(segments, CPU, torch.float32, backend)
+    decode = plan.meta.decode
+    assert decode is not None
+    in_place = backend.in_place(decode, 2 * KV_HEADS * D * 4)
+    assert in_place == ([] if gather == "gathered" else [1, 0])  # longest first
     q = torch.cat([s.q for s in seqs])
     k = torch.cat([s.k[s.prefix :] for s in seqs])
     v = torch.cat([s.v[s.prefix :] for s in seqs])
@@ -252,3 +267,16 @@ def test_paged_attention_mixed_batch_matches_reference(group: int) -> None:
     assert max(errors) < ATOL, f"max error per sequence: {errors}"
     # The new tokens' KV was written to their slots.
     torch.testing.assert_close(k_cache[:, out_slots], k.transpose(0, 1))
+
+
+def test_the_gather_limit_is_the_device_s_unless_the_environment_names_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert torch_backend.TorchBackend(CPU).gather_max_bytes == torch_backend.GATHER_MAX_BYTES["cpu"]
+    cuda = torch_backend.TorchBackend("cuda").gather_max_bytes
+    assert cuda == torch_backend.GATHER_MAX_BYTES_ELSEWHERE
+    monkeypatch.setenv("PIPESERVE_DECODE_GATHER_MAX_BYTES", "0")  # every step in place
+    assert torch_backend.TorchBackend(CPU).gather_max_bytes == 0
+    monkeypatch.setenv("PIPESERVE_DECODE_GATHER_MAX_BYTES", "64MiB")
+    with pytest.raises(ValueError, match="expected a whole number of bytes"):
+        torch_backend.TorchBackend(CPU)

@@ -48,7 +48,7 @@ def test_attends_to_the_chosen_rows_only(
 ) -> None:
     q, rows, slots = problem(dtype)
     if not native:  # several gathered blocks of queries
-        monkeypatch.setattr(torch_ops, "LATENT_GATHER_BYTES", 9 * TOPK * W * q.element_size())
+        monkeypatch.setattr(torch_ops, "GATHER_BLOCK_BYTES", 9 * TOPK * W * q.element_size())
         slots[5, 0] = 0  # torch's softmax of nothing is not zeros; the kernel's is
     read = torch.zeros(1, dtype=torch.long)
     out = sparse_latent_attention(q, rows, slots, RANK, 0.17, KERNEL if native else None, read)

@@ -264,7 +264,7 @@ def test_torch_backend_s_decode_steps_gather_a_group_of_lengths_at_once(
     """On the torch backend a batch's decode steps (no indexer) attend through its page
     table of the steps: one gathered call per group of similar lengths (35, 17 and 2
     positions: scattered, one run, two runs); a group whose longest step is over the
-    backend's `gather_max_keys` (here 100) is read in place a step at a time (300 positions
+    backend's `gather_max_bytes` (here 100 rows) is read in place a step at a time (300 positions
     in a long run and a short one, and the 40 grouped with it). Each step's output is what
     it computes alone."""
     from pipeserve.backends import torch_backend, torch_ops
@@ -290,10 +290,11 @@ def test_torch_backend_s_decode_steps_gather_a_group_of_lengths_at_once(
     steps = [LatentSegment(i, 1, s) for i, s in enumerate(slots)]
     plan_segments = [(i, 1, len(s) - 1, runs_of(s)) for i, s in enumerate(slots)]
     backend = torch_backend.TorchBackend("cpu")
-    backend.gather_max_keys = 100
+    row_bytes = (RANK + ROPE) * cache.element_size()
+    backend.gather_max_bytes = 100 * row_bytes
     plan = AttentionPlan(backend, backend.latent_plan(plan_segments, torch.device("cpu")))
     plan = plan.expanded()
-    assert [i for i, _ in plan.meta.in_place] == [4, 1]  # longest first
+    assert backend.in_place(plan.meta.decode, row_bytes) == [4, 1]  # longest first
     positions = torch.tensor([len(s) - 1 for s in slots])
     rope, x = setup.rope(positions, torch.float32), rand(len(slots), HIDDEN, seed=25)
     # as on a GPU, where the gathers' masks are made without reading them on the host

@@ -21,7 +21,7 @@ from pipeserve.backends import torch_backend
 from pipeserve.backends.base import AttentionPlan
 from pipeserve.backends.native_backend import RunChunk, RunSteps
 from pipeserve.backends.split import SplitMeta
-from pipeserve.backends.torch_backend import ChunkPlan, GatherSteps
+from pipeserve.backends.torch_backend import ChunkPlan, StepPlan
 from pipeserve.device import native_prefill_kernel
 from pipeserve.engine.engine import Engine
 from pipeserve.layers.rotary import inverse_frequencies
@@ -37,10 +37,16 @@ LOGPROB_ATOL = 1e-4
 LAYOUTS: dict[str, dict[str, Any]] = {
     # the native kernels (prompt chunks and decode) where they build, cached prefixes
     "chunk128": {"chunked_prefill_size": 128},
-    # blockwise torch kernel for chunks over cached prefixes
+    # blockwise torch kernel for chunks over cached prefixes; decode on the pure-torch path,
+    # each step read in place (its long runs as views, the rest gathered: ENV)
     "chunk128-torch": {"chunked_prefill_size": 128, "attention_backend": "torch"},
-    # fused kernel for chunks; decode on the pure-torch path (views + batched gather)
+    # fused kernel for chunks; decode steps gathered a group of lengths at a time for one
+    # call (ENV: a GPU's way)
     "chunk16-page16": {"chunked_prefill_size": 16, "page_size": 16, "attention_backend": "torch"},
+}
+ENV = {
+    "chunk128-torch": {"PIPESERVE_DECODE_GATHER_MAX_BYTES": "0"},
+    "chunk16-page16": {"PIPESERVE_DECODE_GATHER_MAX_BYTES": str(2**30)},
 }
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 pytestmark = pytest.mark.timeout(300)  # a scheduling bug shows up as a hang: fail it fast
@@ -57,38 +63,62 @@ class PathRecorder:
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
         self.seen: Counter[str] = Counter()
-        plan, blockwise, fused = (forward_batch.plan_attention, torch_backend.blockwise_prefill,
-                                  torch_backend.fused_prompt_chunk)
+        plan, blockwise, fused = (
+            forward_batch.plan_attention,
+            torch_backend.blockwise_prefill,
+            torch_backend.fused_prompt_chunk,
+        )
+        gathered, in_place = torch_backend.gathered_steps, torch_backend.step_parts
 
         def plan_spy(*args: Any, **kwargs: Any) -> AttentionPlan:
             p = plan(*args, **kwargs)
-            metas = [p.meta] if not isinstance(p.meta, SplitMeta) else [p.meta.prefill,
-                                                                        p.meta.decode]
+            metas = (
+                [p.meta] if not isinstance(p.meta, SplitMeta) else [p.meta.prefill, p.meta.decode]
+            )
             chunks = [c for m in metas if m is not None for c in m.chunks]
             decodes = [m.decode for m in metas if m is not None and m.decode is not None]
             ours = [c for c in chunks if isinstance(c, ChunkPlan)]  # the torch backend's
             natives = [c for c in chunks if isinstance(c, RunChunk)]
             self.seen["chunk_prefix_view"] += any(c.views for c in ours)
             self.seen["chunk_prefix_gathered"] += any(c.gather is not None for c in ours)
-            self.seen["decode_view"] += any(isinstance(d, GatherSteps) and d.views for d in decodes)
+            self.seen["decode_torch"] += any(isinstance(d, StepPlan) for d in decodes)
             self.seen["decode_native"] += any(isinstance(d, RunSteps) for d in decodes)
             self.seen["chunk_native"] += bool(natives)
             self.seen["chunk_native_with_prefix"] += any(c.prefix_len > 0 for c in natives)
             return p
 
-        def blockwise_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list,
-                          scale: float) -> torch.Tensor:
+        def blockwise_spy(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: list, scale: float
+        ) -> torch.Tensor:
             self.seen["blockwise"] += 1
             self.seen["blockwise_with_prefix"] += bool(cached)
             return blockwise(q, k, v, cached, scale)
 
-        def fused_spy(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cached: list, *kernels: Any) -> torch.Tensor:
+        def fused_spy(
+            layer: Any,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            cached: list,
+            *kernels: Any,
+        ) -> torch.Tensor:
             self.seen["fused"] += 1
             self.seen["fused_with_prefix"] += bool(cached)
             return fused(layer, q, k, v, cached, *kernels)
 
+        def gathered_spy(*args: Any) -> torch.Tensor:
+            self.seen["decode_gathered"] += 1
+            return gathered(*args)
+
+        def in_place_spy(k_cache: torch.Tensor, v_cache: torch.Tensor, runs: Any) -> list:
+            parts = in_place(k_cache, v_cache, runs)
+            self.seen["decode_in_place"] += 1
+            self.seen["decode_view"] += any(k._base is not None for k, _ in parts)  # a view
+            return parts
+
         mp.setattr(forward_batch, "plan_attention", plan_spy)
+        mp.setattr(torch_backend, "gathered_steps", gathered_spy)
+        mp.setattr(torch_backend, "step_parts", in_place_spy)
         mp.setattr(torch_backend, "blockwise_prefill", blockwise_spy)
         mp.setattr(torch_backend, "fused_prompt_chunk", fused_spy)
 
@@ -127,9 +157,15 @@ def hf_run(
     with torch.inference_mode():
         logits = model(x, attention_mask=mask).logits[0].float()
         logprobs = torch.log_softmax(logits[:-1], -1).gather(1, x[0, 1:, None])[:, 0]
-        out = model.generate(x, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
+        out = model.generate(
+            x,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return logprobs, out[0, len(ids) :].tolist()
 
 
@@ -142,6 +178,8 @@ def engine_run(model_dir):
         if (preset, layout) not in cache:
             path = model_dir(preset)
             with pytest.MonkeyPatch.context() as mp:
+                for name, value in ENV.get(layout, {}).items():
+                    mp.setenv(name, value)
                 rec = PathRecorder(mp)
                 out = run_engine(path, LAYOUTS[layout], prompts())
             cache[preset, layout] = out, rec.seen
@@ -173,7 +211,11 @@ def test_greedy_tokens_match_hf(engine_run, hf_reference, preset: str, layout: s
 def test_every_attention_path_ran(engine_run, layout: str) -> None:
     _, seen = engine_run("tiny-qwen3", layout)
     if LAYOUTS[layout].get("attention_backend") == "torch":
-        assert seen["decode_view"] > 0 and seen["decode_native"] == 0, seen
+        assert seen["decode_torch"] > 0 and seen["decode_native"] == 0, seen
+        if ENV[layout]["PIPESERVE_DECODE_GATHER_MAX_BYTES"] != "0":  # every group gathered
+            assert seen["decode_gathered"] > 0 and seen["decode_in_place"] == 0, seen
+        else:  # every step in place, its long runs as views
+            assert seen["decode_view"] > 0 and seen["decode_gathered"] == 0, seen
         assert seen["chunk_native"] == 0, seen
     elif native_prefill_kernel(torch.float32) is not None:  # AVX2: every x86 CPU here
         assert seen["decode_native"] > 0 and seen["chunk_native_with_prefix"] > 0, seen
@@ -195,8 +237,10 @@ def test_llama3_rope_scaling_is_exercised(model_dir, hf_reference, tmp_path: Pat
     arch = ArchConfig.from_dict(config)
     assert arch.rope.rope_type == "llama3"
     head_dim, theta = arch.head_dim, arch.rope_theta
-    assert not torch.allclose(inverse_frequencies(head_dim, theta, arch.rope_scaling),
-                              inverse_frequencies(head_dim, theta, None))
+    assert not torch.allclose(
+        inverse_frequencies(head_dim, theta, arch.rope_scaling),
+        inverse_frequencies(head_dim, theta, None),
+    )
     unscaled = tmp_path / "tiny-llama-unscaled"
     shutil.copytree(src, unscaled)
     del config["rope_scaling"]

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from pipeserve.backends.base import AttentionPlan
 from pipeserve.backends.native_backend import NativeBackend
 from pipeserve.backends.split import LongPromptSplit
-from pipeserve.backends.torch_backend import GatherSteps, TorchBackend
+from pipeserve.backends.torch_backend import StepPlan, TorchBackend
 from pipeserve.backends.triton_backend import TritonBackend
 from pipeserve.mem_cache.kv_pool import KVPool
 from pipeserve.runner.forward_batch import ForwardBatch, HostLists, map_tensors
@@ -199,21 +199,24 @@ def test_mla_decode_steps_on_the_cpu_make_no_slot_tensors() -> None:
     assert works[0].host_elements == works[1].host_elements < 1024
 
 
-@pytest.mark.parametrize("backend", [TRITON, TorchBackend("cpu")], ids=["triton", "torch"])
-def test_mla_decode_steps_page_table_is_made_after_the_copy(backend: Any) -> None:
-    """MLA's decode steps on a backend that reads them through a page table (Triton's kernel,
-    the torch backend's gathers): the host builds and copies the same at 1K and 32K context,
-    and the table is made where the copies are."""
+@pytest.mark.parametrize(
+    ("backend", "pool"),
+    [(TRITON, LATENT_POOL), (TorchBackend("cpu"), LATENT_POOL), (TorchBackend("cpu"), POOL)],
+    ids=["triton-mla", "torch-mla", "torch-gqa"],
+)
+def test_decode_steps_page_table_is_made_after_the_copy(backend: Any, pool: KVPool) -> None:
+    """Decode steps on a backend that reads them through a page table (Triton's MLA kernel,
+    the torch backend's gathers, MLA's and GQA's): the host builds and copies the same at 1K
+    and 32K context, and the table is made where the copies are."""
     works = []
     for context in (1024, 32 * 1024):
         with HostWork() as work:
-            fb = ForwardBatch.prepare(
-                decode_batch(context), LATENT_POOL, META, backend, move=to_meta
-            )
+            fb = ForwardBatch.prepare(decode_batch(context), pool, META, backend, move=to_meta)
         works.append(work)
         decode = fb.attn.meta.decode
-        assert decode.kv_indices is not None and decode.kv_indices.device == META
-        assert decode.kv_indices.shape[0] == 6 * context
+        table = getattr(decode, "table", decode)  # the torch backend's StepPlan holds it
+        assert table.kv_indices is not None and table.kv_indices.device == META
+        assert table.kv_indices.shape[0] == 6 * context
     assert works[0].calls == works[1].calls
     assert works[0].host_elements == works[1].host_elements < 1024
 
@@ -300,6 +303,6 @@ def test_auto_runs_a_batch_with_a_long_prompt_chunk_on_the_library_kernels() -> 
             assert meta.decode is not None and meta.decode.kv_indices is not None
         else:  # the torch kernels' plan: the chunk reads its prefix, decode steps gather
             assert [p.prefix_len for p in meta.chunks] == [prefix + 1]
-            assert isinstance(meta.decode, GatherSteps)
+            assert isinstance(meta.decode, StepPlan)
     explicit = ForwardBatch.prepare(mixed_batch(limit + 1), POOL, CPU, TRITON)  # triton: all
     assert explicit.attn.backend is TRITON
