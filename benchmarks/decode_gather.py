@@ -26,6 +26,7 @@ import torch
 from pipeserve.backends.torch_backend import TorchBackend, gathered_steps
 from pipeserve.backends.torch_ops import gathered_latent_attention, latent_over_parts
 from pipeserve.device import DTYPES, best_dtype
+from pipeserve.layers.attention_parts import VIEW_MIN_TOKENS
 
 LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
 # MLA: (heads, kv_lora_rank, qk_rope_head_dim); GQA: (heads, kv_heads, head_dim)
@@ -67,9 +68,10 @@ def mla_steps(
     def gathered() -> None:
         gathered_latent_attention(q, cache, slots, rank, scale)
 
-    def in_place() -> None:
+    def in_place() -> None:  # as the backend's in-place steps: a run this short is gathered
         for i in range(steps):
-            part = cache[i * length : (i + 1) * length]
+            short = length < VIEW_MIN_TOKENS
+            part = cache[slots[i]] if short else cache[i * length : (i + 1) * length]
             latent_over_parts(q[i : i + 1], [part], scale)
 
     return gathered, in_place, width * cache.element_size()
@@ -91,10 +93,14 @@ def gqa_steps(
     def gathered() -> None:
         gathered_steps(q, k_cache, v_cache, slots, scale, dense)
 
-    def in_place() -> None:
+    def in_place() -> None:  # as the backend's in-place steps: a run this short is gathered
         for i in range(steps):
-            run = slice(i * length, (i + 1) * length)
-            dense(q[i : i + 1], k_cache[None, :, run], v_cache[None, :, run], False, scale)
+            if length >= VIEW_MIN_TOKENS:
+                run = slice(i * length, (i + 1) * length)
+                k, v = k_cache[:, run], v_cache[:, run]
+            else:
+                k, v = k_cache[:, slots[i]], v_cache[:, slots[i]]
+            dense(q[i : i + 1], k[None], v[None], False, scale)
 
     return gathered, in_place, 2 * kv_heads * d * k_cache.element_size()
 

@@ -75,9 +75,9 @@ def sparse_attention_form() -> str:
 
 
 def decode_gather_max_bytes() -> int | None:
-    """PIPESERVE_DECODE_GATHER_MAX_BYTES: on the torch attention backend, the most bytes of
-    keys and values a decode step may take to be gathered with its group for one call (longer
-    steps read their runs in place, a call each); unset: the device's measured default."""
+    """PIPESERVE_DECODE_GATHER_MAX_BYTES: on the torch attention backend, a decode step whose
+    keys and values take fewer bytes than this is gathered with its group for one call (longer
+    steps read their runs in place, a call each; 0: every step); unset: the device's default."""
     raw = os.environ.get("PIPESERVE_DECODE_GATHER_MAX_BYTES", "").strip()
     if not raw:
         return None

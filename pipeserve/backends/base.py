@@ -12,7 +12,7 @@ A backend is chosen once per run (registry.py) and then asked, per batch:
 It also owns the layers' other per-device kernels: `linears` (the linear layers' and the LM
 head's products, `LinearKernels`), `norms` (RMSNorm with its residual add),
 `rope_and_store` (q/k norms, rotary and the KV write in one kernel, or None for the torch
-ops), `latent_plan`/`latent_decode` (MLA's decode steps in one launch, or None),
+ops), `latent_plan`/`latent_decode` (MLA's decode steps all at once, or None),
 `latent_prompts` (MLA's prompt chunks on up-projected keys in one launch, or not), and
 `kernels` (the compiled kernels MLA, DeepSeek-V3.2's indexer and context parallelism call on
 tensors of their own, outside a batch's plan; `DirectKernels`).
@@ -258,7 +258,8 @@ class AttentionBackend(ABC):
         scale: float,
         rope_dim: int,
     ) -> torch.Tensor:
-        """MLA's absorbed decode steps in one launch (see `latent_plan`)."""
+        """MLA's absorbed decode steps all at once (see `latent_plan`): Triton's in one
+        launch, torch's a call per group of similar lengths."""
         raise NotImplementedError(f"the {self.name} backend has no batched latent decode")
 
     def latent_prompts(

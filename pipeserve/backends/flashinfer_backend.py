@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeserve.backends.torch_backend import StepPlan, TorchBackend, step_parts
+from pipeserve.backends.torch_backend import (
+    StepPlan,
+    TorchBackend,
+    cached_parts,
+    in_place_parts,
+)
 from pipeserve.layers.attention_parts import KVPart, merge_partials
 
 if TYPE_CHECKING:
@@ -80,13 +85,13 @@ class FlashInferBackend(TorchBackend):
         plan: StepPlan,
     ) -> torch.Tensor:
         """q [b, heads, d] of the plan's steps -> [b, heads, d]: per step, its long runs in
-        place and the gathered rest (`step_parts`)."""
+        place and the gathered rest (`in_place_parts`)."""
         out = torch.empty_like(q)
-        for i, runs in enumerate(plan.runs):
+        for i in range(len(plan.runs)):
             qi = q[i : i + 1].contiguous()
             parts = [
                 self.attend_part(qi, kc, vc, "HND", False, layer.scale)
-                for kc, vc in step_parts(k_cache, v_cache, runs)
+                for kc, vc in cached_parts(k_cache, v_cache, *in_place_parts(plan, i))
             ]
             out[i] = merge_partials(parts)[0]
         return out

@@ -14,9 +14,9 @@ from typing import TypeVar
 
 import torch
 
-from pipeserve.backends.base import Segment, StepTable, length_groups
+from pipeserve.backends.base import StepTable, length_groups
 from pipeserve.layers.attention_parts import SlotRuns
-from pipeserve.scheduler.batch import Run, runs_prefix
+from pipeserve.scheduler.batch import Run
 
 
 @dataclass
@@ -28,7 +28,8 @@ class TableSteps:
     slot_runs: SlotRuns | None = None
     kv_indptr: torch.Tensor | None = None  # [b + 1] int32
     kv_indices: torch.Tensor | None = None  # int32: the slot of every position of each step
-    # MLA's steps: longest first, cut by length (`length_groups`; V3.2's indexer reads them)
+    # longest first, cut by length (`length_groups`: the torch backend's gathers and V3.2's
+    # indexer read them; None for a CUDA graph's step)
     order: torch.Tensor | None = None
     groups: tuple[tuple[int, int, int], ...] = ()
 
@@ -36,6 +37,7 @@ class TableSteps:
 T = TypeVar("T")
 
 UNEXPANDED = "a plan's page table is still slot runs: use AttentionPlan.expanded()"
+SLOT_BLOCK_ELEMENTS = 2**22  # padded_slots: positions made at a time (int64 temporaries)
 
 
 def table_steps(steps: list[tuple[int, list[Run]]], device: torch.device) -> TableSteps:
@@ -45,12 +47,13 @@ def table_steps(steps: list[tuple[int, list[Run]]], device: torch.device) -> Tab
     return TableSteps(rows, slot_runs=SlotRuns.build([runs for _, runs in steps], device))
 
 
-def decode_steps(segments: list[Segment], device: torch.device) -> tuple[TableSteps, list[int]]:
-    """The decode steps of a batch (its one-row segments, at least one) as a page table
-    with their length order and groups (`length_groups`) -> (the table, that order on the
-    host)."""
-    steps = [(row, runs_prefix(runs, prefix + 1)) for row, n, prefix, runs in segments if n == 1]
-    order, groups = length_groups([prefix + 1 for _, n, prefix, _ in segments if n == 1])
+def decode_steps(
+    steps: list[tuple[int, list[Run]]], device: torch.device
+) -> tuple[TableSteps, list[int]]:
+    """A batch's decode steps, (row, the runs covering exactly its sequence) each, at least
+    one, as a page table with their length order and groups (`length_groups`) -> (the table,
+    that order on the host)."""
+    order, groups = length_groups([sum(n for _, n in runs) for _, runs in steps])
     table = table_steps(steps, device)
     table.order, table.groups = torch.tensor(order, dtype=torch.long, device=device), groups
     return table, order
@@ -94,9 +97,15 @@ def padded_slots(
     steps: torch.Tensor, width: int, indptr: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
     """The slots [len(steps), width] int32 of every position of the table's `steps` (indices
-    into it), in order, -1 past each step's length (a group of steps of similar length)."""
-    positions = torch.arange(width, device=steps.device)[None, :].expand(steps.shape[0], width)
-    return _slots_at(positions, indptr[steps], indices, indptr[steps + 1])
+    into it), in order, -1 past each step's length (a group of steps of similar length); made
+    SLOT_BLOCK_ELEMENTS at a time, whatever the group's size."""
+    per = max(1, SLOT_BLOCK_ELEMENTS // width)
+    blocks = []
+    for i in range(0, steps.shape[0], per):
+        block = steps[i : i + per]
+        positions = torch.arange(width, device=steps.device)[None, :].expand(block.shape[0], width)
+        blocks.append(_slots_at(positions, indptr[block], indices, indptr[block + 1]))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def _slots_at(
@@ -106,11 +115,11 @@ def _slots_at(
     ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The slots int32 of `positions` [n, k] (-1: none) of sequences that start at starts[:n]
-    (or starts[:-1], ending at starts[1:], where `ends` is None) in `indices`; -1 where a
-    position is none or past its sequence."""
+    (or starts[:-1], ending at starts[1:], where `ends` is None) in `indices` (int32); -1 where
+    a position is none or past its sequence."""
     if ends is None:
         starts, ends = starts[:-1], starts[1:]
     first = starts.long()[:, None]
-    valid = (positions >= 0) & (positions < (ends.long()[:, None] - first))
-    flat = (first + positions.clamp_min(0)).clamp_max(indices.numel() - 1)
-    return torch.where(valid, indices[flat], -1).to(torch.int32)
+    valid = (positions >= 0) & (positions < ends.long()[:, None] - first)
+    flat = positions.clamp_min(0).add_(first).clamp_max_(indices.numel() - 1)
+    return indices[flat].to(torch.int32).masked_fill_(~valid, -1)

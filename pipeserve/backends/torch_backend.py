@@ -14,7 +14,7 @@ whole.
   keys are never repeated.
 - decode steps (GQA's in `decode`, MLA's absorbed ones in `latent_decode`): through a page
   table of the steps (`StepPlan`), cut into groups of similar lengths. A group whose padded
-  keys and values take at most GATHER_MAX_BYTES a step (a CPU's few hundred positions, a
+  keys and values take less than GATHER_MAX_BYTES a step (a CPU's few hundred positions, a
   GPU's tens of thousands) is gathered for one call, padding masked: launches per group, not
   per request. Longer steps read their long runs in place,
   a step at a time. V3.2's steps attend over their chosen rows, all in one gathered call.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -64,8 +65,13 @@ from pipeserve.backends.torch_ops import (
     latent_over_parts,
 )
 from pipeserve.device import queues_on_streams, small_tensor
-from pipeserve.layers.attention_parts import KVPart, gather_index, merge_partials, split_runs
-from pipeserve.layers.latent_segment import LatentSegment
+from pipeserve.layers.attention_parts import (
+    VIEW_MIN_TOKENS,
+    KVPart,
+    gather_index,
+    merge_partials,
+    split_runs,
+)
 from pipeserve.scheduler.batch import Run, runs_prefix
 
 if TYPE_CHECKING:
@@ -75,22 +81,20 @@ log = logging.getLogger(__name__)
 
 BLOCKWISE_MIN_TOKENS = 64  # prompt chunks at least this long use the blockwise kernel
 SCORE_BLOCK_ELEMENTS = 2**20  # bound on one score buffer (query rows x keys); ~L2-sized blocks
-# Decode steps: a group of similar lengths whose longest step's keys and values take more
-# bytes than this (GQA's keys and values; MLA's latent rows) is read in place a step at a
+# Decode steps: a group of similar lengths whose longest step's keys and values take this
+# many bytes or more (GQA's keys and values; MLA's latent rows) is read in place a step at a
 # time (views of its long runs, a call each) rather than gathered into one padded tensor for
-# one call (which writes and reads every row again). CPU, Zen 4, 2 threads, bfloat16:
-# benchmarks/decode_gather.py's 32 steps of one run each put MLA's crossover (bench-deepseek,
-# 576-byte rows) between 384 and 512 positions (216-288 KiB; 1.1-2.3x for the gather below,
-# 0.7-1.3x above in two runs); GQA's gather (the bench preset's, 1 KiB a position) loses to a
-# view from 64 positions on, but a step shorter than VIEW_MIN_TOKENS has no view and is
-# gathered anyway: 64 requests of 128-160 positions decoded at 0.74x of one gathered call when
-# each step gathered its own, 64 of 1K at 1.3-1.5x with each step one call on its view
-# (`pipeserve bench --attention-backend torch`, against the path before, which gathered the
-# short runs of all steps for one call and merged each step's views into it). So 256 KiB: 256
-# of the bench preset's positions, 455 of bench-deepseek's (64 requests of 128: 0.96x the path
-# before, four rounds). Elsewhere an estimate until a GPU measures it
-# (gpu_check's decode-gather stage): at 64 MiB a step a gather costs about what a step's
-# launches do on an H200
+# one call (which writes and reads every row again). CPU, Zen 4, 2 threads, bfloat16,
+# benchmarks/decode_gather.py (32 steps of one run each, in place as the backend reads them:
+# a run under VIEW_MIN_TOKENS gathered by itself): GQA (the bench preset, 1 KiB a position)
+# 0.7-1.5x for the gather below 256 positions, 0.6-0.67x from 256 on, where a step is one
+# call on its view; MLA (bench-deepseek, 576-byte rows) 1.1-2.7x up to 256 positions, 0.87-1.0x
+# at 384-1K. End to end (`pipeserve bench --attention-backend torch`, against the path before,
+# which gathered the short runs of all steps for one call and merged each step's views into
+# it): 64 GQA requests of 1K 1.3-1.5x, of 128 0.96x (four rounds); 32 MLA requests of 256
+# 1.45-1.76x. So 256 KiB: 256 of the bench preset's positions, 455 of bench-deepseek's.
+# Elsewhere an estimate until a GPU measures it (gpu_check's decode-gather stage): at 64 MiB a
+# step a gather costs about what a step's launches do on an H200
 GATHER_MAX_BYTES = {"cpu": 2**18}
 GATHER_MAX_BYTES_ELSEWHERE = 2**26
 
@@ -111,15 +115,27 @@ class ChunkPlan:
 class StepPlan:
     """A batch's decode steps (GQA's or MLA's): their page table with length groups
     (`decode_steps`), and each step's KV runs on the host. A group whose steps are cheap to
-    gather (`gathers`) attends in one call over its gathered keys; the others' steps read
-    their long runs in place, a step at a time."""
+    gather (`TorchBackend.gathers`) attends in one call over its gathered keys; the others'
+    steps read their long runs in place, a step at a time (`in_place_parts`). What the
+    batch's first layer makes of it is kept for the others (never carried by `replace`)."""
 
     table: TableSteps
     runs: tuple[tuple[Run, ...], ...]  # each step's, covering exactly its sequence
     order: tuple[int, ...]  # the steps longest first: table.order on the host
-    # the gathered groups' steps and slots, made by the batch's first layer for the rest
-    # (keyed by the bytes a position takes: `TorchBackend.gathered_groups`)
-    groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    starts: tuple[int, ...]  # where each step's slots start in the table: its indptr on the host
+    split: dict[tuple[int, int], StepSplit] = field(default_factory=dict, init=False, repr=False)
+    parts: dict[int, tuple[list[Run], torch.Tensor | None]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+
+class StepSplit(NamedTuple):
+    """A batch's steps for one size of rows and one limit: the gathered groups (their steps
+    [g] and slots [g, width] int32, -1 past each step's length) and the steps read in place,
+    longest first."""
+
+    gathered: list[tuple[torch.Tensor, torch.Tensor]]
+    in_place: list[int]
 
 
 @dataclass
@@ -242,45 +258,40 @@ class TorchBackend(AttentionBackend):
             slots = chosen_slots(chosen, t.kv_indptr, t.kv_indices)[1].view(chosen.shape)
             return gathered_latent_attention(q, cache, slots, rank, scale)
         out = q.new_empty(q.shape[0], q.shape[1], rank)
-        row_bytes = cache.shape[1] * cache.element_size()
-        for steps, slots in self.gathered_groups(plan, row_bytes):
+        split = self.split(plan, cache.shape[1] * cache.element_size())
+        for steps, slots in split.gathered:
             out[steps] = gathered_latent_attention(q[steps], cache, slots, rank, scale)
-        for i in self.in_place(plan, row_bytes):
-            parts = LatentSegment(0, 1, runs=plan.runs[i]).parts(cache)
+        for i in split.in_place:
+            views, rest = in_place_parts(plan, i)
+            parts = [cache[s : s + n] for s, n in views]
+            if rest is not None:
+                parts.append(cache[rest])
             out[i] = latent_over_parts(q[i : i + 1], parts, scale)[0, :, :rank]
         return out
 
     def gathers(self, width: int, row_bytes: int) -> bool:
         """Whether a group of steps padded to `width` positions of `row_bytes` each is
         gathered for one call (else read in place a step at a time; GATHER_MAX_BYTES)."""
-        return width * row_bytes <= self.gather_max_bytes
+        return width * row_bytes < self.gather_max_bytes
 
-    def gathered_groups(
-        self, plan: StepPlan, row_bytes: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(the steps [g], their slots [g, width] int32, -1 past each step's length) of each
-        group that `gathers`: made once per batch, by its first layer."""
-        made = plan.groups.get(row_bytes)
+    def split(self, plan: StepPlan, row_bytes: int) -> StepSplit:
+        """The steps' groups that `gathers` (made once per batch, by its first layer) and
+        the steps of the others."""
+        key = (row_bytes, self.gather_max_bytes)
+        made = plan.split.get(key)
         if made is not None:
             return made
         t = plan.table
         assert t.order is not None and t.kv_indptr is not None and t.kv_indices is not None
-        made = plan.groups[row_bytes] = []
+        gathered, in_place = [], list[int]()
         for first, end, width in t.groups:
             if self.gathers(width, row_bytes):
                 steps = t.order[first:end]
-                made.append((steps, padded_slots(steps, width, t.kv_indptr, t.kv_indices)))
+                gathered.append((steps, padded_slots(steps, width, t.kv_indptr, t.kv_indices)))
+            else:
+                in_place += plan.order[first:end]
+        made = plan.split[key] = StepSplit(gathered, in_place)
         return made
-
-    def in_place(self, plan: StepPlan, row_bytes: int) -> list[int]:
-        """The steps of the groups too big to gather (see `gathers`), longest first."""
-        groups = plan.table.groups
-        return [
-            i
-            for first, end, width in groups
-            if not self.gathers(width, row_bytes)
-            for i in plan.order[first:end]
-        ]
 
     def latent_prompts(
         self,
@@ -351,11 +362,11 @@ class TorchBackend(AttentionBackend):
         b, hk, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         qg = q.view(b, hk, layer.group, d)  # a KV head's query heads as its query rows
         out = torch.empty_like(qg)
-        row_bytes, scale = 2 * hk * d * k_cache.element_size(), layer.scale
-        for steps, slots in self.gathered_groups(plan, row_bytes):
+        split, scale = self.split(plan, 2 * hk * d * k_cache.element_size()), layer.scale
+        for steps, slots in split.gathered:
             out[steps] = gathered_steps(qg[steps], k_cache, v_cache, slots, scale, self.dense)
-        for i in self.in_place(plan, row_bytes):
-            parts = step_parts(k_cache, v_cache, plan.runs[i])
+        for i in split.in_place:
+            parts = cached_parts(k_cache, v_cache, *in_place_parts(plan, i))
             partials = [self.dense(qg[i : i + 1], k[None], v[None], False, scale) for k, v in parts]
             out[i] = merge_partials(partials)[0]
         return out.view(b, layer.num_heads, d)
@@ -363,17 +374,37 @@ class TorchBackend(AttentionBackend):
 
 def step_plan(segments: list[Segment], device: torch.device) -> StepPlan | None:
     """The decode steps (one-row segments) of a batch, or None where it has none."""
-    runs = []
-    for _, n, prefix, seg_runs in segments:
+    steps = []
+    for row, n, prefix, runs in segments:
         if n == 1:
-            covering = runs_prefix(seg_runs, prefix + 1)
+            covering = runs_prefix(runs, prefix + 1)
             if sum(m for _, m in covering) < prefix + 1:
                 raise ValueError("KV runs are shorter than the sequence")
-            runs.append(tuple(covering))
-    if not runs:
+            steps.append((row, covering))
+    if not steps:
         return None
-    table, order = decode_steps(segments, device)
-    return StepPlan(table, tuple(runs), tuple(order))
+    table, order = decode_steps(steps, device)
+    starts = accumulate((sum(n for _, n in runs) for _, runs in steps[:-1]), initial=0)
+    return StepPlan(table, tuple(tuple(r) for _, r in steps), tuple(order), tuple(starts))
+
+
+def in_place_parts(plan: StepPlan, i: int) -> tuple[list[Run], torch.Tensor | None]:
+    """Step i's long runs (read in place, as views) and the slots of its short rest (one
+    gather: read from the expanded table where the step's positions sit, no host read),
+    made once per batch."""
+    made = plan.parts.get(i)
+    if made is None:
+        views, rest = [], []
+        indices, position = plan.table.kv_indices, plan.starts[i]
+        assert indices is not None, UNEXPANDED
+        for start, n in plan.runs[i]:
+            if n >= VIEW_MIN_TOKENS:
+                views.append((start, n))
+            else:
+                rest.append(indices[position : position + n])
+            position += n
+        made = plan.parts[i] = views, torch.cat(rest).long() if rest else None
+    return made
 
 
 def gathered_steps(
@@ -406,17 +437,6 @@ def gathered_steps(
         o = dense(heads_first[:, i : i + per], k, v, False, scale, mask)[0]
         out[i : i + per] = o.transpose(0, 1)
     return out
-
-
-def step_parts(k_cache: torch.Tensor, v_cache: torch.Tensor, runs: tuple[Run, ...]) -> list[KVPart]:
-    """A step's keys and values [kv_heads, L_i, d] in parts: its long runs in place (views),
-    the short rest gathered into one."""
-    views, short = split_runs(list(runs), sum(n for _, n in runs))
-    device = k_cache.device
-    gather = None
-    if short:
-        gather = torch.cat([torch.arange(s, s + n, device=device) for s, n in short])
-    return cached_parts(k_cache, v_cache, views, gather)
 
 
 def fused_prompt_chunk(

@@ -305,11 +305,10 @@ def gathered_latent_attention(
         chosen = slots[i : i + per]
         valid = chosen >= 0
         kv = rows[chosen.clamp_min(0)]  # [b, k, W]
-        b = kv.shape[0]
         mask = None
         # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for it
         if queues_on_streams(q.device) or not bool(valid.all()):
-            mask = additive_mask(valid, q.dtype)[0, 0][:, None, None, :].expand(b, 1, h, -1)
+            mask = additive_mask(valid, q.dtype)[0, 0][:, None, None, :]  # broadcast over heads
         o, _ = attention_with_lse(
             q[i : i + per, None], kv[:, None], kv[:, None], False, scale, mask
         )

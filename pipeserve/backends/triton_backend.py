@@ -171,9 +171,8 @@ class TritonBackend(AttentionBackend):
         return triton_rope.norm_rope_store(*qkv, *rope, *cache, slots, norms)
 
     def latent_plan(self, segments: list[Segment], device: torch.device) -> TritonMeta:
-        if not any(n == 1 for _, n, _, _ in segments):
-            return TritonMeta(None, None)
-        return TritonMeta(None, decode_steps(segments, device)[0])
+        steps = [(row, runs_prefix(r, prefix + 1)) for row, n, prefix, r in segments if n == 1]
+        return TritonMeta(None, decode_steps(steps, device)[0] if steps else None)
 
     def latent_rows(self, meta: Any) -> torch.Tensor | None:
         return None if meta.decode is None else meta.decode.rows

@@ -164,8 +164,9 @@ class MLAttention(nn.Module):
         all its slots -> [tokens, hidden], all-reduced. kernels: the run backend's compiled
         kernels (expanded prompt chunks on its dense prefill kernel, V3.2's selection and
         sparse attention on its own; the torch ops where it has none). batched: a backend's
-        plan of the decode steps for its batched latent decode, one absorbed launch for all of
-        them (with an indexer, over each step's chosen rows), and of the prompt chunks it
+        plan of the decode steps for its batched latent decode (Triton: one absorbed launch
+        for all of them; torch: a call per group of similar lengths; with an indexer, over each
+        step's chosen rows), and of the prompt chunks it
         attends on up-projected keys in one launch (`latent_prompts`). new_slots: every token's slot
         [tokens] (the batch's write slots), written in one op instead of segment by segment
         (what a CUDA graph's decode step, whose segments are not kept, relies on)."""
@@ -672,7 +673,8 @@ class MLAttention(nn.Module):
         plan: AttentionPlan,
         chosen: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`absorbed` for every decode step of a batch in one launch of the plan's backend:
+        """`absorbed` for every decode step of a batch at once on the plan's backend (one
+        absorption each way; the backend's `latent_decode` between):
         q [b, heads, qk_head_dim] over each step's latent rows, or with an indexer's choice
         `chosen` [b, topk] (positions, -1 for none) over the chosen rows only
         -> [b, heads, v_head_dim]."""

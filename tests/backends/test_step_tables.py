@@ -14,6 +14,7 @@ from pipeserve.backends.step_tables import (
     padded_slots,
     step_table,
 )
+from pipeserve.scheduler.batch import runs_prefix
 
 CPU = torch.device("cpu")
 # (row, rows, prefix length, runs): three decode steps, a prompt chunk between them
@@ -29,8 +30,13 @@ def slots_of(runs: list[tuple[int, int]], n: int) -> list[int]:
     return [s + i for s, length in runs for i in range(length)][:n]
 
 
+def decode_only() -> list[tuple[int, list[tuple[int, int]]]]:
+    """The decode steps of SEGMENTS, each with the runs covering exactly its sequence."""
+    return [(row, runs_prefix(r, prefix + 1)) for row, n, prefix, r in SEGMENTS if n == 1]
+
+
 def test_decode_steps_list_each_step_s_slots_longest_first() -> None:
-    table, order = decode_steps(SEGMENTS, CPU)
+    table, order = decode_steps(decode_only(), CPU)
     steps = step_table(expanded(table))
     assert steps.rows.tolist() == [0, 7, 8]
     assert order == [1, 0, 2] and steps.order.tolist() == order
@@ -41,7 +47,7 @@ def test_decode_steps_list_each_step_s_slots_longest_first() -> None:
 
 
 def test_padded_slots_pad_a_group_with_minus_one() -> None:
-    table = expanded(decode_steps(SEGMENTS, CPU)[0])
+    table = expanded(decode_steps(decode_only(), CPU)[0])
     assert table.kv_indptr is not None and table.kv_indices is not None
     got = padded_slots(torch.tensor([2, 0]), 6, table.kv_indptr, table.kv_indices)
     assert got.dtype == torch.int32
@@ -52,7 +58,7 @@ def test_padded_slots_pad_a_group_with_minus_one() -> None:
 def test_chosen_slots_follow_positions_and_keep_short_steps_whole(topk: int) -> None:
     """A step over more than topk positions reads its chosen ones (-1: none); a step of at
     most topk positions reads all of them whatever was chosen."""
-    table = expanded(decode_steps(SEGMENTS, CPU)[0])
+    table = expanded(decode_steps(decode_only(), CPU)[0])
     assert table.kv_indptr is not None and table.kv_indices is not None
     chosen = torch.full((3, topk), -1)
     chosen[0, :3] = torch.tensor([4, 0, 2])

@@ -154,20 +154,20 @@ def test_plan_decode_steps_are_a_page_table_with_their_runs() -> None:
 
 def test_decode_gathers_cheap_groups_and_reads_the_rest_in_place() -> None:
     """Which groups of steps are gathered for one call: those whose padded keys and values
-    take at most `gather_max_bytes`; the rest's steps read in place, longest first."""
+    take fewer bytes than `gather_max_bytes`; the rest's steps read in place, longest first."""
     segments = [(0, 1, 4, [(10, 5)]), (1, 1, 300, [(1000, 301)]), (2, 1, 1, [(20, 2)])]
     backend = torch_backend.TorchBackend(CPU)
     plan = plan_attention(segments, CPU, torch.float32, backend).meta.decode
     assert plan.table.groups == ((0, 2, 301), (2, 3, 2))  # 5 padded to 301: 2x at most
+    backend.gather_max_bytes = 302 * 100
+    split = backend.split(plan, 100)
+    assert [s.tolist() for s, _ in split.gathered] == [[1, 0], [2]] and split.in_place == []
+    assert backend.split(plan, 100) is split  # made once per batch
     backend.gather_max_bytes = 301 * 100
-    assert [s.tolist() for s, _ in backend.gathered_groups(plan, 100)] == [[1, 0], [2]]
-    assert backend.in_place(plan, 100) == []
-    assert backend.gathered_groups(plan, 100) is backend.gathered_groups(plan, 100)  # made once
-    backend.gather_max_bytes = 300 * 100
-    plan = plan_attention(segments, CPU, torch.float32, backend).meta.decode  # a new batch
-    ((steps, slots),) = backend.gathered_groups(plan, 100)
+    split = backend.split(plan, 100)  # another limit: split again
+    ((steps, slots),) = split.gathered
     assert steps.tolist() == [2] and slots.tolist() == [[20, 21]]
-    assert backend.in_place(plan, 100) == [1, 0]
+    assert split.in_place == [1, 0]
 
 
 def test_plan_decode_runs_shorter_than_sequence() -> None:
@@ -250,7 +250,7 @@ def test_paged_attention_mixed_batch_matches_reference(group: int, gather: str) 
     plan = plan_attention(segments, CPU, torch.float32, backend)
     decode = plan.meta.decode
     assert decode is not None
-    in_place = backend.in_place(decode, 2 * KV_HEADS * D * 4)
+    in_place = backend.split(decode, 2 * KV_HEADS * D * 4).in_place
     assert in_place == ([] if gather == "gathered" else [1, 0])  # longest first
     q = torch.cat([s.q for s in seqs])
     k = torch.cat([s.k[s.prefix :] for s in seqs])
@@ -280,3 +280,40 @@ def test_the_gather_limit_is_the_device_s_unless_the_environment_names_one(
     monkeypatch.setenv("PIPESERVE_DECODE_GATHER_MAX_BYTES", "64MiB")
     with pytest.raises(ValueError, match="expected a whole number of bytes"):
         torch_backend.TorchBackend(CPU)
+
+
+@pytest.mark.parametrize("limit", [2**30, 0], ids=["gathered", "in place"])
+def test_decode_steps_read_no_tensor_on_the_host(
+    limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a GPU, where the gathers' masks are made without reading them on the host: once
+    planned and expanded, a batch of decode steps (scattered, short, a long run beside a
+    short one) attends without reading a tensor's value on the host, gathered or in place,
+    in every layer (the first makes the groups' slots and the steps' parts, later ones reuse
+    them); and gives the reference's output."""
+    from host_sync import no_host_sync
+
+    monkeypatch.setattr(torch_backend, "queues_on_streams", lambda device: True)
+    heads = KV_HEADS * 2
+    seqs = [
+        Seq([(16, 9)], 8, 1, seed=10, heads=heads),
+        Seq([(40, 300), (700, 3), (900, 1)], 303, 1, seed=20, heads=heads),
+        Seq([(1000, 1), (1010, 1), (1020, 5)], 6, 1, seed=30, heads=heads),
+    ]
+    pool = KVPool(2000, range(0, 1), KV_HEADS, D, torch.float32, CPU, page_size=1)
+    k_cache, v_cache = pool.buffers(0)
+    for s in seqs:
+        k_cache[:, s.slots] = s.k.transpose(0, 1)
+        v_cache[:, s.slots] = s.v.transpose(0, 1)
+    backend = torch_backend.TorchBackend(CPU)
+    backend.gather_max_bytes = limit
+    segments = [(i, 1, s.prefix, s.runs) for i, s in enumerate(seqs)]
+    plan = plan_attention(segments, CPU, torch.float32, backend)
+    q, layer = torch.cat([s.q for s in seqs]), PagedAttention(0, heads, KV_HEADS, D)
+    out = torch.empty(len(seqs), heads, D)
+    with no_host_sync():
+        for _ in range(2):  # two layers of one batch
+            backend.attend(layer, q, k_cache, v_cache, plan.meta, None, out)
+    for i, s in enumerate(seqs):
+        want = reference(s.q, s.k, s.v, [s.prefix])
+        torch.testing.assert_close(out[i : i + 1], want, atol=ATOL, rtol=0)

@@ -294,7 +294,7 @@ def test_torch_backend_s_decode_steps_gather_a_group_of_lengths_at_once(
     backend.gather_max_bytes = 100 * row_bytes
     plan = AttentionPlan(backend, backend.latent_plan(plan_segments, torch.device("cpu")))
     plan = plan.expanded()
-    assert backend.in_place(plan.meta.decode, row_bytes) == [4, 1]  # longest first
+    assert backend.split(plan.meta.decode, row_bytes).in_place == [4, 1]  # longest first
     positions = torch.tensor([len(s) - 1 for s in slots])
     rope, x = setup.rope(positions, torch.float32), rand(len(slots), HIDDEN, seed=25)
     # as on a GPU, where the gathers' masks are made without reading them on the host

@@ -207,8 +207,13 @@ def test_torch_backend_s_batched_decode_steps_match_transformers(
     from pipeserve.backends.torch_backend import TorchBackend
 
     _, path = hf_saved(preset)
-    calls = {"all": 0, "chosen": 0, "alone": 0}
+    calls = {"all": 0, "chosen": 0, "alone": 0, "layers with steps": 0}
     batched, alone = TorchBackend.latent_decode, mla_mod.MLAttention.absorbed
+    forward = mla_mod.MLAttention.forward
+
+    def spy_forward(self, x, rope, cache, segments, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["layers with steps"] += any(seg.q_len == 1 for seg in segments)
+        return forward(self, x, rope, cache, segments, *args, **kwargs)
 
     def spy(self, q, cache, meta, chosen, *args):  # type: ignore[no-untyped-def]
         calls["all"] += 1
@@ -222,9 +227,12 @@ def test_torch_backend_s_batched_decode_steps_match_transformers(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TorchBackend, "latent_decode", spy)
         mp.setattr(mla_mod.MLAttention, "absorbed", spy_alone)
+        mp.setattr(mla_mod.MLAttention, "forward", spy_forward)
         outputs = run_engine(path, LAYOUTS["torch-page16"], prompts())
     assert_matches(outputs, hf_reference(preset))
-    assert calls["all"] >= NEW_TOKENS - 1 and calls["alone"] == 0  # no step by itself
+    # one batched call in every layer of every forward holding decode steps, none alone
+    assert calls["all"] == calls["layers with steps"] >= NEW_TOKENS - 1
+    assert calls["alone"] == 0
     # V3.2: every step over its indexer's choice (the 40-token request's: all it has)
     assert calls["chosen"] == (calls["all"] if preset == "tiny-deepseek-v32" else 0)
 

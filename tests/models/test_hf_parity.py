@@ -68,7 +68,7 @@ class PathRecorder:
             torch_backend.blockwise_prefill,
             torch_backend.fused_prompt_chunk,
         )
-        gathered, in_place = torch_backend.gathered_steps, torch_backend.step_parts
+        gathered, in_place = torch_backend.gathered_steps, torch_backend.in_place_parts
 
         def plan_spy(*args: Any, **kwargs: Any) -> AttentionPlan:
             p = plan(*args, **kwargs)
@@ -110,15 +110,15 @@ class PathRecorder:
             self.seen["decode_gathered"] += 1
             return gathered(*args)
 
-        def in_place_spy(k_cache: torch.Tensor, v_cache: torch.Tensor, runs: Any) -> list:
-            parts = in_place(k_cache, v_cache, runs)
+        def in_place_spy(plan: Any, i: int) -> tuple[list, torch.Tensor | None]:
+            views, rest = in_place(plan, i)
             self.seen["decode_in_place"] += 1
-            self.seen["decode_view"] += any(k._base is not None for k, _ in parts)  # a view
-            return parts
+            self.seen["decode_view"] += bool(views)
+            return views, rest
 
         mp.setattr(forward_batch, "plan_attention", plan_spy)
         mp.setattr(torch_backend, "gathered_steps", gathered_spy)
-        mp.setattr(torch_backend, "step_parts", in_place_spy)
+        mp.setattr(torch_backend, "in_place_parts", in_place_spy)
         mp.setattr(torch_backend, "blockwise_prefill", blockwise_spy)
         mp.setattr(torch_backend, "fused_prompt_chunk", fused_spy)
 
