@@ -14,9 +14,9 @@ from typing import TypeVar
 
 import torch
 
-from pipeserve.backends.base import StepTable, length_groups
+from pipeserve.backends.base import Segment, StepTable, length_groups
 from pipeserve.layers.attention_parts import SlotRuns
-from pipeserve.scheduler.batch import Run
+from pipeserve.scheduler.batch import Run, runs_prefix
 
 
 @dataclass
@@ -45,6 +45,19 @@ def table_steps(steps: list[tuple[int, list[Run]]], device: torch.device) -> Tab
     of one slot per page, as slot runs."""
     rows = torch.tensor([row for row, _ in steps], dtype=torch.long, device=device)
     return TableSteps(rows, slot_runs=SlotRuns.build([runs for _, runs in steps], device))
+
+
+def step_runs(segments: list[Segment]) -> list[tuple[int, list[Run]]]:
+    """A batch's decode steps (its one-row segments) as (row, the runs covering exactly its
+    sequence); ValueError where a step's runs are shorter than its sequence."""
+    steps = []
+    for row, n, prefix, runs in segments:
+        if n == 1:
+            covering = runs_prefix(runs, prefix + 1)
+            if sum(m for _, m in covering) < prefix + 1:
+                raise ValueError("KV runs are shorter than the sequence")
+            steps.append((row, covering))
+    return steps
 
 
 def decode_steps(

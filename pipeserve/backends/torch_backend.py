@@ -51,6 +51,7 @@ from pipeserve.backends.step_tables import (
     decode_steps,
     expanded,
     padded_slots,
+    step_runs,
     step_table,
 )
 from pipeserve.backends.torch_ops import (
@@ -59,12 +60,12 @@ from pipeserve.backends.torch_ops import (
     HALF,
     SDPA,
     Attention,
-    additive_mask,
     attention_with_lse,
     gathered_latent_attention,
     latent_over_parts,
+    padding_mask,
 )
-from pipeserve.device import queues_on_streams, small_tensor
+from pipeserve.device import small_tensor
 from pipeserve.layers.attention_parts import (
     VIEW_MIN_TOKENS,
     KVPart,
@@ -72,7 +73,7 @@ from pipeserve.layers.attention_parts import (
     merge_partials,
     split_runs,
 )
-from pipeserve.scheduler.batch import Run, runs_prefix
+from pipeserve.scheduler.batch import Run
 
 if TYPE_CHECKING:
     from pipeserve.layers.attention import PagedAttention
@@ -374,13 +375,7 @@ class TorchBackend(AttentionBackend):
 
 def step_plan(segments: list[Segment], device: torch.device) -> StepPlan | None:
     """The decode steps (one-row segments) of a batch, or None where it has none."""
-    steps = []
-    for row, n, prefix, runs in segments:
-        if n == 1:
-            covering = runs_prefix(runs, prefix + 1)
-            if sum(m for _, m in covering) < prefix + 1:
-                raise ValueError("KV runs are shorter than the sequence")
-            steps.append((row, covering))
+    steps = step_runs(segments)
     if not steps:
         return None
     table, order = decode_steps(steps, device)
@@ -430,10 +425,9 @@ def gathered_steps(
         # [kv_heads, b, width, d], contiguous: the attention's batch dimensions are the KV
         # heads, then the steps (a CPU's fused kernel runs 1.5-2x slower on the transpose)
         k, v = k_cache[:, index], v_cache[:, index]
-        mask = None
-        # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for it
-        if queues_on_streams(q.device) or not bool(valid.all()):
-            mask = additive_mask(valid, q.dtype)[0, 0][None, :, None, :]
+        mask = padding_mask(valid, q.dtype)
+        if mask is not None:
+            mask = mask[None, :, None, :]  # over the KV heads and their query rows
         o = dense(heads_first[:, i : i + per], k, v, False, scale, mask)[0]
         out[i : i + per] = o.transpose(0, 1)
     return out

@@ -305,10 +305,9 @@ def gathered_latent_attention(
         chosen = slots[i : i + per]
         valid = chosen >= 0
         kv = rows[chosen.clamp_min(0)]  # [b, k, W]
-        mask = None
-        # a CPU reads `valid` for free and skips an all-true mask; a GPU would wait for it
-        if queues_on_streams(q.device) or not bool(valid.all()):
-            mask = additive_mask(valid, q.dtype)[0, 0][:, None, None, :]  # broadcast over heads
+        mask = padding_mask(valid, q.dtype)
+        if mask is not None:
+            mask = mask[:, None, None, :]  # broadcast over heads
         o, _ = attention_with_lse(
             q[i : i + per, None], kv[:, None], kv[:, None], False, scale, mask
         )
@@ -327,6 +326,15 @@ def latent_over_parts(q: torch.Tensor, parts: list[torch.Tensor], scale: float) 
         attention_with_lse(heads, p[None, None], p[None, None], False, scale) for p in parts
     ]
     return merge_partials(partials)[0, 0][None]
+
+
+def padding_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A gathered attention's padding: valid [b, k] bool -> additive [b, k] (0 kept, -inf
+    not), or None where every key is valid. Only a CPU looks (it reads `valid` for free); on
+    a GPU the look would wait for the device, so the mask is always made."""
+    if not queues_on_streams(valid.device) and bool(valid.all()):
+        return None
+    return additive_mask(valid, dtype)[0, 0]
 
 
 def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

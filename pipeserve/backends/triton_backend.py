@@ -36,6 +36,7 @@ from pipeserve.backends.step_tables import (
     chosen_slots,
     decode_steps,
     expanded,
+    step_runs,
     step_table,
     table_steps,
 )
@@ -171,7 +172,7 @@ class TritonBackend(AttentionBackend):
         return triton_rope.norm_rope_store(*qkv, *rope, *cache, slots, norms)
 
     def latent_plan(self, segments: list[Segment], device: torch.device) -> TritonMeta:
-        steps = [(row, runs_prefix(r, prefix + 1)) for row, n, prefix, r in segments if n == 1]
+        steps = step_runs(segments)
         return TritonMeta(None, decode_steps(steps, device)[0] if steps else None)
 
     def latent_rows(self, meta: Any) -> torch.Tensor | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeserve.backends import torch_backend
+from pipeserve.backends import torch_backend, torch_ops
 from pipeserve.backends.torch_backend import (
     BLOCKWISE_MIN_TOKENS,
     blockwise_prefill,
@@ -293,7 +293,7 @@ def test_decode_steps_read_no_tensor_on_the_host(
     them); and gives the reference's output."""
     from host_sync import no_host_sync
 
-    monkeypatch.setattr(torch_backend, "queues_on_streams", lambda device: True)
+    monkeypatch.setattr(torch_ops, "queues_on_streams", lambda device: True)
     heads = KV_HEADS * 2
     seqs = [
         Seq([(16, 9)], 8, 1, seed=10, heads=heads),
