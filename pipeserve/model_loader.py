@@ -142,6 +142,13 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ValueError(f"checkpoint {path} is missing tensor(s): {shown}")
+    if unread := unread_biases({ckpt for _, ckpt, _ in wanted}, index):
+        shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
+        raise ValueError(
+            f"checkpoint {path} has bias tensor(s) the model its config.json describes has "
+            f"no place for: {shown}; running without them would compute something else "
+            "(a config flag such as attention_bias or mlp_bias left off?)"
+        )
     with ExitStack() as stack, torch.no_grad():
         handles: dict[Path, Any] = {}
 
@@ -155,6 +162,20 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
             lazy = _lazy(handle, ckpt, index, quant)
             loader = getattr(param, "weight_loader", _copy_whole)
             loader(param, lazy, shard)
+
+
+def unread_biases(read: set[str], index: dict[str, Path]) -> list[str]:
+    """The checkpoint's biases of modules whose weight is read (`read`) that are not read
+    themselves: a layer built without the bias its checkpoint holds (a projection's, a
+    LayerNorm's). Modules the rank does not hold (other stages' layers, other ranks'
+    experts, DeepSeek's multi-token-prediction layers) read neither and are not named."""
+    return sorted(
+        bias
+        for name in read
+        if name.endswith(".weight")
+        and (bias := name.removesuffix("weight") + "bias") in index
+        and bias not in read
+    )
 
 
 def _lazy(handle: Any, name: str, index: dict[str, Path], quant: Fp8Blocks | None) -> LazyTensor:

@@ -289,6 +289,11 @@ class ArchConfig:
     qk_norm: bool  # RMSNorm over each query and key head (Qwen3)
     torch_dtype: str  # dtype of the saved weights
     eos_token_ids: tuple[int, ...] = ()
+    # A bias on o_proj (transformers' attention_bias on Llama, Qwen3, Qwen3-MoE; Qwen2 has
+    # q/k/v biases only; DeepSeek's o_proj follows qkv_bias) and on the dense MLP's three
+    # projections (Llama's mlp_bias)
+    o_bias: bool = False
+    mlp_bias: bool = False
     # Mixture of experts (num_experts == 0: dense model)
     num_experts: int = 0  # routed experts
     num_experts_per_tok: int = 0
@@ -342,6 +347,11 @@ class ArchConfig:
         v = _resolve(cfg, MODEL_TYPES[model_type])
         if v.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        if (act := v.get("hidden_act", "silu")) not in SILU_NAMES:
+            raise ValueError(
+                f"hidden_act {act!r} is not supported: pipeserve's MLPs and experts compute "
+                "SiLU (hidden_act silu)"
+            )
         heads = v["num_attention_heads"]
         mla = _mla(v, model_type) if model_type in _DEEPSEEK_TYPES else None
         return cls(
@@ -359,6 +369,8 @@ class ArchConfig:
             rope=RopeConfig.from_config(cfg, v["max_position_embeddings"]),
             qkv_bias=model_type == "qwen2" or bool(v["attention_bias"]),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            o_bias=model_type in _O_BIAS_TYPES and bool(v["attention_bias"]),
+            mlp_bias=model_type == "llama" and bool(v.get("mlp_bias")),
             # transformers keeps `dtype` (5.x) over the older `torch_dtype` when both are given
             torch_dtype=str(v.get("dtype") or v.get("torch_dtype") or "bfloat16"),
             eos_token_ids=_eos(v["eos_token_id"]),
@@ -383,6 +395,12 @@ def _architecture(cfg: dict[str, Any]) -> str:
         )
         raise ValueError(f"unsupported architecture {named}; pipeserve supports {supported}")
     return found
+
+
+# transformers' names of the activation pipeserve's MLPs compute (ACT2FN: both are SiLU)
+SILU_NAMES = ("silu", "swish")
+# model types whose attention_bias also puts a bias on o_proj (as transformers builds them)
+_O_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe")
 
 
 def _resolve(cfg: dict[str, Any], spec: ModelType) -> dict[str, Any]:
@@ -489,6 +507,7 @@ def attention_other_params(a: ArchConfig) -> int:
     h, total = a.hidden_size, 2 * a.hidden_size
     if a.mla is None:
         total += a.q_size + 2 * a.kv_size if a.qkv_bias else 0
+        total += h if a.o_bias else 0
         return total + (2 * a.head_dim if a.qk_norm else 0)
     m = a.mla
     total += m.q_lora_rank + m.kv_lora_rank  # q_a_layernorm (0 without it), kv_a_layernorm

@@ -56,10 +56,12 @@ class LayerHook(Protocol):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, dtype: torch.dtype, bias: bool = False
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, False, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -73,7 +75,7 @@ class LlamaAttention(nn.Module):
             arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.qkv_bias, dtype
         )
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, dtype)
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, arch.o_bias, dtype)
         self.attn = PagedAttention(layer_id, heads, kv_heads, d)
         self.split = [heads * d, kv_heads * d, kv_heads * d]
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d
@@ -257,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def make_mlp(self, layer_id: int) -> nn.Module:
-        return LlamaMLP(self.arch.hidden_size, self.arch.intermediate_size, self.dtype)
+        a = self.arch
+        return LlamaMLP(a.hidden_size, a.intermediate_size, self.dtype, a.mlp_bias)
 
     def forward(
         self,

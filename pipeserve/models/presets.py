@@ -365,7 +365,7 @@ def weight_specs(arch: ArchConfig) -> dict[str, TensorSpec]:
         if arch.is_moe_layer(i):
             w.update(_moe_specs(p + "mlp.", arch))
         else:
-            w.update(_mlp(p + "mlp.", h, arch.intermediate_size))
+            w.update(_mlp(p + "mlp.", h, arch.intermediate_size, arch.mlp_bias))
     w["model.norm.weight"] = TensorSpec((h,), "norm")
     if not arch.tie_word_embeddings:
         w["lm_head.weight"] = TensorSpec((arch.vocab_size, h))
@@ -379,7 +379,7 @@ def _attention_specs(p: str, arch: ArchConfig) -> dict[str, TensorSpec]:
         w[p + f"self_attn.{name}.weight"] = TensorSpec((rows, h))
         if arch.qkv_bias:
             w[p + f"self_attn.{name}.bias"] = TensorSpec((rows,))
-    w[p + "self_attn.o_proj.weight"] = TensorSpec((h, q))
+    _linear(w, p + "self_attn.o_proj", h, q, arch.o_bias)
     if arch.qk_norm:
         w[p + "self_attn.q_norm.weight"] = TensorSpec((arch.head_dim,), "norm")
         w[p + "self_attn.k_norm.weight"] = TensorSpec((arch.head_dim,), "norm")
@@ -440,12 +440,12 @@ def _moe_specs(p: str, arch: ArchConfig) -> dict[str, TensorSpec]:
     return w
 
 
-def _mlp(prefix: str, h: int, inter: int) -> dict[str, TensorSpec]:
-    return {
-        prefix + "gate_proj.weight": TensorSpec((inter, h)),
-        prefix + "up_proj.weight": TensorSpec((inter, h)),
-        prefix + "down_proj.weight": TensorSpec((h, inter)),
-    }
+def _mlp(prefix: str, h: int, inter: int, bias: bool = False) -> dict[str, TensorSpec]:
+    w: dict[str, TensorSpec] = {}
+    _linear(w, prefix + "gate_proj", inter, h, bias)
+    _linear(w, prefix + "up_proj", inter, h, bias)
+    _linear(w, prefix + "down_proj", h, inter, bias)
+    return w
 
 
 def _save_weights(weights: dict[str, torch.Tensor], out: Path, shard_size_mb: int) -> None:

@@ -22,6 +22,7 @@ _LAYER = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -75,7 +76,9 @@ def hf_tensors(
     reader: GGUFReader, config: dict[str, Any], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the file under its Hugging Face name, in `dtype`, Llama's Q/K
-    un-permuted (weights and biases)."""
+    un-permuted (weights and biases). A Llama file with q/k/v biases and none on its output
+    projection (a "llamafied" Qwen's) gets a zero o_proj bias: transformers' Llama has the
+    four biases together (attention_bias), and a zero one changes nothing."""
     llama = config["model_type"] == "llama"
     heads = {
         "q_proj": config["num_attention_heads"],
@@ -89,4 +92,9 @@ def hf_tensors(
         if llama and proj in heads:
             w = unpermute(w, heads[proj])
         out[name] = w.to(dtype)
+    if llama and config.get("attention_bias"):
+        for i in range(config["num_hidden_layers"]):
+            o = f"model.layers.{i}.self_attn.o_proj"
+            if o + ".bias" not in out:
+                out[o + ".bias"] = torch.zeros(out[o + ".weight"].shape[0], dtype=dtype)
     return out
