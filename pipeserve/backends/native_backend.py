@@ -167,8 +167,9 @@ class NativeLinears(LinearKernels):
     (Q4_1, Q8_0: a GGUF checkpoint's, found again by `blocks.requantize`) in those blocks
     (rows grouped for the kernel: layers/block_quant.py), multiplied by integer products on x
     rounded in two 8-bit parts, and one whose values are all bfloat16 numbers (a bfloat16
-    checkpoint's) in bfloat16, the same products: a quarter or half of the bytes a decode
-    step reads. Torch's GEMM gets such a weight's exact values rebuilt (a group of rows at a
+    checkpoint's) in bfloat16, else all float16 numbers (a float16 checkpoint's or F16
+    GGUF's) in float16, the same products: a quarter or half of the bytes a decode step
+    reads. Torch's GEMM gets such a weight's exact values rebuilt (a group of rows at a
     time: WIDEN_BLOCK_BYTES)."""
 
     def __init__(
@@ -190,8 +191,11 @@ class NativeLinears(LinearKernels):
             for fmt in BLOCK_FORMATS:  # the smallest first
                 if (found := self.blocks.requantize(weight, fmt.code)) is not None:
                     return group(found, fmt)
-        narrow = weight.to(torch.bfloat16)
-        return narrow if torch.equal(narrow.float(), weight) else weight
+        for dtype in (torch.bfloat16, torch.float16):
+            narrow = weight.to(dtype)
+            if torch.equal(narrow.float(), weight):
+                return narrow
+        return weight
 
     def kernel_rows(
         self, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
@@ -203,7 +207,7 @@ class NativeLinears(LinearKernels):
             return 0
         if block_format(weight) is not None:
             return SKINNY_MAX_ROWS_NARROW
-        if weight.dtype not in SKINNY_DTYPES or not weight.is_contiguous():
+        if weight.dtype not in (*SKINNY_DTYPES, torch.float16) or not weight.is_contiguous():
             return 0
         if weight.dtype != dtype:
             return SKINNY_MAX_ROWS_NARROW

@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the machine's compiler and cached under
-the pipeserve cache directory (keyed by source, torch version and CPU). If compiling is
-impossible (no compiler, no headers) callers fall back to the pure-torch paths, with a
-warning once; PIPESERVE_NATIVE_KERNELS=0 forces the fallback."""
+the pipeserve kernel cache directory (keyed by source, torch version, CPU and flags; the
+target is this CPU unless PIPESERVE_CPU_MARCH names another). If compiling is impossible (no
+compiler, no headers) callers fall back to the pure-torch paths, with a warning once;
+PIPESERVE_NATIVE_KERNELS=0 forces the fallback."""
 
 from __future__ import annotations
 
@@ -39,7 +40,12 @@ SOURCES = [
     )
 ]
 HEADERS = [HERE / n for n in ("kernels.h", "prefill_common.h", "vec8.h", "bf16_pairs.h")]
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+CFLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+
+
+def cflags() -> list[str]:
+    """The build's flags: CFLAGS with the target CPU (PIPESERVE_CPU_MARCH, default native)."""
+    return [f"-march={envs.cpu_march()}", *CFLAGS]
 
 
 def _cpu_id() -> str:
@@ -57,7 +63,7 @@ def _key() -> str:
         b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
         + torch.__version__.encode()
         + _cpu_id().encode()
-        + " ".join(CFLAGS).encode()
+        + " ".join(cflags()).encode()
     ).hexdigest()[:16]
 
 
@@ -91,7 +97,7 @@ def _build(name: str, target: Path) -> None:
             name=name,
             sources=[str(p) for p in SOURCES],
             extra_include_paths=[str(HERE)],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
             build_directory=tmp,
             verbose=False,

@@ -10,8 +10,9 @@
 // nothing is packed.
 //
 // Arithmetic is float32: x is widened once per call, a bfloat16 weight as it is loaded (a
-// bfloat16 is a float32's top half), so bfloat16 weights with float32 activations read half
-// the bytes of float32 weights for the same products where the checkpoint is bfloat16; on
+// bfloat16 is a float32's top half), a float16 weight likewise (F16C's vcvtph2ps where the
+// CPU has AVX2), so bfloat16 or float16 weights with float32 activations read half the bytes
+// of float32 weights for the same products where the checkpoint is bfloat16 or float16; on
 // CPUs with AVX512-BF16, bfloat16 x meets bfloat16 weights in vdpbf16ps (`run_pairs`). The
 // output and bias take x's dtype. Each output is one sum in a fixed order (the streamed
 // form: four sums of eight lanes over K; the tiles: eight lane sums; vdpbf16ps: four sums of
@@ -114,6 +115,13 @@ inline v8 fma8(v8 a, v8 b, v8 acc) { return (v8)_mm256_fmadd_ps((__m256)a, (__m2
 #else
 inline v8 wload(const c10::BFloat16* p) { return load8(p); }
 inline v8 fma8(v8 a, v8 b, v8 acc) { return a * b + acc; }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline v8 wload(const c10::Half* p) {
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+inline v8 wload(const c10::Half* p) { return load8(p); }
 #endif
 
 // Eight values of a block row from value c on (c a multiple of 8), lane by lane: the form
@@ -434,8 +442,9 @@ at::Tensor skinny_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> b
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
   TORCH_CHECK(x.size(0) <= kMaxRows, "skinny_linear takes at most ", kMaxRows, " rows");
   for (const at::Tensor* t : {&x, &w}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16,
-                "skinny_linear takes float32 or bfloat16");
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16 ||
+                    (t == &w && t->scalar_type() == at::kHalf),
+                "skinny_linear takes float32 or bfloat16 (and a float16 weight)");
   }
   TORCH_CHECK(w.is_contiguous(), "the weight must be contiguous");
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
@@ -453,6 +462,9 @@ at::Tensor skinny_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> b
   at::Tensor y = o.y;
   if (w.scalar_type() == at::kFloat) {
     run(Problem<float>{xf, w.data_ptr<float>(), b, y.data_ptr<float>(), m, n, k, k});
+  } else if (w.scalar_type() == at::kHalf) {
+    using H = c10::Half;
+    run(Problem<H>{xf, w.data_ptr<H>(), b, y.data_ptr<float>(), m, n, k, k});
   } else {
     using B = c10::BFloat16;
     run(Problem<B>{xf, w.data_ptr<B>(), b, y.data_ptr<float>(), m, n, k, k});

@@ -4,6 +4,7 @@
 // prefetch of a span. Compiled for the machine: AVX2 registers, or the low half of AVX512's.
 #pragma once
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
@@ -33,17 +34,32 @@ inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is a float32's top half
   return r;
 }
 
+inline v8 load8(const c10::Half* p) {  // lane by lane (skinny_linear.cpp has F16C's form)
+  v8 r;
+  for (int64_t l = 0; l < kLanes; ++l) r[l] = static_cast<float>(p[l]);
+  return r;
+}
+
 inline void store8(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
 
 // One value as float32, whatever its storage.
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float widen(c10::Half v) { return static_cast<float>(v); }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
+// The lanes' sum as one fixed tree (halves, then pairs), written as vector adds: a scalar
+// loop left to -ffast-math was summed in different orders where the function was inlined
+// into different tiles (seen in the portable build), so a row's result depended on its
+// neighbours.
 inline float lanes_sum(v8 a) {
-  float s = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) s += a[l];
-  return s;
+  typedef float v4 __attribute__((vector_size(16)));
+  v4 lo, hi;
+  std::memcpy(&lo, &a, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&a) + sizeof(lo), sizeof(hi));
+  const v4 q = lo + hi;
+  const v4 pair = q + __builtin_shufflevector(q, q, 2, 3, 0, 1);
+  return pair[0] + pair[1];
 }
 
 // e^x for x <= 0 (a score minus its maximum), as 2^n * 2^f with f in [-0.5, 0.5] and 2^f the

@@ -7,8 +7,13 @@ products go to the kernel."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch_threads import torch_threads
 
 from pipeserve.backends import native_backend
@@ -24,7 +29,7 @@ from pipeserve.layers import batch_invariant
 
 KERNEL = native_skinny_linear()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the native CPU kernels do not build")
-F32, BF16 = torch.float32, torch.bfloat16
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
 def data(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, seed: int = 0):
@@ -41,7 +46,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
 
 
 @pytest.mark.parametrize(
-    ("x_dtype", "w_dtype"), [(F32, F32), (F32, BF16), (BF16, BF16), (BF16, F32)]
+    ("x_dtype", "w_dtype"), [(F32, F32), (F32, BF16), (BF16, BF16), (BF16, F32), (F32, F16)]
 )
 @pytest.mark.parametrize(
     ("m", "n", "k"),
@@ -59,12 +64,16 @@ def test_matches_float64_products(x_dtype, w_dtype, m: int, n: int, k: int, bias
     torch.testing.assert_close(got.double(), want, atol=atol + 1e-6, rtol=rtol)
 
 
-@pytest.mark.parametrize("x_dtype", [F32, BF16])  # bfloat16: vdpbf16ps where the CPU has it
-def test_a_row_does_not_depend_on_the_others_or_the_threads(x_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(  # bfloat16 x and weight: vdpbf16ps where the CPU has it
+    ("x_dtype", "w_dtype"), [(F32, BF16), (BF16, BF16), (F32, F16)]
+)
+def test_a_row_does_not_depend_on_the_others_or_the_threads(
+    x_dtype: torch.dtype, w_dtype: torch.dtype
+) -> None:
     """Each output is one float32 sum in a fixed order: a row computed alone, among up to 4
     rows (the weight rows streamed) or among 5 to 16 (the register tiles, or vdpbf16ps), on
     one thread or two, comes out bitwise the same within each form."""
-    x, w, b = data(16, 777, 1000, x_dtype, BF16, seed=3)
+    x, w, b = data(16, 777, 1000, x_dtype, w_dtype, seed=3)
     with torch_threads(1):
         alone = torch.cat([KERNEL(x[i : i + 1], w, b) for i in range(16)])
         fours = torch.cat([KERNEL(x[i : i + 4], w, b) for i in range(0, 16, 4)])
@@ -147,13 +156,18 @@ def test_bfloat16_products_leave_the_kernel_early_where_torch_has_bf16_instructi
     assert calls == [SKINNY_MAX_ROWS]
 
 
-def test_a_weight_of_bfloat16_values_is_kept_in_bfloat16() -> None:
+def test_a_weight_of_bfloat16_or_float16_values_is_kept_so() -> None:
     """store: a float32 weight whose values are all bfloat16 numbers (a bfloat16 checkpoint's)
-    is kept in bfloat16; one with a value that is not, a weight of another dtype, and every
-    weight when narrowing is off, are kept as they are."""
+    is kept in bfloat16, else one whose values are all float16 numbers (a float16
+    checkpoint's) in float16; one with a value that is neither, a weight of another dtype,
+    and every weight when narrowing is off, are kept as they are."""
     linears = NativeLinears(KERNEL)
-    exact = torch.randn(30, 20).bfloat16().float()
+    gen = torch.Generator().manual_seed(0)
+    exact = torch.randn(30, 20, generator=gen).bfloat16().float()
     assert linears.store(exact).dtype == BF16 and torch.equal(linears.store(exact).float(), exact)
+    half = torch.randn(30, 20, generator=gen).half().float()
+    assert not torch.equal(half.bfloat16().float(), half)
+    assert linears.store(half).dtype == F16 and torch.equal(linears.store(half).float(), half)
     inexact = exact.clone()
     inexact[3, 7] += 2**-20
     assert linears.store(inexact) is inexact
@@ -176,27 +190,49 @@ def test_a_narrow_weight_widened_for_torch_s_gemm_gives_the_wide_product(rows: i
     torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_bfloat16_checkpoint_run_in_float32_keeps_its_linears_narrow(model_dir) -> None:
-    """End to end (tied embeddings): on the native backend a float32 run of a bfloat16
-    checkpoint keeps every linear weight and the shared embedding/LM head in bfloat16 and the
-    norms in float32, holds fewer weight bytes, and gives the torch backend's float32 tokens
-    and logprobs (the same products, summed in another order)."""
+def float16_copy(src: Path, out: Path) -> Path:
+    """The checkpoint with each value moved a little and stored in float16: float16 numbers
+    that are not bfloat16 ones (a float16 checkpoint's, as older Llama and Mistral ship)."""
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    tensors = load_file(src / "model.safetensors")
+    save_file(
+        {k: (t.float() * (1 + 2**-9)).half() for k, t in tensors.items()}, out / "model.safetensors"
+    )
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    return out
+
+
+@pytest.mark.parametrize("stored", [BF16, F16])
+def test_a_narrow_checkpoint_run_in_float32_keeps_its_linears_narrow(
+    model_dir, tmp_path: Path, stored: torch.dtype
+) -> None:
+    """End to end (tied embeddings): on the native backend a float32 run of a bfloat16 (or
+    float16) checkpoint keeps every linear weight and the shared embedding/LM head in that
+    dtype and the norms in float32, holds fewer weight bytes, and gives the torch backend's
+    float32 tokens and logprobs (the same products, summed in another order)."""
     from pipeserve import Engine
     from pipeserve.layers.embedding import ParallelLMHead
     from pipeserve.layers.linear import LinearBase
 
-    path = str(model_dir("tiny-qwen3"))
+    path = model_dir("tiny-qwen3")
+    if stored == F16:
+        path = float16_copy(path, tmp_path / "float16")
+        assert all(t.dtype == F16 for t in load_file(path / "model.safetensors").values())
     prompts = [[(7 * j) % 500 + 1 for j in range(40)], [(3 * j) % 500 + 2 for j in range(9)]]
     sp = {"max_new_tokens": 6, "temperature": 0}
     runs, held = {}, {}
     for backend in ("native", "torch"):
-        with Engine(path, dtype="float32", attention_backend=backend) as engine:
+        with Engine(str(path), dtype="float32", attention_backend=backend) as engine:
             runner = engine.backend.runner
             held[backend] = runner.param_bytes
             if backend == "native":
                 kinds = (LinearBase, ParallelLMHead)
                 linear = [m.weight for m in runner.model.modules() if isinstance(m, kinds)]
-                assert linear and all(w.dtype == BF16 for w in linear)
+                assert linear and all(w.dtype == stored for w in linear)
                 lookup = runner.model.model.embed_tokens
                 assert lookup.weight is runner.model.lm_head.weight
                 assert lookup(torch.tensor([1, 2])).dtype == F32
